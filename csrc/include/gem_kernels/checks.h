@@ -1,0 +1,14 @@
+// Shared argument checks for the native kernels. The Python front door (gem_kernels/ops/*) has
+// already validated every argument with a precise message; these are the cheap second line that
+// keeps a direct torch.ops call from reading out of bounds (extension-cpp style).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#define GK_CHECK_CONTIGUOUS(x) TORCH_CHECK((x).is_contiguous(), #x " must be contiguous")
+#define GK_CHECK_CPU(x) TORCH_CHECK((x).device().is_cpu(), #x " must be a CPU tensor, got ", (x).device())
+#define GK_CHECK_CUDA(x) TORCH_CHECK((x).device().is_cuda(), #x " must be a CUDA tensor, got ", (x).device())
+#define GK_CHECK_DIM(x, d) TORCH_CHECK((x).dim() == (d), #x " must have ", d, " dims, got ", (x).dim())
+#define GK_CHECK_INDEX(x)                                                                   \
+  TORCH_CHECK((x).scalar_type() == at::kInt || (x).scalar_type() == at::kLong, #x          \
+              " must be int32 or int64, got ", (x).scalar_type())

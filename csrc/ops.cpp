@@ -1,0 +1,30 @@
+// Every native schema of gem_kernels, in one block. The public ops (gem_kernels::jagged_to_padded,
+// ...) are defined in Python (gem_kernels/ops/<family>.py) with their fake kernels, autograd and
+// backend dispatch; the `*_native` schemas below are the C++/CUDA kernels those ops call for the
+// `cpu` and `cuda` backends. CPU impls live in cpu/<family>.cpp, CUDA impls in cuda/<family>.cu.
+
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(gem_kernels, m) {
+  // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
+  m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
+  m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
+}
+
+namespace {
+
+bool with_cuda() {
+#ifdef GEM_KERNELS_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gem_kernels native kernels (ops are registered under torch.ops.gem_kernels)";
+  m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled into this build");
+}

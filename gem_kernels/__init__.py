@@ -1,0 +1,29 @@
+"""gem_kernels: fused Triton, CUDA and CPU kernels for large recommendation models.
+
+Every op has four backends (see ``available_backends()``): ``reference`` (plain PyTorch, the
+ground truth), ``cpu`` (C++), ``cuda`` (CUDA C++) and ``triton``. Pick one per call with
+``backend=``, for a block with ``with use_backend(name):``, or globally with ``use_backend(name)``;
+``auto`` (the default) takes cuda > triton on CUDA tensors and cpu > reference on CPU tensors.
+"""
+
+from ._backend import (
+    BACKENDS,
+    BackendUnavailableError,
+    available_backends,
+    get_backend,
+    use_backend,
+)
+from .ops.jagged import jagged_to_padded, padded_to_jagged
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "available_backends",
+    "get_backend",
+    "use_backend",
+    "jagged_to_padded",
+    "padded_to_jagged",
+    "__version__",
+]

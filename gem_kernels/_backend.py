@@ -1,0 +1,164 @@
+"""Which backends exist on this machine, and which one an op call runs on.
+
+Backends:
+  reference  plain PyTorch (gem_kernels.reference.*), always available, any device
+  cpu        the C++ kernels of gem_kernels._C, CPU tensors
+  cuda       the CUDA kernels of gem_kernels._C, CUDA tensors
+  triton     the Triton kernels, CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)
+  auto       cuda > triton for CUDA tensors, cpu > reference for CPU tensors
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("reference", "cpu", "cuda", "triton")
+_CHOICES = BACKENDS + ("auto",)
+
+try:
+    _C = importlib.import_module("gem_kernels._C")
+    _EXT_ERROR: str | None = None
+except ImportError as exc:  # the reference and triton backends still work
+    _C = None
+    _EXT_ERROR = f"gem_kernels._C failed to import ({exc}); rebuild with `pip install --no-build-isolation -e .`"
+
+try:
+    import triton  # noqa: F401
+
+    _TRITON_ERROR: str | None = None
+except ImportError as exc:
+    _TRITON_ERROR = f"triton is not installed ({exc})"
+
+
+class BackendUnavailableError(RuntimeError):
+    """A backend was asked for by name but cannot run here or on these tensors."""
+
+
+# Read once: Triton decides at @triton.jit definition time, and torch.compile traces constants.
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_EXT_WITH_CUDA = _C is not None and bool(_C.with_cuda())
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 at import time)."""
+    return _TRITON_INTERPRET
+
+
+def ext_with_cuda() -> bool:
+    """Whether gem_kernels._C holds the CUDA kernels."""
+    return _EXT_WITH_CUDA
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None when backend `name` can run on this machine, else why not."""
+    if name == "reference":
+        return None
+    if name == "cpu":
+        return _EXT_ERROR
+    if name == "cuda":
+        if _EXT_ERROR:
+            return _EXT_ERROR
+        if not _EXT_WITH_CUDA:
+            return "gem_kernels._C was built without CUDA (no nvcc or CPU-only torch at build time, or GEM_KERNELS_CUDA=0)"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible (torch.cuda.is_available() is False)"
+        return None
+    if name == "triton":
+        if _TRITON_ERROR:
+            return _TRITON_ERROR
+        if not torch.cuda.is_available() and not _TRITON_INTERPRET:
+            return "no CUDA device for Triton; set TRITON_INTERPRET=1 before importing gem_kernels to run it on the CPU"
+        return None
+    raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
+
+
+def available_backends() -> list[str]:
+    """The backends that can run on this machine, in BACKENDS order."""
+    return [name for name in BACKENDS if unavailable_reason(name) is None]
+
+
+# The process-wide default; `use_backend` sets it. A plain global (not thread-local) so that
+# torch.compile guards on it like any other global.
+_default_backend = "auto"
+
+
+def get_backend() -> str:
+    return _default_backend
+
+
+class use_backend:
+    """Select the backend of every gem_kernels op that gets no `backend=` keyword.
+
+    As a call it sets the process-wide default; as a context manager it restores the previous
+    default on exit::
+
+        gem_kernels.use_backend("cpu")                 # from now on
+        with gem_kernels.use_backend("reference"):     # only inside the block
+            ...
+    """
+
+    def __init__(self, name: str):
+        global _default_backend
+        if name not in _CHOICES:
+            raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
+        if name != "auto":
+            reason = unavailable_reason(name)
+            if reason is not None:
+                raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+        self._previous = _default_backend
+        _default_backend = name
+
+    def __enter__(self) -> "use_backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _default_backend
+        _default_backend = self._previous
+
+
+def resolve_backend(backend: str | None, device: torch.device, implemented: tuple[str, ...] = BACKENDS) -> str:
+    """The concrete backend an op runs on for tensors on `device`.
+
+    `backend` is the op's keyword (None: the `use_backend` default); `implemented` lists the
+    backends the op has. Raises BackendUnavailableError when a named backend cannot run here or on
+    this device, ValueError for an unknown name.
+    """
+    name = _default_backend if backend is None else backend
+    if name not in _CHOICES:
+        raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
+    if name == "auto":
+        order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
+        for candidate in order:
+            if candidate in implemented and unavailable_reason(candidate) is None:
+                return candidate
+        return "reference"
+    if name not in implemented:
+        raise BackendUnavailableError(f"backend {name!r} does not implement this op (it has {implemented})")
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+    if name == "cpu" and device.type != "cpu":
+        raise BackendUnavailableError(f"backend 'cpu' runs on CPU tensors, got tensors on {device}")
+    if name == "cuda" and device.type != "cuda":
+        raise BackendUnavailableError(f"backend 'cuda' runs on CUDA tensors, got tensors on {device}")
+    if name == "triton" and device.type != "cuda" and not (device.type == "cpu" and _TRITON_INTERPRET):
+        raise BackendUnavailableError(
+            f"backend 'triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
+        )
+    return name
+
+
+def kernel(family: str, op: str, backend: str):
+    """The function that runs `op` of `family` on a concrete backend.
+
+    Every backend exposes the same signature: `cpu`/`cuda` as the native schema
+    torch.ops.gem_kernels.<op>_native (CPU/CUDA dispatch keys), `reference`/`triton` as the
+    function <op> of gem_kernels.<backend>.<family>.
+    """
+    if backend in ("cpu", "cuda"):
+        return getattr(torch.ops.gem_kernels, f"{op}_native")
+    module = importlib.import_module(f"gem_kernels.{backend}.{family}")
+    return getattr(module, op)

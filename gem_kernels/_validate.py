@@ -1,0 +1,60 @@
+"""Argument checks shared by every op family. Each raises ValueError naming the argument and the bad value."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, t, *, dtypes=None, dims=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if dims is not None and t.dim() not in dims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
+
+
+def check_nonnegative_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_offsets_meta(name: str, offsets) -> None:
+    """Shape/dtype of an offsets tensor: 1-D int32/int64 with at least one element."""
+    check_tensor(name, offsets, dtypes=INDEX_DTYPES, dims=(1,))
+    if offsets.numel() < 1:
+        raise ValueError(f"{name} must have at least one element (offsets[0] == 0), got shape {tuple(offsets.shape)}")
+
+
+def check_offsets_values(name: str, offsets: torch.Tensor, total: int | None) -> None:
+    """Data checks: offsets[0] == 0, nondecreasing, offsets[-1] == total (when given).
+
+    Reads the tensor (a device sync on GPU): called inside the ops' real kernels only, never while
+    tracing, so torch.compile sees no data-dependent branch.
+    """
+    first = int(offsets[0])
+    if first != 0:
+        raise ValueError(f"{name}[0] must be 0, got {first}")
+    if offsets.numel() > 1:
+        steps = offsets[1:] < offsets[:-1]
+        if bool(steps.any()):
+            i = int(steps.nonzero()[0, 0])
+            raise ValueError(
+                f"{name} must be nondecreasing, but {name}[{i + 1}] = {int(offsets[i + 1])} < {name}[{i}] = {int(offsets[i])}"
+            )
+    if total is not None:
+        last = int(offsets[-1])
+        if last != total:
+            raise ValueError(f"{name}[-1] must equal the number of rows {total}, got {last}")

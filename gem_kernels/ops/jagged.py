@@ -1,0 +1,167 @@
+"""Jagged <-> padded conversions: the front door (validation, torch.library ops, fake kernels, autograd).
+
+A jagged batch packs B variable-length sequences back to back: values [N, *feat] with offsets
+[B+1] (int32/int64, offsets[0] == 0, nondecreasing, offsets[-1] == N); sequence b is
+values[offsets[b] : offsets[b+1]]. This is FBGEMM's jagged layout and TorchRec's KJT values/offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import kernel, resolve_backend
+from .._validate import (
+    FLOAT_DTYPES,
+    check_nonnegative_int,
+    check_offsets_meta,
+    check_offsets_values,
+    check_same_device,
+    check_tensor,
+)
+
+FAMILY = "jagged"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops. Feature dims are flattened to one: values [N, D], padded [B, max_len, D].
+# `backend` is a concrete backend name, resolved by the public functions below.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gem_kernels::jagged_to_padded", mutates_args=())
+def jagged_to_padded_op(values: torch.Tensor, offsets: torch.Tensor, max_len: int, pad_value: float,
+                        backend: str) -> torch.Tensor:
+    check_offsets_values("offsets", offsets, values.shape[0])
+    return kernel(FAMILY, "jagged_to_padded", backend)(values, offsets, max_len, pad_value)
+
+
+@jagged_to_padded_op.register_fake
+def _(values, offsets, max_len, pad_value, backend):
+    return values.new_empty((offsets.shape[0] - 1, max_len, values.shape[1]))
+
+
+@torch.library.custom_op("gem_kernels::padded_to_jagged", mutates_args=())
+def padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total_len: int, backend: str) -> torch.Tensor:
+    """total_len = -1 reads it from offsets[-1] (a data-dependent size under torch.compile)."""
+    check_offsets_values("offsets", offsets, total_len if total_len >= 0 else None)
+    if total_len < 0:
+        total_len = int(offsets[-1])
+    return kernel(FAMILY, "padded_to_jagged", backend)(padded, offsets, total_len)
+
+
+@padded_to_jagged_op.register_fake
+def _(padded, offsets, total_len, backend):
+    if total_len < 0:
+        total_len = torch.library.get_ctx().new_dynamic_size()
+    return padded.new_empty((total_len, padded.shape[2]))
+
+
+def _jagged_to_padded_setup(ctx, inputs, output):
+    values, offsets, _max_len, _pad_value, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.total_len = values.shape[0]
+    ctx.backend = backend
+
+
+def _jagged_to_padded_backward(ctx, grad_padded):
+    (offsets,) = ctx.saved_tensors
+    grad_values = padded_to_jagged_op(grad_padded.contiguous(), offsets, ctx.total_len, ctx.backend)
+    return grad_values, None, None, None, None
+
+
+def _padded_to_jagged_setup(ctx, inputs, output):
+    padded, offsets, _total_len, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.max_len = padded.shape[1]
+    ctx.backend = backend
+
+
+def _padded_to_jagged_backward(ctx, grad_values):
+    (offsets,) = ctx.saved_tensors
+    grad_padded = jagged_to_padded_op(grad_values.contiguous(), offsets, ctx.max_len, 0.0, ctx.backend)
+    return grad_padded, None, None, None
+
+
+jagged_to_padded_op.register_autograd(_jagged_to_padded_backward, setup_context=_jagged_to_padded_setup)
+padded_to_jagged_op.register_autograd(_padded_to_jagged_backward, setup_context=_padded_to_jagged_setup)
+
+
+# Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
+if hasattr(torch.ops.gem_kernels, "jagged_to_padded_native"):
+
+    @torch.library.register_fake("gem_kernels::jagged_to_padded_native")
+    def _(values, offsets, max_len, pad_value):
+        return values.new_empty((offsets.shape[0] - 1, max_len, values.shape[1]))
+
+    @torch.library.register_fake("gem_kernels::padded_to_jagged_native")
+    def _(padded, offsets, total_len):
+        return padded.new_empty((total_len, padded.shape[2]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, pad_value: float = 0.0, *,
+                     backend: str | None = None) -> torch.Tensor:
+    """Pad a jagged batch into a dense [B, max_len, *feat] tensor.
+
+    ``padded[b, p] = values[offsets[b] + p]`` for ``p < min(L_b, max_len)`` and ``pad_value`` after,
+    with ``L_b = offsets[b+1] - offsets[b]``; sequences longer than ``max_len`` are truncated.
+    Follows FBGEMM's ``jagged_to_padded_dense`` (one jagged dim).
+
+    Args:
+        values: [N] or [N, D], float32/float16/bfloat16.
+        offsets: [B+1] int32/int64 on values' device; offsets[0] == 0, nondecreasing, offsets[-1] == N.
+            B = 0 (offsets == [0]) and zero-length sequences are valid.
+        max_len: padded length, >= 0.
+        pad_value: value of the positions past each sequence's end.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+
+    Returns:
+        [B, max_len] or [B, max_len, D], values' dtype. Differentiable w.r.t. values (the backward is
+        ``padded_to_jagged``).
+    """
+    check_tensor("values", values, dtypes=FLOAT_DTYPES, dims=(1, 2))
+    check_offsets_meta("offsets", offsets)
+    check_same_device(values=values, offsets=offsets)
+    check_nonnegative_int("max_len", max_len)
+    if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
+        raise ValueError(f"pad_value must be a float, got {type(pad_value).__name__}")
+    name = resolve_backend(backend, values.device)
+    flat = values.reshape(values.shape[0], -1).contiguous()
+    padded = jagged_to_padded_op(flat, offsets.contiguous(), max_len, float(pad_value), name)
+    return padded.squeeze(-1) if values.dim() == 1 else padded
+
+
+def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total_len: int | None = None, *,
+                     backend: str | None = None) -> torch.Tensor:
+    """Pack a dense [B, max_len, *feat] tensor into a jagged batch: the inverse of ``jagged_to_padded``.
+
+    ``values[offsets[b] + p] = padded[b, p]`` for ``p < min(L_b, max_len)``; rows of sequences longer
+    than max_len, which ``jagged_to_padded`` truncated away, are zero. Follows FBGEMM's
+    ``dense_to_jagged``.
+
+    Args:
+        padded: [B, max_len] or [B, max_len, D], float32/float16/bfloat16.
+        offsets: [B+1] int32/int64 on padded's device, as in ``jagged_to_padded``.
+        total_len: N = offsets[-1] when the caller knows it (saves a device sync; checked).
+        backend: as in ``jagged_to_padded``.
+
+    Returns:
+        values [N] or [N, D]. Differentiable w.r.t. padded (the backward is ``jagged_to_padded``).
+    """
+    check_tensor("padded", padded, dtypes=FLOAT_DTYPES, dims=(2, 3))
+    check_offsets_meta("offsets", offsets)
+    check_same_device(padded=padded, offsets=offsets)
+    if padded.shape[0] != offsets.shape[0] - 1:
+        raise ValueError(
+            f"offsets must have padded.shape[0] + 1 = {padded.shape[0] + 1} elements, got {offsets.shape[0]}"
+        )
+    if total_len is not None:
+        check_nonnegative_int("total_len", total_len)
+    name = resolve_backend(backend, padded.device)
+    flat = padded.reshape(padded.shape[0], padded.shape[1], -1).contiguous()
+    values = padded_to_jagged_op(flat, offsets.contiguous(), -1 if total_len is None else total_len, name)
+    return values.squeeze(-1) if padded.dim() == 2 else values
