@@ -37,7 +37,8 @@ def _jagged_to_padded_fwd_kernel(
         d = d0 + tl.arange(0, BLOCK_D)
         col = d[None, :] < D
         x = tl.load(src_rows + d[None, :], mask=row_in[:, None] & col, other=0.0)
-        x = tl.where(row_in[:, None], x, pad_value)
+        # In fp32: exact for every I/O dtype, and the interpreter cannot make a bf16 scalar.
+        x = tl.where(row_in[:, None], x.to(tl.float32), pad_value)
         tl.store(dst_rows + d[None, :], x.to(out_ptr.dtype.element_ty), mask=row_out[:, None] & col)
 
 

@@ -1,0 +1,267 @@
+"""jagged_to_padded / padded_to_jagged: every backend against the reference, forward and gradients."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gem_kernels as gk
+from gem_kernels.ops.jagged import jagged_to_padded_op, padded_to_jagged_op
+
+from .utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    device_backend_params,
+    offsets_from_lengths,
+    poison_allocator,
+    randn_nonzero,
+)
+
+# (lengths, max_len): empty batch, zero-length sequences, L = 1, odd sizes, truncation, max_len 0.
+CASES = [
+    ([], 4),
+    ([0], 3),
+    ([0, 0, 0], 2),
+    ([1], 1),
+    ([5, 0, 3, 97, 1], 97),
+    ([5, 0, 3, 97, 1], 59),  # truncates the 97
+    ([7, 2], 0),
+    ([59, 1025, 0, 13], 128),
+]
+FEATURE_SHAPES = [(), (1,), (3,), (59,), (128,)]
+
+
+def loop_jagged_to_padded(values, offsets, max_len, pad_value):
+    """Independent oracle for the reference: one sequence at a time."""
+    out = values.new_full((offsets.numel() - 1, max_len, *values.shape[1:]), pad_value)
+    for b in range(offsets.numel() - 1):
+        start, end = int(offsets[b]), int(offsets[b + 1])
+        n = min(end - start, max_len)
+        out[b, :n] = values[start:start + n]
+    return out
+
+
+def loop_padded_to_jagged(padded, offsets):
+    out = padded.new_zeros((int(offsets[-1]), *padded.shape[2:]))
+    for b in range(offsets.numel() - 1):
+        start, end = int(offsets[b]), int(offsets[b + 1])
+        n = min(end - start, padded.shape[1])
+        out[start:start + n] = padded[b, :n]
+    return out
+
+
+@pytest.mark.parametrize("lengths,max_len", CASES)
+@pytest.mark.parametrize("feat", [(), (3,)])
+def test_reference_matches_loop(lengths, max_len, feat):
+    offsets = offsets_from_lengths(lengths)
+    values = randn_nonzero(int(offsets[-1]), *feat)
+    padded = gk.jagged_to_padded(values, offsets, max_len, pad_value=-3.0, backend="reference")
+    torch.testing.assert_close(padded, loop_jagged_to_padded(values, offsets, max_len, -3.0), rtol=0, atol=0)
+    torch.testing.assert_close(gk.padded_to_jagged(padded, offsets, backend="reference"),
+                               loop_padded_to_jagged(padded, offsets), rtol=0, atol=0)
+
+
+def _inputs(lengths, feat, dtype, index_dtype, device):
+    offsets = offsets_from_lengths(lengths, index_dtype, device)
+    values = randn_nonzero(int(offsets[-1]), *feat, dtype=dtype, device=device)
+    return values, offsets
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params())
+@pytest.mark.parametrize("lengths,max_len", CASES)
+@pytest.mark.parametrize("feat", FEATURE_SHAPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_forward_and_backward(device, backend, lengths, max_len, feat, dtype, index_dtype):
+    if backend == "triton" and device == "cpu" and (dtype != torch.float32 and feat not in [(), (3,)]):
+        pytest.skip("interpreter: one dtype sweep on small shapes keeps CI short (fp32 covers the rest)")
+    values, offsets = _inputs(lengths, feat, dtype, index_dtype, device)
+    values.requires_grad_(True)
+    nbytes = (offsets.numel() - 1) * max_len * max([1, *feat]) * values.element_size()
+
+    poison_allocator(nbytes, device)
+    padded = gk.jagged_to_padded(values, offsets, max_len, pad_value=7.5, backend=backend)
+    expected = gk.jagged_to_padded(values, offsets, max_len, pad_value=7.5, backend="reference")
+    assert padded.shape == (offsets.numel() - 1, max_len, *feat) and padded.dtype == dtype
+    torch.testing.assert_close(padded, expected, rtol=0, atol=0)  # a copy: exact
+
+    grad_padded = randn_nonzero(*padded.shape, dtype=dtype, device=device)
+    poison_allocator(values.numel() * values.element_size(), device)
+    (grad_values,) = torch.autograd.grad(padded, values, grad_padded)
+    (expected_grad,) = torch.autograd.grad(expected, values, grad_padded)
+    torch.testing.assert_close(grad_values, expected_grad, rtol=0, atol=0)
+
+    # padded_to_jagged forward and its backward (jagged_to_padded with pad 0).
+    dense = randn_nonzero(*padded.shape, dtype=dtype, device=device).requires_grad_(True)
+    poison_allocator(values.numel() * values.element_size(), device)
+    jagged = gk.padded_to_jagged(dense, offsets, backend=backend)
+    expected_jagged = gk.padded_to_jagged(dense, offsets, backend="reference")
+    assert jagged.shape == values.shape
+    torch.testing.assert_close(jagged, expected_jagged, rtol=0, atol=0)
+    grad_jagged = randn_nonzero(*jagged.shape, dtype=dtype, device=device)
+    poison_allocator(nbytes, device)
+    (grad_dense,) = torch.autograd.grad(jagged, dense, grad_jagged)
+    (expected_grad_dense,) = torch.autograd.grad(expected_jagged, dense, grad_jagged)
+    torch.testing.assert_close(grad_dense, expected_grad_dense, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params())
+def test_roundtrip_and_total_len(device, backend):
+    values, offsets = _inputs([4, 0, 9, 2], (5,), torch.float32, torch.int64, device)
+    padded = gk.jagged_to_padded(values, offsets, 9, backend=backend)
+    back = gk.padded_to_jagged(padded, offsets, total_len=values.shape[0], backend=backend)
+    torch.testing.assert_close(back, values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params())
+def test_noncontiguous_inputs(device, backend):
+    values, offsets = _inputs([3, 6, 1], (8,), torch.float32, torch.int32, device)
+    values_t = values.t().contiguous().t()  # same values, column-major
+    assert not values_t.is_contiguous()
+    torch.testing.assert_close(gk.jagged_to_padded(values_t, offsets, 6, backend=backend),
+                               gk.jagged_to_padded(values, offsets, 6, backend="reference"), rtol=0, atol=0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=12),
+    max_len=st.integers(0, 45),
+    dim=st.integers(1, 70),
+    pad=st.floats(-10, 10, allow_nan=False),
+)
+def test_fuzz_cpu_against_reference(lengths, max_len, dim, pad):
+    values, offsets = _inputs(lengths, (dim,), torch.float32, torch.int64, "cpu")
+    got = gk.jagged_to_padded(values, offsets, max_len, pad, backend="cpu")
+    torch.testing.assert_close(got, gk.jagged_to_padded(values, offsets, max_len, pad, backend="reference"),
+                               rtol=0, atol=0)
+    dense = randn_nonzero(len(lengths), max_len, dim)
+    torch.testing.assert_close(gk.padded_to_jagged(dense, offsets, backend="cpu"),
+                               gk.padded_to_jagged(dense, offsets, backend="reference"), rtol=0, atol=0)
+
+
+@pytest.mark.triton
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(0, 20), min_size=0, max_size=5), max_len=st.integers(0, 24),
+       dim=st.integers(1, 40))
+def test_fuzz_triton_against_reference(lengths, max_len, dim):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "triton" not in gk.available_backends():
+        pytest.skip("triton backend unavailable here")
+    values, offsets = _inputs(lengths, (dim,), torch.float32, torch.int64, device)
+    torch.testing.assert_close(gk.jagged_to_padded(values, offsets, max_len, 1.5, backend="triton"),
+                               gk.jagged_to_padded(values, offsets, max_len, 1.5, backend="reference"),
+                               rtol=0, atol=0)
+    dense = randn_nonzero(len(lengths), max_len, dim, device=device)
+    torch.testing.assert_close(gk.padded_to_jagged(dense, offsets, backend="triton"),
+                               gk.padded_to_jagged(dense, offsets, backend="reference"), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a ValueError naming the argument, on every backend (validation runs before dispatch).
+# ------------------------------------------------------------------------------------------------
+
+BAD_J2P = [
+    (lambda: (torch.ones(3, 2), torch.tensor([0, 2, 1, 3])), "nondecreasing"),
+    (lambda: (torch.ones(3, 2), torch.tensor([1, 2, 3])), r"offsets\[0\] must be 0"),
+    (lambda: (torch.ones(3, 2), torch.tensor([0, 2, 4])), r"offsets\[-1\] must equal the number of rows 3"),
+    (lambda: (torch.ones(3, 2, dtype=torch.int64), torch.tensor([0, 3])), "values must have dtype"),
+    (lambda: (torch.ones(3, 2, dtype=torch.float64), torch.tensor([0, 3])), "values must have dtype"),
+    (lambda: (torch.ones(3, 2), torch.tensor([0.0, 3.0])), "offsets must have dtype"),
+    (lambda: (torch.ones(3, 2, 2), torch.tensor([0, 3])), "values must have 1 or 2 dims"),
+    (lambda: (torch.ones(3, 2), torch.tensor([[0, 3]])), "offsets must have 1 dims"),
+    (lambda: (torch.ones(3, 2), torch.tensor([], dtype=torch.int64)), "offsets must have at least one element"),
+    (lambda: ([1.0, 2.0], torch.tensor([0, 2])), "values must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("make,match", BAD_J2P)
+def test_jagged_to_padded_rejects_bad_input(backend, make, match):
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    values, offsets = make()
+    with pytest.raises(ValueError, match=match):
+        gk.jagged_to_padded(values, offsets, 4, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_bad_scalars_and_padded_shapes(backend):
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    values, offsets = torch.ones(3, 2), torch.tensor([0, 1, 3])
+    with pytest.raises(ValueError, match="max_len must be >= 0, got -1"):
+        gk.jagged_to_padded(values, offsets, -1, backend=backend)
+    with pytest.raises(ValueError, match="max_len must be an int"):
+        gk.jagged_to_padded(values, offsets, 2.5, backend=backend)
+    with pytest.raises(ValueError, match="pad_value must be a float"):
+        gk.jagged_to_padded(values, offsets, 2, pad_value="x", backend=backend)
+    with pytest.raises(ValueError, match=r"offsets must have padded.shape\[0\] \+ 1 = 3 elements, got 4"):
+        gk.padded_to_jagged(torch.ones(2, 4, 2), torch.tensor([0, 1, 2, 3]), backend=backend)
+    with pytest.raises(ValueError, match="padded must have 2 or 3 dims"):
+        gk.padded_to_jagged(torch.ones(2), offsets, backend=backend)
+    with pytest.raises(ValueError, match=r"offsets\[-1\] must equal the number of rows 5, got 3"):
+        gk.padded_to_jagged(torch.ones(2, 4, 2), offsets, total_len=5, backend=backend)
+    with pytest.raises(ValueError, match="nondecreasing"):
+        gk.padded_to_jagged(torch.ones(2, 4, 2), torch.tensor([0, 3, 1]), backend=backend)
+
+
+def test_device_mismatch_is_value_error():
+    values = torch.ones(3, 2, device="meta")
+    with pytest.raises(ValueError, match="offsets is on cpu but values is on meta"):
+        gk.jagged_to_padded(values, torch.tensor([0, 3]), 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library registration: opcheck (schema, fake, autograd, aot dispatch) and torch.compile.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_opcheck(backend, index_dtype):
+    offsets = offsets_from_lengths([3, 0, 5, 1], index_dtype)
+    values = randn_nonzero(9, 4).requires_grad_(True)
+    torch.library.opcheck(jagged_to_padded_op, (values, offsets, 4, 0.5, backend))
+    dense = randn_nonzero(4, 4, 4).requires_grad_(True)
+    torch.library.opcheck(padded_to_jagged_op, (dense, offsets, 9, backend))
+    # total_len = -1: the output size is data dependent (an unbacked SymInt under tracing).
+    torch.library.opcheck(padded_to_jagged_op, (dense, offsets, -1, backend),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_opcheck_native_ops():
+    offsets = offsets_from_lengths([3, 0, 5, 1])
+    values = randn_nonzero(9, 4)
+    torch.library.opcheck(torch.ops.gem_kernels.jagged_to_padded_native.default, (values, offsets, 4, 0.5))
+    torch.library.opcheck(torch.ops.gem_kernels.padded_to_jagged_native.default,
+                          (randn_nonzero(4, 4, 4), offsets, 9))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+
+    def fn(values, offsets):
+        padded = gk.jagged_to_padded(values, offsets, 6, pad_value=0.0, backend=backend)
+        return gk.padded_to_jagged(padded * 2.0, offsets, total_len=values.shape[0], backend=backend)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    offsets = offsets_from_lengths([2, 0, 8, 5])
+    values = randn_nonzero(15, 3).requires_grad_(True)
+    out = compiled(values, offsets)
+    expected = fn(values, offsets)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (g,) = torch.autograd.grad(out.sum(), values)
+    (g_ref,) = torch.autograd.grad(expected.sum(), values)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+
+
+def test_torch_compile_inductor_data_dependent_size():
+    torch._dynamo.reset()
+
+    def fn(padded, offsets):
+        return gk.padded_to_jagged(padded, offsets, backend="cpu").sum(0)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    offsets = offsets_from_lengths([2, 0, 3])
+    padded = randn_nonzero(3, 4, 5)
+    torch.testing.assert_close(compiled(padded, offsets), fn(padded, offsets))

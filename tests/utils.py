@@ -1,0 +1,77 @@
+"""Helpers shared by every test module: the tolerance table, backend/device parametrisation,
+jagged input makers and allocator poisoning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gem_kernels import _backend
+
+# Absolute/relative tolerance per dtype for ops that compute (copies compare exactly). The rule
+# (FlashAttention's): a kernel's error against the fp32 reference may be at most about twice the
+# error of the same-dtype eager computation; these bounds hold that for the reductions we test.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+DEVICES = ("cpu", "cuda")
+
+
+def _skip_reason(device: str, backend: str) -> str | None:
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if backend == "triton" and device == "cpu" and torch.cuda.is_available():
+        return "Triton runs on the GPU here; the CPU interpreter is used only on machines without one"
+    return _backend.unavailable_reason(backend)
+
+
+def device_backend_params(backends=_backend.BACKENDS):
+    """pytest params (device, backend) for every pair that makes sense, skipped with the reason
+    when this machine cannot run it (never silently dropped)."""
+    params = []
+    for device in DEVICES:
+        for backend in backends:
+            if (backend == "cpu" and device == "cuda") or (backend == "cuda" and device == "cpu"):
+                continue
+            reason = _skip_reason(device, backend)
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
+            if backend == "triton":
+                marks.append(pytest.mark.triton)
+            if device == "cuda":
+                marks.append(pytest.mark.gpu)
+            params.append(pytest.param(device, backend, marks=marks, id=f"{device}-{backend}"))
+    return params
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, **kw) -> None:
+    tol = dict(TOLERANCES[dtype or expected.dtype])
+    tol.update(kw)
+    torch.testing.assert_close(actual, expected.to(actual.dtype), **tol)
+
+
+def offsets_from_lengths(lengths, dtype=torch.int64, device="cpu") -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return offsets.to(dtype=dtype, device=device)
+
+
+def randn_nonzero(*shape, dtype=torch.float32, device="cpu", generator=None) -> torch.Tensor:
+    """Random values bounded away from 0, so an element a kernel never wrote (0 or garbage) and a
+    zero it should have written are told apart."""
+    x = torch.randn(*shape, generator=generator)
+    x = x + torch.where(x >= 0, 0.5, -0.5)
+    return x.to(dtype=dtype, device=device)
+
+
+def poison_allocator(nbytes: int, device) -> None:
+    """Fill a block of memory with NaN and free it, so the op's next empty() likely reuses NaN
+    memory (always on CUDA's caching allocator; for small blocks under glibc malloc): any element a
+    kernel forgets to write then fails the comparison instead of passing as a lucky 0."""
+    block = torch.full((max(nbytes, 4) // 4 + 1024,), float("nan"), dtype=torch.float32, device=device)
+    del block
