@@ -13,6 +13,7 @@ from ._backend import (
     get_backend,
     use_backend,
 )
+from .ops.attention import jagged_attention
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "available_backends",
     "get_backend",
     "use_backend",
+    "jagged_attention",
     "jagged_to_padded",
     "padded_to_jagged",
     "__version__",
