@@ -10,6 +10,15 @@ TORCH_LIBRARY(gem_kernels, m) {
   // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
   m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
   m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
+  // attention: jagged q, k [N, H, Dqk], v [N, H, Dv] -> (out [N, H, Dv], fp32 lse [N, H] or [0] for hstu)
+  m.def("jagged_attention_fwd_native(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seq_len, str kind, "
+        "bool causal, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, Tensor? pos_bias, "
+        "Tensor? time_bias, Tensor? timestamps) -> (Tensor, Tensor)");
+  // -> (dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient
+  m.def("jagged_attention_bwd_native(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor seq_offsets, int max_seq_len, str kind, bool causal, float scale, Tensor? num_targets, "
+        "int contextual_len, int max_attn_len, Tensor? pos_bias, Tensor? time_bias, Tensor? timestamps, "
+        "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {
