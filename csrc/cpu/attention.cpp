@@ -40,10 +40,11 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 namespace gem_kernels {
 namespace {
 
-// 64 x 64 tiles: the score tile (16 KiB) and a 64 x 128 Q/K/V tile (32 KiB each) stay in L2, and
-// each sgemm call has enough work (64*64*128*2 = 1 MFLOP) that the call overhead vanishes.
-constexpr int64_t kBlockM = 64;
-constexpr int64_t kBlockN = 64;
+// 128 x 128 tiles: the score tile (64 KiB) and a 128 x 128 Q/K/V tile (64 KiB each) stay in L2.
+// Measured on this machine's MKL (1 thread): sgemm reaches ~50 GFLOP/s at 64x64x128 but ~83 at
+// 128x128x128, which outweighs the larger half-masked diagonal tiles of causal attention.
+constexpr int64_t kBlockM = 128;
+constexpr int64_t kBlockN = 128;
 constexpr float kTimeBucketDivisor = 0.301f;
 
 // Row-major C[m x n] = alpha * op(A) op(B) + beta * C, on column-major BLAS: C^T = op(B)^T op(A)^T.

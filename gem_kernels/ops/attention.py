@@ -21,6 +21,8 @@ from .._validate import (
 
 FAMILY = "attention"
 KINDS = ("softmax", "hstu")
+# The backends this family has; `auto` picks among them.
+IMPLEMENTED = ("reference", "cpu")
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
@@ -237,7 +239,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         if timestamps.shape[0] != q.shape[0]:
             raise ValueError(f"timestamps must have N = {q.shape[0]} elements, got shape {tuple(timestamps.shape)}")
         timestamps = timestamps.contiguous() if time_bias is not None else None
-    name = resolve_backend(backend, q.device)
+    name = resolve_backend(backend, q.device, IMPLEMENTED)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
                                         max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
                                         max_attn_len, pos_bias, time_bias, timestamps, deterministic, name)
