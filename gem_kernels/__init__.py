@@ -13,6 +13,7 @@ from ._backend import (
     get_backend,
     use_backend,
 )
+from . import nn
 from .ops.attention import jagged_attention
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 
@@ -25,6 +26,7 @@ __all__ = [
     "get_backend",
     "use_backend",
     "jagged_attention",
+    "nn",
     "jagged_to_padded",
     "padded_to_jagged",
     "__version__",

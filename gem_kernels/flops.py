@@ -27,3 +27,26 @@ def padded_to_jagged(offsets: torch.Tensor, max_len: int, dim: int, elem_bytes: 
     kept = int(lengths.clamp(max=max_len).sum())
     total = int(lengths.sum())
     return 0, (kept + total) * dim * elem_bytes + offsets.numel() * offsets.element_size()
+
+
+def jagged_attention(offsets: torch.Tensor, num_heads: int, dim_qk: int, dim_v: int, elem_bytes: int, *,
+                     causal: bool = True, backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of jagged attention over the real (unpadded) sequences.
+
+    FLOPs (FlashAttention's convention): the two products Q K^T and P V cost 2 * sum_b L_b^2 * H *
+    (Dqk + Dv) = 4 * sum L^2 * H * D when Dqk = Dv = D, halved when causal (only the visible half
+    is work); the backward costs 2.5x the forward. backward=True gives forward + backward.
+    Bytes: q, k, v read and out written once (N * H * (2 * Dqk + 2 * Dv)); the backward adds reading
+    q, k, v, out, dout and writing dq, dk, dv.
+    """
+    lengths = _lengths(offsets)
+    total = int(lengths.sum())
+    pairs = int((lengths * lengths).sum())
+    flops = 2 * pairs * num_heads * (dim_qk + dim_v)
+    if causal:
+        flops //= 2
+    nbytes = total * num_heads * (2 * dim_qk + 2 * dim_v) * elem_bytes
+    if backward:
+        flops = int(flops * 3.5)
+        nbytes += total * num_heads * (4 * dim_qk + 4 * dim_v) * elem_bytes
+    return flops, nbytes
