@@ -87,6 +87,8 @@ struct Params {
   int64_t pos_heads = 0;
   const float* time_bias = nullptr;  // [time_heads, num_buckets+1] fp32
   int64_t time_heads = 0, num_buckets = 0;
+  // bucket(dt) = number of thresholds <= |dt| (see bucket_thresholds): a short search instead of a log.
+  std::vector<int64_t> bucket_thr;
   const int64_t* timestamps = nullptr;
 };
 
@@ -145,21 +147,47 @@ struct SeqMask {
   }
 };
 
-inline int64_t time_bucket(int64_t dt, int64_t num_buckets) {
+// generative-recommenders' bucketing, evaluated in double: min(num_buckets, floor(ln(max(|dt|, 1)) / 0.301)).
+inline int64_t time_bucket_formula(int64_t dt, int64_t num_buckets) {
   const double x = static_cast<double>(std::max<int64_t>(dt < 0 ? -dt : dt, 1));
   const int64_t bucket = static_cast<int64_t>(std::floor(std::log(x) / static_cast<double>(kTimeBucketDivisor)));
   return std::min(bucket, num_buckets);
+}
+
+// thr[m-1] = the smallest |dt| whose bucket is >= m, m = 1..num_buckets, found with the formula itself
+// (so the search below agrees with it exactly); the formula is nondecreasing in |dt|.
+std::vector<int64_t> bucket_thresholds(int64_t num_buckets) {
+  std::vector<int64_t> thr;
+  for (int64_t m = 1; m <= num_buckets; ++m) {
+    const double guess = std::exp(static_cast<double>(kTimeBucketDivisor) * static_cast<double>(m));
+    if (guess > 4.0e18) {
+      thr.push_back(std::numeric_limits<int64_t>::max());
+      continue;
+    }
+    int64_t x = std::max<int64_t>(1, static_cast<int64_t>(guess) - 2);
+    while (time_bucket_formula(x, num_buckets) < m) ++x;
+    while (x > 1 && time_bucket_formula(x - 1, num_buckets) >= m) --x;
+    thr.push_back(x);
+  }
+  return thr;
+}
+
+inline int32_t time_bucket(const Params& p, int64_t dt) {
+  const int64_t x = dt < 0 ? -dt : dt;
+  return static_cast<int32_t>(std::upper_bound(p.bucket_thr.begin(), p.bucket_thr.end(), x) - p.bucket_thr.begin());
 }
 
 // Per-thread scratch: score, probability and mask tiles, accumulators.
 struct Workspace {
   std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum, delta;
   std::vector<uint8_t> vis;
+  std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
   SeqMask mask;
   Workspace(int64_t D, int64_t Dv)
       : s(kBlockM * kBlockN), pr(kBlockM * kBlockN), dp(kBlockM * kBlockN),
         acc(std::max(kBlockM, kBlockN) * std::max(D, Dv)), acc2(kBlockN * std::max(D, Dv)),
-        row_max(kBlockM), row_sum(kBlockM), vis(kBlockM * kBlockN) {}
+        row_max(kBlockM), row_sum(kBlockM), vis(kBlockM * kBlockN),
+        bucket(kBlockM * kBlockN) {}
 };
 
 // s[r, c] <- scale * s[r, c] + biases, and the visibility of every pair (when the tile is mixed).
@@ -180,8 +208,9 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       const int64_t hb = p.time_heads == 1 ? 0 : h;
       const float* bias = p.time_bias + hb * (p.num_buckets + 1);
       const int64_t ti = p.timestamps[start + i0 + r];
-      for (int64_t c = 0; c < bn; ++c)
-        row[c] += bias[time_bucket(ti - p.timestamps[start + j0 + c], p.num_buckets)];
+      int32_t* buckets = ws.bucket.data() + r * kBlockN;
+      for (int64_t c = 0; c < bn; ++c) buckets[c] = time_bucket(p, ti - p.timestamps[start + j0 + c]);
+      for (int64_t c = 0; c < bn; ++c) row[c] += bias[buckets[c]];
     }
     if (tile_kind == 1) {
       uint8_t* vis = ws.vis.data() + r * kBlockN;
@@ -218,7 +247,12 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn) {
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return seqs[x / p.H].len > seqs[y / p.H].len; });
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  // Small batches run on fewer threads: a parallel region costs a wake-up of every thread (and, on a
+  // loaded machine, waiting for a descheduled one), worth it only past ~2^24 FLOPs per thread.
+  double flops = 0.0;
+  for (const auto& s : seqs) flops += 2.0 * static_cast<double>(s.len) * s.len * p.H * (p.D + p.Dv);
+  const int64_t by_work = static_cast<int64_t>(flops / static_cast<double>(1 << 24)) + 1;
+  const int64_t workers = std::max<int64_t>(1, std::min({static_cast<int64_t>(at::get_num_threads()), num_items, by_work}));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       Workspace ws(p.D, p.Dv);
@@ -254,6 +288,7 @@ Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len
     p.time_bias = time_bias.data_ptr<float>();
     p.time_heads = time_bias.size(0);
     p.num_buckets = time_bias.size(1) - 1;
+    p.bucket_thr = bucket_thresholds(p.num_buckets);
     p.timestamps = timestamps.data_ptr<int64_t>();
   }
   return p;
@@ -519,9 +554,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             for (int64_t c = 0; c < bn; ++c) dst[c] += drow[c];
           }
           if (time_part_item != nullptr) {
-            const int64_t ti = p.timestamps[seq.start + i0 + r];
-            for (int64_t c = 0; c < bn; ++c)
-              time_part_item[time_bucket(ti - p.timestamps[seq.start + j0 + c], p.num_buckets)] += drow[c];
+            const int32_t* buckets = ws.bucket.data() + r * kBlockN;
+            for (int64_t c = 0; c < bn; ++c) time_part_item[buckets[c]] += drow[c];
           }
         }
         mm(true, false, bn, Dv, bm, 1.0f, pr, kBlockN, do0 + i0 * vs, vs, 1.0f, dv_acc, Dv);

@@ -22,7 +22,7 @@ from .._validate import (
 FAMILY = "attention"
 KINDS = ("softmax", "hstu")
 # The backends this family has; `auto` picks among them.
-IMPLEMENTED = ("reference", "cpu")
+IMPLEMENTED = ("reference", "cpu", "triton")
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
