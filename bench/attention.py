@@ -28,11 +28,13 @@ NUM_BUCKETS = 32
 
 
 def _lengths(num_seqs: int, max_seq_len: int, density: float, gen: torch.Generator) -> torch.Tensor:
-    """Lengths with mean ~density * max_seq_len: uniform around the mean, one sequence at the max."""
+    """Lengths with mean ~density * max_seq_len: uniform in [0.5, 1.5] x the mean (dense: one sequence
+    at the max, so the padded peers do no more work than max_seq_len needs)."""
     mean = density * max_seq_len
     lo, hi = max(1, int(mean * 0.5)), min(max_seq_len, int(mean * 1.5) + 1)
     lengths = torch.randint(lo, hi + 1, (num_seqs,), generator=gen).clamp(max=max_seq_len)
-    lengths[0] = max_seq_len
+    if density >= 0.5:
+        lengths[0] = max_seq_len
     return lengths
 
 
@@ -100,7 +102,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         configs = [(m, max(4, 2 * 65536 // m), density) for m in (256, 1024, 4096) for density in (0.5, 0.05)]
     else:
         # (max_seq_len, B, density): sized so the whole family fits a few minutes on a small CPU.
-        configs = [(256, 16, 0.5), (256, 16, 0.05), (1024, 4, 0.5), (1024, 8, 0.05)]
+        configs = [(256, 16, 0.5), (256, 16, 0.05), (1024, 4, 0.5), (1024, 4, 0.05)]
     gen = torch.Generator().manual_seed(0)
     for max_seq_len, num_seqs, density in configs:
         lengths = _lengths(num_seqs, max_seq_len, density, gen)
@@ -129,7 +131,10 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
     impls, notes = {}, []
     if device.type == "cpu":
         impls["cpu"] = ours("cpu")
-    impls["reference"] = ours("reference")
+    # The padded eager twin is the HSTU baseline; for softmax (where SDPA is the baseline) it runs at
+    # the short length only: at 1024 it takes seconds per call and says nothing new.
+    if kind == "hstu" or max_seq_len <= 256:
+        impls["reference"] = ours("reference")
     baseline = "reference"
     if kind == "softmax":
         padded_sets = [_padded_sdpa_inputs(a, causal) for a in sets]

@@ -317,6 +317,17 @@ def test_fuzz_cpu_against_reference(lengths, extra_len, kind, causal, contextual
                              max_attn_len=max_attn_len)
 
 
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+def test_time_buckets_over_a_wide_range(device, backend):
+    """Many buckets and |dt| up to 1e14: the kernels' bucket search agrees with the fp64 formula."""
+    g = torch.Generator().manual_seed(3)
+    inputs = make_inputs([20, 31], device=device)
+    num_buckets = 100  # e^(0.301 * 100) ~ 1.2e13: the clamp at num_buckets is reached too
+    inputs["time_bias"] = torch.randn(2, num_buckets + 1, generator=g).to(device).requires_grad_(True)
+    inputs["timestamps"] = (torch.rand(51, generator=g, dtype=torch.float64) ** 4 * 1e14).long().to(device)
+    _check_against_reference(inputs, backend, torch.float32)
+
+
 # Short cases for the Triton interpreter: every option, multi-tile (L = 70 > BLOCK 64) and edge sizes.
 TRITON_CASES = [
     ([5, 0, 70, 1], {}, {}),
