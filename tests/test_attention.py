@@ -9,12 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gem_kernels as gk
-from gem_kernels.ops.attention import IMPLEMENTED, jagged_attention_bwd_op, jagged_attention_fwd_op
+from gem_kernels.ops.attention import FORWARD_ONLY, IMPLEMENTED, jagged_attention_bwd_op, jagged_attention_fwd_op
 from gem_kernels.reference import attention as ref
 
 from .utils import TOLERANCES, assert_close, device_backend_params, offsets_from_lengths, poison_allocator
 
-BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference")
+# Backends with forward and backward; FORWARD_ONLY ones (cuda) are tested on the forward.
+BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference" and b not in FORWARD_ONLY)
 NUM_BUCKETS = 8
 
 
@@ -245,6 +246,25 @@ def test_backend_matches_reference(device, backend, kind, lengths, input_options
     _check_against_reference(inputs, backend, torch.float32, kind=kind, **options)
 
 
+@pytest.mark.parametrize("device,backend", device_backend_params(FORWARD_ONLY))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("lengths,input_options,options", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_only_backend_matches_reference(device, backend, kind, lengths, input_options, options, dtype):
+    inputs = make_inputs(lengths, device=device, dtype=dtype, **input_options)
+    with torch.no_grad():
+        out = gk.jagged_attention(**inputs, kind=kind, backend=backend, **options)
+        expected = gk.jagged_attention(**inputs, kind=kind, backend="reference", **options)
+    assert_close(out, expected, dtype)
+
+
+def test_forward_only_backend_refuses_gradients():
+    inputs = make_inputs([3, 4])
+    for backend in FORWARD_ONLY:
+        with pytest.raises(gk.BackendUnavailableError, match="implements only the forward"):
+            gk.jagged_attention(**inputs, backend=backend)
+
+
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 @pytest.mark.parametrize("kind", ["softmax", "hstu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -405,7 +425,9 @@ def test_device_mismatch_is_value_error():
                             torch.tensor([0, 3]), 3)
 
 
-def test_unimplemented_backend_is_reported():
+def test_unavailable_backend_is_reported():
+    if "cuda" in gk.available_backends():
+        pytest.skip("the cuda backend runs here")
     with pytest.raises(gk.BackendUnavailableError):
         gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 3]), 3,
                             backend="cuda")

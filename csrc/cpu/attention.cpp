@@ -30,6 +30,7 @@
 #include <numeric>
 #include <vector>
 
+#include "gem_kernels/attention.h"
 #include "gem_kernels/checks.h"
 
 // Fortran BLAS sgemm, exported by libtorch_cpu (MKL or OpenBLAS, whichever torch was built with).
@@ -45,7 +46,6 @@ namespace {
 // 128x128x128, which outweighs the larger half-masked diagonal tiles of causal attention.
 constexpr int64_t kBlockM = 128;
 constexpr int64_t kBlockN = 128;
-constexpr float kTimeBucketDivisor = 0.301f;
 
 // Row-major C[m x n] = alpha * op(A) op(B) + beta * C, on column-major BLAS: C^T = op(B)^T op(A)^T.
 void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -146,31 +146,6 @@ struct SeqMask {
     return (diag || distance || context) ? 1 : 0;
   }
 };
-
-// generative-recommenders' bucketing, evaluated in double: min(num_buckets, floor(ln(max(|dt|, 1)) / 0.301)).
-inline int64_t time_bucket_formula(int64_t dt, int64_t num_buckets) {
-  const double x = static_cast<double>(std::max<int64_t>(dt < 0 ? -dt : dt, 1));
-  const int64_t bucket = static_cast<int64_t>(std::floor(std::log(x) / static_cast<double>(kTimeBucketDivisor)));
-  return std::min(bucket, num_buckets);
-}
-
-// thr[m-1] = the smallest |dt| whose bucket is >= m, m = 1..num_buckets, found with the formula itself
-// (so the search below agrees with it exactly); the formula is nondecreasing in |dt|.
-std::vector<int64_t> bucket_thresholds(int64_t num_buckets) {
-  std::vector<int64_t> thr;
-  for (int64_t m = 1; m <= num_buckets; ++m) {
-    const double guess = std::exp(static_cast<double>(kTimeBucketDivisor) * static_cast<double>(m));
-    if (guess > 4.0e18) {
-      thr.push_back(std::numeric_limits<int64_t>::max());
-      continue;
-    }
-    int64_t x = std::max<int64_t>(1, static_cast<int64_t>(guess) - 2);
-    while (time_bucket_formula(x, num_buckets) < m) ++x;
-    while (x > 1 && time_bucket_formula(x - 1, num_buckets) >= m) --x;
-    thr.push_back(x);
-  }
-  return thr;
-}
 
 inline int32_t time_bucket(const Params& p, int64_t dt) {
   const int64_t x = dt < 0 ? -dt : dt;

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import kernel, resolve_backend
+from .._backend import BackendUnavailableError, kernel, resolve_backend
 from .._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -21,8 +21,10 @@ from .._validate import (
 
 FAMILY = "attention"
 KINDS = ("softmax", "hstu")
-# The backends this family has; `auto` picks among them.
-IMPLEMENTED = ("reference", "cpu", "triton")
+# The backends this family has; `auto` picks among them. The cuda backend has the forward only:
+# differentiable calls never run on it (auto takes triton; backend="cuda" is refused).
+IMPLEMENTED = ("reference", "cpu", "triton", "cuda")
+FORWARD_ONLY = ("cuda",)
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
@@ -83,6 +85,8 @@ def jagged_attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor]:
     """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient."""
+    if backend in FORWARD_ONLY:
+        raise NotImplementedError(f"backend {backend!r} implements only the forward of jagged_attention")
     _check_values(q, seq_offsets, max_seq_len, num_targets)
     return tuple(kernel(FAMILY, "jagged_attention_bwd", backend)(
         grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
@@ -239,7 +243,14 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         if timestamps.shape[0] != q.shape[0]:
             raise ValueError(f"timestamps must have N = {q.shape[0]} elements, got shape {tuple(timestamps.shape)}")
         timestamps = timestamps.contiguous() if time_bias is not None else None
-    name = resolve_backend(backend, q.device, IMPLEMENTED)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, pos_bias, time_bias))
+    if needs_grad and backend in FORWARD_ONLY:
+        raise BackendUnavailableError(
+            f"backend {backend!r} implements only the forward of jagged_attention; use backend='triton' (or "
+            "'auto') when gradients are needed, or call it under torch.no_grad()")
+    implemented = tuple(b for b in IMPLEMENTED if not (needs_grad and b in FORWARD_ONLY))
+    name = resolve_backend(backend, q.device, implemented)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
                                         max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
                                         max_attn_len, pos_bias, time_bias, timestamps, deterministic, name)
