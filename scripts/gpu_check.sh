@@ -12,9 +12,9 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 
+# At most 8 files come back from $OUT: summary, build, tests and bench logs, and the bench's json/md/png.
 { nvidia-smi; "$PY" -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } \
-  > "$OUT/machine.txt" 2>&1
-log "machine: $(head -c 300 "$OUT/machine.txt" | tr '\n' ' ')"
+  >> "$OUT/summary.txt" 2>&1
 
 log "build (sm_90a)"
 start=$(date +%s)
@@ -32,4 +32,5 @@ log "bench (GPU)"
 start=$(date +%s)
 timeout 150 "$PY" -m bench --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1
 log "bench rc=$? in $(( $(date +%s) - start ))s"
+rm -f "$OUT"/latest-*  # duplicates of the timestamped results
 ls "$OUT" >> "$OUT/summary.txt"
