@@ -134,7 +134,7 @@ def jagged_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
     at least the longest sequence.
     """
     total_len, num_heads, head_dim = q.shape
-    qkv = torch.cat([q, k, v], dim=2).reshape(total_len, 3 * num_heads * head_dim)
+    qkv = torch.stack([q, k, v], dim=1).reshape(total_len, 3 * num_heads * head_dim)
     seq, pos = _jagged_positions(seq_offsets, total_len)
     padded = qkv.new_zeros(seq_offsets.numel() - 1, max_len, qkv.shape[1]).index_put((seq, pos), qkv)
     out = _padded_attention(padded, seq_offsets.diff(), num_targets, num_heads)
@@ -145,7 +145,7 @@ def jagged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
                            num_targets: torch.Tensor, max_len: int) -> torch.Tensor:
     """jagged_attention_eager with gem_kernels' jagged <-> padded kernels for the pad and unpad."""
     total_len, num_heads, head_dim = q.shape
-    qkv = torch.cat([q, k, v], dim=2).reshape(total_len, 3 * num_heads * head_dim)
+    qkv = torch.stack([q, k, v], dim=1).reshape(total_len, 3 * num_heads * head_dim)
     padded = gem_kernels.jagged_to_padded(qkv, seq_offsets, max_len)
     out = _padded_attention(padded, seq_offsets.diff(), num_targets, num_heads)
     return gem_kernels.padded_to_jagged(out, seq_offsets, total_len).view(total_len, num_heads, head_dim)
@@ -184,7 +184,9 @@ class AttentionLayer(nn.Module):
 def time_buckets(seq_timestamps: torch.Tensor, seq_offsets: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """Log2-bucketed age of each event relative to its sequence's last event: [S] int64 in [0, num_buckets)."""
     lengths = seq_offsets.diff()
-    last = seq_timestamps[(seq_offsets[1:] - 1).clamp(min=0)] if seq_timestamps.numel() else seq_timestamps
+    # Gather each sequence's last timestamp; the appended 0 keeps the gather in bounds when S == 0
+    # (an empty sequence's entry is repeated zero times, so its value never matters).
+    last = torch.cat([seq_timestamps, seq_timestamps.new_zeros(1)])[(seq_offsets[1:] - 1).clamp(min=0)]
     age = torch.repeat_interleave(last, lengths, output_size=seq_timestamps.numel()) - seq_timestamps
     return torch.log2(age.double() + 1.0).long().clamp_(0, num_buckets - 1)
 
