@@ -22,7 +22,7 @@ from .config import GemConfig
 KERNELS = ("eager", "fused")
 
 
-def _check_kernels(kernels: str) -> None:
+def check_kernels(kernels: str) -> None:
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
 
@@ -73,7 +73,7 @@ POOLED_EMBEDDINGS: dict[str, Callable[..., torch.Tensor]] = {
 class SparseArch(nn.Module):
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
-        _check_kernels(kernels)
+        check_kernels(kernels)
         rows = torch.tensor((0,) + cfg.num_embeddings_per_table, dtype=torch.int64).cumsum(0)
         self.num_tables = cfg.num_tables
         self.weight = nn.Parameter(torch.randn(int(rows[-1]), cfg.embedding_dim) / math.sqrt(cfg.embedding_dim))
@@ -202,7 +202,7 @@ def jagged_mean(x: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
 class SequenceArch(nn.Module):
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
-        _check_kernels(kernels)
+        check_kernels(kernels)
         dim = cfg.embedding_dim
         self.num_time_buckets = cfg.num_time_buckets
         self.item_embedding = nn.Parameter(torch.randn(cfg.num_items, dim) / math.sqrt(dim))
@@ -249,7 +249,7 @@ class InteractionArch(nn.Module):
 
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
-        _check_kernels(kernels)
+        check_kernels(kernels)
         self.dot_interaction = DOT_INTERACTION[kernels]
         over_sizes = (cfg.embedding_dim + cfg.num_interactions,) + cfg.over_arch_layers
         self.over_arch = mlp(over_sizes, final_activation=True)

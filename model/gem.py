@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .archs import InteractionArch, SequenceArch, SparseArch, _check_kernels, mlp, mlp_flops
+from .archs import InteractionArch, SequenceArch, SparseArch, check_kernels, mlp, mlp_flops
 from .config import GemConfig
 from .data import Batch
 
@@ -29,7 +29,7 @@ class GemModel(nn.Module):
 
     def __init__(self, cfg: GemConfig, kernels: str = "eager", seed: int | None = 0):
         super().__init__()
-        _check_kernels(kernels)
+        check_kernels(kernels)
         self.cfg = cfg
         self.kernels = kernels
         with torch.random.fork_rng(devices=[], enabled=seed is not None):
