@@ -1,0 +1,23 @@
+"""gem_kernels benchmarks: ``python -m bench [FAMILY ...] [--quick] [--list] [--device cpu|cuda]
+[--out DIR] [--repeats N]``.
+
+One module per op family (bench/<family>.py, registered in bench/__main__.py FAMILIES) exposes
+
+    def cases(quick: bool, device: torch.device) -> Iterator[bench.harness.Case]
+
+a generator that builds each case's inputs lazily and yields a ``Case`` (op, shape, dtype, analytic
+flops and minimum bytes from gem_kernels.flops, ``impls`` = zero-arg callables doing one iteration
+each, the ``baseline`` impl the speedup divides by, the ``peak`` kind, optional ``notes`` and an
+optional ``reference`` impl every other impl's output must match before it is timed). Inputs are
+rotated (``harness.rotate``) so caches do not flatter. A family that cannot run here raises
+``harness.SkipFamily(reason)``.
+
+A run measures the machine's peaks once (bench/peaks.py), times every impl of every case
+(bench/harness.py), prints progress to stderr and the table to stdout, and writes
+bench/results/<device>-<timestamp>.{json,md,png} and latest-<device>.{json,md,png} (bench/report.py).
+
+Reading the output: ``ms`` is the median of the timed repeats (p10-p90 shows the spread, ``n`` the
+count; ``*`` marks an impl stopped by its time cap); GB/s and TFLOP/s divide the analytic minimum
+bytes / FLOPs by the median time; % peak is relative to the measured copy bandwidth ("bw") for
+data-movement ops or to the dtype's measured matmul peak ("mm"); speedup = baseline ms / impl ms.
+"""
