@@ -168,10 +168,11 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(fn: Callable[[], Any], device: torch.device, settings: Settings, max_time: float | None = None,
-            warmed: int = 0) -> Timing:
+            warmed: float | None = None) -> Timing:
     """Time ``fn``: warm-up, then repeats until ``min_repeats`` calls AND ``min_time`` seconds are
-    reached, or ``max_time`` seconds (warm-up included) have passed; at least one warm-up call
-    (unless ``warmed`` calls already ran) and one timed call whatever the limits.
+    reached, or ``max_time`` seconds (warm-up included) have passed; one timed call whatever the
+    limits. ``warmed`` is the duration (s) of a call that already ran (the verification call): it
+    stands in for the first warm-up call, and a call that slow gets no more warm-up.
 
     CPU: each call timed with ``time.perf_counter``. CUDA: a pair of events around each call,
     launched back to back and synchronised once per chunk (so launch latency overlaps as in a real
@@ -183,16 +184,17 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings, max
     gc.disable()
     try:
         start = time.perf_counter()
-        n_warm = 0
+        n_warm, last = 0, warmed
         while True:
-            if n_warm + warmed >= 1 and (time.perf_counter() - start >= settings.warmup_time
-                                         or time.perf_counter() - start >= max_time / 4):
+            elapsed = time.perf_counter() - start
+            if last is not None and (elapsed >= settings.warmup_time or elapsed + last >= max_time / 4):
                 break
+            t0 = time.perf_counter()
             fn()
             _sync(device)
+            last = time.perf_counter() - t0
             n_warm += 1
-        warm_elapsed = time.perf_counter() - start
-        estimate = warm_elapsed / n_warm if n_warm else None
+        estimate = last
         if device.type == "cuda":
             return _measure_cuda(fn, device, settings, start + max_time, estimate)
         return _measure_cpu(fn, settings, start + max_time)
@@ -379,9 +381,15 @@ def run_family(name: str, cases: Iterator[Case], device: torch.device, settings:
     """Verify and time every case of a family within its budget."""
     result = FamilyResult(name, "ok")
     start = time.perf_counter()
+    cases = iter(cases)
     case_no = 0
     try:
-        for case in cases:
+        while True:
+            # Drop the previous case (its inputs) before the generator builds the next one.
+            case = None
+            case = next(cases, None)
+            if case is None:
+                break
             case_no += 1
             if budget.left() <= 0:
                 msg = (f"time budget of {budget.seconds:.0f} s spent: case {case_no} ({case.op} [{case.shape}]) "
@@ -415,13 +423,14 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
               peaks: dict, git_sha: str, timestamp: str, result: FamilyResult) -> list[dict]:
     tag = f"[{family} {case_no}]"
     impls = dict(case.impls)
-    warmed: dict[str, int] = {}
+    warmed: dict[str, float] = {}  # impl -> seconds its verification call took
     if case.reference is not None:
         # One output alive at a time besides the reference's: padded batches can be large.
         try:
+            t0 = time.perf_counter()
             expected = impls[case.reference]()
             _sync(device)
-            warmed[case.reference] = 1
+            warmed[case.reference] = time.perf_counter() - t0
         except Exception as exc:
             expected = exc
         for impl in list(impls):
@@ -432,9 +441,10 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
                        f"{type(expected).__name__}: {_first_line(expected)}")
             else:
                 try:
+                    t0 = time.perf_counter()
                     out = impls[impl]()
                     _sync(device)
-                    warmed[impl] = 1
+                    warmed[impl] = time.perf_counter() - t0
                     why = compare(out, expected, case.tolerance, case.dtype)
                     del out
                     if why is not None:
@@ -456,7 +466,7 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         max_time = min(settings.max_time, max(left, 0.0) / (len(names) - i + len(names)))
         log_prefix = f"{tag} {i + 1}/{len(names)} {case.op} {dtype_name(case.dtype)} {impl}"
         try:
-            timing = measure(impls[impl], device, settings, max_time=max(max_time, 1e-3), warmed=warmed.get(impl, 0))
+            timing = measure(impls[impl], device, settings, max_time=max(max_time, 1e-3), warmed=warmed.get(impl))
         except Exception as exc:
             msg = f"{case.op} [{case.shape}] impl {impl!r} raised while timing: {type(exc).__name__}: {exc}"
             result.errors.append(msg)

@@ -15,6 +15,7 @@ import math
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 import gem_kernels as gk
 from gem_kernels import flops
@@ -63,8 +64,10 @@ def _fbgemm_reason(device: torch.device) -> str | None:
     return None
 
 
-# Eager baselines: what a user writes without a fused op. A Python loop over sequences, lengths
-# read on the host beforehand so no per-sequence device sync is timed.
+# Eager baselines: what a user writes without a fused op, a Python loop over sequences (lengths
+# read on the host beforehand so no per-sequence device sync is timed). The autograd versions use
+# split/unbind + pad/cat, whose backward is one cat/stack; in-place slice writes or slices of the
+# whole tensor would make autograd materialise a full-size gradient per sequence.
 
 
 def _loop_jagged_to_padded(values: torch.Tensor, starts: list[int], kept: list[int], max_len: int) -> torch.Tensor:
@@ -75,20 +78,30 @@ def _loop_jagged_to_padded(values: torch.Tensor, starts: list[int], kept: list[i
     return padded
 
 
+def _loop_jagged_to_padded_autograd(values: torch.Tensor, lengths: list[int], max_len: int) -> torch.Tensor:
+    rows = [F.pad(seq[:max_len], (0, 0, 0, max_len - min(n, max_len))) for seq, n in zip(values.split(lengths), lengths)]
+    return torch.stack(rows)
+
+
 def _loop_padded_to_jagged(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     # Lengths never exceed max_len in this workload, so nothing is truncated.
-    return torch.cat([padded[b, :n] for b, n in enumerate(lengths)])
+    return torch.cat([row[:n] for row, n in zip(padded.unbind(0), lengths)])
 
 
-def _j2p_impls(device: torch.device, offsets: torch.Tensor, max_len: int, fbgemm_ok: bool) -> dict[str, Callable]:
+def _j2p_impls(device: torch.device, offsets: torch.Tensor, max_len: int, fbgemm_ok: bool,
+               autograd: bool = False) -> dict[str, Callable]:
     """impl -> fn(values) -> padded."""
     host = offsets.cpu()
     starts = host[:-1].tolist()
-    kept = host.diff().clamp(max=max_len).tolist()
+    lengths = host.diff().tolist()
+    kept = [min(n, max_len) for n in lengths]
     impls: dict[str, Callable] = {}
     for backend in _backends(device):
         impls[backend] = lambda v, b=backend: gk.jagged_to_padded(v, offsets, max_len, backend=b)
-    impls["eager-loop"] = lambda v: _loop_jagged_to_padded(v, starts, kept, max_len)
+    if autograd:
+        impls["eager-loop"] = lambda v: _loop_jagged_to_padded_autograd(v, lengths, max_len)
+    else:
+        impls["eager-loop"] = lambda v: _loop_jagged_to_padded(v, starts, kept, max_len)
     impls["aten"] = lambda v: torch.ops.aten._jagged_to_padded_dense_forward(v, [offsets], [max_len], 0.0)
     if fbgemm_ok:
         impls["fbgemm"] = lambda v: torch.ops.fbgemm.jagged_to_padded_dense(v, [offsets], [max_len], 0.0)
@@ -127,7 +140,8 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     else:
         num_seqs, dim, dtypes = (256, 64, (torch.float32,)) if quick else (2048, 128, (torch.float32,))
         small_seqs, small_dim = (64, 32) if quick else (256, 64)
-    num_sets = 2 if quick else 3  # input sets rotated per impl (2 for the large padded inputs)
+    # Input sets rotated per impl: 2 for the large inputs (each far larger than any cache), 3 for the small.
+    num_sets, small_sets = 2, (2 if quick else 3)
     fbgemm_why = _fbgemm_reason(device)
     notes = [fbgemm_why] if fbgemm_why else []
     max_len = MAX_LEN
@@ -135,6 +149,11 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
 
     def randn(*shape, dtype):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def pad(values):
+        # Inputs of padded_to_jagged: zero past each length, as a real padded batch (aten: fast, and
+        # independent of the kernels under test).
+        return torch.ops.aten._jagged_to_padded_dense_forward(values, [offsets], [max_len], 0.0)
 
     offsets = lognormal_offsets(num_seqs).to(device)
     total_len = int(offsets[-1])
@@ -148,8 +167,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                    reference="reference", tolerance=EXACT)
         del impls, value_sets
 
-        padded_sets = [(gk.jagged_to_padded(randn(total_len, dim, dtype=dtype), offsets, max_len, backend="reference"),)
-                       for _ in range(2)]
+        padded_sets = [(pad(randn(total_len, dim, dtype=dtype)),) for _ in range(num_sets)]
         case_flops, case_bytes = flops.padded_to_jagged(offsets, max_len, dim, elem)
         impls = {name: rotate(padded_sets, fn) for name, fn in _p2j_impls(device, offsets, total_len, not fbgemm_why).items()}
         yield Case(op="padded_to_jagged", shape=_shape(offsets, max_len, dim), dtype=dtype, flops=case_flops,
@@ -170,9 +188,10 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         return out, torch.ops.aten._padded_dense_to_jagged_forward(grad_padded, [offsets], total_len)
 
     sets = [(randn(total_len, small_dim, dtype=dtype).requires_grad_(), randn(small_seqs, max_len, small_dim, dtype=dtype))
-            for _ in range(num_sets)]
+            for _ in range(small_sets)]
     impls = {name: rotate(sets, lambda v, g, fn=fn: _fwd_bwd(fn, v, g))
-             for name, fn in _j2p_impls(device, offsets, max_len, not fbgemm_why).items() if name != "aten"}
+             for name, fn in _j2p_impls(device, offsets, max_len, not fbgemm_why, autograd=True).items()
+             if name != "aten"}
     impls["aten"] = rotate(sets, aten_j2p_fwd_bwd)
     yield Case(op="jagged_to_padded fwd+bwd", shape=_shape(offsets, max_len, small_dim), dtype=dtype, flops=0,
                bytes=j2p_bytes + p2j_bytes, impls=impls, baseline="aten", peak="bandwidth",
@@ -182,9 +201,8 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         out = torch.ops.aten._padded_dense_to_jagged_forward(padded.detach(), [offsets], total_len)
         return out, torch.ops.aten._jagged_to_padded_dense_forward(grad_values, [offsets], [max_len], 0.0)
 
-    sets = [(gk.jagged_to_padded(randn(total_len, small_dim, dtype=dtype), offsets, max_len,
-                                 backend="reference").requires_grad_(), randn(total_len, small_dim, dtype=dtype))
-            for _ in range(num_sets)]
+    sets = [(pad(randn(total_len, small_dim, dtype=dtype)).requires_grad_(), randn(total_len, small_dim, dtype=dtype))
+            for _ in range(small_sets)]
     impls = {name: rotate(sets, lambda p, g, fn=fn: _fwd_bwd(fn, p, g))
              for name, fn in _p2j_impls(device, offsets, total_len, not fbgemm_why).items() if name != "aten"}
     impls["aten"] = rotate(sets, aten_p2j_fwd_bwd)

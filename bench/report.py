@@ -113,7 +113,8 @@ def markdown(result: dict) -> str:
         f"gem_kernels {m['gem_kernels']} (backends {m['gem_kernels_backends']})",
         f"- measured peaks: matmul TFLOP/s {mm} (n={p['sizes']['matmul_n']}); copy {p['copy_gbps']:.1f} GB/s "
         f"({p['sizes']['copy_mib']} MiB, read+write counted)",
-        f"- CPU allocator: {result.get('allocator', 'default')}",
+        f"- CPU allocator: {result.get('allocator', 'default')}; 1-min load average {result['loadavg_1min']['start']:.1f} "
+        f"at start, {result['loadavg_1min']['end']:.1f} at end (above the core count = other processes compete)",
         f"- mode: {'quick' if result['quick'] else 'full'}; families: "
         + ", ".join(f"{f['name']} {f['status']} ({f['seconds']:.1f} s)" for f in result["families"]),
         "",
@@ -159,10 +160,13 @@ def roofline(result: dict, path: Path) -> None:
     lo = min(intensities + [0.1]) / 4
     hi = max(intensities + [1000.0]) * 4
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.plot(xs, [x * bw / 1e3 for x in xs], color="black", lw=1.5, label=f"copy {bw:.0f} GB/s")
+    top = max(peaks["matmul_tflops"].values())
+    ax.plot(xs, [min(top, x * bw / 1e3) for x in xs], color="black", lw=1.5, label=f"copy {bw:.0f} GB/s")
     for (name, peak), style in zip(peaks["matmul_tflops"].items(), ("-", "--", "-.", ":")):
         ax.plot(xs, [min(peak, x * bw / 1e3) for x in xs], ls=style, lw=1, color="gray")
-        ax.text(hi, peak, f" {name} {peak:.2f}", va="center", fontsize=8)
+        ax.text(hi / 1.2, peak * 1.08, f"{name} matmul {peak:.2f} TFLOP/s", ha="right", va="bottom", fontsize=8)
+    achieved = [r["tflops"] for r in compute + unplotted if r["tflops"]]
+    ax.set_ylim(min(achieved + [top / 1e4]) / 3, top * 3)
     ops = sorted({r["op"] for r in compute})
     impls = sorted({r["impl"] for r in compute})
     markers = "osD^v<>pP*Xh"
@@ -172,6 +176,12 @@ def roofline(result: dict, path: Path) -> None:
                    color=colors[ops.index(r["op"]) % len(colors)], s=36, zorder=3)
         ax.annotate(f"{r['op']}/{r['impl']}", (x, r["tflops"]), fontsize=6, xytext=(3, 3),
                     textcoords="offset points")
+    # FLOPs but no byte count (a whole training step): achieved TFLOP/s as a dotted level.
+    for r in unplotted:
+        if r["tflops"]:
+            ax.axhline(r["tflops"], ls=":", lw=1, color=colors[impls.index(r["impl"]) % len(colors)]
+                       if r["impl"] in impls else "tab:purple")
+            ax.text(lo * 1.2, r["tflops"] * 1.05, f"{r['op']}/{r['impl']} (no byte count)", fontsize=7, va="bottom")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
@@ -179,7 +189,7 @@ def roofline(result: dict, path: Path) -> None:
     ax.set_ylabel("achieved TFLOP/s")
     title = f"roofline, {result['machine']['device']} ({len(compute)} points)"
     if unplotted:
-        title += f"\nnot plotted (no byte count): {', '.join(sorted({r['op'] + '/' + r['impl'] for r in unplotted}))}"
+        title += f"\ndotted levels: ops with FLOPs but no byte count ({len(unplotted)})"
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
@@ -196,7 +206,7 @@ def roofline(result: dict, path: Path) -> None:
         bx.text(bw, -0.6, f" copy peak {bw:.0f}", fontsize=8, va="bottom")
     else:
         bx.text(0.5, 0.5, "no 0-FLOP ops in this run", ha="center", va="center", transform=bx.transAxes)
-    bx.set_xlabel("GB/s (minimum bytes / median time); dashed = measured copy peak, dotted = half")
+    bx.set_xlabel("GB/s = minimum bytes / median time\n(dashed: measured copy peak, dotted: half of it)")
     bx.set_title("data-movement ops (0 FLOPs)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

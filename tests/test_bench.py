@@ -89,7 +89,7 @@ def test_measure_stops_at_max_time_with_fewer_repeats():
 def test_measure_makes_one_timed_call_when_a_single_call_exceeds_max_time():
     settings = harness.Settings(min_repeats=10, min_time=1.0, max_time=0.01, warmup_time=0.0)
     calls = []
-    timing = harness.measure(lambda: calls.append(time.sleep(0.03)), torch.device("cpu"), settings, warmed=1)
+    timing = harness.measure(lambda: calls.append(time.sleep(0.03)), torch.device("cpu"), settings, warmed=0.03)
     assert timing.repeats == 1 and timing.capped
     assert len(calls) == 1  # the verification call already warmed it up: no extra warm-up
 
