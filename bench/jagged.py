@@ -138,17 +138,17 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         num_seqs, dim, dtypes = (1024, 128, (torch.bfloat16,)) if quick else (8192, 128, (torch.bfloat16, torch.float32))
         small_seqs, small_dim = (128, 64) if quick else (512, 128)
     else:
-        num_seqs, dim, dtypes = (256, 64, (torch.float32,)) if quick else (2048, 128, (torch.float32,))
-        small_seqs, small_dim = (64, 32) if quick else (256, 64)
+        num_seqs, dim, dtypes = (128, 64, (torch.float32,)) if quick else (2048, 128, (torch.float32,))
+        small_seqs, small_dim = (32, 32) if quick else (256, 64)
     # Input sets rotated per impl: 2 for the large inputs (each far larger than any cache), 3 for the small.
     num_sets, small_sets = 2, (2 if quick else 3)
     fbgemm_why = _fbgemm_reason(device)
     notes = [fbgemm_why] if fbgemm_why else []
     max_len = MAX_LEN
-    gen = torch.Generator().manual_seed(SEED + 1)
+    gen = torch.Generator(device=device).manual_seed(SEED + 1)
 
     def randn(*shape, dtype):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
     def pad(values):
         # Inputs of padded_to_jagged: zero past each length, as a real padded batch (aten: fast, and
