@@ -5,9 +5,11 @@ objects (see bench/__init__.py for the contract). The harness, per case:
   1. verifies: when ``Case.reference`` names an impl, calls every impl once and compares its output
      with the reference's; a mismatch or an exception is reported loudly and that impl is not timed
      (a bench that times wrong answers is worse than none);
-  2. times every remaining impl (``measure``): warm-up, then repeats until both a minimum count and
-     a minimum time are reached, or a maximum time is (fewer repeats rather than a hang); CUDA events
-     on GPU, ``time.perf_counter`` on CPU; the garbage collector off while timing;
+  2. times every remaining impl: warm-up, then repeats until both a minimum count and a minimum
+     time are reached, or a maximum time is (fewer repeats rather than a hang); the garbage collector
+     off while timing. CPU (``measure_interleaved``): ``time.perf_counter`` per call, the impls
+     interleaved round-robin so load from other processes hits all alike; GPU (``measure``): one impl
+     after the other, CUDA events around each call;
   3. turns the timings into rows (``make_row``): ms median/p10/p90, TFLOP/s and GB/s from the case's
      analytic flops and minimum bytes, % of the measured peak, speedup vs the case's baseline.
 A family runs under a time budget (``Budget``): each impl's maximum time shrinks to what is left, and
@@ -237,6 +239,57 @@ def _measure_cuda(fn, device: torch.device, settings: Settings, deadline: float,
             return Timing(times, capped=True)
 
 
+def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, max_times: dict[str, float],
+                        warmed: dict[str, float] | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
+    """CPU: time several impls round-robin, one call each per round, so that load from other
+    processes (which drifts over seconds on a shared machine) hits every impl alike and the
+    speedups stay fair. Each impl gets its own warm-up and stops on its own (``min_repeats`` calls
+    AND ``min_time`` seconds of its calls, or ``max_times[name]`` seconds of its own time, warm-up
+    included). Returns the timings and the exceptions of impls that raised (those are dropped)."""
+    warmed = warmed or {}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    spent: dict[str, float] = {name: 0.0 for name in fns}
+    capped: dict[str, bool] = {name: False for name in fns}
+    failed: dict[str, Exception] = {}
+    try:
+        for name, fn in fns.items():  # warm-up, as in measure()
+            last = warmed.get(name)
+            try:
+                while not (last is not None and (spent[name] >= settings.warmup_time
+                                                 or spent[name] + last >= max_times[name] / 4)):
+                    t0 = time.perf_counter()
+                    fn()
+                    last = time.perf_counter() - t0
+                    spent[name] += last
+            except Exception as exc:
+                failed[name] = exc
+        active = [name for name in fns if name not in failed]
+        while active:
+            for name in list(active):
+                t0 = time.perf_counter()
+                try:
+                    fns[name]()
+                except Exception as exc:
+                    failed[name] = exc
+                    active.remove(name)
+                    continue
+                dt = time.perf_counter() - t0
+                times[name].append(dt)
+                spent[name] += dt
+                if len(times[name]) >= settings.min_repeats and sum(times[name]) >= settings.min_time:
+                    active.remove(name)
+                elif spent[name] >= max_times[name]:
+                    capped[name] = True
+                    active.remove(name)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {name: Timing(times[name], capped[name]) for name in fns if name not in failed}, failed
+
+
 # ---------------------------------------------------------------------------------------------
 # Verification
 # ---------------------------------------------------------------------------------------------
@@ -460,24 +513,44 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         del expected
     rows = []
     names = list(impls)
-    for i, impl in enumerate(names):
-        left = budget.left()
-        # An even share of what is left, keeping about one more case's worth for the cases after this one.
-        max_time = min(settings.max_time, max(left, 0.0) / (len(names) - i + len(names)))
-        log_prefix = f"{tag} {i + 1}/{len(names)} {case.op} {dtype_name(case.dtype)} {impl}"
-        try:
-            timing = measure(impls[impl], device, settings, max_time=max(max_time, 1e-3), warmed=warmed.get(impl))
-        except Exception as exc:
-            msg = f"{case.op} [{case.shape}] impl {impl!r} raised while timing: {type(exc).__name__}: {exc}"
-            result.errors.append(msg)
-            log(f"{log_prefix}: ERROR {type(exc).__name__}: {exc}")
-            continue
+
+    def add_row(i: int, impl: str, timing: Timing) -> None:
         row = make_row(family, case, impl, timing, device, peaks, git_sha, timestamp)
         rows.append(row)
         extra = f" {row['gbps']:.1f} GB/s" if row["gbps"] is not None else ""
-        extra += f" {row['tflops']:.3f} TFLOP/s" if row["tflops"] is not None else ""
-        log(f"{log_prefix}: {row['ms']:.3f} ms (p10 {row['ms_p10']:.3f}, p90 {row['ms_p90']:.3f}, "
-            f"n={row['repeats']}{', capped' if timing.capped else ''}){extra}")
+        extra += f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
+        log(f"{tag} {i + 1}/{len(names)} {case.op} {dtype_name(case.dtype)} {impl}: {row['ms']:.3f} ms "
+            f"(p10 {row['ms_p10']:.3f}, p90 {row['ms_p90']:.3f}, n={row['repeats']}"
+            f"{', capped' if timing.capped else ''}){extra}")
+
+    def timing_error(i: int, impl: str, exc: Exception) -> None:
+        msg = f"{case.op} [{case.shape}] impl {impl!r} raised while timing: {type(exc).__name__}: {_first_line(exc)}"
+        result.errors.append(msg)
+        log(f"{tag} {i + 1}/{len(names)} {case.op} {impl}: ERROR {type(exc).__name__}: {_first_line(exc)}")
+
+    if device.type == "cpu":
+        # Interleaved; each impl's cap is an even share of what is left, keeping about one more
+        # case's worth for the cases after this one.
+        cap = max(1e-3, min(settings.max_time, max(budget.left(), 0.0) / (2 * len(names))))
+        log(f"{tag} timing {case.op} {dtype_name(case.dtype)} [{case.shape}]: {', '.join(names)} (interleaved)")
+        timings, failed = measure_interleaved({n: impls[n] for n in names}, settings, {n: cap for n in names},
+                                              warmed)
+        for i, impl in enumerate(names):
+            if impl in failed:
+                timing_error(i, impl, failed[impl])
+            else:
+                add_row(i, impl, timings[impl])
+    else:
+        for i, impl in enumerate(names):
+            # An even share of what is left, keeping about one more case's worth for later cases.
+            max_time = min(settings.max_time, max(budget.left(), 0.0) / (len(names) - i + len(names)))
+            try:
+                timing = measure(impls[impl], device, settings, max_time=max(max_time, 1e-3),
+                                 warmed=warmed.get(impl))
+            except Exception as exc:
+                timing_error(i, impl, exc)
+                continue
+            add_row(i, impl, timing)
     fill_speedups(rows)
     if case.baseline not in {row["impl"] for row in rows}:
         msg = f"baseline {case.baseline!r} was not timed, so no speedups"

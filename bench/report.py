@@ -97,7 +97,7 @@ def table_lines(rows: list[dict]) -> list[str]:
             pct += " (bw)" if r["peak"] == "bandwidth" else " (mm)"
         cells = [r["family"], r["op"], r["shape"], r["dtype"], r["impl"], f"{r['ms']:.3f}",
                  f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}", f"{r['repeats']}{'*' if r['capped'] else ''}",
-                 _fmt(r["tflops"], ".3f"), _fmt(r["gbps"], ".1f"), pct, f"{speedup} vs {r['baseline']}"]
+                 _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), pct, f"{speedup} vs {r['baseline']}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 

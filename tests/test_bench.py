@@ -94,6 +94,28 @@ def test_measure_makes_one_timed_call_when_a_single_call_exceeds_max_time():
     assert len(calls) == 1  # the verification call already warmed it up: no extra warm-up
 
 
+def test_measure_interleaved_alternates_impls_and_stops_each_on_its_own():
+    order = []
+
+    def make(name, seconds):
+        def fn():
+            order.append(name)
+            time.sleep(seconds)
+        return fn
+
+    def broken():
+        raise RuntimeError("boom")
+
+    settings = harness.Settings(min_repeats=4, min_time=0.0, max_time=5.0, warmup_time=0.0)
+    fns = {"a": make("a", 0.001), "b": make("b", 0.001), "slow": make("slow", 0.05), "broken": broken}
+    timings, failed = harness.measure_interleaved(fns, settings, {"a": 5.0, "b": 5.0, "slow": 0.12, "broken": 5.0})
+    assert set(failed) == {"broken"} and "boom" in str(failed["broken"])
+    assert timings["a"].repeats == 4 and timings["b"].repeats == 4 and not timings["a"].capped
+    timed = order[3:]  # after one warm-up call each of a, b, slow
+    assert timed[:3] == ["a", "b", "slow"] and timed[3:6] == ["a", "b", "slow"]  # round-robin
+    assert timings["slow"].capped and 1 <= timings["slow"].repeats < 4
+
+
 def test_compare_reports_mismatches():
     a = torch.arange(6.0).view(2, 3)
     assert harness.compare(a.clone(), a, dict(atol=0, rtol=0), torch.float32) is None
