@@ -112,17 +112,21 @@ def main(argv: list[str] | None = None) -> int:
     timestamp = report.utc_timestamp()
     sha = report.git_sha()
     load_start = os.getloadavg()
-    harness.log(f"[bench] load average {load_start[0]:.1f} on {os.cpu_count()} cores; device {device}, {'quick' if args.quick else 'full'} mode, families {names}, "
-                f"torch threads {torch.get_num_threads()}, git {sha}, allocator: {allocator}")
+    harness.log(f"[bench] {'quick' if args.quick else 'full'} run on {device}, families {names}, git {sha}; "
+                f"load average {load_start[0]:.1f} on {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
+                f"allocator: {allocator}")
     peaks = measure_peaks(device, args.quick)
     settings = harness.Settings.for_run(args.quick, args.repeats)
     families = []
     modules = {}
     for name in names:
         module, why = load_family(name)
-        if module is None:
+        if module is None and why.endswith("does not exist yet"):
             harness.log(f"[{name}] skipped: {why}")
             families.append(harness.FamilyResult(name, "skipped", notes=[f"skipped: {why}"]))
+        elif module is None:
+            harness.log(f"[{name}] ERROR: {why}")
+            families.append(harness.FamilyResult(name, "failed", errors=[why]))
         else:
             modules[name] = module
     for i, (name, module) in enumerate(modules.items()):

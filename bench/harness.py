@@ -186,7 +186,7 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings, max
     gc.disable()
     try:
         start = time.perf_counter()
-        n_warm, last = 0, warmed
+        last = warmed
         while True:
             elapsed = time.perf_counter() - start
             if last is not None and (elapsed >= settings.warmup_time or elapsed + last >= max_time / 4):
@@ -195,7 +195,6 @@ def measure(fn: Callable[[], Any], device: torch.device, settings: Settings, max
             fn()
             _sync(device)
             last = time.perf_counter() - t0
-            n_warm += 1
         estimate = last
         if device.type == "cuda":
             return _measure_cuda(fn, device, settings, start + max_time, estimate)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import harness
-from bench.__main__ import FAMILIES
+from bench.__main__ import FAMILIES, load_family
 
 REPO = Path(__file__).resolve().parent.parent
 ROW_FIELDS = ("op", "shape", "dtype", "device", "impl", "ms", "ms_p10", "ms_p90", "tflops", "gbps", "pct_peak",
@@ -193,6 +193,18 @@ def test_run_family_matmul_peak_and_skip_and_budget():
                                 peaks, "sha", "ts")
     assert result.status == "partial" and not result.rows
     assert "budget" in result.notes[-1]
+
+
+def test_load_family_reports_missing_and_broken_modules(tmp_path, monkeypatch):
+    (tmp_path / "gk_broken_family.py").write_text("raise ImportError('needs gem_kernels.not_there')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(FAMILIES, "broken", "gk_broken_family")
+    monkeypatch.setitem(FAMILIES, "missing", "gk_no_such_family")
+    module, why = load_family("broken")
+    assert module is None and "failed to import" in why and "not_there" in why
+    module, why = load_family("missing")
+    assert module is None and why.endswith("does not exist yet")
+    assert load_family("jagged")[0] is not None
 
 
 def test_lognormal_workload_is_fixed_and_capped():
