@@ -146,22 +146,37 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def reuse_freed_memory() -> str | None:
     """Make glibc malloc keep freed blocks for reuse (no mmap for large blocks, no trimming), the
     way CUDA's caching allocator (and jemalloc/tcmalloc in CPU production) do. Without it every
     large CPU output (a 0.5 GiB padded batch) is a fresh mmap whose first touch page-faults and
     zeroes every page in the kernel, which costs more than the op itself and is the same for every
-    impl. Returns a description for the results, or None when this is not glibc."""
-    import ctypes
-    import ctypes.util
-
+    impl. The harness gives the memory back between cases (``release_freed_memory``). Returns a
+    description for the results, or None when this is not glibc."""
+    libc = _libc()
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
-    except (OSError, AttributeError):
+    if libc is None or libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
         return None
-    return "glibc mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1): freed blocks are reused" if ok else None
+    return "glibc mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1): freed blocks are reused within a case"
+
+
+def release_freed_memory() -> None:
+    """Return the free heap memory kept by ``reuse_freed_memory`` to the OS (glibc malloc_trim)."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _sync(device: torch.device) -> None:
@@ -440,6 +455,8 @@ def run_family(name: str, cases: Iterator[Case], device: torch.device, settings:
             # Drop the previous case (its inputs) before the generator builds the next one.
             case = None
             case = next(cases, None)
+            if device.type == "cpu":  # the previous case's outputs and inputs are free now
+                release_freed_memory()
             if case is None:
                 break
             case_no += 1
