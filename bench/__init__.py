@@ -20,4 +20,8 @@ Reading the output: ``ms`` is the median of the timed repeats (p10-p90 shows the
 count; ``*`` marks an impl stopped by its time cap); GB/s and TFLOP/s divide the analytic minimum
 bytes / FLOPs by the median time; % peak is relative to the measured copy bandwidth ("bw") for
 data-movement ops or to the dtype's measured matmul peak ("mm"); speedup = baseline ms / impl ms.
+On CPU the impls of a case are timed interleaved (round-robin), so load from other processes hits all
+alike, and faults/call counts minor page faults per call: glibc maps every block over 32 MiB afresh,
+so an op returning a large tensor (a padded batch) pays a first-touch fault per 4 KiB page on every
+call, the same for every impl, and on a VM that can cost more than the copy itself.
 """

@@ -36,9 +36,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="minimum timed repeats per impl (default 10, quick 5; the per-impl time cap still applies)")
-    parser.add_argument("--fresh-pages", action="store_true",
-                        help="CPU: keep glibc's default malloc, so every large output is a fresh mmap that "
-                             "page-faults on first touch (by default freed blocks are reused, as on GPU)")
     args = parser.parse_args(argv)
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
@@ -100,11 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA device is visible", file=sys.stderr)
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    allocator = "default"
     if device.type == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
-        if not args.fresh_pages:
-            allocator = harness.reuse_freed_memory() or "default (mallopt unavailable)"
     names = args.families or list(FAMILIES)
     if args.list:
         return list_families(names, args.quick, device)
@@ -113,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     sha = report.git_sha()
     load_start = os.getloadavg()
     harness.log(f"[bench] {'quick' if args.quick else 'full'} run on {device}, families {names}, git {sha}; "
-                f"load average {load_start[0]:.1f} on {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
-                f"allocator: {allocator}")
+                f"load average {load_start[0]:.1f} on {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     peaks = measure_peaks(device, args.quick)
     settings = harness.Settings.for_run(args.quick, args.repeats)
     families = []
@@ -154,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": report.machine_info(device),
         "peaks": peaks,
         "settings": vars(settings),
-        "allocator": allocator,
         # Other processes on the machine skew timings (a 2-core box shared by several people): recorded.
         "loadavg_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
         "families": [{"name": f.name, "status": f.status, "seconds": f.seconds, "notes": f.notes,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,7 @@ class Settings:
 class Timing:
     times: list[float]  # seconds, one per timed call
     capped: bool  # stopped by the maximum time before the minimum count/time was reached
+    page_faults: float | None = None  # CPU: mean minor page faults per timed call (fresh output pages)
 
     @property
     def repeats(self) -> int:
@@ -144,39 +146,6 @@ def percentile(values: list[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-def reuse_freed_memory() -> str | None:
-    """Make glibc malloc keep freed blocks for reuse (no mmap for large blocks, no trimming), the
-    way CUDA's caching allocator (and jemalloc/tcmalloc in CPU production) do. Without it every
-    large CPU output (a 0.5 GiB padded batch) is a fresh mmap whose first touch page-faults and
-    zeroes every page in the kernel, which costs more than the op itself and is the same for every
-    impl. The harness gives the memory back between cases (``release_freed_memory``). Returns a
-    description for the results, or None when this is not glibc."""
-    libc = _libc()
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    if libc is None or libc.mallopt(M_MMAP_MAX, 0) != 1 or libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
-        return None
-    return "glibc mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2^31-1): freed blocks are reused within a case"
-
-
-def release_freed_memory() -> None:
-    """Return the free heap memory kept by ``reuse_freed_memory`` to the OS (glibc malloc_trim)."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 def _sync(device: torch.device) -> None:
@@ -265,6 +234,7 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, m
     gc.collect()
     gc.disable()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, int] = {name: 0 for name in fns}
     spent: dict[str, float] = {name: 0.0 for name in fns}
     capped: dict[str, bool] = {name: False for name in fns}
     failed: dict[str, Exception] = {}
@@ -283,6 +253,7 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, m
         active = [name for name in fns if name not in failed]
         while active:
             for name in list(active):
+                f0 = _minor_faults()
                 t0 = time.perf_counter()
                 try:
                     fns[name]()
@@ -291,6 +262,7 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, m
                     active.remove(name)
                     continue
                 dt = time.perf_counter() - t0
+                faults[name] += _minor_faults() - f0
                 times[name].append(dt)
                 spent[name] += dt
                 if len(times[name]) >= settings.min_repeats and sum(times[name]) >= settings.min_time:
@@ -301,7 +273,16 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, m
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {name: Timing(times[name], capped[name]) for name in fns if name not in failed}, failed
+    timings = {name: Timing(times[name], capped[name], faults[name] / len(times[name]))
+               for name in fns if name not in failed}
+    return timings, failed
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: first touches of freshly mapped memory. On CPU a
+    large output (glibc mmaps every block over 32 MiB and unmaps it on free) faults in every page
+    on every call, which can cost more than the copy itself; the rows record it per call."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +367,7 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         "ms_p90": timing.p90_ms,
         "repeats": timing.repeats,
         "capped": timing.capped,
+        "page_faults_per_call": timing.page_faults,
         "flops": case.flops,
         "bytes": case.bytes,
         "tflops": tflops,
@@ -455,8 +437,6 @@ def run_family(name: str, cases: Iterator[Case], device: torch.device, settings:
             # Drop the previous case (its inputs) before the generator builds the next one.
             case = None
             case = next(cases, None)
-            if device.type == "cpu":  # the previous case's outputs and inputs are free now
-                release_freed_memory()
             if case is None:
                 break
             case_no += 1
@@ -537,7 +517,8 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         extra += f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
         log(f"{tag} {i + 1}/{len(names)} {case.op} {dtype_name(case.dtype)} {impl}: {row['ms']:.3f} ms "
             f"(p10 {row['ms_p10']:.3f}, p90 {row['ms_p90']:.3f}, n={row['repeats']}"
-            f"{', capped' if timing.capped else ''}){extra}")
+            f"{', capped' if timing.capped else ''}){extra}"
+            + (f", {timing.page_faults:.0f} page faults/call" if timing.page_faults else ""))
 
     def timing_error(i: int, impl: str, exc: Exception) -> None:
         msg = f"{case.op} [{case.shape}] impl {impl!r} raised while timing: {type(exc).__name__}: {_first_line(exc)}"

@@ -85,7 +85,7 @@ def _fmt(value, spec: str) -> str:
 
 
 COLUMNS = ("family", "op", "shape", "dtype", "impl", "ms", "p10-p90 ms", "n", "TFLOP/s", "GB/s", "% peak",
-           "speedup")
+           "speedup", "faults/call")
 
 
 def table_lines(rows: list[dict]) -> list[str]:
@@ -97,7 +97,8 @@ def table_lines(rows: list[dict]) -> list[str]:
             pct += " (bw)" if r["peak"] == "bandwidth" else " (mm)"
         cells = [r["family"], r["op"], r["shape"], r["dtype"], r["impl"], f"{r['ms']:.3f}",
                  f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}", f"{r['repeats']}{'*' if r['capped'] else ''}",
-                 _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), pct, f"{speedup} vs {r['baseline']}"]
+                 _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), pct, f"{speedup} vs {r['baseline']}",
+                 _fmt(r.get("page_faults_per_call"), ".0f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
@@ -113,14 +114,15 @@ def markdown(result: dict) -> str:
         f"gem_kernels {m['gem_kernels']} (backends {m['gem_kernels_backends']})",
         f"- measured peaks: matmul TFLOP/s {mm} (n={p['sizes']['matmul_n']}); copy {p['copy_gbps']:.1f} GB/s "
         f"({p['sizes']['copy_mib']} MiB, read+write counted)",
-        f"- CPU allocator: {result.get('allocator', 'default')}; 1-min load average {result['loadavg_1min']['start']:.1f} "
-        f"at start, {result['loadavg_1min']['end']:.1f} at end (above the core count = other processes compete)",
+        f"- 1-min load average {result['loadavg_1min']['start']:.1f} at start, {result['loadavg_1min']['end']:.1f} at end "
+        f"(above the core count: other processes compete for the CPU and the timings are noisy)",
         f"- mode: {'quick' if result['quick'] else 'full'}; families: "
         + ", ".join(f"{f['name']} {f['status']} ({f['seconds']:.1f} s)" for f in result["families"]),
         "",
         "ms = median; n = timed repeats (* = stopped by the per-impl time cap); GB/s = minimum bytes / median time; "
         "% peak of the measured copy bandwidth (bw) or the dtype's matmul peak (mm); "
-        "speedup = baseline ms / impl ms.",
+        "speedup = baseline ms / impl ms; faults/call = minor page faults per call (CPU: first touches of fresh "
+        "output pages, which glibc maps anew for every block over 32 MiB).",
         "",
         *table_lines(result["rows"]),
     ]

@@ -250,6 +250,7 @@ def test_quick_jagged_run_writes_results(tmp_path):
         assert row["ms"] > 0 and row["ms_p10"] <= row["ms"] <= row["ms_p90"]
         assert row["device"] == "cpu" and row["baseline"] == "aten"
         assert row["gbps"] > 0
+        assert row["page_faults_per_call"] is not None and row["page_faults_per_call"] >= 0
     cpu_rows = [r for r in rows if r["impl"] == "cpu" and r["op"] == "jagged_to_padded"]
     assert cpu_rows, "the cpu backend was not timed"
     aten = {(r["op"], r["shape"], r["dtype"]): r["ms"] for r in rows if r["impl"] == "aten"}
