@@ -22,6 +22,8 @@ bytes / FLOPs by the median time; % peak is relative to the measured copy bandwi
 data-movement ops or to the dtype's measured matmul peak ("mm"); speedup = baseline ms / impl ms.
 On CPU the impls of a case are timed interleaved (round-robin), so load from other processes hits all
 alike, and faults/call counts minor page faults per call: glibc maps every block over 32 MiB afresh,
-so an op returning a large tensor (a padded batch) pays a first-touch fault per 4 KiB page on every
-call, the same for every impl, and on a VM that can cost more than the copy itself.
+so an op returning a large tensor (a padded batch) pays a first-touch fault per page on every call,
+the same for every impl; with 4 KiB pages on a VM that costs more than the copy itself. The bench
+therefore sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (transparent huge pages for large tensors, 512x
+fewer faults) unless told ``--no-thp``; the results record which.
 """

@@ -36,6 +36,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="minimum timed repeats per impl (default 10, quick 5; the per-impl time cap still applies)")
+    parser.add_argument("--no-thp", action="store_true",
+                        help="CPU: keep PyTorch's default allocation (by default the bench sets THP_MEM_ALLOC_ENABLE=1 "
+                             "unless it is already set, backing large tensors with transparent huge pages so that a "
+                             "fresh output faults once per 2 MiB rather than once per 4 KiB page)")
     args = parser.parse_args(argv)
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
@@ -87,6 +91,11 @@ def list_families(names: list[str], quick: bool, device) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     run_start = time.perf_counter()
+    if not args.no_thp:
+        # Read by PyTorch's CPU allocator once, at its first allocation: so before importing torch. A
+        # fresh large output otherwise page-faults every 4 KiB page on every call (~4 us each on this
+        # VM), which dwarfs the copy itself and hides the kernels' differences.
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
     import torch
 
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": vars(settings),
         # Other processes on the machine skew timings (a 2-core box shared by several people): recorded.
         "loadavg_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
+        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
         "families": [{"name": f.name, "status": f.status, "seconds": f.seconds, "notes": f.notes,
                       "errors": f.errors, "mismatches": f.mismatches} for f in families],
         "rows": [row for f in families for row in f.rows],

@@ -115,7 +115,8 @@ def markdown(result: dict) -> str:
         f"- measured peaks: matmul TFLOP/s {mm} (n={p['sizes']['matmul_n']}); copy {p['copy_gbps']:.1f} GB/s "
         f"({p['sizes']['copy_mib']} MiB, read+write counted)",
         f"- 1-min load average {result['loadavg_1min']['start']:.1f} at start, {result['loadavg_1min']['end']:.1f} at end "
-        f"(above the core count: other processes compete for the CPU and the timings are noisy)",
+        f"(above the core count: other processes compete for the CPU and the timings are noisy); "
+        f"THP_MEM_ALLOC_ENABLE={int(result.get('thp_mem_alloc', False))}",
         f"- mode: {'quick' if result['quick'] else 'full'}; families: "
         + ", ".join(f"{f['name']} {f['status']} ({f['seconds']:.1f} s)" for f in result["families"]),
         "",
