@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import gem_kernels as gk
-from bench.harness import Case, rotate
+from .harness import Case, rotate
 from gem_kernels import flops as gk_flops
 from gem_kernels.reference import attention as ref
 
@@ -82,7 +82,7 @@ def _padded_sdpa_inputs(args, causal):
 def _fwd(fn):
     def run():
         with torch.no_grad():
-            fn()
+            return fn()
     return run
 
 
@@ -112,7 +112,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
             variants.append(("softmax", False, False))  # non-causal: the one nested-tensor SDPA can run
         for kind, with_bias, causal in variants:
             sets = [_inputs(lengths, max_seq_len, dtype, device, with_bias, seed) for seed in range(2)]
-            for backward in (False, True):
+            for backward in (False, True) if causal else (False,):
                 yield _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, real_density, device, dtype)
 
 
@@ -145,9 +145,15 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
     if kind == "softmax":
         padded_sets = [_padded_sdpa_inputs(a, causal) for a in sets]
 
+        seq_ids, pos = ref._pad(args0["q"].detach(), args0["seq_offsets"], max_seq_len)[1]
+
         def sdpa_call(padded, mask):
             q, k, v = padded
-            return wrap(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), [q, k, v])
+            if backward:
+                return wrap(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), [q, k, v])
+            # Forward: unpad the output too (a jagged caller needs it; also lets the harness verify it).
+            return wrap(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)[seq_ids, pos],
+                        [q, k, v])
         impls["sdpa"] = _cycle([sdpa_call(*p) for p in padded_sets])
         baseline = "sdpa"
         if not causal and not with_bias:
@@ -156,7 +162,7 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
                        for n in ("q", "k", "v")]
 
                 def fn():
-                    return F.scaled_dot_product_attention(*nts).values()
+                    return F.scaled_dot_product_attention(*nts).transpose(1, 2).values()
                 return wrap(fn, [args["q"], args["k"], args["v"]])
             impls["nested"] = _cycle([nested_call(a) for a in sets])
         else:
@@ -168,8 +174,13 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
     bias_txt = " +pos/time bias" if with_bias else ""
     shape = (f"B={lengths.numel()} max_seq_len={max_seq_len} dense={density:.2f} H={H} D={D} "
              f"{'causal' if causal else 'full'}{bias_txt}")
+    # Forward outputs are checked against the reference twin before timing (fwd+bwd callables return
+    # nothing; their gradients are covered by tests/test_attention.py).
+    check = not backward and "reference" in impls
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     return Case(op=f"jagged_attention_{kind}_{'fwd_bwd' if backward else 'fwd'}", shape=shape, dtype=dtype,
-                flops=flops, bytes=nbytes, impls=impls, baseline=baseline, peak="matmul", notes=notes)
+                flops=flops, bytes=nbytes, impls=impls, baseline=baseline, peak="matmul", notes=notes,
+                reference="reference" if check else None, tolerance=tolerance if check else None)
 
 
 def _cycle(calls):
