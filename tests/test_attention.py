@@ -101,7 +101,8 @@ def make_inputs(lengths, *, H=2, D=8, Dv=None, dtype=torch.float32, device="cpu"
     if pos_heads:
         inputs["pos_bias"] = (0.5 * torch.randn(pos_heads, 2 * M - 1, generator=g)).to(device).requires_grad_(True)
     if time_heads:
-        inputs["time_bias"] = (0.5 * torch.randn(time_heads, NUM_BUCKETS + 1, generator=g)).to(device).requires_grad_(True)
+        time_bias = 0.5 * torch.randn(time_heads, NUM_BUCKETS + 1, generator=g)
+        inputs["time_bias"] = time_bias.to(device).requires_grad_(True)
         # Spread over ~e^(0.301*NUM_BUCKETS) so every bucket, the clamped last one included, occurs.
         inputs["timestamps"] = torch.randint(0, 40, (N,), generator=g).to(device) ** 2
     if targets is not None:

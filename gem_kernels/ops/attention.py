@@ -185,9 +185,12 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         pos_bias: [H or 1, 2 * max_seq_len - 1] float, or None.
         time_bias: [H or 1, num_buckets + 1] float, or None; needs timestamps.
         timestamps: [N] int32/int64 (one per row), required with time_bias.
-        deterministic: make the backward bit-identical run to run (the cpu and reference backends
-            always are; GPU backends then avoid atomics).
+        deterministic: make the backward bit-identical run to run. The cpu and reference backends
+            always are; triton never uses atomics for dq/dk/dv but adds the bias gradients with fp32
+            atomics, so with a bias it raises NotImplementedError under deterministic=True.
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+            "cuda" has the forward only: it is refused when a gradient is needed, and "auto" then
+            takes triton on CUDA tensors.
 
     Returns:
         out [N, H, Dv] in q's dtype, differentiable w.r.t. q, k, v, pos_bias and time_bias. Softmax

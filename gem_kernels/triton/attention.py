@@ -169,7 +169,8 @@ def _jagged_attention_bwd_kernel(
     stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
     H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
     KV_PASS: tl.constexpr, SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """KV_PASS: program = one key block -> dk, dv (+ bias grads by atomics). Else: one query block -> dq."""
