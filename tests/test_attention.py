@@ -304,6 +304,23 @@ def test_deterministic_backward_is_bit_identical(device, backend, kind):
         assert torch.equal(a, b)
 
 
+def test_cpu_backward_is_independent_of_thread_count():
+    """Per-item bias partials reduced in item order: 1 and 2 threads give the same bits."""
+    # ~7e7 FLOPs: enough work that the kernel does use a second thread (it stays on one below ~2^24 a thread).
+    inputs = make_inputs([150, 3, 200, 17, 90], H=4, D=64, pos_heads=1, time_heads=4, targets=[3, 0, 9, 1, 0])
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, grads = run(inputs, "cpu", kind="softmax", contextual_len=2, deterministic=True)
+            results.append([out, *grads])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 def test_int32_offsets_and_targets_and_timestamps(device, backend):
     skip_if_interpreted(device, backend)
