@@ -10,6 +10,18 @@ TORCH_LIBRARY(gem_kernels, m) {
   // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
   m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
   m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
+
+  // interaction: dot interaction x [B, F, D] -> [B, P]; cross layer (u [N, N] or u [N, r] + v [r, N],
+  // v empty for full rank) -> (out, z, p); fm_compress x [B, F, D], y [F, k] -> (out, mean, rstd)
+  m.def("dot_interaction_native(Tensor x, bool self_interaction) -> Tensor");
+  m.def("dot_interaction_backward_native(Tensor grad_out, Tensor x, bool self_interaction) -> Tensor");
+  m.def("cross_layer_native(Tensor x0, Tensor xl, Tensor u, Tensor v, Tensor bias) -> (Tensor, Tensor, Tensor)");
+  m.def("cross_layer_backward_native(Tensor grad_out, Tensor x0, Tensor xl, Tensor u, Tensor v, Tensor z, "
+        "Tensor p) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fm_compress_native(Tensor x, Tensor y, Tensor ln_weight, Tensor ln_bias, float eps) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("fm_compress_backward_native(Tensor grad_out, Tensor x, Tensor y, Tensor ln_weight, Tensor mean, "
+        "Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

@@ -13,7 +13,9 @@ from ._backend import (
     get_backend,
     use_backend,
 )
+from .ops.interaction import cross_layer, dot_interaction, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -25,5 +27,9 @@ __all__ = [
     "use_backend",
     "jagged_to_padded",
     "padded_to_jagged",
+    "dot_interaction",
+    "cross_layer",
+    "fm_compress",
+    "nn",
     "__version__",
 ]
