@@ -7,7 +7,7 @@ Wukong FM + LayerNorm, differentiated by autograd; the speedup baseline) and "co
 torch.compile of that eager function (default inductor mode). Every impl is checked against eager
 (fp32 reassociation tolerance) before it is timed.
 
-Workload (issue 5), scaled to fit the bench budget on a small CPU: B = 4096 (2048 for F = 128),
+Workload (issue 5), scaled to fit the bench budget on a small CPU: B = 4096 (1024 for F = 128),
 F = 27 and 128 embeddings, D = 64 and 128, fp32; on a GPU B = 16384 in bf16 and fp32. Cross layer:
 N = 512 full rank and N = 1024 at rank 64. WukongLayer: 27 -> 16 FM + 16 LCB embeddings of dim 64
 (a residual projection), fm_rank 8, MLP hidden 256.
@@ -93,64 +93,57 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     if device.type == "cuda":
         dtypes, batch, big_batch = (torch.bfloat16, torch.float32), 16384, 16384
     else:
-        dtypes, batch, big_batch = (torch.float32,), 4096, 2048
+        dtypes, batch, big_batch = (torch.float32,), 4096, 1024
     if quick:
         batch = big_batch = 128
-    dot_shapes = [(batch, 27, 64)] if quick else [(batch, 27, 64), (batch, 27, 128), (big_batch, 128, 64)]
-    cross_shapes = [(batch, 64, None), (batch, 128, 16)] if quick else [(batch, 512, None), (batch, 1024, 64)]
-    fm_shapes = [(batch, 27, 64, 8)] if quick else [(batch, 27, 64, 16), (big_batch, 128, 64, 16)]
 
-    for dtype in dtypes:
-        elem = torch.empty((), dtype=dtype).element_size()
-        for B, F, D in dot_shapes:
-            x_sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
-            P = F * (F - 1) // 2
-            grads = [randn(B, P, dtype=dtype) for _ in range(num_sets)]
-            impls = _impls(device, lambda b: (lambda x: gk.dot_interaction(x, backend=b)),
-                           eager_ref.eager_dot_interaction, quick)
-            yield from _cases_of("dot_interaction", f"B={B} F={F} D={D}", dtype,
-                                 flops.dot_interaction(B, F, D, False, elem),
-                                 flops.dot_interaction(B, F, D, False, elem, backward=True), impls, x_sets, grads)
+    def dot(B, F, D, dtype, elem):
+        x_sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
+        grads = [randn(B, F * (F - 1) // 2, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x: gk.dot_interaction(x, backend=b)),
+                       eager_ref.eager_dot_interaction, quick)
+        yield from _cases_of("dot_interaction", f"B={B} F={F} D={D}", dtype,
+                             flops.dot_interaction(B, F, D, False, elem),
+                             flops.dot_interaction(B, F, D, False, elem, backward=True), impls, x_sets, grads)
 
-        for B, N, rank in cross_shapes:
-            scale = N ** -0.5
-            bias = randn(N, dtype=dtype, scale=0.1).requires_grad_(True)
-            if rank is None:
-                weight = randn(N, N, dtype=dtype, scale=scale).requires_grad_(True)
-                params = (weight, bias)
-            else:
-                weight = (randn(N, rank, dtype=dtype, scale=rank ** -0.5).requires_grad_(True),
-                          randn(rank, N, dtype=dtype, scale=scale).requires_grad_(True))
-                params = (*weight, bias)
-            sets = [(randn(B, N, dtype=dtype).requires_grad_(True), randn(B, N, dtype=dtype).requires_grad_(True))
-                    for _ in range(num_sets)]
-            grads = [randn(B, N, dtype=dtype) for _ in range(num_sets)]
-            impls = _impls(device, lambda b: (lambda x0, xl: gk.cross_layer(x0, xl, weight, bias, backend=b)),
-                           lambda x0, xl: eager_ref.eager_cross_layer(x0, xl, weight, bias), quick)
-            shape = f"B={B} N={N}" + (f" rank={rank}" if rank else "")
-            yield from _cases_of("cross_layer", shape, dtype, flops.cross_layer(B, N, rank, elem),
-                                 flops.cross_layer(B, N, rank, elem, backward=True), impls, sets, grads, params)
+    def cross(B, N, rank, dtype, elem):
+        bias = randn(N, dtype=dtype, scale=0.1).requires_grad_(True)
+        if rank is None:
+            weight = randn(N, N, dtype=dtype, scale=N ** -0.5).requires_grad_(True)
+            params = (weight, bias)
+        else:
+            weight = (randn(N, rank, dtype=dtype, scale=rank ** -0.5).requires_grad_(True),
+                      randn(rank, N, dtype=dtype, scale=N ** -0.5).requires_grad_(True))
+            params = (*weight, bias)
+        sets = [(randn(B, N, dtype=dtype).requires_grad_(True), randn(B, N, dtype=dtype).requires_grad_(True))
+                for _ in range(num_sets)]
+        grads = [randn(B, N, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x0, xl: gk.cross_layer(x0, xl, weight, bias, backend=b)),
+                       lambda x0, xl: eager_ref.eager_cross_layer(x0, xl, weight, bias), quick)
+        shape = f"B={B} N={N}" + (f" rank={rank}" if rank else "")
+        yield from _cases_of("cross_layer", shape, dtype, flops.cross_layer(B, N, rank, elem),
+                             flops.cross_layer(B, N, rank, elem, backward=True), impls, sets, grads, params)
 
-        for B, F, D, k in fm_shapes:
-            y = randn(F, k, dtype=dtype, scale=F ** -0.5).requires_grad_(True)
-            ln_w = (1 + randn(F * k, dtype=dtype, scale=0.1)).requires_grad_(True)
-            ln_b = randn(F * k, dtype=dtype, scale=0.1).requires_grad_(True)
-            x_sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
-            grads = [randn(B, F * k, dtype=dtype) for _ in range(num_sets)]
-            impls = _impls(device, lambda b: (lambda x: gk.fm_compress(x, y, ln_w, ln_b, backend=b)),
-                           lambda x: eager_ref.eager_fm_compress(x, y, ln_w, ln_b), quick)
-            yield from _cases_of("fm_compress", f"B={B} F={F} D={D} k={k}", dtype,
-                                 flops.fm_compress(B, F, D, k, elem), flops.fm_compress(B, F, D, k, elem, backward=True),
-                                 impls, x_sets, grads, (y, ln_w, ln_b))
+    def fm(B, F, D, k, dtype, elem):
+        y = randn(F, k, dtype=dtype, scale=F ** -0.5).requires_grad_(True)
+        ln_w = (1 + randn(F * k, dtype=dtype, scale=0.1)).requires_grad_(True)
+        ln_b = randn(F * k, dtype=dtype, scale=0.1).requires_grad_(True)
+        x_sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
+        grads = [randn(B, F * k, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x: gk.fm_compress(x, y, ln_w, ln_b, backend=b)),
+                       lambda x: eager_ref.eager_fm_compress(x, y, ln_w, ln_b), quick)
+        yield from _cases_of("fm_compress", f"B={B} F={F} D={D} k={k}", dtype,
+                             flops.fm_compress(B, F, D, k, elem), flops.fm_compress(B, F, D, k, elem, backward=True),
+                             impls, x_sets, grads, (y, ln_w, ln_b))
 
-        # A whole Wukong layer, forward + backward (the unit a model trains).
-        num_in, fm_out, lcb_out, dim, rank, hidden = (27, 16, 16, 64, 8, [256]) if not quick else (27, 8, 8, 32, 4, [64])
+    def wukong(B, num_in, fm_out, lcb_out, dim, rank, hidden, dtype, elem):
+        """A whole Wukong layer, forward + backward (the unit a model trains)."""
         layer = gk.nn.WukongLayer(num_in, fm_out, lcb_out, dim, rank, hidden, device=device, dtype=dtype)
         params = tuple(layer.parameters())
-        x_sets = [(randn(batch, num_in, dim, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
-        grads = [randn(batch, fm_out + lcb_out, dim, dtype=dtype) for _ in range(num_sets)]
+        x_sets = [(randn(B, num_in, dim, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
+        grads = [randn(B, fm_out + lcb_out, dim, dtype=dtype) for _ in range(num_sets)]
 
-        def fused(backend, layer=layer):
+        def fused(backend):
             def forward(x):
                 layer.backend = backend
                 return layer(x)
@@ -158,11 +151,23 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
 
         impls = _impls(device, fused, _eager_wukong(layer), quick)
         sets = [(inputs, grad) for inputs, grad in zip(x_sets, grads)]
+        work = flops.wukong_layer(B, num_in, fm_out, lcb_out, dim, rank, hidden, elem, backward=True)
         yield Case(op="WukongLayer fwd+bwd",
-                   shape=f"B={batch} in={num_in} fm={fm_out} lcb={lcb_out} D={dim} rank={rank} mlp={hidden}",
-                   dtype=dtype, flops=flops.wukong_layer(batch, num_in, fm_out, lcb_out, dim, rank, hidden, elem,
-                                                         backward=True)[0],
-                   bytes=flops.wukong_layer(batch, num_in, fm_out, lcb_out, dim, rank, hidden, elem, backward=True)[1],
+                   shape=f"B={B} in={num_in} fm={fm_out} lcb={lcb_out} D={dim} rank={rank} mlp={hidden}",
+                   dtype=dtype, flops=work[0], bytes=work[1],
                    impls={name: rotate(sets, lambda inputs, grad, fn=fn: _fwd_bwd(fn, inputs, grad, params))
                           for name, fn in impls.items()},
                    baseline="eager", peak="matmul", reference="eager", tolerance=TOLERANCE[dtype])
+
+    # Each op's headline shape first, then the larger ones, so a tight budget still covers every op.
+    if quick:
+        plan = [(dot, (batch, 27, 64)), (cross, (batch, 64, None)), (fm, (batch, 27, 64, 8)),
+                (wukong, (batch, 27, 8, 8, 32, 4, [64])), (cross, (batch, 128, 16))]
+    else:
+        plan = [(dot, (batch, 27, 64)), (cross, (batch, 512, None)), (fm, (batch, 27, 64, 16)),
+                (wukong, (batch, 27, 16, 16, 64, 8, [256])), (cross, (batch, 1024, 64)),
+                (dot, (big_batch, 128, 64)), (fm, (big_batch, 128, 64, 16)), (dot, (batch, 27, 128))]
+    for dtype in dtypes:
+        elem = torch.empty((), dtype=dtype).element_size()
+        for make, shape in plan:
+            yield from make(*shape, dtype, elem)

@@ -33,7 +33,7 @@ from .utils import (
 BACKEND_PARAMS = device_backend_params(IMPLEMENTED)
 
 # The Triton interpreter is slow: its backend runs a reduced set of the shapes below.
-TRITON_MAX_ELEMS = 4096
+TRITON_MAX_ELEMS = 12000
 
 
 def _skip_big_for_interpreter(backend, device, numel, dtype=torch.float32):
@@ -45,12 +45,18 @@ def _grads(out, inputs, grad_out):
     return torch.autograd.grad(out, inputs, grad_out)
 
 
+# NOTE: fp32 outputs here are sums of up to F*D = 127*200 products; a backend summing in another
+# order than the reference's bmm differs by a few ulps of the sum, above the table's 1e-5.
+FP32_SUM_TOL = dict(atol=5e-5, rtol=5e-5)
+
+
 def _check_all(actual_out, expected_out, actual_grads, expected_grads, dtype, names):
+    tol = FP32_SUM_TOL if dtype == torch.float32 else {}
     assert actual_out.shape == expected_out.shape and actual_out.dtype == expected_out.dtype
-    assert_close(actual_out, expected_out, dtype)
+    assert_close(actual_out, expected_out, dtype, **tol)
     for name, a, e in zip(names, actual_grads, expected_grads):
         assert a.shape == e.shape and a.dtype == e.dtype, name
-        assert_close(a, e, dtype, msg=lambda m, name=name: f"grad {name}: {m}")
+        assert_close(a, e, dtype, msg=lambda m, name=name: f"grad {name}: {m}", **tol)
 
 
 # ------------------------------------------------------------------------------------------------
