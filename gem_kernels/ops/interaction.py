@@ -19,7 +19,7 @@ from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 
 FAMILY = "interaction"
 # Backends with kernels for this family (see _backend.resolve_backend).
-IMPLEMENTED = ("reference", "cpu", "triton")
+IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
 
 
 def num_pairs(num_features: int, self_interaction: bool) -> int:
