@@ -185,8 +185,8 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
 // cross_layer: out = x0 * z + xl, z = p U^T + b, p = xl V^T (p = xl when v is empty)
 // ------------------------------------------------------------------------------------------------
 
-// Rows per epilogue task: [rows, N] blocks large enough to amortise scheduling.
-int64_t rows_grain(int64_t N) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, N)); }
+// Elements per epilogue task: enough to amortise scheduling.
+constexpr int64_t kEpilogueGrain = 16384;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor& x0, const at::Tensor& xl,
                                                                const at::Tensor& u, const at::Tensor& v,
@@ -209,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
     const scalar_t* zz = z.data_ptr<scalar_t>();
     const scalar_t* r = xl.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * N, rows_grain(1), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B * N, kEpilogueGrain, [&](int64_t begin, int64_t end) {
       _Pragma("omp simd")
       for (int64_t i = begin; i < end; ++i)
         o[i] = static_cast<scalar_t>(static_cast<float>(a[i]) * static_cast<float>(zz[i]) + static_cast<float>(r[i]));
@@ -284,10 +284,12 @@ struct FmDims {
 };
 
 // Per-sample scratch: X [Fp, Dp], At = (X^T Y)^T [kp, Dp], its transpose A [D, kq], S = X A [Fp, kq].
+// The backward keeps grad_A^T [kp, Dp] right below At (`at_rows` = 2 kp), so that
+// grad_X = [grad_S | Y] [At ; grad_A^T] is one product.
 struct FmScratch {
   std::vector<float> xs, at, a, s;
-  explicit FmScratch(const FmDims& d)
-      : xs(d.Fp * d.Dp), at(d.kp * d.Dp), a(d.D * d.kq, 0.f), s(d.Fp * d.kq) {}
+  FmScratch(const FmDims& d, int64_t at_rows)
+      : xs(d.Fp * d.Dp), at(at_rows * d.Dp, 0.f), a(d.D * d.kq, 0.f), s(d.Fp * d.kq) {}
 };
 
 // dst [D, kq] = src[:k, :D]^T for src [kp, Dp] (columns k..kq of dst stay zero).
@@ -334,7 +336,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(const at::Tensor&
     scalar_t* op = out.data_ptr<scalar_t>();
     float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
     at::parallel_for(0, d.B, grain_for(4 * d.F * d.D * d.k), [&](int64_t begin, int64_t end) {
-      FmScratch w(d);
+      FmScratch w(d, d.kp);
       for (int64_t b = begin; b < end; ++b) {
         fm_sample(d, xp + b * d.F * d.D, ytp, w);
         float sum = 0.f;
@@ -386,19 +388,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   if (d.B > 0) {
     auto yt = at::zeros({d.kp, d.F}, x.options().dtype(at::kFloat));
     yt.narrow(0, 0, d.k).copy_(y.t());
-    auto yp = at::zeros({d.Fp, d.kp}, x.options().dtype(at::kFloat));
-    yp.narrow(0, 0, d.F).narrow(1, 0, d.k).copy_(y);
+
     auto w32 = ln_weight.to(at::kFloat);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_backward_cpu", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const scalar_t* gp = grad_out.data_ptr<scalar_t>();
-      const float *ytp = yt.data_ptr<float>(), *ypp = yp.data_ptr<float>(), *wp = w32.data_ptr<float>();
+      const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>();
       const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
       at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-        FmScratch w(d);
-        std::vector<float> xhat(n), gh(n), ds(d.Fp * d.kp, 0.f), dst(d.kp * d.F, 0.f), dat(d.kp * d.Dp),
-            dx(d.Fp * d.Dp), da(d.D * d.kq, 0.f);
+        FmScratch w(d, 2 * d.kp);
+        float* dat = w.at.data() + d.kp * d.Dp;  // grad_A^T [kp, Dp]
+        // [grad_S | Y] [Fp, 2 kp]: the grad_S half is rewritten per sample, Y is fixed.
+        std::vector<float> xhat(n), gh(n), dsy(d.Fp * 2 * d.kp, 0.f), dst(d.kp * d.F, 0.f), dx(d.Fp * d.Dp),
+            da(d.D * d.kq, 0.f);
+        for (int64_t f = 0; f < d.F; ++f)
+          for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
         for (int64_t c = cb; c < ce; ++c) {
           float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
           float* gw = part_wb.data_ptr<float>() + c * 2 * n;
@@ -427,15 +432,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
               for (int64_t j = 0; j < d.k; ++j) {
                 const int64_t e = f * d.k + j;
                 const float v = rs * (gh[e] - c1 - xhat[e] * c2);
-                ds[f * d.kp + j] = v;
+                dsy[f * 2 * d.kp + j] = v;
                 dst[j * d.F + f] = v;
               }
             // grad_A^T = (X^T dS)^T [kp, Dp]; grad_X = dS A^T + Y grad_A^T; grad_Y += X grad_A.
-            combine_rows(dst.data(), d.kp, d.F, d.F, w.xs.data(), d.Dp, dat.data(), false);
-            combine_rows(ds.data(), d.Fp, d.k, d.kp, w.at.data(), d.Dp, dx.data(), false);
-            combine_rows(ypp, d.Fp, d.k, d.kp, dat.data(), d.Dp, dx.data(), true);
+            combine_rows(dst.data(), d.kp, d.F, d.F, w.xs.data(), d.Dp, dat, false);
+            combine_rows(dsy.data(), d.Fp, 2 * d.kp, 2 * d.kp, w.at.data(), d.Dp, dx.data(), false);
             store_rows(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D);
-            transpose_into(dat.data(), d.k, d.D, d.Dp, da.data(), d.kq);
+            transpose_into(dat, d.k, d.D, d.Dp, da.data(), d.kq);
             combine_rows(w.xs.data(), d.Fp, d.D, d.Dp, da.data(), d.kq, gy, true);
           }
         }
