@@ -13,9 +13,10 @@ from ._backend import (
     get_backend,
     use_backend,
 )
-from . import nn
 from .ops.attention import jagged_attention
+from .ops.interaction import cross_layer, dot_interaction, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
+from . import nn
 
 __version__ = "0.1.0"
 
@@ -26,8 +27,11 @@ __all__ = [
     "get_backend",
     "use_backend",
     "jagged_attention",
-    "nn",
     "jagged_to_padded",
     "padded_to_jagged",
+    "dot_interaction",
+    "cross_layer",
+    "fm_compress",
+    "nn",
     "__version__",
 ]

@@ -236,8 +236,7 @@ def dot_interaction_eager(features: torch.Tensor) -> torch.Tensor:
 
 DOT_INTERACTION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "eager": dot_interaction_eager,
-    # fused by gem_kernels.dot_interaction once available (issue 5).
-    "fused": dot_interaction_eager,
+    "fused": gem_kernels.dot_interaction,
 }
 
 
