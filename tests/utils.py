@@ -77,13 +77,26 @@ def poison_allocator(nbytes: int, device) -> None:
     del block
 
 
+def interpreter_rounding_factor(backend: str, device, dtype: torch.dtype) -> int:
+    """How much coarser than round-to-nearest a backend's low-precision stores are.
+
+    # NOTE: Triton's CPU interpreter (triton 3.8) converts fp32 -> bf16 by truncation, not
+    # round-to-nearest (half of all values differ from torch's cast; max error 2x), so a Triton
+    # kernel's bf16 intermediates carry up to twice eager's rounding error there. On a GPU the
+    # factor is 1.
+    """
+    interpreted = backend == "triton" and torch.device(device).type == "cpu"
+    return 2 if interpreted and dtype == torch.bfloat16 else 1
+
+
 def assert_close_vs_eager(actual: torch.Tensor, expected: torch.Tensor, eager: torch.Tensor,
-                          dtype: torch.dtype, msg: str = "") -> None:
+                          dtype: torch.dtype, msg: str = "", rounding_factor: int = 1) -> None:
     """FlashAttention's rule for kernels whose intermediates live in the I/O dtype (e.g. GEMMs in
     bf16): the max error of `actual` against the fp32 `expected` is at most twice the max error of
-    the same-dtype eager computation `eager`, plus the dtype's atol."""
+    the same-dtype eager computation `eager`, plus the dtype's atol. `rounding_factor` (see
+    interpreter_rounding_factor) scales the bound for backends whose casts truncate."""
     expected = expected.float()
     err = (actual.float() - expected).abs().max().item() if actual.numel() else 0.0
     eager_err = (eager.float() - expected).abs().max().item() if eager.numel() else 0.0
-    bound = 2 * eager_err + TOLERANCES[dtype]["atol"]
-    assert err <= bound, f"{msg}: max error {err} > 2 x eager's {eager_err} + atol"
+    bound = rounding_factor * 2 * eager_err + TOLERANCES[dtype]["atol"]
+    assert err <= bound, f"{msg}: max error {err} > {rounding_factor} x 2 x eager's {eager_err} + atol"
