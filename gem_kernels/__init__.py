@@ -13,6 +13,9 @@ from ._backend import (
     get_backend,
     use_backend,
 )
+from . import nn, optim
+from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
+from .ops.embedding_bag import embedding_bag
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 
 __version__ = "0.1.0"
@@ -25,5 +28,10 @@ __all__ = [
     "use_backend",
     "jagged_to_padded",
     "padded_to_jagged",
+    "FusedEmbeddingBag",
+    "TableSpec",
+    "embedding_bag",
+    "nn",
+    "optim",
     "__version__",
 ]
