@@ -23,6 +23,8 @@ from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_of
 from ..reference.embedding_bag import BOUNDS_CHECK_CODES, NONE, OPT_NONE, OPTIMIZER_CODES, POOLING_CODES
 
 FAMILY = "embedding_bag"
+# The backends this family has kernels for (resolve_backend refuses the others by name).
+IMPLEMENTED = ("reference", "cpu")
 
 
 def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
@@ -246,7 +248,7 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         if momentum2.shape[0] != need2:
             raise ValueError(f"momentum2 must have {need2} elements for {optimizer.name}, got {momentum2.shape[0]}")
         check_same_device(weights=weights, momentum1=momentum1, momentum2=momentum2, step=step)
-    name = resolve_backend(backend, weights.device)
+    name = resolve_backend(backend, weights.device, IMPLEMENTED)
     return embedding_bag_op(weights, momentum1, momentum2, step, weights_offsets.contiguous(), D_offsets.contiguous(),
                             rows_offsets.contiguous(), indices.contiguous(), offsets.contiguous(),
                             per_sample_weights.contiguous(), output_dim, pooling_code, bounds_code, opt_code, *hyper,
