@@ -265,3 +265,23 @@ def test_torch_compile_inductor_data_dependent_size():
     offsets = offsets_from_lengths([2, 0, 3])
     padded = randn_nonzero(3, 4, 5)
     torch.testing.assert_close(compiled(padded, offsets), fn(padded, offsets))
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 256), (torch.float16, 259), (torch.bfloat16, 513)])
+def test_cpu_large_outputs_use_streaming_path(dtype, dim):
+    """Outputs over 32 MiB take the streaming-store + huge-page path of the C++ kernels; odd dims
+    put every row at a different 32-byte phase."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    elem = torch.empty((), dtype=dtype).element_size()
+    max_len = (32 << 20) // (80 * dim * elem) + 1
+    lengths = torch.randint(0, max_len + max_len // 5, (80,), generator=torch.Generator().manual_seed(1))
+    lengths[3] = 0
+    values, offsets = _inputs(lengths.tolist(), (dim,), dtype, torch.int64, "cpu")
+    assert 80 * max_len * dim * values.element_size() >= 32 << 20
+    padded = gk.jagged_to_padded(values, offsets, max_len, pad_value=-1.25, backend="cpu")
+    torch.testing.assert_close(padded, gk.jagged_to_padded(values, offsets, max_len, -1.25, backend="reference"),
+                               rtol=0, atol=0)
+    big = randn_nonzero(80, 40, dim, dtype=dtype)  # short max_len: most rows are zero-filled tails
+    torch.testing.assert_close(gk.padded_to_jagged(big, offsets, backend="cpu"),
+                               gk.padded_to_jagged(big, offsets, backend="reference"), rtol=0, atol=0)

@@ -14,9 +14,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_alloc.h"
+#include "gem_kernels/cpu_stream.h"
 
 namespace gem_kernels {
 namespace {
@@ -46,7 +47,7 @@ at::Tensor jagged_to_padded_cpu(const at::Tensor& values, const at::Tensor& offs
   const int64_t B = offsets.numel() - 1;
   const int64_t N = values.size(0);
   const int64_t D = values.size(1);
-  auto out = at::empty({B, max_len, D}, values.options());
+  auto out = empty_for_streaming_write({B, max_len, D}, values.options());
   if (out.numel() == 0) return out;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "jagged_to_padded_cpu", [&] {
@@ -55,15 +56,17 @@ at::Tensor jagged_to_padded_cpu(const at::Tensor& values, const at::Tensor& offs
     scalar_t* dst = out.data_ptr<scalar_t>();
     AT_DISPATCH_INDEX_TYPES(offsets.scalar_type(), "jagged_to_padded_cpu_idx", [&] {
       const index_t* off = offsets.data_ptr<index_t>();
+      const bool stream = use_streaming_stores(out.nbytes());
       at::parallel_for(0, B, grain_for(max_len * D * sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           const int64_t start = off[b];
           const int64_t len = std::min<int64_t>(static_cast<int64_t>(off[b + 1]) - start, max_len);
           TORCH_CHECK(start >= 0 && len >= 0 && start + len <= N, "offsets out of range at b=", b);
           scalar_t* row = dst + b * max_len * D;
-          if (len > 0) std::memcpy(row, src + start * D, len * D * sizeof(scalar_t));
-          std::fill(row + len * D, row + max_len * D, pad);
+          copy_bytes(row, src + start * D, len * D * sizeof(scalar_t), stream);
+          fill_elements(row + len * D, &pad, (max_len - len) * D, sizeof(scalar_t), stream);
         }
+        streaming_store_fence();
       });
     });
   });
@@ -78,7 +81,7 @@ at::Tensor padded_to_jagged_cpu(const at::Tensor& padded, const at::Tensor& offs
   TORCH_CHECK(total_len >= 0, "total_len must be >= 0, got ", total_len);
   const int64_t max_len = padded.size(1);
   const int64_t D = padded.size(2);
-  auto out = at::empty({total_len, D}, padded.options());
+  auto out = empty_for_streaming_write({total_len, D}, padded.options());
   if (out.numel() == 0) return out;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, padded.scalar_type(), "padded_to_jagged_cpu", [&] {
@@ -87,6 +90,8 @@ at::Tensor padded_to_jagged_cpu(const at::Tensor& padded, const at::Tensor& offs
     AT_DISPATCH_INDEX_TYPES(offsets.scalar_type(), "padded_to_jagged_cpu_idx", [&] {
       const index_t* off = offsets.data_ptr<index_t>();
       const int64_t mean_rows = std::max<int64_t>(1, total_len / std::max<int64_t>(1, B));
+      const bool stream = use_streaming_stores(out.nbytes());
+      const scalar_t zero(0);
       at::parallel_for(0, B, grain_for(mean_rows * D * sizeof(scalar_t)), [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           const int64_t start = off[b];
@@ -94,10 +99,11 @@ at::Tensor padded_to_jagged_cpu(const at::Tensor& padded, const at::Tensor& offs
           TORCH_CHECK(start >= 0 && full >= 0 && start + full <= total_len, "offsets out of range at b=", b);
           const int64_t len = std::min(full, max_len);
           scalar_t* row = dst + start * D;
-          if (len > 0) std::memcpy(row, src + b * max_len * D, len * D * sizeof(scalar_t));
+          copy_bytes(row, src + b * max_len * D, len * D * sizeof(scalar_t), stream);
           // Rows past max_len were truncated away by jagged_to_padded: their gradient is zero.
-          std::fill(row + len * D, row + full * D, scalar_t(0));
+          fill_elements(row + len * D, &zero, (full - len) * D, sizeof(scalar_t), stream);
         }
+        streaming_store_fence();
       });
     });
   });

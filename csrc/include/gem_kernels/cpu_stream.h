@@ -1,0 +1,71 @@
+// Byte copies and fills for CPU kernels whose output is larger than the last-level cache.
+//
+// A normal store first reads the destination line into cache (read-for-ownership), so a kernel that
+// only writes its output still moves its bytes twice. Non-temporal (streaming) stores skip that
+// read and bypass the cache: right for outputs the cache cannot hold anyway, wrong for small ones
+// that the next op would have found in cache, so callers choose with `use_streaming_stores`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace gem_kernels {
+
+// Above this output size the cache cannot hold the result for the next op anyway.
+constexpr size_t kStreamingStoreMinBytes = size_t(32) << 20;
+
+inline bool use_streaming_stores(size_t output_bytes) { return output_bytes >= kStreamingStoreMinBytes; }
+
+// Copies `bytes` from src to dst (no overlap). Streams when `stream`, else memcpy.
+inline void copy_bytes(void* dst, const void* src, size_t bytes, bool stream) {
+#if defined(__AVX2__)
+  if (stream && bytes >= 256) {
+    auto* d = static_cast<char*>(dst);
+    const auto* s = static_cast<const char*>(src);
+    const size_t head = (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31;
+    std::memcpy(d, s, head);
+    d += head, s += head, bytes -= head;
+    for (; bytes >= 32; d += 32, s += 32, bytes -= 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    }
+    std::memcpy(d, s, bytes);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+// Fills `count` elements of `elem_bytes` (1, 2, 4 or 8) at dst with the element at `value`.
+inline void fill_elements(void* dst, const void* value, size_t count, size_t elem_bytes, bool stream) {
+  auto* d = static_cast<char*>(dst);
+  size_t bytes = count * elem_bytes;
+#if defined(__AVX2__)
+  if (stream && bytes >= 256) {
+    alignas(32) char pattern[32];
+    for (size_t i = 0; i < 32; i += elem_bytes) std::memcpy(pattern + i, value, elem_bytes);
+    // dst is element-aligned and 32 is a multiple of elem_bytes, so the pattern stays in phase.
+    const size_t head = (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31;
+    std::memcpy(d, pattern, head);
+    d += head, bytes -= head;
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(pattern));
+    for (; bytes >= 32; d += 32, bytes -= 32) _mm256_stream_si256(reinterpret_cast<__m256i*>(d), v);
+    std::memcpy(d, pattern, bytes);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < bytes; i += elem_bytes) std::memcpy(d + i, value, elem_bytes);
+}
+
+// Orders this thread's streaming stores before what follows (call once at the end of a task).
+inline void streaming_store_fence() {
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
+}
+
+}  // namespace gem_kernels

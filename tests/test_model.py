@@ -1,0 +1,312 @@
+"""The GEM-like model of model/: synthetic data, the eager and fused paths, training, FLOPs, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import Batch, GemConfig, GemModel, make_batch, train_step
+from model.archs import (
+    DOT_INTERACTION,
+    JAGGED_ATTENTION,
+    POOLED_EMBEDDINGS,
+    attention_mask,
+    dot_interaction_eager,
+    jagged_attention_eager,
+    pooled_embeddings_eager,
+)
+from .utils import assert_close, offsets_from_lengths
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = GemConfig.small()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These shapes are tiny: on a shared 2-core machine two OpenMP threads mostly wait on each other
+    (10x slower under load), so the model tests run single-threaded."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _check_offsets(offsets: torch.Tensor, count: int, total: int) -> None:
+    assert offsets.dtype == torch.int64 and offsets.shape == (count + 1,)
+    assert int(offsets[0]) == 0 and int(offsets[-1]) == total
+    assert bool((offsets.diff() >= 0).all())
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def test_make_batch_layout():
+    batch_size = 97
+    b = make_batch(SMALL, batch_size, seed=0)
+    T = SMALL.num_tables
+    assert b.batch_size == batch_size
+    assert b.dense.shape == (batch_size, SMALL.num_dense) and b.dense.dtype == torch.float32
+    assert b.labels.shape == (batch_size, SMALL.num_tasks) and b.labels.dtype == torch.float32
+    assert set(b.labels.unique().tolist()) == {0.0, 1.0}
+
+    assert b.sparse_indices.dtype == torch.int64 and b.sparse_indices.dim() == 1
+    _check_offsets(b.sparse_offsets, T * batch_size, b.sparse_indices.numel())
+    bag_lengths = b.sparse_offsets.diff()
+    assert int(bag_lengths.max()) <= SMALL.max_bag_size
+    for t, rows in enumerate(SMALL.num_embeddings_per_table):
+        ids = b.sparse_indices[b.sparse_offsets[t * batch_size]:b.sparse_offsets[(t + 1) * batch_size]]
+        assert ids.numel() > 0 and int(ids.min()) >= 0 and int(ids.max()) < rows
+
+    for name in ("seq_ids", "seq_timestamps", "seq_offsets", "num_targets"):
+        assert getattr(b, name).dtype == torch.int64, name
+    _check_offsets(b.seq_offsets, batch_size, b.seq_ids.numel())
+    assert b.seq_timestamps.shape == b.seq_ids.shape
+    lengths = b.seq_offsets.diff()
+    assert int(lengths.max()) <= SMALL.max_seq_len
+    assert int(b.seq_ids.min()) >= 0 and int(b.seq_ids.max()) < SMALL.num_items
+    assert b.num_targets.shape == (batch_size,)
+    assert bool((b.num_targets >= 0).all()) and bool((b.num_targets <= lengths).all())
+    assert bool((b.num_targets <= SMALL.max_num_targets).all()) and int(b.num_targets.max()) > 0
+    for start, end in zip(b.seq_offsets[:-1].tolist(), b.seq_offsets[1:].tolist()):
+        assert bool((b.seq_timestamps[start:end].diff() > 0).all())
+
+    # The edge cases the kernels must handle occur in the small config.
+    assert int((bag_lengths == 0).sum()) > 0, "no empty bag"
+    assert int((lengths == 0).sum()) > 0, "no zero-length sequence"
+    assert int(lengths.max()) == SMALL.max_seq_len, "no sequence at the cap"
+
+
+def test_make_batch_ids_are_skewed():
+    b = make_batch(SMALL, 512, seed=1)
+    rows = SMALL.num_embeddings_per_table[0]
+    ids = b.sparse_indices[: int(b.sparse_offsets[512])]
+    # Zipf-like: the most popular 1% of ids take far more than 1% of the lookups.
+    assert float((ids < rows // 100).float().mean()) > 0.2
+
+
+def test_make_batch_deterministic_per_seed():
+    a, b, c = make_batch(SMALL, 33, seed=5), make_batch(SMALL, 33, seed=5), make_batch(SMALL, 33, seed=6)
+    for field in dataclasses.fields(Batch):
+        torch.testing.assert_close(getattr(a, field.name), getattr(b, field.name), rtol=0, atol=0)
+    assert not torch.equal(a.dense, c.dense)
+
+
+def test_labels_follow_the_teacher():
+    """Labels depend on the features (a learnable signal): the teacher's logit separates them."""
+    from model.data import teacher_logits
+
+    b = make_batch(SMALL, 2048, seed=3)
+    logits = teacher_logits(SMALL, b.dense, b.sparse_indices, b.sparse_offsets, b.seq_ids, b.seq_offsets,
+                            b.num_targets)
+    positive = logits[b.labels.bool()].mean()
+    negative = logits[~b.labels.bool()].mean()
+    assert float(positive - negative) > 0.5
+
+
+def test_batch_to_moves_every_field():
+    b = make_batch(SMALL, 4, seed=0).to("meta")
+    assert all(getattr(b, f.name).device.type == "meta" for f in dataclasses.fields(Batch))
+
+
+def test_gpu_preset_is_valid_and_bigger():
+    gpu = GemConfig.gpu()
+    assert gpu.num_tables > SMALL.num_tables and gpu.max_seq_len > SMALL.max_seq_len
+    assert gpu.embedding_dim > SMALL.embedding_dim
+    assert min(gpu.num_embeddings_per_table) > max(SMALL.num_embeddings_per_table)
+    b = make_batch(gpu, 3, seed=0)
+    _check_offsets(b.sparse_offsets, gpu.num_tables * 3, b.sparse_indices.numel())
+
+
+@pytest.mark.parametrize("field, value", [("embedding_dim", 0), ("num_heads", 3), ("max_seq_len", -1),
+                                          ("num_embeddings_per_table", ()), ("empty_seq_prob", 1.5)])
+def test_config_rejects_bad_sizes(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(SMALL, **{field: value})
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="kernels"):
+        GemModel(SMALL, kernels="triton")
+    with pytest.raises(ValueError, match="batch_size"):
+        make_batch(SMALL, -1)
+
+
+# ------------------------------------------------------------------------------ eager building blocks
+
+
+def test_pooled_embeddings_eager_matches_a_loop():
+    generator = torch.Generator().manual_seed(0)
+    rows_per_table, batch_size, dim = (5, 7, 3), 4, 6
+    weight = torch.randn(sum(rows_per_table), dim, generator=generator)
+    row_offsets = torch.tensor([0, 5, 12])
+    lengths = torch.tensor([2, 0, 3, 1, 0, 0, 4, 1, 1, 2, 0, 3])
+    offsets = offsets_from_lengths(lengths)
+    table = torch.arange(3).repeat_interleave(batch_size).repeat_interleave(lengths)
+    indices = (torch.rand(int(lengths.sum()), generator=generator) * torch.tensor(rows_per_table)[table]).long()
+    out = pooled_embeddings_eager(weight, row_offsets, indices, offsets, 3, batch_size)
+    assert out.shape == (batch_size, 3, dim)
+    for t in range(3):
+        for b in range(batch_size):
+            bag = slice(int(offsets[t * batch_size + b]), int(offsets[t * batch_size + b + 1]))
+            expected = weight[row_offsets[t] + indices[bag]].sum(0)
+            assert_close(out[b, t], expected)
+
+
+def test_dot_interaction_eager_matches_a_loop():
+    features = torch.randn(3, 5, 4)
+    out = dot_interaction_eager(features)
+    expected = torch.stack([torch.stack([features[b, i] @ features[b, j] for i in range(5) for j in range(i + 1, 5)])
+                            for b in range(3)])
+    assert_close(out, expected)
+
+
+def _attention_loop(q, k, v, seq_offsets, num_targets):
+    """Causal target-aware softmax attention, one query at a time (the semantics, not the padding)."""
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+    for b in range(seq_offsets.numel() - 1):
+        start, end = int(seq_offsets[b]), int(seq_offsets[b + 1])
+        history_end = end - int(num_targets[b])
+        for i in range(start, end):
+            keys = [j for j in range(start, i + 1) if j < history_end or j == i]
+            scores = torch.einsum("hd,khd->hk", q[i], k[keys]) * scale
+            out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[keys])
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
+def test_jagged_attention_matches_a_loop(kernels):
+    lengths = torch.tensor([3, 0, 5, 1, 4])
+    num_targets = torch.tensor([1, 0, 2, 1, 0])
+    seq_offsets = offsets_from_lengths(lengths)
+    q, k, v = (torch.randn(int(lengths.sum()), 2, 4, requires_grad=True) for _ in range(3))
+    out = JAGGED_ATTENTION[kernels](q, k, v, seq_offsets, num_targets, 6)  # max_len > longest: extra padding
+    expected = _attention_loop(q, k, v, seq_offsets, num_targets)
+    assert_close(out, expected)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+def test_attention_mask_targets_see_history_and_themselves():
+    mask = attention_mask(torch.tensor([4]), torch.tensor([2]), 5)[0, 0]
+    expected = torch.tensor([[1, 0, 0, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [1, 1, 1, 0, 0],   # first target: history + itself
+                             [1, 1, 0, 1, 0],   # second target: history + itself, not the first target
+                             [1, 1, 0, 0, 1]],  # padding: only what keeps the softmax row non-empty
+                            dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_every_arch_has_both_kernels():
+    for table in (POOLED_EMBEDDINGS, JAGGED_ATTENTION, DOT_INTERACTION):
+        assert set(table) == {"eager", "fused"}
+    assert JAGGED_ATTENTION["fused"] is not jagged_attention_eager
+
+
+# ----------------------------------------------------------------------------------------- the model
+
+
+def _loss_and_grads(kernels: str, batch: Batch):
+    model = GemModel(SMALL, kernels=kernels, seed=0)
+    loss = model.loss(batch)
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return model, loss.detach(), grads
+
+
+def test_forward_shapes():
+    model = GemModel(SMALL, kernels="fused")
+    batch = make_batch(SMALL, 37, seed=0)
+    assert model(batch).shape == (37, SMALL.num_tasks)
+    assert model.sparse_arch(batch.sparse_indices, batch.sparse_offsets, 37).shape == (37, SMALL.num_tables,
+                                                                                       SMALL.embedding_dim)
+    user = model.sequence_arch(batch.seq_ids, batch.seq_timestamps, batch.seq_offsets, batch.num_targets)
+    assert user.shape == (37, SMALL.embedding_dim)
+    empty = batch.seq_offsets.diff() == 0
+    assert bool(empty.any()) and bool((user[empty] == 0).all()) and bool((user[~empty] != 0).any(1).all())
+
+
+def test_same_seed_same_parameters():
+    eager, fused = GemModel(SMALL, kernels="eager", seed=3), GemModel(SMALL, kernels="fused", seed=3)
+    other = GemModel(SMALL, kernels="eager", seed=4)
+    for (name, a), (_, b) in zip(eager.named_parameters(), fused.named_parameters()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(eager.sparse_arch.weight, other.sparse_arch.weight)
+
+
+@pytest.mark.parametrize("batch_size", [64, 1])
+def test_eager_and_fused_agree(batch_size):
+    batch = make_batch(SMALL, batch_size, seed=11)
+    _, loss_eager, grads_eager = _loss_and_grads("eager", batch)
+    model, loss_fused, grads_fused = _loss_and_grads("fused", batch)
+    assert torch.isfinite(loss_eager)
+    assert_close(loss_fused, loss_eager, dtype=torch.float32)
+    assert grads_eager.keys() == grads_fused.keys()
+    for name in grads_eager:
+        assert grads_eager[name] is not None and grads_fused[name] is not None, name
+        assert_close(grads_fused[name], grads_eager[name], dtype=torch.float32)
+    # Every arch got a gradient signal (nothing silently detached).
+    assert int(batch.seq_offsets[-1]) > 0
+    for name in ("dense_arch.0.weight", "sparse_arch.weight", "sequence_arch.item_embedding",
+                 "sequence_arch.time_embedding", "sequence_arch.layers.0.qkv.weight",
+                 "interaction_arch.task_heads.weight"):
+        assert float(grads_eager[name].abs().sum()) > 0, name
+
+
+def test_all_sequences_empty():
+    batch = make_batch(SMALL, 8, seed=2)
+    batch = dataclasses.replace(batch, seq_ids=batch.seq_ids[:0], seq_timestamps=batch.seq_timestamps[:0],
+                                seq_offsets=torch.zeros_like(batch.seq_offsets),
+                                num_targets=torch.zeros_like(batch.num_targets))
+    _, loss_eager, grads_eager = _loss_and_grads("eager", batch)
+    _, loss_fused, grads_fused = _loss_and_grads("fused", batch)
+    assert torch.isfinite(loss_eager)
+    assert_close(loss_fused, loss_eager)
+    for name in grads_eager:
+        assert bool(torch.isfinite(grads_fused[name]).all()), name
+        assert_close(grads_fused[name], grads_eager[name])
+    assert float(grads_eager["sequence_arch.item_embedding"].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
+def test_training_decreases_loss(kernels):
+    model = GemModel(SMALL, kernels=kernels, seed=0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    held_out = make_batch(SMALL, 512, seed=10_000)
+    with torch.no_grad():
+        before = float(model.loss(held_out))
+    losses = [train_step(model, make_batch(SMALL, 128, seed=step), optimizer) for step in range(20)]
+    assert all(isinstance(loss, float) for loss in losses)
+    with torch.no_grad():
+        after = float(model.loss(held_out))
+    # Fresh batches every step, judged on a batch never trained on: this is learning the teacher.
+    assert after < before - 0.05, (before, after)
+
+
+def test_flops_per_step():
+    model = GemModel(SMALL, kernels="eager")
+    small, large = make_batch(SMALL, 8, seed=0), make_batch(SMALL, 64, seed=0)
+    assert 0 < model.flops_per_step(small) < model.flops_per_step(large)
+    assert isinstance(model.flops_per_step(small), int)
+    # The dense MLPs alone (no sequences) still cost FLOPs; the count grows with the history.
+    empty = dataclasses.replace(small, seq_offsets=torch.zeros_like(small.seq_offsets),
+                                seq_ids=small.seq_ids[:0], seq_timestamps=small.seq_timestamps[:0])
+    assert 0 < model.flops_per_step(empty) < model.flops_per_step(small)
+
+
+def test_train_cli_runs():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "model.train", "--steps", "3", "--batch-size", "8"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "loss" in result.stdout and "examples/s" in result.stdout
