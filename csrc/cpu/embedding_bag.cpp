@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_alloc.h"
 
 namespace gem_kernels {
 namespace {
@@ -62,8 +63,13 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kSum = 0, kMean = 1, kNone = 2;
 constexpr int64_t kFatal = 0, kWarn = 1;
 constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2, kOptAdam = 3;
-// Rows prefetched ahead of the one being accumulated: ~8 random DRAM reads in flight per core.
-constexpr int64_t kPrefetchDistance = 8;
+// Rows prefetched ahead of the one being accumulated (FBGEMM's default distance): enough random
+// DRAM reads in flight per core to cover the latency.
+constexpr int64_t kPrefetchDistance = 16;
+// Bags per forward work item: ~20 lookups each, so a few hundred rows per item.
+constexpr int64_t kBagsPerChunk = 32;
+// Slices of every table's unique rows in the backward: the per-thread split interleaves tables.
+constexpr int64_t kSlicesPerTable = 64;
 
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t D) {
@@ -169,6 +175,23 @@ void check_common(const at::Tensor& weights, const at::Tensor& indices, const at
               "per_sample_weights must be empty or fp32 [N]");
 }
 
+// The data checks of gem_kernels._validate.check_offsets_values, same messages (ValueError in
+// Python), done here for the cpu backend: one serial pass over T*B+1 offsets costs microseconds,
+// three small ATen ops on them cost milliseconds of thread-pool wake-ups.
+void check_offsets_values(const at::Tensor& offsets, int64_t total) {
+  AT_DISPATCH_INDEX_TYPES(offsets.scalar_type(), "check_offsets_values", [&] {
+    const index_t* off = offsets.data_ptr<index_t>();
+    const int64_t n = offsets.numel();
+    TORCH_CHECK_VALUE(off[0] == 0, "offsets[0] must be 0, got ", static_cast<int64_t>(off[0]));
+    for (int64_t i = 1; i < n; ++i) {
+      TORCH_CHECK_VALUE(off[i] >= off[i - 1], "offsets must be nondecreasing, but offsets[", i, "] = ",
+                        static_cast<int64_t>(off[i]), " < offsets[", i - 1, "] = ", static_cast<int64_t>(off[i - 1]));
+    }
+    TORCH_CHECK_VALUE(off[n - 1] == total, "offsets[-1] must equal the number of rows ", total, ", got ",
+                      static_cast<int64_t>(off[n - 1]));
+  });
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward
 // ------------------------------------------------------------------------------------------------
@@ -180,52 +203,59 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
   std::atomic<int64_t> dropped{0};
   std::mutex first_bad_mutex;
   std::string first_bad;
-  // ~20 indices x 64-128 floats per bag: a few dozen bags per task amortise the scheduling.
-  at::parallel_for(0, num_bags, 32, [&](int64_t begin, int64_t end) {
+  // Work items are (chunk of kBagsPerChunk bags, table), chunk-major: the static split of
+  // at::parallel_for then gives every thread the same share of every table. Table-major items
+  // would hand one thread the small, cache-resident tables and the other the large ones.
+  const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
+  at::parallel_for(0, chunks * m.T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(m.max_D);
-    for (int64_t tb = begin; tb < end; ++tb) {
-      const int64_t t = tb / m.B;
-      const int64_t b = tb - t * m.B;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item % m.T;
+      const int64_t b_begin = (item / m.T) * kBagsPerChunk;
+      const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
       const int64_t D = m.d_off[t + 1] - m.d_off[t];
       const int64_t rows = m.r_off[t + 1] - m.r_off[t];
       const scalar_t* table = weights + m.w_off[t];
-      const int64_t start = offsets[tb];
-      const int64_t stop = offsets[tb + 1];
-      const int64_t table_stop = offsets[(t + 1) * m.B];
-      TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
-      if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
-      int64_t kept = 0;
-      for (int64_t p = start; p < stop; ++p) {
-        if (p + kPrefetchDistance < table_stop) {
-          const int64_t ahead = indices[p + kPrefetchDistance];
-          if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
-        }
-        const int64_t idx = indices[p];
-        if (idx < 0 || idx >= rows) {
-          const std::string what = "indices[" + std::to_string(p) + "] = " + std::to_string(idx) +
-                                   " is out of range for table " + std::to_string(t) +
-                                   " (num_embeddings=" + std::to_string(rows) + ") in bag " + std::to_string(b);
-          TORCH_CHECK_INDEX(bounds_check != kFatal, what);
-          if (dropped.fetch_add(1) == 0) {
-            std::lock_guard<std::mutex> lock(first_bad_mutex);
-            first_bad = what;
+      const int64_t chunk_stop = offsets[t * m.B + b_end];
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t tb = t * m.B + b;
+        const int64_t start = offsets[tb];
+        const int64_t stop = offsets[tb + 1];
+        TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
+        if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
+        int64_t kept = 0;
+        for (int64_t p = start; p < stop; ++p) {
+          if (p + kPrefetchDistance < chunk_stop) {
+            const int64_t ahead = indices[p + kPrefetchDistance];
+            if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
           }
-          if (pooling == kNone) std::fill(out + p * output_dim, out + (p + 1) * output_dim, scalar_t(0));
-          continue;
+          const int64_t idx = indices[p];
+          if (idx < 0 || idx >= rows) {
+            const std::string what = "indices[" + std::to_string(p) + "] = " + std::to_string(idx) +
+                                     " is out of range for table " + std::to_string(t) +
+                                     " (num_embeddings=" + std::to_string(rows) + ") in bag " + std::to_string(b);
+            TORCH_CHECK_INDEX(bounds_check != kFatal, what);
+            if (dropped.fetch_add(1) == 0) {
+              std::lock_guard<std::mutex> lock(first_bad_mutex);
+              first_bad = what;
+            }
+            if (pooling == kNone) std::fill(out + p * output_dim, out + (p + 1) * output_dim, scalar_t(0));
+            continue;
+          }
+          const float scale = psw ? psw[p] : 1.f;
+          if (pooling == kNone) {
+            std::fill(acc.begin(), acc.begin() + D, 0.f);
+            axpy_row(acc.data(), table + idx * D, scale, D);
+            store_row(out + p * output_dim, acc.data(), 1.f, D);
+          } else {
+            axpy_row(acc.data(), table + idx * D, scale, D);
+          }
+          ++kept;
         }
-        const float scale = psw ? psw[p] : 1.f;
-        if (pooling == kNone) {
-          std::fill(acc.begin(), acc.begin() + D, 0.f);
-          axpy_row(acc.data(), table + idx * D, scale, D);
-          store_row(out + p * output_dim, acc.data(), 1.f, D);
-        } else {
-          axpy_row(acc.data(), table + idx * D, scale, D);
+        if (pooling != kNone) {
+          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+          store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
         }
-        ++kept;
-      }
-      if (pooling != kNone) {
-        const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
-        store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
       }
     }
   });
@@ -248,11 +278,10 @@ at::Tensor embedding_bag_forward_cpu(const at::Tensor& weights, const at::Tensor
     TORCH_CHECK(m.d_off[m.T] == output_dim, "output_dim must equal D_offsets[-1]");
   }
   const int64_t N = indices.numel();
-  auto out = at::empty({pooling == kNone ? N : m.B, output_dim}, weights.options());
+  check_offsets_values(offsets, N);
+  auto out = empty_for_streaming_write({pooling == kNone ? N : m.B, output_dim}, weights.options());
   GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_forward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_forward_cpu_idx", [&] {
-      TORCH_CHECK(offsets.numel() == 1 || offsets.data_ptr<index_t>()[offsets.numel() - 1] == N,
-                  "offsets[-1] must equal indices.numel()");
       forward_kernel<scalar_t, index_t>(m, weights.data_ptr<scalar_t>(), indices.data_ptr<index_t>(),
                                         offsets.data_ptr<index_t>(),
                                         per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr,
@@ -354,37 +383,44 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
 // it may overwrite).
 // ------------------------------------------------------------------------------------------------
 
-template <typename scalar_t, typename index_t, typename Write>
+// `prefetch_base(t)` is where table t's destination rows start (prefetched two segments ahead).
+template <typename scalar_t, typename index_t, typename Base, typename Write>
 void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* grad_output, int64_t grad_stride,
-                           const index_t* offsets, const float* psw, int64_t pooling, Write write) {
-  const int64_t total = s.seg_prefix[m.T];
-  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+                           const index_t* offsets, const float* psw, int64_t pooling, Base prefetch_base,
+                           Write write) {
+  // Items are (slice, table), slice-major, for the same balance as the forward's chunks.
+  at::parallel_for(0, kSlicesPerTable * m.T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(m.max_D);
-    int64_t t = std::upper_bound(s.seg_prefix.begin(), s.seg_prefix.end(), begin) - s.seg_prefix.begin() - 1;
-    for (int64_t g = begin; g < end; ++g) {
-      while (g >= s.seg_prefix[t + 1]) ++t;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item % m.T;
+      const int64_t slice = item / m.T;
+      const int64_t count = s.seg_prefix[t + 1] - s.seg_prefix[t];
+      const int64_t local_begin = count * slice / kSlicesPerTable;
+      const int64_t local_end = count * (slice + 1) / kSlicesPerTable;
       const int64_t D = m.d_off[t + 1] - m.d_off[t];
       const int64_t lo = offsets[t * m.B];
       const int64_t* segs = s.seg_begin.data() + lo + t;
       const uint64_t* pairs = s.sorted[t];
-      const int64_t local = g - s.seg_prefix[t];
-      const int64_t first = segs[local];
-      const int64_t last = segs[local + 1];
-      std::fill(acc.begin(), acc.begin() + D, 0.f);
-      for (int64_t i = first; i < last; ++i) {
-        const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
-        float scale = psw ? psw[p] : 1.f;
-        const scalar_t* src;
-        if (pooling == kNone) {
-          src = grad_output + p * grad_stride;
-        } else {
-          const int64_t b = s.bag_of[p];
-          src = grad_output + b * grad_stride + m.d_off[t];
-          if (pooling == kMean) scale *= s.bag_scale[t * m.B + b];
+      for (int64_t local = local_begin; local < local_end; ++local) {
+        const int64_t first = segs[local];
+        const int64_t last = segs[local + 1];
+        if (local + 2 < local_end) prefetch_row(prefetch_base(t) + static_cast<int64_t>(pairs[segs[local + 2]] >> 32) * D, D);
+        std::fill(acc.begin(), acc.begin() + D, 0.f);
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
+          float scale = psw ? psw[p] : 1.f;
+          const scalar_t* src;
+          if (pooling == kNone) {
+            src = grad_output + p * grad_stride;
+          } else {
+            const int64_t b = s.bag_of[p];
+            src = grad_output + b * grad_stride + m.d_off[t];
+            if (pooling == kMean) scale *= s.bag_scale[t * m.B + b];
+          }
+          axpy_row(acc.data(), src, scale, D);
         }
-        axpy_row(acc.data(), src, scale, D);
+        write(t, static_cast<int64_t>(pairs[first] >> 32), D, acc.data());
       }
-      write(t, static_cast<int64_t>(pairs[first] >> 32), D, acc.data());
     }
   });
 }
@@ -400,7 +436,7 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
   GK_CHECK_DIM(grad_output, 2);
   TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
   const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
-  auto grad_weights = at::zeros_like(weights);
+  auto grad_weights = empty_for_streaming_write(weights.sizes(), weights.options()).zero_();
   GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_backward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_backward_cpu_idx", [&] {
       const index_t* off = offsets.data_ptr<index_t>();
@@ -409,6 +445,7 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
       for_each_row_gradient<scalar_t, index_t>(
           m, s, grad_output.data_ptr<scalar_t>(), grad_output.size(1), off,
           per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, pooling,
+          [&](int64_t t) { return grad + m.w_off[t]; },
           [&](int64_t t, int64_t row, int64_t D, float* g) { store_row(grad + m.w_off[t] + row * D, g, 1.f, D); });
     });
   });
@@ -516,6 +553,7 @@ void embedding_bag_backward_fused_cpu(const at::Tensor& grad_output, const at::T
       for_each_row_gradient<scalar_t, index_t>(
           m, s, grad_output.data_ptr<scalar_t>(), grad_output.size(1), off,
           per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, pooling,
+          [&](int64_t t) { return w + m.w_off[t]; },
           [&](int64_t t, int64_t row, int64_t D, float* g) {
             thread_local std::vector<float> w_buf;
             w_buf.resize(D);

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,28 @@ from .._validate import FLOAT_DTYPES
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
 from ..reference.embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux to back a large CPU buffer with transparent huge pages, before its first touch.
+
+    Lookups hit random rows of a table of up to gigabytes: with 4 KiB pages nearly every one also
+    misses the TLB and walks the page tables; 2 MiB pages cut those misses ~500x. Advice only: where
+    THP is off, or not Linux, nothing changes.
+    """
+    if t.device.type != "cpu" or t.nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return
+    begin = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (t.data_ptr() + t.nbytes) & ~(_HUGE_PAGE - 1)
+    if end > begin:
+        try:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass
 
 
 @dataclass(frozen=True)
@@ -72,10 +96,12 @@ class FusedEmbeddingBag(nn.Module):
         self.weights = nn.Parameter(torch.empty(sum(sizes), dtype=dtype, device=device))
         name = optimizer.name if optimizer is not None else None
         state = dict(dtype=torch.float32, device=device)
-        self.register_buffer("momentum1", torch.zeros(
+        self.register_buffer("momentum1", torch.empty(
             {"rowwise_adagrad": sum(rows), "adam": sum(sizes)}.get(name, 0), **state))
-        self.register_buffer("momentum2", torch.zeros(sum(sizes) if name == "adam" else 0, **state))
+        self.register_buffer("momentum2", torch.empty(sum(sizes) if name == "adam" else 0, **state))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        for buffer in (self.weights, self.momentum1, self.momentum2):
+            _advise_huge_pages(buffer)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
