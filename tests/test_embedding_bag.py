@@ -22,7 +22,9 @@ from .utils import (
     randn_nonzero,
 )
 
-MIXED = [gk.TableSpec(10, 4), gk.TableSpec(7, 36), gk.TableSpec(50, 260), gk.TableSpec(3, 5)]
+# Odd dims (4, 36, 260, 5) take the generic paths; 32, 64 and 128 the cpu backend's fixed-D ones.
+MIXED = [gk.TableSpec(10, 4), gk.TableSpec(7, 36), gk.TableSpec(50, 260), gk.TableSpec(3, 5), gk.TableSpec(20, 64),
+         gk.TableSpec(9, 128), gk.TableSpec(6, 32)]
 SAME_DIM = [gk.TableSpec(10, 36), gk.TableSpec(7, 36), gk.TableSpec(50, 36)]
 OPTIMIZERS = [
     gk.optim.ExactSGD(lr=0.1),
@@ -125,6 +127,8 @@ def test_reference_pooling_none_matches_embedding():
 def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batch, with_psw):
     if with_psw and pooling == "mean":
         pytest.skip("per_sample_weights are sum/none only")
+    if backend == "triton" and device == "cpu" and (index_dtype == torch.int32 or batch == 1) and dtype != torch.float32:
+        pytest.skip("interpreter: half dtypes once per pooling (int64, B=5) keeps CI short; fp32 covers the rest")
     specs = SAME_DIM if pooling == "none" else MIXED
     module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=dtype, device=device, backend=backend)
     indices, offsets = make_batch(specs, batch, index_dtype, device, seed=batch)
@@ -165,6 +169,8 @@ def test_all_bags_empty_and_zero_batch(device, backend):
 def test_fused_optimizer_matches_reference(device, backend, optimizer, dtype, pooling):
     if dtype != torch.float32 and pooling != "sum":
         pytest.skip("half-precision weights are covered with sum pooling; mean/none differ only in the gradient")
+    if backend == "triton" and device == "cpu" and dtype == torch.float16:
+        pytest.skip("interpreter: bf16 covers the half-precision path; fp16 runs on the GPU")
     specs = SAME_DIM if pooling == "none" else MIXED
     module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=dtype, device=device, optimizer=optimizer,
                                   backend=backend)
@@ -262,25 +268,24 @@ def test_rowwise_adagrad_matches_loop(backend):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device,backend", _params())
-@pytest.mark.parametrize("bad", [10, -1, 1 << 40], ids=["rows", "negative", "huge"])
-def test_bounds_check(device, backend, bad):
+@pytest.mark.parametrize("bad", ["rows", -1, 1 << 40], ids=["rows", "negative", "huge"])
+@pytest.mark.parametrize("table", [1, 4], ids=["D36", "D64"])
+def test_bounds_check(device, backend, bad, table):
     specs = MIXED
     indices, offsets = make_batch(specs, 3, device=device, seed=3)
-    if bad == 1 << 40:
-        indices = indices.long()
-    lo = int(offsets[3])  # first index of table 1 (7 rows)
-    bag = int(torch.searchsorted(offsets, lo, right=True)) - 1 - 3
+    lo = int(offsets[3 * table])  # first index of the table
+    bag = int(torch.searchsorted(offsets, lo, right=True)) - 1 - 3 * table
     indices = indices.clone()
-    indices[lo] = bad if bad != 10 else 7
+    indices[lo] = specs[table].num_embeddings if bad == "rows" else bad
     module = gk.FusedEmbeddingBag(specs, device=device, backend=backend, bounds_check="fatal")
     value = indices[lo].item()
-    with pytest.raises(IndexError, match=rf"= {value} is out of range for table 1 .* in bag {bag}"):
+    with pytest.raises(IndexError, match=rf"= {value} is out of range for table {table} .* in bag {bag}"):
         module(indices, offsets)
     # warn / skip drop the bad index: the result is the reference's on the batch without it.
     keep = torch.ones(indices.numel(), dtype=torch.bool, device=device)
     keep[lo] = False
     lengths = offsets.diff()
-    lengths[3 + bag] -= 1
+    lengths[3 * table + bag] -= 1
     clean_out = functional(module, indices[keep], offsets_from_lengths(lengths.cpu(), offsets.dtype, device),
                            backend="reference")
     module.bounds_check = "warn"
@@ -447,7 +452,7 @@ def test_torch_compile_fullgraph(backend):
 # ------------------------------------------------------------------------------------------------
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dims=st.lists(st.integers(1, 70), min_size=1, max_size=4), rows=st.integers(1, 30),
+@given(dims=st.lists(st.sampled_from([1, 4, 7, 32, 36, 64, 70, 128]), min_size=1, max_size=4), rows=st.integers(1, 30),
        batch=st.integers(0, 6), max_len=st.integers(0, 8), pooling=st.sampled_from(["sum", "mean"]),
        seed=st.integers(0, 1000))
 def test_fuzz_cpu_against_reference(dims, rows, batch, max_len, pooling, seed):

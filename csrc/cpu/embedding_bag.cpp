@@ -66,15 +66,27 @@ constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2, kOptAdam = 
 // Rows prefetched ahead of the one being accumulated (FBGEMM's default distance): enough random
 // DRAM reads in flight per core to cover the latency.
 constexpr int64_t kPrefetchDistance = 16;
-// Bags per forward work item: ~20 lookups each, so a few hundred rows per item.
-constexpr int64_t kBagsPerChunk = 32;
-// Slices of every table's unique rows in the backward: the per-thread split interleaves tables.
-constexpr int64_t kSlicesPerTable = 64;
+// Bags per forward work item: ~20 lookups each, a few thousand rows per item.
+constexpr int64_t kBagsPerChunk = 128;
+// Work items per table in the backward (slices of its unique rows).
+constexpr int64_t kSlicesPerTable = 16;
 
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t D) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte);
+}
+
+// Runs body(item) for item in [0, total) on every thread, items handed out in order from a shared
+// counter (dynamic scheduling). On a shared host a static split waits for its slowest thread; here
+// a stalled thread just takes fewer items. Exceptions propagate as from at::parallel_for.
+template <typename Body>
+void parallel_dynamic(int64_t total, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) body(item);
+  });
 }
 
 // acc[0:D] += scale * row[0:D], row converted to fp32.
@@ -196,22 +208,87 @@ void check_offsets_values(const at::Tensor& offsets, int64_t total) {
 // Forward
 // ------------------------------------------------------------------------------------------------
 
+// One pooled bag of a table with D = kD known at compile time (the common 32/64/128): the row sum
+// lives in registers, the row prefetch and the D loop are unrolled, the per-sample-weight branch is
+// compiled out. When most lookups hit the cache (Zipf-hot rows) these instructions are the cost.
+// Returns the number of kept indices; on_bad(p, idx) handles an out-of-range index.
+template <int kD, bool kHasPsw, typename scalar_t, typename index_t, typename OnBad>
+inline int64_t pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const index_t* __restrict__ indices,
+                                int64_t start, int64_t stop, int64_t prefetch_stop, const float* __restrict__ psw,
+                                float* __restrict__ sum, const OnBad& on_bad) {
+  constexpr int kV = kD / Vec::size();
+  static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
+  Vec acc[kV];
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
+  int64_t kept = 0;
+  for (int64_t p = start; p < stop; ++p) {
+    if (p + kPrefetchDistance < prefetch_stop) {
+      const int64_t ahead = indices[p + kPrefetchDistance];
+      if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
+        const char* line = reinterpret_cast<const char*>(table + ahead * kD);
+#pragma GCC unroll 16
+        for (int byte = 0; byte < kD * static_cast<int>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(line + byte);
+      }
+    }
+    const int64_t idx = indices[p];
+    if (C10_UNLIKELY(static_cast<uint64_t>(idx) >= static_cast<uint64_t>(rows))) {
+      on_bad(p, idx);
+      continue;
+    }
+    const scalar_t* row = table + idx * kD;
+    const Vec scale(kHasPsw ? psw[p] : 1.f);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) {
+      Vec x;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        x = Vec::loadu(row + v * Vec::size());
+      } else {
+        at::vec::load_to_float<scalar_t>(row + v * Vec::size(), x);
+      }
+      acc[v] = kHasPsw ? at::vec::fmadd(x, scale, acc[v]) : acc[v] + x;
+    }
+    ++kept;
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) acc[v].store(sum + v * Vec::size());
+  return kept;
+}
+
+template <int kD, typename scalar_t, typename index_t, typename OnBad>
+inline int64_t pool_bag_fixed(const scalar_t* table, int64_t rows, const index_t* indices, int64_t start, int64_t stop,
+                              int64_t prefetch_stop, const float* psw, float* sum, const OnBad& on_bad) {
+  return psw ? pool_bag_fixed_d<kD, true>(table, rows, indices, start, stop, prefetch_stop, psw, sum, on_bad)
+             : pool_bag_fixed_d<kD, false>(table, rows, indices, start, stop, prefetch_stop, psw, sum, on_bad);
+}
+
 template <typename scalar_t, typename index_t>
 void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indices, const index_t* offsets,
                     const float* psw, scalar_t* out, int64_t output_dim, int64_t pooling, int64_t bounds_check) {
-  const int64_t num_bags = m.T * m.B;
   std::atomic<int64_t> dropped{0};
   std::mutex first_bad_mutex;
   std::string first_bad;
-  // Work items are (chunk of kBagsPerChunk bags, table), chunk-major: the static split of
-  // at::parallel_for then gives every thread the same share of every table. Table-major items
-  // would hand one thread the small, cache-resident tables and the other the large ones.
+  // An out-of-range index: raise (fatal) or count it and remember the first (warn, skip).
+  const auto report_bad = [&](int64_t t, int64_t b, int64_t p, int64_t idx, int64_t rows) {
+    const std::string what = "indices[" + std::to_string(p) + "] = " + std::to_string(idx) +
+                             " is out of range for table " + std::to_string(t) + " (num_embeddings=" +
+                             std::to_string(rows) + ") in bag " + std::to_string(b);
+    TORCH_CHECK_INDEX(bounds_check != kFatal, what);
+    if (dropped.fetch_add(1) == 0) {
+      std::lock_guard<std::mutex> lock(first_bad_mutex);
+      first_bad = what;
+    }
+  };
+  // Work items are (table, chunk of kBagsPerChunk bags), table-major, handed out dynamically: the
+  // threads work through one table together (FBGEMM's table-by-table order), so that table's hot
+  // Zipf-head rows are shared in cache, and a thread slowed by the host takes fewer chunks.
   const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
-  at::parallel_for(0, chunks * m.T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(m.max_D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % m.T;
-      const int64_t b_begin = (item / m.T) * kBagsPerChunk;
+  parallel_dynamic(chunks * m.T, [&](int64_t item) {
+    thread_local std::vector<float> acc;
+    acc.resize(m.max_D);
+    {
+      const int64_t t = item / chunks;
+      const int64_t b_begin = (item % chunks) * kBagsPerChunk;
       const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
       const int64_t D = m.d_off[t + 1] - m.d_off[t];
       const int64_t rows = m.r_off[t + 1] - m.r_off[t];
@@ -222,8 +299,17 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
         const int64_t start = offsets[tb];
         const int64_t stop = offsets[tb + 1];
         TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
-        if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
         int64_t kept = 0;
+        if (pooling != kNone && (D == 32 || D == 64 || D == 128)) {
+          const auto on_bad = [&](int64_t p, int64_t idx) { report_bad(t, b, p, idx, rows); };
+          kept = D == 32    ? pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad)
+                 : D == 64  ? pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad)
+                            : pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad);
+          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+          store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
+          continue;
+        }
+        if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
         for (int64_t p = start; p < stop; ++p) {
           if (p + kPrefetchDistance < chunk_stop) {
             const int64_t ahead = indices[p + kPrefetchDistance];
@@ -231,14 +317,7 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
           }
           const int64_t idx = indices[p];
           if (idx < 0 || idx >= rows) {
-            const std::string what = "indices[" + std::to_string(p) + "] = " + std::to_string(idx) +
-                                     " is out of range for table " + std::to_string(t) +
-                                     " (num_embeddings=" + std::to_string(rows) + ") in bag " + std::to_string(b);
-            TORCH_CHECK_INDEX(bounds_check != kFatal, what);
-            if (dropped.fetch_add(1) == 0) {
-              std::lock_guard<std::mutex> lock(first_bad_mutex);
-              first_bad = what;
-            }
+            report_bad(t, b, p, idx, rows);
             if (pooling == kNone) std::fill(out + p * output_dim, out + (p + 1) * output_dim, scalar_t(0));
             continue;
           }
@@ -339,8 +418,8 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
   if (pooling != kNone) s.bag_of.resize(N);
   if (pooling == kMean) s.bag_scale.resize(m.T * m.B);
   std::vector<int64_t> seg_count(m.T, 0);
-  at::parallel_for(0, m.T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_dynamic(m.T, [&](int64_t t) {
+    {
       const int64_t rows = m.r_off[t + 1] - m.r_off[t];
       const int64_t lo = offsets[t * m.B];
       const int64_t hi = offsets[(t + 1) * m.B];
@@ -383,17 +462,18 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
 // it may overwrite).
 // ------------------------------------------------------------------------------------------------
 
-// `prefetch_base(t)` is where table t's destination rows start (prefetched two segments ahead).
+// `prefetch_base(t)` is where table t's destination rows start (prefetched four segments ahead).
 template <typename scalar_t, typename index_t, typename Base, typename Write>
 void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* grad_output, int64_t grad_stride,
                            const index_t* offsets, const float* psw, int64_t pooling, Base prefetch_base,
                            Write write) {
-  // Items are (slice, table), slice-major, for the same balance as the forward's chunks.
-  at::parallel_for(0, kSlicesPerTable * m.T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(m.max_D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % m.T;
-      const int64_t slice = item / m.T;
+  // Items are (table, slice of its unique rows), table-major, handed out dynamically as in the forward.
+  parallel_dynamic(kSlicesPerTable * m.T, [&](int64_t item) {
+    thread_local std::vector<float> acc;
+    acc.resize(m.max_D);
+    {
+      const int64_t t = item / kSlicesPerTable;
+      const int64_t slice = item % kSlicesPerTable;
       const int64_t count = s.seg_prefix[t + 1] - s.seg_prefix[t];
       const int64_t local_begin = count * slice / kSlicesPerTable;
       const int64_t local_end = count * (slice + 1) / kSlicesPerTable;
@@ -401,12 +481,20 @@ void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* gra
       const int64_t lo = offsets[t * m.B];
       const int64_t* segs = s.seg_begin.data() + lo + t;
       const uint64_t* pairs = s.sorted[t];
+      const int64_t slice_stop = segs[local_end];
       for (int64_t local = local_begin; local < local_end; ++local) {
         const int64_t first = segs[local];
         const int64_t last = segs[local + 1];
-        if (local + 2 < local_end) prefetch_row(prefetch_base(t) + static_cast<int64_t>(pairs[segs[local + 2]] >> 32) * D, D);
+        if (local + 4 < local_end) {
+          prefetch_row(prefetch_base(t) + static_cast<int64_t>(pairs[segs[local + 4]] >> 32) * D, D);
+        }
         std::fill(acc.begin(), acc.begin() + D, 0.f);
         for (int64_t i = first; i < last; ++i) {
+          if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
+            const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
+            prefetch_row(pooling == kNone ? grad_output + q * grad_stride
+                                          : grad_output + s.bag_of[q] * grad_stride + m.d_off[t], D);
+          }
           const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
           float scale = psw ? psw[p] : 1.f;
           const scalar_t* src;

@@ -24,7 +24,7 @@ from ..reference.embedding_bag import BOUNDS_CHECK_CODES, NONE, OPT_NONE, OPTIMI
 
 FAMILY = "embedding_bag"
 # The backends this family has kernels for (resolve_backend refuses the others by name).
-IMPLEMENTED = ("reference", "cpu")
+IMPLEMENTED = ("reference", "cpu", "triton")
 
 
 def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
