@@ -22,8 +22,9 @@
 namespace gem_kernels {
 namespace {
 
-// Enough bytes per task that the scheduling cost vanishes next to the copy.
-constexpr int64_t kMinBytesPerTask = 64 * 1024;
+// Enough bytes per task (~100 us of copying) that waking a second thread pays for itself: small
+// batches run on the calling thread instead of waiting on a busy core.
+constexpr int64_t kMinBytesPerTask = 1 << 20;
 
 int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));

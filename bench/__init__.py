@@ -1,0 +1,29 @@
+"""gem_kernels benchmarks: ``python -m bench [FAMILY ...] [--quick] [--list] [--device cpu|cuda]
+[--out DIR] [--repeats N]``.
+
+One module per op family (bench/<family>.py, registered in bench/__main__.py FAMILIES) exposes
+
+    def cases(quick: bool, device: torch.device) -> Iterator[bench.harness.Case]
+
+a generator that builds each case's inputs lazily and yields a ``Case`` (op, shape, dtype, analytic
+flops and minimum bytes from gem_kernels.flops, ``impls`` = zero-arg callables doing one iteration
+each, the ``baseline`` impl the speedup divides by, the ``peak`` kind, optional ``notes`` and an
+optional ``reference`` impl every other impl's output must match before it is timed). Inputs are
+rotated (``harness.rotate``) so caches do not flatter. A family that cannot run here raises
+``harness.SkipFamily(reason)``.
+
+A run measures the machine's peaks once (bench/peaks.py), times every impl of every case
+(bench/harness.py), prints progress to stderr and the table to stdout, and writes
+bench/results/<device>-<timestamp>.{json,md,png} and latest-<device>.{json,md,png} (bench/report.py).
+
+Reading the output: ``ms`` is the median of the timed repeats (p10-p90 shows the spread, ``n`` the
+count; ``*`` marks an impl stopped by its time cap); GB/s and TFLOP/s divide the analytic minimum
+bytes / FLOPs by the median time; % peak is relative to the measured copy bandwidth ("bw") for
+data-movement ops or to the dtype's measured matmul peak ("mm"); speedup = baseline ms / impl ms.
+On CPU the impls of a case are timed interleaved (round-robin), so load from other processes hits all
+alike, and faults/call counts minor page faults per call: glibc maps every block over 32 MiB afresh,
+so an op returning a large tensor (a padded batch) pays a first-touch fault per page on every call,
+the same for every impl; with 4 KiB pages on a VM that costs more than the copy itself. The bench
+therefore sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (transparent huge pages for large tensors, 512x
+fewer faults) unless told ``--no-thp``; the results record which.
+"""

@@ -1,0 +1,555 @@
+"""The shared bench harness: what a case is, how an impl is timed, how rows are made.
+
+Every family module (bench/<family>.py) exposes ``cases(quick, device)``, a generator of ``Case``
+objects (see bench/__init__.py for the contract). The harness, per case:
+  1. verifies: when ``Case.reference`` names an impl, calls every impl once and compares its output
+     with the reference's; a mismatch or an exception is reported loudly and that impl is not timed
+     (a bench that times wrong answers is worse than none);
+  2. times every remaining impl: warm-up, then repeats until both a minimum count and a minimum
+     time are reached, or a maximum time is (fewer repeats rather than a hang); the garbage collector
+     off while timing. CPU (``measure_interleaved``): ``time.perf_counter`` per call, the impls
+     interleaved round-robin so load from other processes hits all alike; GPU (``measure``): one impl
+     after the other, CUDA events around each call;
+  3. turns the timings into rows (``make_row``): ms median/p10/p90, TFLOP/s and GB/s from the case's
+     analytic flops and minimum bytes, % of the measured peak, speedup vs the case's baseline.
+A family runs under a time budget (``Budget``): each impl's maximum time shrinks to what is left, and
+cases past the budget are skipped with a note, so one slow family cannot blow the whole run.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+PEAK_KINDS = ("bandwidth", "matmul")
+
+
+class SkipFamily(Exception):
+    """Raised by a family's ``cases()`` when the family cannot run here (the message says why)."""
+
+
+@dataclass
+class Case:
+    """One benchmarked computation and the implementations that compete on it.
+
+    ``impls`` maps an impl name (a gem_kernels backend or a baseline such as "aten") to a zero-arg
+    callable doing one iteration (fwd+bwd impls do both). ``flops`` and ``bytes`` are the analytic
+    work and minimum memory traffic of one iteration (gem_kernels.flops). ``peak`` says which
+    measured peak ``pct_peak`` is relative to: "bandwidth" (copy GB/s) or "matmul" (TFLOP/s of
+    ``dtype``). ``reference``, when set, names the impl whose output the others must match
+    (within ``tolerance``, default exact for copies is up to the family: pass dict(atol=0, rtol=0)).
+    """
+
+    op: str
+    shape: str
+    dtype: torch.dtype
+    flops: int
+    bytes: int
+    impls: dict[str, Callable[[], Any]]
+    baseline: str
+    peak: str = "bandwidth"
+    notes: list[str] = field(default_factory=list)
+    reference: str | None = None
+    tolerance: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.peak not in PEAK_KINDS:
+            raise ValueError(f"peak must be one of {PEAK_KINDS}, got {self.peak!r}")
+        if not self.impls:
+            raise ValueError(f"case {self.op!r} has no impls")
+        if self.reference is not None and self.reference not in self.impls:
+            raise ValueError(f"reference must be a key of impls {list(self.impls)}, got {self.reference!r}")
+
+
+def rotate(arg_sets: Iterable[tuple], fn: Callable[..., Any]) -> Callable[[], Any]:
+    """A zero-arg callable that calls ``fn(*args)`` with the next of the pre-built argument tuples,
+    cycling, so consecutive iterations read different memory and caches do not flatter.
+
+    Every call starts with the first set after construction, so impls built from the same sets see
+    the same inputs in the same order (the verification call compares like with like).
+    """
+    sets = [tuple(args) for args in arg_sets]
+    if not sets:
+        raise ValueError("rotate needs at least one argument tuple")
+    cycle = itertools.cycle(sets)
+
+    def call():
+        return fn(*next(cycle))
+
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    """How hard to time: per-impl repeats and times (seconds)."""
+
+    min_repeats: int
+    min_time: float
+    max_time: float
+    warmup_time: float
+
+    @staticmethod
+    def for_run(quick: bool, repeats: int | None = None) -> "Settings":
+        if quick:
+            s = Settings(min_repeats=5, min_time=0.05, max_time=0.25, warmup_time=0.02)
+        else:
+            s = Settings(min_repeats=10, min_time=0.5, max_time=3.0, warmup_time=0.1)
+        if repeats is not None:
+            s.min_repeats = repeats
+        return s
+
+
+@dataclass
+class Timing:
+    times: list[float]  # seconds, one per timed call
+    capped: bool  # stopped by the maximum time before the minimum count/time was reached
+    page_faults: float | None = None  # CPU: mean minor page faults per timed call (fresh output pages)
+
+    @property
+    def repeats(self) -> int:
+        return len(self.times)
+
+    @property
+    def median_ms(self) -> float:
+        return percentile(self.times, 50) * 1e3
+
+    @property
+    def p10_ms(self) -> float:
+        return percentile(self.times, 10) * 1e3
+
+    @property
+    def p90_ms(self) -> float:
+        return percentile(self.times, 90) * 1e3
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of an empty list")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], Any], device: torch.device, settings: Settings, max_time: float | None = None,
+            warmed: float | None = None) -> Timing:
+    """Time ``fn``: warm-up, then repeats until ``min_repeats`` calls AND ``min_time`` seconds are
+    reached, or ``max_time`` seconds (warm-up included) have passed; one timed call whatever the
+    limits. ``warmed`` is the duration (s) of a call that already ran (the verification call): it
+    stands in for the first warm-up call, and a call that slow gets no more warm-up.
+
+    CPU: each call timed with ``time.perf_counter``. CUDA: a pair of events around each call,
+    launched back to back and synchronised once per chunk (so launch latency overlaps as in a real
+    program); the wall-clock limit is checked between chunks.
+    """
+    max_time = settings.max_time if max_time is None else max_time
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        last = warmed
+        while True:
+            elapsed = time.perf_counter() - start
+            if last is not None and (elapsed >= settings.warmup_time or elapsed + last >= max_time / 4):
+                break
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            last = time.perf_counter() - t0
+        estimate = last
+        if device.type == "cuda":
+            return _measure_cuda(fn, device, settings, start + max_time, estimate)
+        return _measure_cpu(fn, settings, start + max_time)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _measure_cpu(fn, settings: Settings, deadline: float) -> Timing:
+    times: list[float] = []
+    begin = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if len(times) >= settings.min_repeats and t1 - begin >= settings.min_time:
+            return Timing(times, capped=False)
+        if t1 >= deadline:
+            return Timing(times, capped=True)
+
+
+def _measure_cuda(fn, device: torch.device, settings: Settings, deadline: float, estimate: float | None) -> Timing:
+    # Chunk size from the warm-up estimate: about 20 ms of work between wall-clock checks.
+    chunk = 1 if not estimate else max(1, min(100, int(0.02 / max(estimate, 1e-6))))
+    times: list[float] = []
+    begin = time.perf_counter()
+    while True:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(chunk)]
+        for ev_start, ev_end in events:
+            ev_start.record()
+            fn()
+            ev_end.record()
+        torch.cuda.synchronize(device)
+        times.extend(ev_start.elapsed_time(ev_end) / 1e3 for ev_start, ev_end in events)
+        now = time.perf_counter()
+        if len(times) >= settings.min_repeats and now - begin >= settings.min_time:
+            return Timing(times, capped=False)
+        if now >= deadline:
+            return Timing(times, capped=True)
+
+
+def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, max_times: dict[str, float],
+                        warmed: dict[str, float] | None = None) -> tuple[dict[str, Timing], dict[str, Exception]]:
+    """CPU: time several impls round-robin, one call each per round, so that load from other
+    processes (which drifts over seconds on a shared machine) hits every impl alike and the
+    speedups stay fair. Each impl gets its own warm-up and stops on its own (``min_repeats`` calls
+    AND ``min_time`` seconds of its calls, or ``max_times[name]`` seconds of its own time, warm-up
+    included). Returns the timings and the exceptions of impls that raised (those are dropped)."""
+    warmed = warmed or {}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, int] = {name: 0 for name in fns}
+    spent: dict[str, float] = {name: 0.0 for name in fns}
+    capped: dict[str, bool] = {name: False for name in fns}
+    failed: dict[str, Exception] = {}
+    try:
+        for name, fn in fns.items():  # warm-up, as in measure()
+            last = warmed.get(name)
+            try:
+                while not (last is not None and (spent[name] >= settings.warmup_time
+                                                 or spent[name] + last >= max_times[name] / 4)):
+                    t0 = time.perf_counter()
+                    fn()
+                    last = time.perf_counter() - t0
+                    spent[name] += last
+            except Exception as exc:
+                failed[name] = exc
+        active = [name for name in fns if name not in failed]
+        while active:
+            for name in list(active):
+                f0 = _minor_faults()
+                t0 = time.perf_counter()
+                try:
+                    fns[name]()
+                except Exception as exc:
+                    failed[name] = exc
+                    active.remove(name)
+                    continue
+                dt = time.perf_counter() - t0
+                faults[name] += _minor_faults() - f0
+                times[name].append(dt)
+                spent[name] += dt
+                if len(times[name]) >= settings.min_repeats and sum(times[name]) >= settings.min_time:
+                    active.remove(name)
+                elif spent[name] >= max_times[name]:
+                    capped[name] = True
+                    active.remove(name)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    timings = {name: Timing(times[name], capped[name], faults[name] / len(times[name]))
+               for name in fns if name not in failed}
+    return timings, failed
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far: first touches of freshly mapped memory. On CPU a
+    large output (glibc mmaps every block over 32 MiB and unmaps it on free) faults in every page
+    on every call, which can cost more than the copy itself; the rows record it per call."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+# ---------------------------------------------------------------------------------------------
+
+
+def _flatten(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (int, float)):
+        return [torch.tensor(float(out))]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _flatten(item)]
+    if isinstance(out, dict):
+        return [t for key in sorted(out) for t in _flatten(out[key])]
+    raise TypeError(f"cannot compare an output of type {type(out).__name__}")
+
+
+DEFAULT_TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtype: torch.dtype) -> str | None:
+    """None when ``actual`` matches ``expected`` (tensors, numbers, or nests of them), else why not."""
+    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(dtype, dict(atol=1e-4, rtol=1e-4))
+    try:
+        got, want = _flatten(actual), _flatten(expected)
+    except TypeError as exc:
+        return str(exc)
+    if len(got) != len(want):
+        return f"{len(got)} output tensors, reference has {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = g.detach(), w.detach()
+        if g.shape != w.shape:
+            return f"output {i}: shape {tuple(g.shape)}, reference {tuple(w.shape)}"
+        g64, w64 = g.double().cpu(), w.double().cpu()
+        bad = ~torch.isclose(g64, w64, atol=tol["atol"], rtol=tol["rtol"], equal_nan=False)
+        if bad.any():
+            diff = (g64 - w64).abs()
+            diff[diff.isnan()] = float("inf")
+            return (f"output {i}: {int(bad.sum())} of {g.numel()} elements differ "
+                    f"(max abs err {float(diff.max()):.3g}, atol={tol['atol']}, rtol={tol['rtol']})")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows
+# ---------------------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.device, peaks: dict,
+             git_sha: str, timestamp: str) -> dict:
+    """A result row. TFLOP/s and GB/s are None for a case with no flops / no byte count; pct_peak is
+    None when the machine has no measured peak of that kind (e.g. a dtype without a matmul peak)."""
+    seconds = timing.median_ms / 1e3
+    tflops = case.flops / seconds / 1e12 if case.flops and seconds > 0 else None
+    gbps = case.bytes / seconds / 1e9 if case.bytes and seconds > 0 else None
+    pct = None
+    if case.peak == "bandwidth" and gbps is not None and peaks.get("copy_gbps"):
+        pct = 100 * gbps / peaks["copy_gbps"]
+    elif case.peak == "matmul" and tflops is not None:
+        peak = peaks.get("matmul_tflops", {}).get(dtype_name(case.dtype))
+        if peak:
+            pct = 100 * tflops / peak
+    return {
+        "family": family,
+        "op": case.op,
+        "shape": case.shape,
+        "dtype": dtype_name(case.dtype),
+        "device": device.type,
+        "impl": impl,
+        "ms": timing.median_ms,
+        "ms_p10": timing.p10_ms,
+        "ms_p90": timing.p90_ms,
+        "repeats": timing.repeats,
+        "capped": timing.capped,
+        "page_faults_per_call": timing.page_faults,
+        "flops": case.flops,
+        "bytes": case.bytes,
+        "tflops": tflops,
+        "gbps": gbps,
+        "peak": case.peak,
+        "pct_peak": pct,
+        "speedup_vs_baseline": None,
+        "baseline": case.baseline,
+        "git_sha": git_sha,
+        "timestamp": timestamp,
+    }
+
+
+def fill_speedups(rows: list[dict]) -> None:
+    """speedup_vs_baseline = baseline's median ms / this impl's median ms, within each case's rows."""
+    by_impl = {row["impl"]: row for row in rows}
+    for row in rows:
+        base = by_impl.get(row["baseline"])
+        row["speedup_vs_baseline"] = base["ms"] / row["ms"] if base and row["ms"] > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a family
+# ---------------------------------------------------------------------------------------------
+
+
+class Budget:
+    """Wall-clock budget (seconds) of one family."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+@dataclass
+class FamilyResult:
+    name: str
+    status: str  # "ok" | "skipped" | "failed" | "partial"
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)  # impls whose output differed from the reference's
+    seconds: float = 0.0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_family(name: str, cases: Iterator[Case], device: torch.device, settings: Settings, budget: Budget,
+               peaks: dict, git_sha: str, timestamp: str) -> FamilyResult:
+    """Verify and time every case of a family within its budget."""
+    result = FamilyResult(name, "ok")
+    start = time.perf_counter()
+    cases = iter(cases)
+    case_no = 0
+    try:
+        while True:
+            # Drop the previous case (its inputs) before the generator builds the next one.
+            case = None
+            case = next(cases, None)
+            if case is None:
+                break
+            case_no += 1
+            if budget.left() <= 0:
+                msg = (f"time budget of {budget.seconds:.0f} s spent: case {case_no} ({case.op} [{case.shape}]) "
+                       f"and any after it were skipped")
+                result.notes.append(msg)
+                log(f"[{name}] {msg}")
+                result.status = "partial"
+                break
+            for note in case.notes:
+                result.notes.append(f"{case.op} [{case.shape}]: {note}")
+                log(f"[{name} {case_no}] note: {note}")
+            result.rows.extend(_run_case(name, case_no, case, device, settings, budget, peaks, git_sha, timestamp,
+                                         result))
+    except SkipFamily as exc:
+        result.status = "skipped" if not result.rows else "partial"
+        result.notes.append(f"skipped: {exc}")
+        log(f"[{name}] skipped: {exc}")
+    except Exception as exc:  # a broken family is reported, never crashes the run
+        result.status = "failed" if not result.rows else "partial"
+        result.errors.append(f"{name}: cases() raised {type(exc).__name__}: {exc}")
+        log(f"[{name}] ERROR: cases() raised {type(exc).__name__}: {exc}")
+    finally:
+        close = getattr(cases, "close", None)
+        if close is not None:
+            close()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run_case(family: str, case_no: int, case: Case, device: torch.device, settings: Settings, budget: Budget,
+              peaks: dict, git_sha: str, timestamp: str, result: FamilyResult) -> list[dict]:
+    tag = f"[{family} {case_no}]"
+    impls = dict(case.impls)
+    warmed: dict[str, float] = {}  # impl -> seconds its verification call took
+    if case.reference is not None:
+        # One output alive at a time besides the reference's: padded batches can be large.
+        try:
+            t0 = time.perf_counter()
+            expected = impls[case.reference]()
+            _sync(device)
+            warmed[case.reference] = time.perf_counter() - t0
+        except Exception as exc:
+            expected = exc
+        for impl in list(impls):
+            if impl == case.reference and not isinstance(expected, Exception):
+                continue
+            if isinstance(expected, Exception):
+                why = (f"not verified: the reference {case.reference!r} raised "
+                       f"{type(expected).__name__}: {_first_line(expected)}")
+            else:
+                try:
+                    t0 = time.perf_counter()
+                    out = impls[impl]()
+                    _sync(device)
+                    warmed[impl] = time.perf_counter() - t0
+                    why = compare(out, expected, case.tolerance, case.dtype)
+                    del out
+                    if why is not None:
+                        why = f"MISMATCH vs {case.reference!r}: {why}"
+                        result.mismatches.append(f"{case.op} [{case.shape}, {dtype_name(case.dtype)}] {impl}: {why}")
+                except Exception as exc:
+                    why = f"raised {type(exc).__name__}: {_first_line(exc)}"
+            if why is not None:
+                msg = f"{case.op} [{case.shape}, {dtype_name(case.dtype)}] impl {impl!r} {why}; not timed"
+                result.errors.append(msg)
+                log(f"{tag} !!!!! {msg}")
+                del impls[impl]
+        del expected
+    rows = []
+    names = list(impls)
+
+    def add_row(i: int, impl: str, timing: Timing) -> None:
+        row = make_row(family, case, impl, timing, device, peaks, git_sha, timestamp)
+        rows.append(row)
+        extra = f" {row['gbps']:.1f} GB/s" if row["gbps"] is not None else ""
+        extra += f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
+        log(f"{tag} {i + 1}/{len(names)} {case.op} {dtype_name(case.dtype)} {impl}: {row['ms']:.3f} ms "
+            f"(p10 {row['ms_p10']:.3f}, p90 {row['ms_p90']:.3f}, n={row['repeats']}"
+            f"{', capped' if timing.capped else ''}){extra}"
+            + (f", {timing.page_faults:.0f} page faults/call" if timing.page_faults else ""))
+
+    def timing_error(i: int, impl: str, exc: Exception) -> None:
+        msg = f"{case.op} [{case.shape}] impl {impl!r} raised while timing: {type(exc).__name__}: {_first_line(exc)}"
+        result.errors.append(msg)
+        log(f"{tag} {i + 1}/{len(names)} {case.op} {impl}: ERROR {type(exc).__name__}: {_first_line(exc)}")
+
+    if device.type == "cpu":
+        # Interleaved; each impl's cap is an even share of what is left, keeping about one more
+        # case's worth for the cases after this one.
+        cap = max(1e-3, min(settings.max_time, max(budget.left(), 0.0) / (2 * len(names))))
+        log(f"{tag} timing {case.op} {dtype_name(case.dtype)} [{case.shape}]: {', '.join(names)} (interleaved)")
+        timings, failed = measure_interleaved({n: impls[n] for n in names}, settings, {n: cap for n in names},
+                                              warmed)
+        for i, impl in enumerate(names):
+            if impl in failed:
+                timing_error(i, impl, failed[impl])
+            else:
+                add_row(i, impl, timings[impl])
+    else:
+        for i, impl in enumerate(names):
+            # An even share of what is left, keeping about one more case's worth for later cases.
+            max_time = min(settings.max_time, max(budget.left(), 0.0) / (len(names) - i + len(names)))
+            try:
+                timing = measure(impls[impl], device, settings, max_time=max(max_time, 1e-3),
+                                 warmed=warmed.get(impl))
+            except Exception as exc:
+                timing_error(i, impl, exc)
+                continue
+            add_row(i, impl, timing)
+    fill_speedups(rows)
+    if case.baseline not in {row["impl"] for row in rows}:
+        msg = f"baseline {case.baseline!r} was not timed, so no speedups"
+        result.notes.append(f"{case.op} [{case.shape}]: {msg}")
+    return rows

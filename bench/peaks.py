@@ -1,0 +1,66 @@
+"""The machine's measured peaks, once per run: the roofs that every row's % of peak is relative to.
+
+- matmul TFLOP/s per dtype: a large square matmul (2*n^3 FLOPs), fp32 on CPU; fp32, tf32, bf16 and
+  fp16 on GPU (tf32 = fp32 inputs with TF32 tensor cores allowed);
+- copy GB/s: ``dst.copy_(src)`` of a tensor far larger than the caches, counting read + write bytes
+  (2 * nbytes), which is how the bandwidth-bound ops' minimum bytes are counted too.
+On CPU torch uses all cores (the bench sets the thread count once for the whole run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .harness import Settings, dtype_name, log, measure
+
+# (matmul n, copy MiB) per device kind and mode: large enough to reach the roof, small enough for
+# the budget (a 2048^3 fp32 matmul is ~17 GFLOP, ~0.2 s on 2 cores).
+_SIZES = {
+    ("cpu", False): (2048, 512),
+    ("cpu", True): (1024, 128),
+    ("cuda", False): (8192, 2048),
+    ("cuda", True): (4096, 1024),
+}
+
+
+def _matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, settings: Settings) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    timing = measure(lambda: torch.mm(a, b), device, settings)
+    # The best (p10) rather than the median: a peak is what the machine can do.
+    return 2 * n**3 / (timing.p10_ms / 1e3) / 1e12
+
+
+def _copy_gbps(mib: int, device: torch.device, settings: Settings) -> float:
+    src = torch.randn(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    timing = measure(lambda: dst.copy_(src), device, settings)
+    return 2 * src.nbytes / (timing.p10_ms / 1e3) / 1e9
+
+
+def measure_peaks(device: torch.device, quick: bool) -> dict:
+    """{"matmul_tflops": {dtype: TFLOP/s}, "copy_gbps": GB/s, "sizes": ..., "threads": ...}."""
+    n, mib = _SIZES[(device.type, quick)]
+    settings = Settings(min_repeats=3, min_time=0.1 if quick else 0.4, max_time=1.0 if quick else 3.0,
+                        warmup_time=0.05)
+    peaks: dict = {"matmul_tflops": {}, "sizes": {"matmul_n": n, "copy_mib": mib},
+                   "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        previous = torch.backends.cuda.matmul.allow_tf32
+        try:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            peaks["matmul_tflops"]["float32"] = _matmul_tflops(n, torch.float32, device, settings)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            peaks["matmul_tflops"]["tf32"] = _matmul_tflops(n, torch.float32, device, settings)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        for dtype in (torch.bfloat16, torch.float16):
+            peaks["matmul_tflops"][dtype_name(dtype)] = _matmul_tflops(n, dtype, device, settings)
+    else:
+        peaks["matmul_tflops"]["float32"] = _matmul_tflops(n, torch.float32, device, settings)
+    peaks["copy_gbps"] = _copy_gbps(mib, device, settings)
+    mm = ", ".join(f"{k} {v:.2f}" for k, v in peaks["matmul_tflops"].items())
+    log(f"[peaks] matmul TFLOP/s (n={n}): {mm}; copy {peaks['copy_gbps']:.1f} GB/s ({mib} MiB, read+write)")
+    return peaks
