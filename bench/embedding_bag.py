@@ -149,6 +149,10 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     if device.type != "cpu" and fbgemm_why is None:
         fbgemm_why = "fbgemm omitted: this bench builds fbgemm's CPU TBE only"
     notes = [fbgemm_why] if fbgemm_why else []
+    if device.type == "cpu":
+        notes.append("FusedEmbeddingBag asks for transparent huge pages for its weights (madvise); the forward's "
+                     "eager-loop/compile read those same weights, fbgemm and the fwd+bwd copies use torch's "
+                     "default allocation")
     if quick:
         notes.append("compile omitted in --quick: compiling takes longer than the quick budget")
     tolerance = dict(atol=1e-4, rtol=1e-4)  # fp32 sums of ~20 rows in different orders

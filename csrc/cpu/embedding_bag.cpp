@@ -4,17 +4,18 @@
 // Packed layout (FBGEMM TBE): table t is weights[weights_offsets[t] : + rows_t * D_t] viewed as
 // [rows_t, D_t]; bag b of table t is indices[offsets[t*B+b] : offsets[t*B+b+1]].
 //
-// Forward work decomposition: at::parallel_for over the T*B (table, bag) pairs; one task owns whole
-// bags, so every output slice is written by one thread. The bag's rows are accumulated in fp32
-// (fp16/bf16 converted on load) with at::vec::Vectorized over D, while the rows a few indices ahead
-// in the same table are prefetched: the lookups are random DRAM reads and the prefetch keeps
-// several of them in flight per core.
+// Forward work decomposition: items of (table, 128 consecutive bags), table-major, handed to the
+// threads dynamically (parallel_dynamic); one item owns whole bags, so every output slice is
+// written by one thread. The bag's rows are accumulated in fp32 (fp16/bf16 converted on load) with
+// at::vec::Vectorized over D (in registers for D = 32/64/128), while the rows 16 indices ahead in
+// the same table are prefetched: the lookups are random DRAM reads and the prefetch keeps several
+// of them in flight per core.
 //
 // Backward work decomposition, two phases:
-//   1. per table (parallel over tables): the kept (row, position) pairs, packed in one uint64, are
+//   1. per table (tables handed out dynamically): the kept (row, position) pairs, packed in one uint64, are
 //      radix sorted by row (stable, so duplicates keep position order: deterministic sums), and the
 //      runs of equal rows (segments, one per unique row) are recorded;
-//   2. parallel over all segments of all tables: the segment's gradient rows are summed in fp32,
+//   2. over slices of every table's segments (dynamically): the segment's gradient rows are summed in fp32,
 //      then the row is written once: the dense gradient row, or the fused optimizer step on the
 //      weight row and its state. No two threads touch the same row, so no atomics.
 //
@@ -77,13 +78,18 @@ inline void prefetch_row(const scalar_t* row, int64_t D) {
   for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte);
 }
 
-// Runs body(item) for item in [0, total) on every thread, items handed out in order from a shared
+// Runs body(item) for item in [0, total) on every thread (one when `work` is small), items handed out in order from a shared
 // counter (dynamic scheduling). On a shared host a static split waits for its slowest thread; here
 // a stalled thread just takes fewer items. Exceptions propagate as from at::parallel_for.
+// Below this many element operations one thread is faster than waking the others (which on a
+// busy host can take milliseconds).
+constexpr int64_t kMinParallelWork = int64_t(1) << 18;
+
 template <typename Body>
-void parallel_dynamic(int64_t total, const Body& body) {
+void parallel_dynamic(int64_t total, int64_t work, const Body& body) {
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  const int64_t workers =
+      work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) body(item);
   });
@@ -283,7 +289,7 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
   // threads work through one table together (FBGEMM's table-by-table order), so that table's hot
   // Zipf-head rows are shared in cache, and a thread slowed by the host takes fewer chunks.
   const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
-  parallel_dynamic(chunks * m.T, [&](int64_t item) {
+  parallel_dynamic(chunks * m.T, (offsets[m.T * m.B] + m.T * m.B) * m.max_D, [&](int64_t item) {
     thread_local std::vector<float> acc;
     acc.resize(m.max_D);
     {
@@ -418,7 +424,7 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
   if (pooling != kNone) s.bag_of.resize(N);
   if (pooling == kMean) s.bag_scale.resize(m.T * m.B);
   std::vector<int64_t> seg_count(m.T, 0);
-  parallel_dynamic(m.T, [&](int64_t t) {
+  parallel_dynamic(m.T, N * 8, [&](int64_t t) {
     {
       const int64_t rows = m.r_off[t + 1] - m.r_off[t];
       const int64_t lo = offsets[t * m.B];
@@ -468,7 +474,7 @@ void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* gra
                            const index_t* offsets, const float* psw, int64_t pooling, Base prefetch_base,
                            Write write) {
   // Items are (table, slice of its unique rows), table-major, handed out dynamically as in the forward.
-  parallel_dynamic(kSlicesPerTable * m.T, [&](int64_t item) {
+  parallel_dynamic(kSlicesPerTable * m.T, (offsets[m.T * m.B] + s.seg_prefix[m.T]) * m.max_D, [&](int64_t item) {
     thread_local std::vector<float> acc;
     acc.resize(m.max_D);
     {
