@@ -20,11 +20,19 @@ import torch
 
 from .._backend import kernel, resolve_backend
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_offsets_values, check_same_device, check_tensor
-from ..reference.embedding_bag import BOUNDS_CHECK_CODES, NONE, OPT_NONE, OPTIMIZER_CODES, POOLING_CODES
+from ..reference.embedding_bag import (
+    BOUNDS_CHECK_CODES,
+    NONE,
+    OPT_NONE,
+    OPTIMIZER_CODES,
+    POOLING_CODES,
+    SKIP,
+    kept_mask,
+)
 
 FAMILY = "embedding_bag"
 # The backends this family has kernels for (resolve_backend refuses the others by name).
-IMPLEMENTED = ("reference", "cpu", "triton")
+IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
 
 
 def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
@@ -51,6 +59,8 @@ def embedding_bag_op(weights: torch.Tensor, momentum1: torch.Tensor, momentum2: 
     """Forward. The optimizer state and scalars are inputs only so that the backward can reach them."""
     if backend != "cpu":  # the C++ kernel checks them itself, same messages, without the ATen-op overhead
         check_offsets_values("offsets", offsets, indices.shape[0])
+    if backend == "cuda" and bounds_check != SKIP:  # the CUDA kernel only drops bad indices: raise/warn here
+        kept_mask(rows_offsets, indices, offsets, bounds_check)
     return kernel(FAMILY, "embedding_bag_forward", backend)(
         weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, output_dim,
         pooling, bounds_check)
