@@ -20,6 +20,27 @@ TORCH_LIBRARY(gem_kernels, m) {
         "Tensor(c!) momentum2, Tensor(d!) step, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
         "Tensor indices, Tensor offsets, Tensor per_sample_weights, int pooling, int optimizer, float lr, float eps, "
         "float beta1, float beta2, float weight_decay) -> ()");
+  // attention: jagged q, k [N, H, Dqk], v [N, H, Dv] -> (out [N, H, Dv], fp32 lse [N, H] or [0] for hstu)
+  m.def("jagged_attention_fwd_native(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seq_len, str kind, "
+        "bool causal, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, Tensor? pos_bias, "
+        "Tensor? time_bias, Tensor? timestamps) -> (Tensor, Tensor)");
+  // -> (dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient
+  m.def("jagged_attention_bwd_native(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor seq_offsets, int max_seq_len, str kind, bool causal, float scale, Tensor? num_targets, "
+        "int contextual_len, int max_attn_len, Tensor? pos_bias, Tensor? time_bias, Tensor? timestamps, "
+        "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+
+  // interaction: dot interaction x [B, F, D] -> [B, P]; cross layer (u [N, N] or u [N, r] + v [r, N],
+  // v empty for full rank) -> (out, z, p); fm_compress x [B, F, D], y [F, k] -> (out, mean, rstd)
+  m.def("dot_interaction_native(Tensor x, bool self_interaction) -> Tensor");
+  m.def("dot_interaction_backward_native(Tensor grad_out, Tensor x, bool self_interaction) -> Tensor");
+  m.def("cross_layer_native(Tensor x0, Tensor xl, Tensor u, Tensor v, Tensor bias) -> (Tensor, Tensor, Tensor)");
+  m.def("cross_layer_backward_native(Tensor grad_out, Tensor x0, Tensor xl, Tensor u, Tensor v, Tensor z, "
+        "Tensor p) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fm_compress_native(Tensor x, Tensor y, Tensor ln_weight, Tensor ln_bias, float eps) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("fm_compress_backward_native(Tensor grad_out, Tensor x, Tensor y, Tensor ln_weight, Tensor mean, "
+        "Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

@@ -13,10 +13,12 @@ from ._backend import (
     get_backend,
     use_backend,
 )
+from .ops.attention import jagged_attention
+from .ops.embedding_bag import embedding_bag
+from .ops.interaction import cross_layer, dot_interaction, fm_compress
+from .ops.jagged import jagged_to_padded, padded_to_jagged
 from . import nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
-from .ops.embedding_bag import embedding_bag
-from .ops.jagged import jagged_to_padded, padded_to_jagged
 
 __version__ = "0.1.0"
 
@@ -26,8 +28,12 @@ __all__ = [
     "available_backends",
     "get_backend",
     "use_backend",
+    "jagged_attention",
     "jagged_to_padded",
     "padded_to_jagged",
+    "dot_interaction",
+    "cross_layer",
+    "fm_compress",
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",

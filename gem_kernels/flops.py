@@ -47,3 +47,94 @@ def embedding_bag_backward_rowwise_adagrad(lookups: list[int], unique_rows: list
     grad_read = batch * sum(dims) * elem_bytes
     flops_ = 2 * sum(n * d for n, d in zip(lookups, dims)) + 6 * updated
     return flops_, grad_read + 2 * updated * elem_bytes + 2 * sum(unique_rows) * 4 + indices
+def jagged_attention(offsets: torch.Tensor, num_heads: int, dim_qk: int, dim_v: int, elem_bytes: int, *,
+                     causal: bool = True, backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of jagged attention over the real (unpadded) sequences.
+
+    FLOPs (FlashAttention's convention): the two products Q K^T and P V cost 2 * sum_b L_b^2 * H *
+    (Dqk + Dv) = 4 * sum L^2 * H * D when Dqk = Dv = D, halved when causal (only the visible half
+    is work); the backward costs 2.5x the forward. backward=True gives forward + backward.
+    Bytes: q, k, v read and out written once (N * H * (2 * Dqk + 2 * Dv)); the backward adds reading
+    q, k, v, out, dout and writing dq, dk, dv.
+    """
+    lengths = _lengths(offsets)
+    total = int(lengths.sum())
+    pairs = int((lengths * lengths).sum())
+    flops = 2 * pairs * num_heads * (dim_qk + dim_v)
+    if causal:
+        flops //= 2
+    nbytes = total * num_heads * (2 * dim_qk + 2 * dim_v) * elem_bytes
+    if backward:
+        flops = int(flops * 3.5)
+        nbytes += total * num_heads * (4 * dim_qk + 4 * dim_v) * elem_bytes
+    return flops, nbytes
+
+# ---------------------------------------------------------------------------------------------
+# Interaction family. `backward=True` returns forward + backward totals (what a fwd+bwd bench
+# iteration does). Minimum bytes read each input once and write each output once; saved
+# activations a kernel may keep (z, mean/rstd) are not counted since they can be recomputed.
+# ---------------------------------------------------------------------------------------------
+
+
+def dot_interaction(batch: int, num_features: int, dim: int, self_interaction: bool, elem_bytes: int,
+                    backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes). Forward: 2*B*P*D FLOPs (the P upper-triangle dot products), read x, write
+    [B, P]. Backward: grad_x = sym(G) x, 4*B*P*D FLOPs (each pair feeds two rows); read grad and x,
+    write grad_x."""
+    pairs = num_features * (num_features + 1) // 2 if self_interaction else num_features * (num_features - 1) // 2
+    x_elems = batch * num_features * dim
+    flops_, bytes_ = 2 * batch * pairs * dim, (x_elems + batch * pairs) * elem_bytes
+    if backward:
+        flops_ += 4 * batch * pairs * dim
+        bytes_ += (batch * pairs + 2 * x_elems) * elem_bytes
+    return flops_, bytes_
+
+
+def cross_layer(batch: int, width: int, rank: int | None, elem_bytes: int, backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of one DCNv2 cross layer x0 * (W xl + b) + xl, W [N, N] or U [N, r] V [r, N].
+    Forward: the matmul 2*B*N*N (low rank 4*B*N*r) plus 3*B*N for bias, product and residual; read
+    x0, xl, W, b, write out. Backward: twice the matmul FLOPs (grad input, grad weight) plus 3*B*N;
+    read grad, x0, xl, W, write grad_x0, grad_xl, grad_W, grad_b."""
+    weight_elems = width * width if rank is None else 2 * width * rank
+    matmul = 2 * batch * weight_elems
+    act = batch * width
+    flops_, bytes_ = matmul + 3 * act, (3 * act + weight_elems + width) * elem_bytes
+    if backward:
+        flops_ += 2 * matmul + 3 * act
+        bytes_ += (5 * act + 2 * weight_elems + 2 * width) * elem_bytes
+    return flops_, bytes_
+
+
+def fm_compress(batch: int, num_features: int, dim: int, rank: int, elem_bytes: int,
+                backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of Wukong's LayerNorm(flatten(X (X^T Y))), X [B, F, D], Y [F, k].
+    Forward: 4*B*F*D*k for the two products plus ~8*B*F*k for the LayerNorm; read X, Y and the
+    LayerNorm parameters, write [B, F*k]. Backward: 8*B*F*D*k (grad A, grad X twice, grad Y) plus
+    ~12*B*F*k; read grad, X, Y, LayerNorm weight, write grad X, grad Y and the two parameter grads."""
+    x_elems, out_elems, params = batch * num_features * dim, batch * num_features * rank, num_features * rank
+    flops_, bytes_ = 4 * x_elems * rank + 8 * out_elems, (x_elems + out_elems + 3 * params) * elem_bytes
+    if backward:
+        flops_ += 8 * x_elems * rank + 12 * out_elems
+        bytes_ += (out_elems + 2 * x_elems + 5 * params) * elem_bytes
+    return flops_, bytes_
+
+
+def wukong_layer(batch: int, num_in: int, num_fm_out: int, num_lcb_out: int, dim: int, fm_rank: int,
+                 mlp_hidden: list[int], elem_bytes: int, backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of one WukongLayer: fm_compress, the FMB MLP, the LCB and residual
+    projections over the feature axis and the final LayerNorm (~8 FLOPs per output element).
+    Bytes: the input, the parameters and the output once. Backward doubles the matmul FLOPs."""
+    num_out = num_fm_out + num_lcb_out
+    fm_flops, _ = fm_compress(batch, num_in, dim, fm_rank, elem_bytes)
+    sizes = [num_in * fm_rank, *mlp_hidden, num_fm_out * dim]
+    mlp_params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    proj_rows = num_lcb_out + (num_out if num_out != num_in else 0)
+    matmul = 2 * batch * mlp_params + 2 * batch * proj_rows * num_in * dim
+    out_elems = batch * num_out * dim
+    params = mlp_params + proj_rows * num_in + num_in * fm_rank * 3 + 2 * dim
+    flops_ = fm_flops + matmul + 8 * out_elems
+    bytes_ = (batch * num_in * dim + out_elems + params) * elem_bytes
+    if backward:
+        flops_ += 2 * fm_flops + 2 * matmul + 12 * out_elems
+        bytes_ += (out_elems + batch * num_in * dim + params) * elem_bytes
+    return flops_, bytes_

@@ -143,17 +143,14 @@ def jagged_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, se
 
 def jagged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                            num_targets: torch.Tensor, max_len: int) -> torch.Tensor:
-    """jagged_attention_eager with gem_kernels' jagged <-> padded kernels for the pad and unpad."""
-    total_len, num_heads, head_dim = q.shape
-    qkv = torch.stack([q, k, v], dim=1).reshape(total_len, 3 * num_heads * head_dim)
-    padded = gem_kernels.jagged_to_padded(qkv, seq_offsets, max_len)
-    out = _padded_attention(padded, seq_offsets.diff(), num_targets, num_heads)
-    return gem_kernels.padded_to_jagged(out, seq_offsets, total_len).view(total_len, num_heads, head_dim)
+    """The same attention as jagged_attention_eager on the jagged rows directly, no padding:
+    gem_kernels.jagged_attention's causal visibility with num_targets is exactly attention_mask's."""
+    return gem_kernels.jagged_attention(q, k, v, seq_offsets, max_len, kind="softmax", causal=True,
+                                        num_targets=num_targets)
 
 
 JAGGED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
     "eager": jagged_attention_eager,
-    # fused by gem_kernels.jagged_attention (no padding at all) once available (issue 4).
     "fused": jagged_attention_fused,
 }
 
@@ -239,8 +236,7 @@ def dot_interaction_eager(features: torch.Tensor) -> torch.Tensor:
 
 DOT_INTERACTION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "eager": dot_interaction_eager,
-    # fused by gem_kernels.dot_interaction once available (issue 5).
-    "fused": dot_interaction_eager,
+    "fused": gem_kernels.dot_interaction,
 }
 
 

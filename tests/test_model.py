@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gem_kernels
 from model import Batch, GemConfig, GemModel, make_batch, train_step
 from model.archs import (
     DOT_INTERACTION,
@@ -211,6 +212,7 @@ def test_every_arch_has_both_kernels():
     for table in (POOLED_EMBEDDINGS, JAGGED_ATTENTION, DOT_INTERACTION):
         assert set(table) == {"eager", "fused"}
     assert JAGGED_ATTENTION["fused"] is not jagged_attention_eager
+    assert DOT_INTERACTION["fused"] is gem_kernels.dot_interaction
 
 
 # ----------------------------------------------------------------------------------------- the model

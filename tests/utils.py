@@ -75,3 +75,15 @@ def poison_allocator(nbytes: int, device) -> None:
     kernel forgets to write then fails the comparison instead of passing as a lucky 0."""
     block = torch.full((max(nbytes, 4) // 4 + 1024,), float("nan"), dtype=torch.float32, device=device)
     del block
+
+
+def assert_close_vs_eager(actual: torch.Tensor, expected: torch.Tensor, eager: torch.Tensor,
+                          dtype: torch.dtype, msg: str = "") -> None:
+    """FlashAttention's rule for kernels whose intermediates live in the I/O dtype (e.g. GEMMs in
+    bf16): the max error of `actual` against the fp32 `expected` is at most twice the max error of
+    the same-dtype eager computation `eager`, plus the dtype's atol."""
+    expected = expected.float()
+    err = (actual.float() - expected).abs().max().item() if actual.numel() else 0.0
+    eager_err = (eager.float() - expected).abs().max().item() if eager.numel() else 0.0
+    bound = 2 * eager_err + TOLERANCES[dtype]["atol"]
+    assert err <= bound, f"{msg}: max error {err} > 2 x eager's {eager_err} + atol"

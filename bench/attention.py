@@ -1,0 +1,188 @@
+"""Bench of the attention family: jagged attention (softmax and HSTU), forward and forward+backward.
+
+B sequences with lengths drawn so the batch is ~50% dense against max_seq_len, and a 95%-sparse
+case like generative-recommenders' bench; H = 4, D = 128; fp32 on the CPU, bf16 on a GPU. FLOPs
+count the visible work of the real sequences only (gem_kernels.flops.jagged_attention).
+
+Peers: `reference` (gem_kernels' padded eager twin: pad, mask, fp32 maths), `sdpa`
+(scaled_dot_product_attention on inputs padded beforehand, with the visibility mask and biases as an
+additive float mask; the padding itself is not timed, which flatters it), `nested` (nested-tensor
+SDPA; it runs only without a mask, so only on the non-causal case), `flex` (FlexAttention with a
+document mask, GPU only). HSTU has no SDPA form: its baseline is the padded eager reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import gem_kernels as gk
+from .harness import Case, rotate
+from gem_kernels import flops as gk_flops
+from gem_kernels.reference import attention as ref
+
+H, D = 4, 128
+NUM_BUCKETS = 32
+
+
+def _lengths(num_seqs: int, max_seq_len: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    """Lengths with mean ~density * max_seq_len: uniform in [0.5, 1.5] x the mean (dense: one sequence
+    at the max, so the padded peers do no more work than max_seq_len needs)."""
+    mean = density * max_seq_len
+    lo, hi = max(1, int(mean * 0.5)), min(max_seq_len, int(mean * 1.5) + 1)
+    lengths = torch.randint(lo, hi + 1, (num_seqs,), generator=gen).clamp(max=max_seq_len)
+    if density >= 0.5:
+        lengths[0] = max_seq_len
+    return lengths
+
+
+def _inputs(lengths, max_seq_len, dtype, device, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    n = int(offsets[-1])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device).requires_grad_(True)
+
+    args = dict(q=rnd(n, H, D), k=rnd(n, H, D), v=rnd(n, H, D), seq_offsets=offsets.to(device),
+                max_seq_len=max_seq_len)
+    if with_bias:
+        args["pos_bias"] = (0.1 * torch.randn(H, 2 * max_seq_len - 1, generator=gen)).to(device).requires_grad_(True)
+        args["time_bias"] = (0.1 * torch.randn(H, NUM_BUCKETS + 1, generator=gen)).to(device).requires_grad_(True)
+        args["timestamps"] = torch.randint(0, 10**7, (n,), generator=gen).sort().values.to(device)
+    return args
+
+
+def _padded_sdpa_inputs(args, causal):
+    """q, k, v padded to [B, H, M, D] and the additive float mask [B, H or 1, M, M] (built once, untimed)."""
+    m = args["max_seq_len"]
+    offsets = args["seq_offsets"]
+    with torch.no_grad():
+        padded = [gk.jagged_to_padded(args[n].detach().flatten(1), offsets, m, backend="reference")
+                  .view(-1, m, H, D).transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v")]
+        lengths = offsets.long().diff()
+        valid = ref.visibility_mask(lengths, m, causal=causal, num_targets=None, contextual_len=0, max_attn_len=0)
+        # Padding rows see themselves so no softmax row is empty (their output is discarded anyway).
+        valid = valid | torch.eye(m, dtype=torch.bool, device=valid.device)
+        mask = torch.zeros(valid.shape, dtype=args["q"].dtype, device=valid.device).masked_fill(~valid, float("-inf"))
+        mask = mask.unsqueeze(1)
+        if "pos_bias" in args:
+            rel = torch.arange(m, device=mask.device)
+            rel = rel.view(1, -1) - rel.view(-1, 1) + m - 1
+            tp, _ = ref._pad(args["timestamps"], offsets, m)
+            buckets = ref.time_buckets(tp.unsqueeze(2) - tp.unsqueeze(1), NUM_BUCKETS)
+            bias = args["pos_bias"][:, rel].unsqueeze(0) + args["time_bias"][:, buckets].transpose(0, 1)
+            mask = (mask + bias.to(mask.dtype)).detach()
+    return padded, mask
+
+
+def _fwd(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def _fwd_bwd(fn, grad_leaves):
+    def run():
+        out = fn()
+        torch.autograd.backward(out, torch.ones_like(out), inputs=grad_leaves)
+    return run
+
+
+def cases(quick: bool, device: torch.device) -> Iterator[Case]:
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if quick:
+        configs = [(128, 4, 0.5)]
+    elif on_gpu:
+        configs = [(m, max(4, 2 * 65536 // m), density) for m in (256, 1024, 4096) for density in (0.5, 0.05)]
+    else:
+        # (max_seq_len, B, density): sized so the whole family fits a few minutes on a small CPU.
+        configs = [(256, 16, 0.5), (256, 16, 0.05), (1024, 4, 0.5), (1024, 4, 0.05)]
+    gen = torch.Generator().manual_seed(0)
+    for max_seq_len, num_seqs, density in configs:
+        lengths = _lengths(num_seqs, max_seq_len, density, gen)
+        real_density = float(lengths.float().mean()) / max_seq_len
+        variants = [("softmax", False, True), ("hstu", True, True)]
+        if max_seq_len == 1024 and density == 0.5 and not quick:
+            variants.append(("softmax", False, False))  # non-causal: the one nested-tensor SDPA can run
+        for kind, with_bias, causal in variants:
+            sets = [_inputs(lengths, max_seq_len, dtype, device, with_bias, seed) for seed in range(2)]
+            for backward in (False, True) if causal else (False,):
+                yield _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, real_density, device, dtype)
+
+
+def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density, device, dtype) -> Case:
+    args0 = sets[0]
+    flops, nbytes = gk_flops.jagged_attention(args0["seq_offsets"].cpu(), H, D, D, torch.finfo(dtype).bits // 8,
+                                              causal=causal, backward=backward)
+    wrap = (lambda fn, leaves: _fwd_bwd(fn, leaves)) if backward else (lambda fn, leaves: _fwd(fn))
+
+    def ours(backend):
+        def make(args):
+            leaves = [t for n, t in args.items() if n in ("q", "k", "v", "pos_bias", "time_bias")]
+            return wrap(lambda: gk.jagged_attention(**args, kind=kind, causal=causal, backend=backend), leaves)
+        return _cycle([make(a) for a in sets])
+
+    impls, notes = {}, []
+    if device.type == "cpu":
+        impls["cpu"] = ours("cpu")
+    else:
+        impls["triton"] = ours("triton")
+        if not backward:
+            impls["cuda"] = ours("cuda")  # forward only
+        if with_bias:
+            notes.append("triton bias gradients use fp32 atomics (deterministic=False)")
+    # The padded eager twin is the HSTU baseline; for softmax (where SDPA is the baseline) it runs at
+    # the short length only: at 1024 it takes seconds per call and says nothing new.
+    if kind == "hstu" or max_seq_len <= 256:
+        impls["reference"] = ours("reference")
+    baseline = "reference"
+    if kind == "softmax":
+        padded_sets = [_padded_sdpa_inputs(a, causal) for a in sets]
+
+        seq_ids, pos = ref._pad(args0["q"].detach(), args0["seq_offsets"], max_seq_len)[1]
+
+        def sdpa_call(padded, mask):
+            q, k, v = padded
+            if backward:
+                return wrap(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), [q, k, v])
+            # Forward: unpad the output too (a jagged caller needs it; also lets the harness verify it).
+            return wrap(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)[seq_ids, pos],
+                        [q, k, v])
+        impls["sdpa"] = _cycle([sdpa_call(*p) for p in padded_sets])
+        baseline = "sdpa"
+        if not causal and not with_bias:
+            def nested_call(args):
+                nts = [torch.nested.nested_tensor_from_jagged(args[n], args["seq_offsets"]).transpose(1, 2)
+                       for n in ("q", "k", "v")]
+
+                def fn():
+                    return F.scaled_dot_product_attention(*nts).transpose(1, 2).values()
+                return wrap(fn, [args["q"], args["k"], args["v"]])
+            impls["nested"] = _cycle([nested_call(a) for a in sets])
+        else:
+            notes.append("nested-tensor SDPA runs only without a mask (no causal, no bias): absent")
+        if device.type == "cuda":
+            notes.append("FlexAttention peer not wired yet")
+    else:
+        notes.append("HSTU (SiLU weights) has no SDPA form: baseline is the padded eager reference")
+    bias_txt = " +pos/time bias" if with_bias else ""
+    shape = (f"B={lengths.numel()} max_seq_len={max_seq_len} dense={density:.2f} H={H} D={D} "
+             f"{'causal' if causal else 'full'}{bias_txt}")
+    # Forward outputs are checked against the reference twin before timing (fwd+bwd callables return
+    # nothing; their gradients are covered by tests/test_attention.py).
+    check = not backward and "reference" in impls
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    return Case(op=f"jagged_attention_{kind}_{'fwd_bwd' if backward else 'fwd'}", shape=shape, dtype=dtype,
+                flops=flops, bytes=nbytes, impls=impls, baseline=baseline, peak="matmul", notes=notes,
+                reference="reference" if check else None, tolerance=tolerance if check else None)
+
+
+def _cycle(calls):
+    """One zero-arg callable that runs the next prepared input set each call (rotate() over callables)."""
+    return rotate([(c,) for c in calls], lambda c: c())

@@ -1,0 +1,173 @@
+"""Bench of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress and
+a whole WukongLayer, forward and forward+backward.
+
+Impls: every gem_kernels backend for the device (cpu on the CPU; cuda and triton on a GPU), the
+eager baseline ("eager": TorchRec-style bmm + triu gather, nn.functional.linear cross layer, eager
+Wukong FM + LayerNorm, differentiated by autograd; the speedup baseline) and "compile",
+torch.compile of that eager function (default inductor mode). Every impl is checked against eager
+(fp32 reassociation tolerance) before it is timed.
+
+Workload (issue 5), scaled to fit the bench budget on a small CPU: B = 4096 (1024 for F = 128),
+F = 27 and 128 embeddings, D = 64 and 128, fp32; on a GPU B = 16384 in bf16 and fp32. Cross layer:
+N = 512 full rank and N = 1024 at rank 64. WukongLayer: 27 -> 16 FM + 16 LCB embeddings of dim 64
+(a residual projection), fm_rank 8, MLP hidden 256.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+import gem_kernels as gk
+from gem_kernels import flops
+from gem_kernels.ops.interaction import IMPLEMENTED
+from gem_kernels.reference import interaction as eager_ref
+
+from .harness import Case, rotate
+
+SEED = 0
+# Fused and eager sum in different orders; relative differences of fp32 reassociation.
+TOLERANCE = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
+             torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def _backends(device: torch.device) -> list[str]:
+    # On the CPU only the cpu backend: the Triton interpreter is a correctness tool, far too slow.
+    wanted = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
+    available = gk.available_backends()
+    return [b for b in wanted if b in available and b in IMPLEMENTED]
+
+
+def _fwd_bwd(forward: Callable, inputs: tuple, grad_out: torch.Tensor, params: tuple = ()):
+    """One forward + backward: (output, grads of every input and parameter)."""
+    out = forward(*inputs)
+    grads = torch.autograd.grad(out, [*inputs, *params], grad_out)
+    return out.detach(), grads
+
+
+def _impls(device: torch.device, fused: Callable[..., Callable], eager: Callable, quick: bool) -> dict[str, Callable]:
+    """name -> fn(*inputs): `fused(backend)` gives the gem_kernels function of a backend. --quick
+    leaves out "compile": compiling each case takes longer than the quick budget."""
+    impls = {backend: fused(backend) for backend in _backends(device)}
+    impls["eager"] = eager
+    if not quick:
+        impls["compile"] = torch.compile(eager)
+    return impls
+
+
+def _cases_of(op: str, shape: str, dtype: torch.dtype, fwd: tuple[int, int], fwd_bwd: tuple[int, int],
+              impls: dict[str, Callable], input_sets: list[tuple], grad_sets: list[torch.Tensor],
+              params: tuple = ()) -> Iterator[Case]:
+    peak = "matmul"
+    yield Case(op=op, shape=shape, dtype=dtype, flops=fwd[0], bytes=fwd[1],
+               impls={name: rotate(input_sets, fn) for name, fn in impls.items()}, baseline="eager", peak=peak,
+               reference="eager", tolerance=TOLERANCE[dtype])
+    sets = [(inputs, grad) for inputs, grad in zip(input_sets, grad_sets)]
+    yield Case(op=f"{op} fwd+bwd", shape=shape, dtype=dtype, flops=fwd_bwd[0], bytes=fwd_bwd[1],
+               impls={name: rotate(sets, lambda inputs, grad, fn=fn: _fwd_bwd(fn, inputs, grad, params))
+                      for name, fn in impls.items()},
+               baseline="eager", peak=peak, reference="eager", tolerance=TOLERANCE[dtype])
+
+
+def _eager_wukong(layer: gk.nn.WukongLayer) -> Callable:
+    """The same layer (same parameters) with the eager FM: what a user writes without fm_compress."""
+
+    def forward(x):
+        fm = eager_ref.eager_fm_compress(x, layer.fm_y, layer.fm_norm.weight, layer.fm_norm.bias, layer.fm_norm.eps)
+        fmb = layer.fm_mlp(fm).view(x.shape[0], layer.num_fm_out, layer.dim)
+        lcb = torch.matmul(layer.lcb_weight, x)
+        residual = x if layer.residual_weight is None else torch.matmul(layer.residual_weight, x)
+        return layer.norm(torch.cat([fmb, lcb], 1) + residual)
+
+    return forward
+
+
+def cases(quick: bool, device: torch.device) -> Iterator[Case]:
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    num_sets = 2
+
+    def randn(*shape, dtype, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    if device.type == "cuda":
+        dtypes, batch, big_batch = (torch.bfloat16, torch.float32), 16384, 16384
+    else:
+        dtypes, batch, big_batch = (torch.float32,), 4096, 1024
+    if quick:
+        batch = big_batch = 128
+
+    def dot(B, F, D, dtype, elem):
+        x_sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
+        grads = [randn(B, F * (F - 1) // 2, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x: gk.dot_interaction(x, backend=b)),
+                       eager_ref.eager_dot_interaction, quick)
+        yield from _cases_of("dot_interaction", f"B={B} F={F} D={D}", dtype,
+                             flops.dot_interaction(B, F, D, False, elem),
+                             flops.dot_interaction(B, F, D, False, elem, backward=True), impls, x_sets, grads)
+
+    def cross(B, N, rank, dtype, elem):
+        bias = randn(N, dtype=dtype, scale=0.1).requires_grad_(True)
+        if rank is None:
+            weight = randn(N, N, dtype=dtype, scale=N ** -0.5).requires_grad_(True)
+            params = (weight, bias)
+        else:
+            weight = (randn(N, rank, dtype=dtype, scale=rank ** -0.5).requires_grad_(True),
+                      randn(rank, N, dtype=dtype, scale=N ** -0.5).requires_grad_(True))
+            params = (*weight, bias)
+        sets = [(randn(B, N, dtype=dtype).requires_grad_(True), randn(B, N, dtype=dtype).requires_grad_(True))
+                for _ in range(num_sets)]
+        grads = [randn(B, N, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x0, xl: gk.cross_layer(x0, xl, weight, bias, backend=b)),
+                       lambda x0, xl: eager_ref.eager_cross_layer(x0, xl, weight, bias), quick)
+        shape = f"B={B} N={N}" + (f" rank={rank}" if rank else "")
+        yield from _cases_of("cross_layer", shape, dtype, flops.cross_layer(B, N, rank, elem),
+                             flops.cross_layer(B, N, rank, elem, backward=True), impls, sets, grads, params)
+
+    def fm(B, F, D, k, dtype, elem):
+        y = randn(F, k, dtype=dtype, scale=F ** -0.5).requires_grad_(True)
+        ln_w = (1 + randn(F * k, dtype=dtype, scale=0.1)).requires_grad_(True)
+        ln_b = randn(F * k, dtype=dtype, scale=0.1).requires_grad_(True)
+        x_sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
+        grads = [randn(B, F * k, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x: gk.fm_compress(x, y, ln_w, ln_b, backend=b)),
+                       lambda x: eager_ref.eager_fm_compress(x, y, ln_w, ln_b), quick)
+        yield from _cases_of("fm_compress", f"B={B} F={F} D={D} k={k}", dtype,
+                             flops.fm_compress(B, F, D, k, elem), flops.fm_compress(B, F, D, k, elem, backward=True),
+                             impls, x_sets, grads, (y, ln_w, ln_b))
+
+    def wukong(B, num_in, fm_out, lcb_out, dim, rank, hidden, dtype, elem):
+        """A whole Wukong layer, forward + backward (the unit a model trains)."""
+        layer = gk.nn.WukongLayer(num_in, fm_out, lcb_out, dim, rank, hidden, device=device, dtype=dtype)
+        params = tuple(layer.parameters())
+        x_sets = [(randn(B, num_in, dim, dtype=dtype).requires_grad_(True),) for _ in range(num_sets)]
+        grads = [randn(B, fm_out + lcb_out, dim, dtype=dtype) for _ in range(num_sets)]
+
+        def fused(backend):
+            def forward(x):
+                layer.backend = backend
+                return layer(x)
+            return forward
+
+        impls = _impls(device, fused, _eager_wukong(layer), quick)
+        sets = [(inputs, grad) for inputs, grad in zip(x_sets, grads)]
+        work = flops.wukong_layer(B, num_in, fm_out, lcb_out, dim, rank, hidden, elem, backward=True)
+        yield Case(op="WukongLayer fwd+bwd",
+                   shape=f"B={B} in={num_in} fm={fm_out} lcb={lcb_out} D={dim} rank={rank} mlp={hidden}",
+                   dtype=dtype, flops=work[0], bytes=work[1],
+                   impls={name: rotate(sets, lambda inputs, grad, fn=fn: _fwd_bwd(fn, inputs, grad, params))
+                          for name, fn in impls.items()},
+                   baseline="eager", peak="matmul", reference="eager", tolerance=TOLERANCE[dtype])
+
+    # Each op's headline shape first, then the larger ones, so a tight budget still covers every op.
+    if quick:
+        plan = [(dot, (batch, 27, 64)), (cross, (batch, 64, None)), (fm, (batch, 27, 64, 8)),
+                (wukong, (batch, 27, 8, 8, 32, 4, [64])), (cross, (batch, 128, 16))]
+    else:
+        plan = [(dot, (batch, 27, 64)), (cross, (batch, 512, None)), (fm, (batch, 27, 64, 16)),
+                (wukong, (batch, 27, 16, 16, 64, 8, [256])), (cross, (batch, 1024, 64)),
+                (dot, (big_batch, 128, 64)), (fm, (big_batch, 128, 64, 16)), (dot, (batch, 27, 128))]
+    for dtype in dtypes:
+        elem = torch.empty((), dtype=dtype).element_size()
+        for make, shape in plan:
+            yield from make(*shape, dtype, elem)

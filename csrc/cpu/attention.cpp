@@ -1,0 +1,602 @@
+// CPU kernels of the attention family: jagged attention (softmax and HSTU), forward and backward.
+//
+// Work decomposition: one work item is one (sequence, head); items are handed out longest first
+// from an atomic counter to the at::parallel_for threads (dynamic scheduling: sequence lengths are
+// skewed). An item walks flash-style tiles of kBlockM queries x kBlockN keys of its own sequence
+// only (no padding work), with the online softmax in fp32: no [L, L] matrix exists, only a
+// kBlockM x kBlockN score tile. A tile whose (i, j) ids make every pair invisible is skipped
+// before any arithmetic; one whose pairs are all visible skips the per-element mask. The two tile
+// products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
+// that libtorch links (MKL on x86), the elementwise softmax/SiLU in auto-vectorised loops.
+// The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
+// dk/dv of a key tile live in a per-thread accumulator, dq rows (owned by the item) are
+// accumulated in place, bias gradients go to per-item partial buffers that are reduced in a fixed
+// order: the backward is bit-identical run to run whatever the thread count or schedule.
+//
+// Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
+// backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
+// biases and timestamps; backward adds dO, dq, dk, dv.
+//
+// Inputs in fp16/bf16 are converted to fp32 once per call; every statistic and accumulation is fp32.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "gem_kernels/attention.h"
+#include "gem_kernels/checks.h"
+
+// Fortran BLAS sgemm, exported by libtorch_cpu (MKL or OpenBLAS, whichever torch was built with).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+// MKL's per-thread thread count, C interface (mkl_service.h maps mkl_set_num_threads_local to it;
+// the lower-case symbol is the Fortran one, taking a pointer). Weak: absent with another BLAS.
+extern "C" __attribute__((weak)) int MKL_Set_Num_Threads_Local(int nthreads);
+
+namespace gem_kernels {
+namespace {
+
+// 128 x 128 tiles: the score tile (64 KiB) and a 128 x 128 Q/K/V tile (64 KiB each) stay in L2.
+// Measured on this machine's MKL (1 thread): sgemm reaches ~50 GFLOP/s at 64x64x128 but ~83 at
+// 128x128x128, which outweighs the larger half-masked diagonal tiles of causal attention.
+constexpr int64_t kBlockM = 128;
+constexpr int64_t kBlockN = 128;
+
+// Row-major C[m x n] = alpha * op(A) op(B) + beta * C, on column-major BLAS: C^T = op(B)^T op(A)^T.
+void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+        const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const char ta = trans_b ? 'T' : 'N';
+  const char tb = trans_a ? 'T' : 'N';
+  const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  sgemm_(&ta, &tb, &mi, &ni, &ki, &alpha, b, &la, a, &lb, &beta, c, &lc);
+}
+
+// exp for x <= 88 via 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain float
+// arithmetic so the loops that call it auto-vectorise (std::exp does not).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Params {
+  int64_t H, D, Dv, M;
+  bool softmax, causal;
+  float scale;
+  int64_t contextual_len, max_attn_len;
+  const float* pos_bias = nullptr;  // [pos_heads, 2M-1] fp32
+  int64_t pos_heads = 0;
+  const float* time_bias = nullptr;  // [time_heads, num_buckets+1] fp32
+  int64_t time_heads = 0, num_buckets = 0;
+  // bucket(dt) = number of thresholds <= |dt| (see bucket_thresholds): a short search instead of a log.
+  std::vector<int64_t> bucket_thr;
+  const int64_t* timestamps = nullptr;
+};
+
+// Ids and the visibility rule of one sequence (generative-recommenders' _get_valid_attn_mask).
+struct SeqMask {
+  std::vector<int64_t> ids;
+  int64_t max_id = 0;
+  const Params* p = nullptr;
+
+  void init(const Params& params, int64_t L, int64_t num_targets) {
+    p = &params;
+    const int64_t c = params.contextual_len;
+    max_id = L - num_targets + (c > 0 ? 1 - c : 0);
+    ids.resize(L);
+    for (int64_t pos = 0; pos < L; ++pos) {
+      const int64_t id = c > 0 ? std::max<int64_t>(pos - c + 1, 0) : pos;
+      // With n = 0 the clamp binds only when all ids are equal anyway (L < c - 1): same mask as GR's
+      // unclamped ids for num_targets=None.
+      ids[pos] = std::min(id, max_id);
+    }
+  }
+
+  bool visible(int64_t i, int64_t j) const {
+    if (i == j) return true;
+    const int64_t a = ids[i], b = ids[j];
+    int64_t d = a - b;
+    if (!p->causal) d = d < 0 ? -d : d;
+    if (d > 0 && (p->max_attn_len == 0 || d <= p->max_attn_len)) return true;
+    return p->contextual_len > 0 && a == 0 && b < max_id;
+  }
+
+  // 0: no pair of the tile is visible; 2: every pair is; 1: mixed (ask visible()). From the id
+  // ranges only (ids are nondecreasing in position), so it costs O(1) per tile.
+  int classify(int64_t i0, int64_t i1, int64_t j0, int64_t j1) const {
+    const int64_t dmin = ids[i0] - ids[j1 - 1], dmax = ids[i1 - 1] - ids[j0];
+    const int64_t mal = p->max_attn_len;
+    int64_t lo, hi;  // range of the distance the rule sees (|d| when not causal)
+    if (p->causal) {
+      lo = dmin;
+      hi = dmax;
+    } else if (dmin > 0) {
+      lo = dmin;
+      hi = dmax;
+    } else if (dmax < 0) {
+      lo = -dmax;
+      hi = -dmin;
+    } else {
+      lo = 0;
+      hi = std::max(-dmin, dmax);
+    }
+    if (lo > 0 && (mal == 0 || hi <= mal)) return 2;
+    const bool diag = i0 < j1 && j0 < i1;
+    const bool distance = hi > 0 && (mal == 0 || std::max<int64_t>(lo, 1) <= mal);
+    const bool context = p->contextual_len > 0 && ids[i0] == 0 && ids[j0] < max_id;
+    return (diag || distance || context) ? 1 : 0;
+  }
+};
+
+inline int32_t time_bucket(const Params& p, int64_t dt) {
+  const int64_t x = dt < 0 ? -dt : dt;
+  return static_cast<int32_t>(std::upper_bound(p.bucket_thr.begin(), p.bucket_thr.end(), x) - p.bucket_thr.begin());
+}
+
+// Per-thread scratch: score, probability and mask tiles, accumulators.
+struct Workspace {
+  std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum, delta;
+  std::vector<uint8_t> vis;
+  std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
+  SeqMask mask;
+  Workspace(int64_t D, int64_t Dv)
+      : s(kBlockM * kBlockN), pr(kBlockM * kBlockN), dp(kBlockM * kBlockN),
+        acc(std::max(kBlockM, kBlockN) * std::max(D, Dv)), acc2(kBlockN * std::max(D, Dv)),
+        row_max(kBlockM), row_sum(kBlockM), vis(kBlockM * kBlockN),
+        bucket(kBlockM * kBlockN) {}
+};
+
+// s[r, c] <- scale * s[r, c] + biases, and the visibility of every pair (when the tile is mixed).
+// Returns whether the biases are present (the caller masks only mixed tiles).
+void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t start, int64_t h, int64_t i0,
+                 int64_t bm, int64_t j0, int64_t bn, int tile_kind) {
+  float* s = ws.s.data();
+  for (int64_t r = 0; r < bm; ++r) {
+    float* row = s + r * kBlockN;
+    for (int64_t c = 0; c < bn; ++c) row[c] *= p.scale;
+    if (p.pos_bias != nullptr) {
+      const int64_t hb = p.pos_heads == 1 ? 0 : h;
+      // j - i + M - 1 for j = j0 + c, i = i0 + r: a contiguous run of pos_bias.
+      const float* bias = p.pos_bias + hb * (2 * p.M - 1) + (j0 - (i0 + r) + p.M - 1);
+      for (int64_t c = 0; c < bn; ++c) row[c] += bias[c];
+    }
+    if (p.time_bias != nullptr) {
+      const int64_t hb = p.time_heads == 1 ? 0 : h;
+      const float* bias = p.time_bias + hb * (p.num_buckets + 1);
+      const int64_t ti = p.timestamps[start + i0 + r];
+      int32_t* buckets = ws.bucket.data() + r * kBlockN;
+      // Walk the bucket from the previous key's: exact for any timestamps, and ~free when they are
+      // sorted (|t_i - t_j| then moves monotonically and rarely crosses a threshold).
+      const int64_t* thr = p.bucket_thr.data();
+      const int32_t nb = static_cast<int32_t>(p.num_buckets);
+      int32_t bkt = time_bucket(p, ti - p.timestamps[start + j0]);
+      for (int64_t c = 0; c < bn; ++c) {
+        const int64_t dt = ti - p.timestamps[start + j0 + c];
+        const int64_t x = dt < 0 ? -dt : dt;
+        while (bkt < nb && x >= thr[bkt]) ++bkt;
+        while (bkt > 0 && x < thr[bkt - 1]) --bkt;
+        buckets[c] = bkt;
+      }
+      for (int64_t c = 0; c < bn; ++c) row[c] += bias[buckets[c]];
+    }
+    if (tile_kind == 1) {
+      uint8_t* vis = ws.vis.data() + r * kBlockN;
+      for (int64_t c = 0; c < bn; ++c) vis[c] = mask.visible(i0 + r, j0 + c) ? 1 : 0;
+    }
+  }
+}
+
+struct SeqInfo {
+  int64_t start, len, targets;
+};
+
+std::vector<SeqInfo> sequences(const at::Tensor& offsets, const c10::optional<at::Tensor>& num_targets) {
+  const auto off = offsets.to(at::kLong);
+  const int64_t* o = off.data_ptr<int64_t>();
+  const int64_t B = offsets.numel() - 1;
+  at::Tensor nt;
+  if (num_targets.has_value()) nt = num_targets->to(at::kLong).contiguous();
+  std::vector<SeqInfo> seqs(B);
+  for (int64_t b = 0; b < B; ++b) {
+    seqs[b] = {o[b], o[b + 1] - o[b], nt.defined() ? nt.data_ptr<int64_t>()[b] : 0};
+    TORCH_CHECK(seqs[b].len >= 0, "seq_offsets must be nondecreasing");
+    TORCH_CHECK(seqs[b].targets >= 0 && seqs[b].targets <= seqs[b].len, "num_targets[", b, "] out of range");
+  }
+  return seqs;
+}
+
+// Runs fn(item, workspace) over items b * H + h, longest sequences first, on every thread.
+template <typename Fn>
+void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn) {
+  const int64_t num_items = static_cast<int64_t>(seqs.size()) * p.H;
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return seqs[x / p.H].len > seqs[y / p.H].len; });
+  std::atomic<int64_t> next{0};
+  // Small batches run on fewer threads: a parallel region costs a wake-up of every thread (and, on a
+  // loaded machine, waiting for a descheduled one), worth it only past ~2^24 FLOPs per thread.
+  double flops = 0.0;
+  for (const auto& s : seqs) flops += 2.0 * static_cast<double>(s.len) * s.len * p.H * (p.D + p.Dv);
+  const int64_t by_work = static_cast<int64_t>(flops / static_cast<double>(1 << 24)) + 1;
+  const int64_t threads = at::get_num_threads();
+  const int64_t workers = std::max<int64_t>(1, std::min({threads, num_items, by_work}));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    // Each worker already owns a core: a BLAS call that forked threads of its own would oversubscribe
+    // them (measured: 1.6x slower fwd+bwd on 2 cores).
+    const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
+    for (int64_t w = begin; w < end; ++w) {
+      Workspace ws(p.D, p.Dv);
+      for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1)) fn(order[idx], ws);
+    }
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
+  });
+}
+
+Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len, c10::string_view kind, bool causal,
+                   double scale, int64_t contextual_len, int64_t max_attn_len, const at::Tensor& pos_bias,
+                   const at::Tensor& time_bias, const at::Tensor& timestamps) {
+  TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
+  Params p;
+  p.H = q.size(1);
+  p.D = q.size(2);
+  p.Dv = v.size(2);
+  p.M = max_seq_len;
+  p.softmax = kind == "softmax";
+  p.causal = causal;
+  p.scale = static_cast<float>(scale);
+  p.contextual_len = contextual_len;
+  p.max_attn_len = max_attn_len;
+  if (pos_bias.defined()) {
+    TORCH_CHECK(pos_bias.dim() == 2 && pos_bias.size(1) == 2 * max_seq_len - 1, "pos_bias must be [H or 1, 2M-1]");
+    TORCH_CHECK(pos_bias.size(0) == 1 || pos_bias.size(0) == p.H, "pos_bias.size(0) must be 1 or H");
+    p.pos_bias = pos_bias.data_ptr<float>();
+    p.pos_heads = pos_bias.size(0);
+  }
+  if (time_bias.defined()) {
+    TORCH_CHECK(time_bias.dim() == 2 && time_bias.size(1) >= 1, "time_bias must be [H or 1, num_buckets+1]");
+    TORCH_CHECK(time_bias.size(0) == 1 || time_bias.size(0) == p.H, "time_bias.size(0) must be 1 or H");
+    TORCH_CHECK(timestamps.defined() && timestamps.numel() == q.size(0), "timestamps must be [N] with time_bias");
+    p.time_bias = time_bias.data_ptr<float>();
+    p.time_heads = time_bias.size(0);
+    p.num_buckets = time_bias.size(1) - 1;
+    p.bucket_thr = bucket_thresholds(p.num_buckets);
+    p.timestamps = timestamps.data_ptr<int64_t>();
+  }
+  return p;
+}
+
+at::Tensor as_float(const c10::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  GK_CHECK_CPU((*t));
+  return t->to(at::kFloat).contiguous();
+}
+
+at::Tensor as_long(const c10::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  GK_CHECK_CPU((*t));
+  return t->to(at::kLong).contiguous();
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets) {
+  GK_CHECK_CPU(q);
+  GK_CHECK_CPU(k);
+  GK_CHECK_CPU(v);
+  GK_CHECK_CPU(offsets);
+  GK_CHECK_INDEX(offsets);
+  GK_CHECK_DIM(q, 3);
+  GK_CHECK_DIM(k, 3);
+  GK_CHECK_DIM(v, 3);
+  GK_CHECK_DIM(offsets, 1);
+  TORCH_CHECK(offsets.numel() >= 1, "seq_offsets must have at least one element");
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape");
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be [N, H, Dv]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+}
+
+std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& seq_offsets,
+    int64_t max_seq_len, c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
+    int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in) {
+  check_qkv(q_in, k_in, v_in, seq_offsets);
+  const auto q = q_in.to(at::kFloat).contiguous();
+  const auto k = k_in.to(at::kFloat).contiguous();
+  const auto v = v_in.to(at::kFloat).contiguous();
+  const auto pos_bias = as_float(pos_bias_in);
+  const auto time_bias = as_float(time_bias_in);
+  const auto timestamps = as_long(timestamps_in);
+  const Params p = make_params(q, v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, pos_bias,
+                               time_bias, timestamps);
+  const auto seqs = sequences(seq_offsets, num_targets);
+  const int64_t N = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
+  for (const auto& s : seqs) {
+    TORCH_CHECK(s.start + s.len <= N, "seq_offsets out of range");
+    TORCH_CHECK(s.len <= max_seq_len, "a sequence is longer than max_seq_len");
+  }
+  auto out = at::empty({N, H, Dv}, q.options());
+  auto lse = p.softmax ? at::empty({N, H}, q.options()) : at::empty({0}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
+  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
+    const int64_t b = item / H, h = item % H;
+    const SeqInfo& seq = seqs[b];
+    const int64_t L = seq.len;
+    if (L == 0) return;
+    ws.mask.init(p, L, seq.targets);
+    const float* q0 = qp + (seq.start * H + h) * D;
+    const float* k0 = kp + (seq.start * H + h) * D;
+    const float* v0 = vp + (seq.start * H + h) * Dv;
+    float* s = ws.s.data();
+    float* acc = ws.acc.data();
+    for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
+      const int64_t bm = std::min(kBlockM, L - i0);
+      std::fill(acc, acc + bm * Dv, 0.0f);
+      std::fill(ws.row_max.begin(), ws.row_max.end(), neg_inf);
+      std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
+        const int64_t bn = std::min(kBlockN, L - j0);
+        const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
+        if (tile_kind == 0) continue;
+        mm(false, true, bm, bn, D, 1.0f, q0 + i0 * H * D, H * D, k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
+        scores_tile(p, ws.mask, ws, seq.start, h, i0, bm, j0, bn, tile_kind);
+        for (int64_t r = 0; r < bm; ++r) {
+          float* row = s + r * kBlockN;
+          const uint8_t* vis = ws.vis.data() + r * kBlockN;
+          if (p.softmax) {
+            if (tile_kind == 1)
+              for (int64_t c = 0; c < bn; ++c) row[c] = vis[c] ? row[c] : neg_inf;
+            float tile_max = neg_inf;
+            for (int64_t c = 0; c < bn; ++c) tile_max = std::max(tile_max, row[c]);
+            const float new_max = std::max(ws.row_max[r], tile_max);
+            if (new_max == neg_inf) continue;  // nothing visible in this row yet
+            const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
+            float sum = 0.0f;
+            for (int64_t c = 0; c < bn; ++c) {
+              const float e = row[c] == neg_inf ? 0.0f : fast_exp(row[c] - new_max);
+              row[c] = e;
+              sum += e;
+            }
+            ws.row_sum[r] = ws.row_sum[r] * alpha + sum;
+            ws.row_max[r] = new_max;
+            if (alpha != 1.0f) {
+              float* a = acc + r * Dv;
+              for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+            }
+          } else {
+            for (int64_t c = 0; c < bn; ++c) {
+              const float x = row[c];
+              const float w = x / (1.0f + fast_exp(-x)) * inv_m;
+              row[c] = (tile_kind == 2 || vis[c]) ? w : 0.0f;
+            }
+          }
+        }
+        if (p.softmax) {
+          // Rows with nothing visible yet hold -inf scores: zero them before the product.
+          for (int64_t r = 0; r < bm; ++r)
+            if (ws.row_max[r] == neg_inf)
+              std::fill(s + r * kBlockN, s + r * kBlockN + bn, 0.0f);
+        }
+        mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
+      }
+      for (int64_t r = 0; r < bm; ++r) {
+        float* dst = op + ((seq.start + i0 + r) * H + h) * Dv;
+        const float* a = acc + r * Dv;
+        if (p.softmax) {
+          const float l = ws.row_sum[r];
+          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+          lp[(seq.start + i0 + r) * H + h] = l > 0.0f ? ws.row_max[r] + std::log(l) : neg_inf;
+        } else {
+          std::copy(a, a + Dv, dst);
+        }
+      }
+    }
+  });
+  return {q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
+    const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& seq_offsets, int64_t max_seq_len,
+    c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
+    int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+    bool deterministic) {
+  (void)deterministic;  // always: no atomics, fixed reduction order
+  check_qkv(q_in, k_in, v_in, seq_offsets);
+  const auto q = q_in.to(at::kFloat).contiguous();
+  const auto k = k_in.to(at::kFloat).contiguous();
+  const auto v = v_in.to(at::kFloat).contiguous();
+  const auto dout = grad_out_in.to(at::kFloat).contiguous();
+  const auto pos_bias = as_float(pos_bias_in);
+  const auto time_bias = as_float(time_bias_in);
+  const auto timestamps = as_long(timestamps_in);
+  const Params p = make_params(q, v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, pos_bias,
+                               time_bias, timestamps);
+  const auto seqs = sequences(seq_offsets, num_targets);
+  const int64_t N = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
+  TORCH_CHECK(dout.sizes() == v.sizes(), "grad_out must be [N, H, Dv]");
+  for (const auto& s : seqs) {
+    TORCH_CHECK(s.start + s.len <= N, "seq_offsets out of range");
+    TORCH_CHECK(s.len <= max_seq_len, "a sequence is longer than max_seq_len");
+  }
+  at::Tensor out, lse;
+  if (p.softmax) {
+    out = out_in.to(at::kFloat).contiguous();
+    lse = lse_in.contiguous();
+    TORCH_CHECK(out.sizes() == v.sizes() && lse.numel() == N * H && lse.scalar_type() == at::kFloat,
+                "softmax backward needs out [N, H, Dv] and fp32 lse [N, H]");
+  }
+  auto dq = at::zeros({N, H, D}, q.options());
+  auto dk = at::empty({N, H, D}, q.options());
+  auto dv = at::empty({N, H, Dv}, q.options());
+  // Per-item bias-gradient partials: item (b, h) covers relative positions [-(L-1), L-1] of pos_bias
+  // (2L-1 slots) and all time buckets.
+  const int64_t num_items = static_cast<int64_t>(seqs.size()) * H;
+  std::vector<int64_t> pos_part_offset(num_items + 1, 0);
+  for (int64_t it = 0; it < num_items; ++it)
+    pos_part_offset[it + 1] = pos_part_offset[it] + (p.pos_bias ? std::max<int64_t>(2 * seqs[it / H].len - 1, 0) : 0);
+  std::vector<float> pos_part(pos_part_offset[num_items], 0.0f);
+  const int64_t time_width = p.time_bias ? p.num_buckets + 1 : 0;
+  std::vector<float> time_part(num_items * time_width, 0.0f);
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* dop = dout.data_ptr<float>();
+  const float* outp = p.softmax ? out.data_ptr<float>() : nullptr;
+  const float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
+  float* dqp = dq.data_ptr<float>();
+  float* dkp = dk.data_ptr<float>();
+  float* dvp = dv.data_ptr<float>();
+  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+
+  for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
+    const int64_t b = item / H, h = item % H;
+    const SeqInfo& seq = seqs[b];
+    const int64_t L = seq.len;
+    if (L == 0) return;
+    ws.mask.init(p, L, seq.targets);
+    const int64_t qs = H * D, vs = H * Dv;  // row strides
+    const float* q0 = qp + (seq.start * H + h) * D;
+    const float* k0 = kp + (seq.start * H + h) * D;
+    const float* v0 = vp + (seq.start * H + h) * Dv;
+    const float* do0 = dop + (seq.start * H + h) * Dv;
+    float* dq0 = dqp + (seq.start * H + h) * D;
+    if (p.softmax) {
+      ws.delta.resize(L);
+      const float* o0 = outp + (seq.start * H + h) * Dv;
+      for (int64_t i = 0; i < L; ++i) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < Dv; ++d) acc += do0[i * vs + d] * o0[i * vs + d];
+        ws.delta[i] = acc;
+      }
+    }
+    float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
+    float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
+    float* s = ws.s.data();
+    float* pr = ws.pr.data();
+    float* dpt = ws.dp.data();
+    float* dk_acc = ws.acc.data();
+    float* dv_acc = ws.acc2.data();
+    for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
+      const int64_t bn = std::min(kBlockN, L - j0);
+      std::fill(dk_acc, dk_acc + bn * D, 0.0f);
+      std::fill(dv_acc, dv_acc + bn * Dv, 0.0f);
+      for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
+        const int64_t bm = std::min(kBlockM, L - i0);
+        const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
+        if (tile_kind == 0) continue;
+        mm(false, true, bm, bn, D, 1.0f, q0 + i0 * qs, qs, k0 + j0 * qs, qs, 0.0f, s, kBlockN);
+        scores_tile(p, ws.mask, ws, seq.start, h, i0, bm, j0, bn, tile_kind);
+        mm(false, true, bm, bn, Dv, 1.0f, do0 + i0 * vs, vs, v0 + j0 * vs, vs, 0.0f, dpt, kBlockN);
+        for (int64_t r = 0; r < bm; ++r) {
+          const float* row = s + r * kBlockN;
+          const uint8_t* vis = ws.vis.data() + r * kBlockN;
+          float* prow = pr + r * kBlockN;
+          float* drow = dpt + r * kBlockN;  // dP in, dS out
+          if (p.softmax) {
+            const float l = lp[(seq.start + i0 + r) * H + h];
+            const float dl = ws.delta[i0 + r];
+            for (int64_t c = 0; c < bn; ++c) {
+              const bool on = tile_kind == 2 || vis[c];
+              const float pv = on ? fast_exp(row[c] - l) : 0.0f;
+              prow[c] = pv;
+              drow[c] = pv * (drow[c] - dl);
+            }
+          } else {
+            for (int64_t c = 0; c < bn; ++c) {
+              const bool on = tile_kind == 2 || vis[c];
+              const float x = row[c];
+              const float sig = 1.0f / (1.0f + fast_exp(-x));
+              prow[c] = on ? x * sig * inv_m : 0.0f;
+              drow[c] = on ? drow[c] * sig * (1.0f + x * (1.0f - sig)) * inv_m : 0.0f;
+            }
+          }
+          if (pos_part_item != nullptr) {
+            // j - i + L - 1 in [0, 2L-2] within the item's slots.
+            float* dst = pos_part_item + (j0 - (i0 + r) + L - 1);
+            for (int64_t c = 0; c < bn; ++c) dst[c] += drow[c];
+          }
+          if (time_part_item != nullptr) {
+            const int32_t* buckets = ws.bucket.data() + r * kBlockN;
+            for (int64_t c = 0; c < bn; ++c) time_part_item[buckets[c]] += drow[c];
+          }
+        }
+        mm(true, false, bn, Dv, bm, 1.0f, pr, kBlockN, do0 + i0 * vs, vs, 1.0f, dv_acc, Dv);
+        mm(true, false, bn, D, bm, p.scale, dpt, kBlockN, q0 + i0 * qs, qs, 1.0f, dk_acc, D);
+        mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * qs, qs, 1.0f, dq0 + i0 * qs, qs);
+      }
+      for (int64_t c = 0; c < bn; ++c) {
+        std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dkp + ((seq.start + j0 + c) * H + h) * D);
+        std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dvp + ((seq.start + j0 + c) * H + h) * Dv);
+      }
+    }
+  });
+
+  // Fixed-order reduction of the bias partials (item order b * H + h).
+  at::Tensor dpos = at::empty({0}, q.options());
+  if (p.pos_bias != nullptr) {
+    dpos = at::zeros({p.pos_heads, 2 * p.M - 1}, q.options());
+    float* dst = dpos.data_ptr<float>();
+    for (int64_t it = 0; it < num_items; ++it) {
+      const int64_t L = seqs[it / H].len;
+      if (L == 0) continue;
+      float* row = dst + (p.pos_heads == 1 ? 0 : it % H) * (2 * p.M - 1) + (p.M - L);
+      const float* src = pos_part.data() + pos_part_offset[it];
+      for (int64_t x = 0; x < 2 * L - 1; ++x) row[x] += src[x];
+    }
+    dpos = dpos.to(pos_bias_in->scalar_type());
+  }
+  at::Tensor dtime = at::empty({0}, q.options());
+  if (p.time_bias != nullptr) {
+    dtime = at::zeros({p.time_heads, time_width}, q.options());
+    float* dst = dtime.data_ptr<float>();
+    for (int64_t it = 0; it < num_items; ++it) {
+      float* row = dst + (p.time_heads == 1 ? 0 : it % H) * time_width;
+      const float* src = time_part.data() + it * time_width;
+      for (int64_t x = 0; x < time_width; ++x) row[x] += src[x];
+    }
+    dtime = dtime.to(time_bias_in->scalar_type());
+  }
+  const auto dtype = q_in.scalar_type();
+  return {dq.to(dtype), dk.to(dtype), dv.to(dtype), dpos, dtime};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
+  m.impl("jagged_attention_fwd_native", &jagged_attention_fwd_cpu);
+  m.impl("jagged_attention_bwd_native", &jagged_attention_bwd_cpu);
+}
+
+}  // namespace gem_kernels

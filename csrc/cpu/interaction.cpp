@@ -1,0 +1,466 @@
+// CPU kernels of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress.
+//
+// Work decomposition. dot_interaction and fm_compress: at::parallel_for over samples; a task owns
+// whole samples and keeps one sample's working set (X as fp32 [F, D], the gram tiles, X^T Y) in a
+// per-task scratch that lives in L1/L2, so nothing [B, F, F]- or [B, D, k]-sized is ever written.
+// Sample-independent sums (grad_y, LayerNorm grad_weight/grad_bias, cross layer grad_bias) go to
+// per-chunk fp32 partials over a fixed chunking of the batch, summed at the end: deterministic for
+// a given thread count. cross_layer: its matmuls are one at::addmm/at::mm each (MKL / oneDNN);
+// the bias rides in addmm, and the product-plus-residual epilogue (and its backward) is one
+// vectorised pass over [B, N] instead of eager's separate mul/add/sum kernels.
+//
+// Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
+// (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
+// copy, so no horizontal reductions) over fp32 buffers zero-padded to 4 rows and 16 columns, so
+// every loop is a full `#pragma omp simd` vector loop with FMA (x86-64-v3). ATen's
+// at::vec::Vectorized only has its AVX2/AVX512 specialisations inside ATen's per-ISA builds; in an
+// extension TU it is the scalar fallback, so the simd loops here are what actually vectorises.
+//
+// Roofline (s = element size, P = number of pairs):
+//   dot_interaction fwd: FLOPs 2*B*P*D, bytes B*(F*D + P)*s.  bwd: 2*B*(2P)*D FLOPs (sym(G) X),
+//   bytes B*(P + 2*F*D)*s.
+//   cross_layer fwd: 2*B*N*N (+3*B*N) FLOPs, bytes (3*B*N + N*N + N)*s; low rank 4*B*N*r.
+//   fm_compress fwd: 4*B*F*D*k (+ ~8*B*F*k LayerNorm) FLOPs, bytes (B*F*D + B*F*k + F*k*3)*s.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "gem_kernels/checks.h"
+
+namespace gem_kernels {
+namespace {
+
+constexpr int64_t kRows = 4;   // register tile height (rows of X per tile)
+constexpr int64_t kCols = 16;  // fp32 columns per register tile: two AVX2 vectors
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Copy rows x cols of src (row stride `cols`) into dst [rows_p, cols_p] as fp32, zero padding.
+template <typename scalar_t>
+void load_padded(const scalar_t* src, int64_t rows, int64_t cols, float* dst, int64_t rows_p, int64_t cols_p) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* s = src + r * cols;
+    float* d = dst + r * cols_p;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) d[c] = static_cast<float>(s[c]);
+    std::fill(d + cols, d + cols_p, 0.f);
+  }
+  std::fill(dst + rows * cols_p, dst + rows_p * cols_p, 0.f);
+}
+
+// C[m, :] (+)= sum_{k < K} A[m * lda + k] * Bm[k, :] for m < M (a multiple of 4); Bm and C have
+// row stride ld (a multiple of 16). A small GEMM with 4x16 register tiles: broadcast A, FMA rows of
+// Bm, no horizontal reductions. `upper` skips the 16-column blocks wholly left of each 4-row block's
+// diagonal (their C stays unwritten), for the upper triangle of a gram matrix.
+void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda, const float* __restrict__ Bm,
+                  int64_t ld, float* __restrict__ C, bool accumulate, bool upper = false) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const float* a = A + m0 * lda;
+    for (int64_t d0 = upper ? m0 / kCols * kCols : 0; d0 < ld; d0 += kCols) {
+      float acc[kRows][kCols];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kCols; ++c) acc[r][c] = accumulate ? C[(m0 + r) * ld + d0 + c] : 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float* bk = Bm + k * ld + d0;
+        const float g0 = a[k], g1 = a[lda + k], g2 = a[2 * lda + k], g3 = a[3 * lda + k];
+#pragma omp simd
+        for (int c = 0; c < kCols; ++c) {
+          acc[0][c] += g0 * bk[c];
+          acc[1][c] += g1 * bk[c];
+          acc[2][c] += g2 * bk[c];
+          acc[3][c] += g3 * bk[c];
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < kCols; ++c) C[(m0 + r) * ld + d0 + c] = acc[r][c];
+    }
+  }
+}
+
+template <typename scalar_t>
+void store_rows(const float* src, int64_t rows, int64_t cols, int64_t ld, scalar_t* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = static_cast<scalar_t>(src[r * ld + c]);
+  }
+}
+
+// Start of row i of the packed upper triangle (pairs j >= i + off, off = 0 or 1).
+inline int64_t pair_row_start(int64_t i, int64_t F, int64_t off) { return i * (F - off) - i * (i - 1) / 2; }
+
+int64_t grain_for(int64_t flops_per_item) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, flops_per_item));
+}
+
+void check_float_cpu(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type());
+}
+
+// ------------------------------------------------------------------------------------------------
+// dot_interaction
+// ------------------------------------------------------------------------------------------------
+
+at::Tensor dot_interaction_cpu(const at::Tensor& x, bool self_interaction) {
+  check_float_cpu(x, "x", x);
+  GK_CHECK_DIM(x, 3);
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
+  const int64_t off = self_interaction ? 0 : 1;
+  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
+  auto out = at::empty({B, P}, x.options());
+  if (out.numel() == 0) return out;
+  // The gram's upper triangle as X X^T = combine_rows(X, X^T): rows of X^T [D, Fq] are FMA'd into
+  // 4x16 register tiles of the gram [Fp, Fq], so no dot product needs a horizontal reduction.
+  const int64_t Fp = round_up(F, kRows), Fq = round_up(F, kCols);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B, grain_for(P * D), [&](int64_t begin, int64_t end) {
+      std::vector<float> xs(Fp * D, 0.f), xt(D * Fq, 0.f), gram(Fp * Fq);
+      for (int64_t b = begin; b < end; ++b) {
+        const scalar_t* xb = xp + b * F * D;
+        for (int64_t f = 0; f < F; ++f)
+          for (int64_t d = 0; d < D; ++d) {
+            const float v = static_cast<float>(xb[f * D + d]);
+            xs[f * D + d] = v;
+            xt[d * Fq + f] = v;
+          }
+        combine_rows(xs.data(), Fp, D, D, xt.data(), Fq, gram.data(), false, true);
+        scalar_t* ob = op + b * P;
+        for (int64_t i = 0; i < F; ++i) {
+          const int64_t start = pair_row_start(i, F, off) - i - off;
+          for (int64_t j = i + off; j < F; ++j) ob[start + j] = static_cast<scalar_t>(gram[i * Fq + j]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, bool self_interaction) {
+  check_float_cpu(x, "x", x);
+  check_float_cpu(grad_out, "grad_out", x);
+  GK_CHECK_DIM(x, 3);
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
+  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == B && grad_out.size(1) == P, "grad_out must be [B, P]");
+  auto grad_x = at::empty_like(x);
+  if (grad_x.numel() == 0) return grad_x;
+  const int64_t Fp = round_up(F, kRows), Dp = round_up(D, kCols);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_backward_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = grad_out.data_ptr<scalar_t>();
+    scalar_t* dxp = grad_x.data_ptr<scalar_t>();
+    at::parallel_for(0, B, grain_for(2 * P * D), [&](int64_t begin, int64_t end) {
+      std::vector<float> xs(Fp * Dp), acc(Fp * Dp);
+      std::vector<float> sym(Fp * F, 0.f);  // sym(G) = G + G^T, rows padded to Fp with zeros
+      for (int64_t b = begin; b < end; ++b) {
+        load_padded(xp + b * F * D, F, D, xs.data(), Fp, Dp);
+        const scalar_t* gb = gp + b * P;
+        int64_t p = 0;
+        for (int64_t i = 0; i < F; ++i) {
+          if (self_interaction) sym[i * F + i] = 2.f * static_cast<float>(gb[p++]);
+          for (int64_t j = i + 1; j < F; ++j, ++p) {
+            const float g = static_cast<float>(gb[p]);
+            sym[i * F + j] = g;
+            sym[j * F + i] = g;
+          }
+        }
+        combine_rows(sym.data(), Fp, F, F, xs.data(), Dp, acc.data(), false);
+        store_rows(acc.data(), F, D, Dp, dxp + b * F * D);
+      }
+    });
+  });
+  return grad_x;
+}
+
+// ------------------------------------------------------------------------------------------------
+// cross_layer: out = x0 * z + xl, z = p U^T + b, p = xl V^T (p = xl when v is empty)
+// ------------------------------------------------------------------------------------------------
+
+// Elements per epilogue task: enough to amortise scheduling.
+constexpr int64_t kEpilogueGrain = 16384;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor& x0, const at::Tensor& xl,
+                                                               const at::Tensor& u, const at::Tensor& v,
+                                                               const at::Tensor& bias) {
+  for (auto [t, name] : {std::pair{&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"}, {&bias, "bias"}})
+    check_float_cpu(*t, name, x0);
+  GK_CHECK_DIM(x0, 2);
+  TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
+  const int64_t B = x0.size(0), N = x0.size(1);
+  const bool low_rank = v.numel() > 0;
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank || u.size(1) == N), "u must be [N, N] or [N, r]");
+  TORCH_CHECK(!low_rank || (v.dim() == 2 && v.size(0) == u.size(1) && v.size(1) == N), "v must be [r, N]");
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");
+  at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
+  at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
+  auto out = at::empty_like(xl);
+  if (out.numel() == 0) return {out, z, p};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x0.scalar_type(), "cross_layer_cpu", [&] {
+    const scalar_t* a = x0.data_ptr<scalar_t>();
+    const scalar_t* zz = z.data_ptr<scalar_t>();
+    const scalar_t* r = xl.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * N, kEpilogueGrain, [&](int64_t begin, int64_t end) {
+      _Pragma("omp simd")
+      for (int64_t i = begin; i < end; ++i)
+        o[i] = static_cast<scalar_t>(static_cast<float>(a[i]) * static_cast<float>(zz[i]) + static_cast<float>(r[i]));
+    });
+  });
+  return {out, z, p};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_layer_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
+    const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"},
+                         {&z, "z"}, {&p, "p"}})
+    check_float_cpu(*t, name, x0);
+  GK_CHECK_DIM(x0, 2);
+  TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
+              "grad_out, xl and z must have x0's shape");
+  const int64_t B = x0.size(0), N = x0.size(1);
+  const bool low_rank = v.numel() > 0;
+  auto grad_z = at::empty_like(x0);
+  auto grad_x0 = at::empty_like(x0);
+  // Column sums of grad_z over fixed row chunks (deterministic), in fp32.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(B, at::get_num_threads()));
+  auto partial = at::zeros({chunks, N}, x0.options().dtype(at::kFloat));
+  if (B > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x0.scalar_type(), "cross_layer_backward_cpu", [&] {
+      const scalar_t* g = grad_out.data_ptr<scalar_t>();
+      const scalar_t* a = x0.data_ptr<scalar_t>();
+      const scalar_t* zz = z.data_ptr<scalar_t>();
+      scalar_t* gz = grad_z.data_ptr<scalar_t>();
+      scalar_t* ga = grad_x0.data_ptr<scalar_t>();
+      float* part = partial.data_ptr<float>();
+      at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+        for (int64_t c = cb; c < ce; ++c) {
+          float* colsum = part + c * N;
+          for (int64_t row = c * B / chunks; row < (c + 1) * B / chunks; ++row) {
+            const int64_t base = row * N;
+            _Pragma("omp simd")
+            for (int64_t n = 0; n < N; ++n) {
+              const float gv = static_cast<float>(g[base + n]);
+              const float dz = gv * static_cast<float>(a[base + n]);
+              gz[base + n] = static_cast<scalar_t>(dz);
+              ga[base + n] = static_cast<scalar_t>(gv * static_cast<float>(zz[base + n]));
+              colsum[n] += dz;
+            }
+          }
+        }
+      });
+    });
+  }
+  auto grad_bias = partial.sum(0).to(x0.scalar_type());
+  at::Tensor grad_u, grad_v, grad_xl;
+  if (low_rank) {
+    grad_u = at::mm(grad_z.t(), p);
+    auto grad_p = at::mm(grad_z, u);
+    grad_v = at::mm(grad_p.t(), xl);
+    grad_xl = at::addmm(grad_out, grad_p, v);
+  } else {
+    grad_u = at::mm(grad_z.t(), xl);
+    grad_v = at::empty({0}, x0.options());
+    grad_xl = at::addmm(grad_out, grad_z, u);
+  }
+  return {grad_x0, grad_xl, grad_u, grad_v, grad_bias};
+}
+
+// ------------------------------------------------------------------------------------------------
+// fm_compress: s = flatten(X (X^T Y)) per sample, out = LayerNorm(s) * w + b
+// ------------------------------------------------------------------------------------------------
+
+struct FmDims {
+  int64_t B, F, D, k, Fp, Dp, kp, kq;
+};
+
+// Per-sample scratch: X [Fp, Dp], At = (X^T Y)^T [kp, Dp], its transpose A [D, kq], S = X A [Fp, kq].
+// The backward keeps grad_A^T [kp, Dp] right below At (`at_rows` = 2 kp), so that
+// grad_X = [grad_S | Y] [At ; grad_A^T] is one product.
+struct FmScratch {
+  std::vector<float> xs, at, a, s;
+  FmScratch(const FmDims& d, int64_t at_rows)
+      : xs(d.Fp * d.Dp), at(at_rows * d.Dp, 0.f), a(d.D * d.kq, 0.f), s(d.Fp * d.kq) {}
+};
+
+// dst [D, kq] = src[:k, :D]^T for src [kp, Dp] (columns k..kq of dst stay zero).
+void transpose_into(const float* src, int64_t k, int64_t D, int64_t Dp, float* dst, int64_t kq) {
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t dd = 0; dd < D; ++dd) dst[dd * kq + j] = src[j * Dp + dd];
+}
+
+// Fill scratch.xs, .at and .s for one sample; yt is Y^T fp32 [kp, F] (zero rows past k).
+template <typename scalar_t>
+void fm_sample(const FmDims& d, const scalar_t* xb, const float* yt, FmScratch& w) {
+  load_padded(xb, d.F, d.D, w.xs.data(), d.Fp, d.Dp);
+  combine_rows(yt, d.kp, d.F, d.F, w.xs.data(), d.Dp, w.at.data(), false);
+  transpose_into(w.at.data(), d.k, d.D, d.Dp, w.a.data(), d.kq);
+  combine_rows(w.xs.data(), d.Fp, d.D, d.Dp, w.a.data(), d.kq, w.s.data(), false);
+}
+
+FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
+  return {B, F, D, k, round_up(F, kRows), round_up(std::max<int64_t>(D, 1), kCols), round_up(k, kRows),
+          round_up(k, kCols)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(const at::Tensor& x, const at::Tensor& y,
+                                                               const at::Tensor& ln_weight,
+                                                               const at::Tensor& ln_bias, double eps) {
+  for (auto [t, name] : {std::pair{&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}, {&ln_bias, "ln_bias"}})
+    check_float_cpu(*t, name, x);
+  GK_CHECK_DIM(x, 3);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
+  const FmDims d = fm_dims(x, y);
+  const int64_t n = d.F * d.k;
+  TORCH_CHECK(ln_weight.numel() == n && ln_bias.numel() == n, "ln_weight and ln_bias must be [F*k]");
+  auto out = at::empty({d.B, n}, x.options());
+  auto mean = at::empty({d.B}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({d.B}, x.options().dtype(at::kFloat));
+  if (d.B == 0) return {out, mean, rstd};
+  auto yt = at::zeros({d.kp, d.F}, x.options().dtype(at::kFloat));
+  yt.narrow(0, 0, d.k).copy_(y.t());
+  auto w32 = ln_weight.to(at::kFloat), b32 = ln_bias.to(at::kFloat);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+    at::parallel_for(0, d.B, grain_for(4 * d.F * d.D * d.k), [&](int64_t begin, int64_t end) {
+      FmScratch w(d, d.kp);
+      for (int64_t b = begin; b < end; ++b) {
+        fm_sample(d, xp + b * d.F * d.D, ytp, w);
+        float sum = 0.f;
+        for (int64_t f = 0; f < d.F; ++f)
+          _Pragma("omp simd reduction(+ : sum)")
+          for (int64_t j = 0; j < d.k; ++j) sum += w.s[f * d.kq + j];
+        const float mu = sum / n;
+        float sq = 0.f;
+        for (int64_t f = 0; f < d.F; ++f)
+          _Pragma("omp simd reduction(+ : sq)")
+          for (int64_t j = 0; j < d.k; ++j) {
+            const float c = w.s[f * d.kq + j] - mu;
+            sq += c * c;
+          }
+        const float rs = 1.f / std::sqrt(sq / n + static_cast<float>(eps));
+        mp[b] = mu;
+        rp[b] = rs;
+        scalar_t* ob = op + b * n;
+        for (int64_t f = 0; f < d.F; ++f)
+          _Pragma("omp simd")
+          for (int64_t j = 0; j < d.k; ++j) {
+            const int64_t e = f * d.k + j;
+            ob[e] = static_cast<scalar_t>((w.s[f * d.kq + j] - mu) * rs * wp[e] + bp[e]);
+          }
+      }
+    });
+  });
+  return {out, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
+    check_float_cpu(*t, name, x);
+  GK_CHECK_DIM(x, 3);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
+                  rstd.is_contiguous() && mean.numel() == x.size(0) && rstd.numel() == x.size(0),
+              "mean and rstd must be contiguous fp32 [B]");
+  const FmDims d = fm_dims(x, y);
+  const int64_t n = d.F * d.k;
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == d.B && grad_out.size(1) == n, "grad_out must be [B, F*k]");
+  auto grad_x = at::empty_like(x);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(d.B, at::get_num_threads()));
+  // Per-chunk fp32 partials of grad_y [Fp, kq], grad_w [n], grad_b [n].
+  auto part_y = at::zeros({chunks, d.Fp, d.kq}, x.options().dtype(at::kFloat));
+  auto part_wb = at::zeros({chunks, 2, n}, x.options().dtype(at::kFloat));
+  if (d.B > 0) {
+    auto yt = at::zeros({d.kp, d.F}, x.options().dtype(at::kFloat));
+    yt.narrow(0, 0, d.k).copy_(y.t());
+
+    auto w32 = ln_weight.to(at::kFloat);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_backward_cpu", [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      const scalar_t* gp = grad_out.data_ptr<scalar_t>();
+      const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>();
+      const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+      scalar_t* dxp = grad_x.data_ptr<scalar_t>();
+      at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+        FmScratch w(d, 2 * d.kp);
+        float* dat = w.at.data() + d.kp * d.Dp;  // grad_A^T [kp, Dp]
+        // [grad_S | Y] [Fp, 2 kp]: the grad_S half is rewritten per sample, Y is fixed.
+        std::vector<float> xhat(n), gh(n), dsy(d.Fp * 2 * d.kp, 0.f), dst(d.kp * d.F, 0.f), dx(d.Fp * d.Dp),
+            da(d.D * d.kq, 0.f);
+        for (int64_t f = 0; f < d.F; ++f)
+          for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
+        for (int64_t c = cb; c < ce; ++c) {
+          float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
+          float* gw = part_wb.data_ptr<float>() + c * 2 * n;
+          float* gb = gw + n;
+          for (int64_t b = c * d.B / chunks; b < (c + 1) * d.B / chunks; ++b) {
+            fm_sample(d, xp + b * d.F * d.D, ytp, w);
+            const scalar_t* g = gp + b * n;
+            const float mu = mp[b], rs = rp[b];
+            float c1 = 0.f, c2 = 0.f;
+            for (int64_t f = 0; f < d.F; ++f)
+              _Pragma("omp simd reduction(+ : c1, c2)")
+              for (int64_t j = 0; j < d.k; ++j) {
+                const int64_t e = f * d.k + j;
+                const float gv = static_cast<float>(g[e]);
+                const float xh = (w.s[f * d.kq + j] - mu) * rs;
+                xhat[e] = xh;
+                gh[e] = gv * wp[e];
+                gw[e] += gv * xh;
+                gb[e] += gv;
+                c1 += gh[e];
+                c2 += gh[e] * xh;
+              }
+            c1 /= n;
+            c2 /= n;
+            for (int64_t f = 0; f < d.F; ++f)
+              for (int64_t j = 0; j < d.k; ++j) {
+                const int64_t e = f * d.k + j;
+                const float v = rs * (gh[e] - c1 - xhat[e] * c2);
+                dsy[f * 2 * d.kp + j] = v;
+                dst[j * d.F + f] = v;
+              }
+            // grad_A^T = (X^T dS)^T [kp, Dp]; grad_X = dS A^T + Y grad_A^T; grad_Y += X grad_A.
+            combine_rows(dst.data(), d.kp, d.F, d.F, w.xs.data(), d.Dp, dat, false);
+            combine_rows(dsy.data(), d.Fp, 2 * d.kp, 2 * d.kp, w.at.data(), d.Dp, dx.data(), false);
+            store_rows(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D);
+            transpose_into(dat, d.k, d.D, d.Dp, da.data(), d.kq);
+            combine_rows(w.xs.data(), d.Fp, d.D, d.Dp, da.data(), d.kq, gy, true);
+          }
+        }
+      });
+    });
+  }
+  auto grad_y = part_y.sum(0).narrow(0, 0, d.F).narrow(1, 0, d.k).to(x.scalar_type()).contiguous();
+  auto grad_w = part_wb.select(1, 0).sum(0).to(x.scalar_type());
+  auto grad_b = part_wb.select(1, 1).sum(0).to(x.scalar_type());
+  return {grad_x, grad_y, grad_w, grad_b};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
+  m.impl("dot_interaction_native", &dot_interaction_cpu);
+  m.impl("dot_interaction_backward_native", &dot_interaction_backward_cpu);
+  m.impl("cross_layer_native", &cross_layer_cpu);
+  m.impl("cross_layer_backward_native", &cross_layer_backward_cpu);
+  m.impl("fm_compress_native", &fm_compress_cpu);
+  m.impl("fm_compress_backward_native", &fm_compress_backward_cpu);
+}
+
+}  // namespace gem_kernels

@@ -1,0 +1,431 @@
+// CUDA kernels of the interaction family: DLRM dot interaction, DCNv2 cross-layer epilogues,
+// Wukong fm_compress. Compiled for sm_80 and sm_90a.
+//
+// Work decomposition:
+// - dot_interaction fwd: one block per sample. The sample's X [F, D] is staged in shared memory as
+//   fp32 (row stride D + 1 against bank conflicts) when it fits in 48 KiB, else read through L1
+//   from global memory; thread t owns the pairs (i, j), j >= i + off, of the flattened F x F grid
+//   t, t + blockDim, ... and writes each at its packed upper-triangle index. Nothing [B, F, F] is
+//   materialised. bwd: one block per sample; sym(G) [F, F] is rebuilt in shared memory from the
+//   packed gradient and thread t computes grad_x[i, d] = sum_j sym(G)[i, j] x[j, d] for the
+//   elements t, t + blockDim, ... of [F, D].
+// - cross_layer: the matmuls are at::addmm / at::mm (cuBLAS); the epilogues out = x0 * z + xl and
+//   (grad_z, grad_x0) = (g * x0, g * z) are one elementwise grid-stride kernel each.
+// - fm_compress: one block per sample, A = X^T Y [D, k] and S = X A [F, k] in shared memory (X is
+//   read from global memory through L1), the LayerNorm statistics by a block reduction, fp32
+//   throughout. bwd recomputes A and S, forms grad_S in shared memory, grad_A = X^T grad_S, writes
+//   grad_X = grad_S A^T + Y grad_A^T and per-sample fp32 partials of grad_Y and the LayerNorm
+//   parameter gradients, which at::sum reduces over the batch.
+//
+// Roofline (s = element size): dot_interaction fwd 2*B*P*D FLOPs, B*(F*D + P)*s bytes;
+// fm_compress fwd 4*B*F*D*k FLOPs, (B*F*D + B*F*k)*s bytes; both memory bound at D <= ~128 on an
+// H100/H200 (see gem_kernels/flops.py). Index math over the batch is 64-bit.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "gem_kernels/checks.h"
+
+namespace gem_kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kDefaultSmem = 48 * 1024;
+
+__device__ __forceinline__ int64_t pair_index(int64_t i, int64_t j, int64_t F, int64_t off) {
+  return i * (F - off) - i * (i - 1) / 2 + j - i - off;
+}
+
+// Sum of v over the block (every thread gets it). `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  v = lane < warps ? scratch[lane] : 0.f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------------
+// dot_interaction
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, bool kSmem>
+__global__ void dot_interaction_fwd_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ out, int64_t F,
+                                           int64_t D, int64_t P, int64_t off) {
+  extern __shared__ float smem[];
+  const int64_t b = blockIdx.x;
+  const scalar_t* xb = x + b * F * D;
+  const int64_t ld = D + 1;
+  if (kSmem) {
+    for (int64_t e = threadIdx.x; e < F * D; e += blockDim.x) smem[(e / D) * ld + e % D] = static_cast<float>(xb[e]);
+    __syncthreads();
+  }
+  for (int64_t e = threadIdx.x; e < F * F; e += blockDim.x) {
+    const int64_t i = e / F, j = e % F;
+    if (j < i + off) continue;
+    float acc = 0.f;
+    if (kSmem) {
+      for (int64_t d = 0; d < D; ++d) acc += smem[i * ld + d] * smem[j * ld + d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(xb[i * D + d]) * static_cast<float>(xb[j * D + d]);
+    }
+    out[b * P + pair_index(i, j, F, off)] = static_cast<scalar_t>(acc);
+  }
+}
+
+template <typename scalar_t>
+__global__ void dot_interaction_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
+                                           scalar_t* __restrict__ grad_x, int64_t F, int64_t D, int64_t P,
+                                           int64_t off) {
+  extern __shared__ float sym[];  // [F, F]
+  const int64_t b = blockIdx.x;
+  const scalar_t* g = grad_out + b * P;
+  for (int64_t e = threadIdx.x; e < F * F; e += blockDim.x) {
+    const int64_t i = e / F, j = e % F;
+    const int64_t lo = min(i, j), hi = max(i, j);
+    float v = hi >= lo + off ? static_cast<float>(g[pair_index(lo, hi, F, off)]) : 0.f;
+    sym[e] = i == j ? 2.f * v : v;  // d<x_i, x_i>/dx_i = 2 x_i
+  }
+  __syncthreads();
+  const scalar_t* xb = x + b * F * D;
+  for (int64_t e = threadIdx.x; e < F * D; e += blockDim.x) {
+    const int64_t i = e / D, d = e % D;
+    float acc = 0.f;
+    for (int64_t j = 0; j < F; ++j) acc += sym[i * F + j] * static_cast<float>(xb[j * D + d]);
+    grad_x[b * F * D + e] = static_cast<scalar_t>(acc);
+  }
+}
+
+void set_smem(const void* kernel, size_t bytes) {
+  if (bytes > kDefaultSmem) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+}
+
+void check_cuda_float(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(t.device().is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type());
+}
+
+at::Tensor dot_interaction_cuda(const at::Tensor& x, bool self_interaction) {
+  check_cuda_float(x, "x", x);
+  GK_CHECK_DIM(x, 3);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
+  const int64_t off = self_interaction ? 0 : 1;
+  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
+  auto out = at::empty({B, P}, x.options());
+  if (out.numel() == 0) return out;
+  const size_t smem = static_cast<size_t>(F) * (D + 1) * sizeof(float);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_cuda", [&] {
+    if (smem <= kDefaultSmem) {
+      dot_interaction_fwd_kernel<scalar_t, true><<<B, kThreads, smem, stream>>>(
+          x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), F, D, P, off);
+    } else {
+      dot_interaction_fwd_kernel<scalar_t, false><<<B, kThreads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), F, D, P, off);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor dot_interaction_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, bool self_interaction) {
+  check_cuda_float(x, "x", x);
+  check_cuda_float(grad_out, "grad_out", x);
+  GK_CHECK_DIM(x, 3);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
+  const int64_t off = self_interaction ? 0 : 1;
+  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == B && grad_out.size(1) == P, "grad_out must be [B, P]");
+  auto grad_x = at::empty_like(x);
+  if (grad_x.numel() == 0) return grad_x;
+  const size_t smem = static_cast<size_t>(F) * F * sizeof(float);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_backward_cuda", [&] {
+    auto kernel = dot_interaction_bwd_kernel<scalar_t>;
+    set_smem(reinterpret_cast<const void*>(kernel), smem);
+    kernel<<<B, kThreads, smem, stream>>>(grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                          grad_x.data_ptr<scalar_t>(), F, D, P, off);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad_x;
+}
+
+// ------------------------------------------------------------------------------------------------
+// cross_layer epilogues
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t>
+__global__ void cross_layer_fwd_kernel(const scalar_t* __restrict__ x0, const scalar_t* __restrict__ z,
+                                       const scalar_t* __restrict__ xl, scalar_t* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = static_cast<scalar_t>(static_cast<float>(x0[i]) * static_cast<float>(z[i]) + static_cast<float>(xl[i]));
+}
+
+template <typename scalar_t>
+__global__ void cross_layer_bwd_kernel(const scalar_t* __restrict__ g, const scalar_t* __restrict__ x0,
+                                       const scalar_t* __restrict__ z, scalar_t* __restrict__ grad_z,
+                                       scalar_t* __restrict__ grad_x0, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gv = static_cast<float>(g[i]);
+    grad_z[i] = static_cast<scalar_t>(gv * static_cast<float>(x0[i]));
+    grad_x0[i] = static_cast<scalar_t>(gv * static_cast<float>(z[i]));
+  }
+}
+
+int elementwise_blocks(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65536)); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cuda(const at::Tensor& x0, const at::Tensor& xl,
+                                                                const at::Tensor& u, const at::Tensor& v,
+                                                                const at::Tensor& bias) {
+  for (auto [t, name] : {std::pair{&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"}, {&bias, "bias"}})
+    check_cuda_float(*t, name, x0);
+  GK_CHECK_DIM(x0, 2);
+  TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
+  const c10::cuda::CUDAGuard guard(x0.device());
+  const bool low_rank = v.numel() > 0;
+  at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
+  at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
+  auto out = at::empty_like(xl);
+  const int64_t n = out.numel();
+  if (n == 0) return {out, z, p};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x0.scalar_type(), "cross_layer_cuda", [&] {
+    cross_layer_fwd_kernel<scalar_t><<<elementwise_blocks(n), kThreads, 0, stream>>>(
+        x0.data_ptr<scalar_t>(), z.data_ptr<scalar_t>(), xl.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, z, p};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_layer_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
+    const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"},
+                         {&z, "z"}, {&p, "p"}})
+    check_cuda_float(*t, name, x0);
+  const c10::cuda::CUDAGuard guard(x0.device());
+  auto grad_z = at::empty_like(x0);
+  auto grad_x0 = at::empty_like(x0);
+  const int64_t n = x0.numel();
+  if (n > 0) {
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x0.scalar_type(), "cross_layer_backward_cuda", [&] {
+      cross_layer_bwd_kernel<scalar_t><<<elementwise_blocks(n), kThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), x0.data_ptr<scalar_t>(), z.data_ptr<scalar_t>(),
+          grad_z.data_ptr<scalar_t>(), grad_x0.data_ptr<scalar_t>(), n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  auto grad_bias = grad_z.sum(0, /*keepdim=*/false, at::kFloat).to(x0.scalar_type());
+  at::Tensor grad_u, grad_v, grad_xl;
+  if (v.numel() > 0) {
+    grad_u = at::mm(grad_z.t(), p);
+    auto grad_p = at::mm(grad_z, u);
+    grad_v = at::mm(grad_p.t(), xl);
+    grad_xl = at::addmm(grad_out, grad_p, v);
+  } else {
+    grad_u = at::mm(grad_z.t(), xl);
+    grad_v = at::empty({0}, x0.options());
+    grad_xl = at::addmm(grad_out, grad_z, u);
+  }
+  return {grad_x0, grad_xl, grad_u, grad_v, grad_bias};
+}
+
+// ------------------------------------------------------------------------------------------------
+// fm_compress
+// ------------------------------------------------------------------------------------------------
+
+// a[d, j] = sum_f x[f, d] * y[f, j]  (A = X^T Y, [D, k] in shared memory)
+template <typename scalar_t, typename y_t>
+__device__ void fm_xt_times(const scalar_t* xb, const y_t* y, int64_t F, int64_t D, int64_t k, float* a) {
+  for (int64_t e = threadIdx.x; e < D * k; e += blockDim.x) {
+    const int64_t d = e / k, j = e % k;
+    float acc = 0.f;
+    for (int64_t f = 0; f < F; ++f) acc += static_cast<float>(xb[f * D + d]) * static_cast<float>(y[f * k + j]);
+    a[e] = acc;
+  }
+}
+
+// s[f, j] = sum_d x[f, d] * a[d, j]  (S = X A, [F, k] in shared memory)
+template <typename scalar_t>
+__device__ void fm_x_times(const scalar_t* xb, const float* a, int64_t F, int64_t D, int64_t k, float* s) {
+  for (int64_t e = threadIdx.x; e < F * k; e += blockDim.x) {
+    const int64_t f = e / k, j = e % k;
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(xb[f * D + d]) * a[d * k + j];
+    s[e] = acc;
+  }
+}
+
+template <typename scalar_t>
+__global__ void fm_compress_fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
+                                       const scalar_t* __restrict__ w, const scalar_t* __restrict__ bias,
+                                       scalar_t* __restrict__ out, float* __restrict__ mean_out,
+                                       float* __restrict__ rstd_out, int64_t F, int64_t D, int64_t k, float eps) {
+  extern __shared__ float smem[];
+  __shared__ float scratch[32];
+  float* a = smem;          // [D, k]
+  float* s = smem + D * k;  // [F, k]
+  const int64_t b = blockIdx.x, n = F * k;
+  const scalar_t* xb = x + b * F * D;
+  fm_xt_times(xb, y, F, D, k, a);
+  __syncthreads();
+  fm_x_times(xb, a, F, D, k, s);
+  __syncthreads();
+  float part = 0.f;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) part += s[e];
+  const float mean = block_sum(part, scratch) / n;
+  part = 0.f;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) part += (s[e] - mean) * (s[e] - mean);
+  const float rstd = rsqrtf(block_sum(part, scratch) / n + eps);
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x)
+    out[b * n + e] = static_cast<scalar_t>((s[e] - mean) * rstd * static_cast<float>(w[e]) + static_cast<float>(bias[e]));
+  if (threadIdx.x == 0) {
+    mean_out[b] = mean;
+    rstd_out[b] = rstd;
+  }
+}
+
+template <typename scalar_t>
+__global__ void fm_compress_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
+                                       const scalar_t* __restrict__ y, const scalar_t* __restrict__ w,
+                                       const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+                                       scalar_t* __restrict__ grad_x, float* __restrict__ part_y,
+                                       float* __restrict__ part_w, float* __restrict__ part_b, int64_t F, int64_t D,
+                                       int64_t k) {
+  extern __shared__ float smem[];
+  __shared__ float scratch[32];
+  float* a = smem;              // [D, k]   A = X^T Y
+  float* s = a + D * k;         // [F, k]   S, then grad_S
+  float* da = s + F * k;        // [D, k]   grad_A = X^T grad_S
+  const int64_t b = blockIdx.x, n = F * k;
+  const scalar_t* xb = x + b * F * D;
+  const scalar_t* g = grad_out + b * n;
+  fm_xt_times(xb, y, F, D, k, a);
+  __syncthreads();
+  fm_x_times(xb, a, F, D, k, s);
+  __syncthreads();
+  const float mean = mean_in[b], rstd = rstd_in[b];
+  float c1 = 0.f, c2 = 0.f;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const float gv = static_cast<float>(g[e]);
+    const float xhat = (s[e] - mean) * rstd;
+    const float gh = gv * static_cast<float>(w[e]);
+    part_w[b * n + e] = gv * xhat;
+    part_b[b * n + e] = gv;
+    c1 += gh;
+    c2 += gh * xhat;
+  }
+  c1 = block_sum(c1, scratch) / n;
+  c2 = block_sum(c2, scratch) / n;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const float xhat = (s[e] - mean) * rstd;
+    const float gh = static_cast<float>(g[e]) * static_cast<float>(w[e]);
+    s[e] = rstd * (gh - c1 - xhat * c2);  // each thread rewrites only its own elements
+  }
+  __syncthreads();
+  fm_xt_times(xb, s, F, D, k, da);
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < F * D; e += blockDim.x) {
+    const int64_t f = e / D, d = e % D;
+    float acc = 0.f;
+    for (int64_t j = 0; j < k; ++j) acc += s[f * k + j] * a[d * k + j] + static_cast<float>(y[f * k + j]) * da[d * k + j];
+    grad_x[b * F * D + e] = static_cast<scalar_t>(acc);
+  }
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const int64_t f = e / k, j = e % k;
+    float acc = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(xb[f * D + d]) * da[d * k + j];
+    part_y[b * n + e] = acc;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(const at::Tensor& x, const at::Tensor& y,
+                                                                const at::Tensor& ln_weight,
+                                                                const at::Tensor& ln_bias, double eps) {
+  for (auto [t, name] : {std::pair{&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}, {&ln_bias, "ln_bias"}})
+    check_cuda_float(*t, name, x);
+  GK_CHECK_DIM(x, 3);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
+  TORCH_CHECK(ln_weight.numel() == F * k && ln_bias.numel() == F * k, "ln_weight and ln_bias must be [F*k]");
+  auto out = at::empty({B, F * k}, x.options());
+  auto mean = at::empty({B}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({B}, x.options().dtype(at::kFloat));
+  if (B == 0) return {out, mean, rstd};
+  const size_t smem = static_cast<size_t>(D * k + F * k) * sizeof(float);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_cuda", [&] {
+    auto kernel = fm_compress_fwd_kernel<scalar_t>;
+    set_smem(reinterpret_cast<const void*>(kernel), smem);
+    kernel<<<B, kThreads, smem, stream>>>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
+                                          ln_weight.data_ptr<scalar_t>(), ln_bias.data_ptr<scalar_t>(),
+                                          out.data_ptr<scalar_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                          F, D, k, static_cast<float>(eps));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
+    check_cuda_float(*t, name, x);
+  GK_CHECK_DIM(x, 3);
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
+                  rstd.is_contiguous() && mean.numel() == x.size(0) && rstd.numel() == x.size(0),
+              "mean and rstd must be contiguous fp32 [B]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
+  auto grad_x = at::empty_like(x);
+  auto part_y = at::empty({B, F, k}, x.options().dtype(at::kFloat));
+  auto part_w = at::empty({B, F * k}, x.options().dtype(at::kFloat));
+  auto part_b = at::empty({B, F * k}, x.options().dtype(at::kFloat));
+  if (B > 0) {
+    const size_t smem = static_cast<size_t>(2 * D * k + F * k) * sizeof(float);
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_backward_cuda", [&] {
+      auto kernel = fm_compress_bwd_kernel<scalar_t>;
+      set_smem(reinterpret_cast<const void*>(kernel), smem);
+      kernel<<<B, kThreads, smem, stream>>>(grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                                            y.data_ptr<scalar_t>(), ln_weight.data_ptr<scalar_t>(),
+                                            mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                                            grad_x.data_ptr<scalar_t>(), part_y.data_ptr<float>(),
+                                            part_w.data_ptr<float>(), part_b.data_ptr<float>(), F, D, k);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  const auto dt = x.scalar_type();
+  return {grad_x, part_y.sum(0).to(dt), part_w.sum(0).to(dt), part_b.sum(0).to(dt)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m) {
+  m.impl("dot_interaction_native", &dot_interaction_cuda);
+  m.impl("dot_interaction_backward_native", &dot_interaction_backward_cuda);
+  m.impl("cross_layer_native", &cross_layer_cuda);
+  m.impl("cross_layer_backward_native", &cross_layer_backward_cuda);
+  m.impl("fm_compress_native", &fm_compress_cuda);
+  m.impl("fm_compress_backward_native", &fm_compress_backward_cuda);
+}
+
+}  // namespace gem_kernels

@@ -1,0 +1,163 @@
+"""nn.Modules of the interaction family: DLRM DotInteraction, DCNv2 CrossNet, Wukong layers.
+
+Every module takes ``backend`` ("reference" | "cpu" | "cuda" | "triton" | "auto", None for the
+``use_backend`` default) and passes it to the fused ops; the rest of the layer is plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..ops.interaction import cross_layer, dot_interaction, fm_compress
+
+
+class DotInteraction(nn.Module):
+    """DLRM / TorchRec InteractionArch: [B, F, D] -> [B, P] pairwise dot products (upper triangle)."""
+
+    def __init__(self, self_interaction: bool = False, backend: str | None = None):
+        super().__init__()
+        self.self_interaction = self_interaction
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dot_interaction(x, self.self_interaction, backend=self.backend)
+
+
+class CrossNet(nn.Module):
+    """DCNv2 cross network: ``x_{l+1} = x_0 * (W_l x_l + b_l) + x_l`` for l < num_layers.
+
+    TorchRec's ``CrossNet`` (full-rank W_l [N, N]) or, with ``low_rank=r``, ``LowRankCrossNet``
+    (W_l = U_l V_l, U_l [N, r], V_l [r, N]). Weights xavier-normal, biases zero, as in TorchRec.
+    Input and output [B, in_features].
+    """
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int | None = None,
+                 backend: str | None = None, device=None, dtype=None):
+        super().__init__()
+        if in_features < 1 or num_layers < 1:
+            raise ValueError(f"in_features and num_layers must be >= 1, got {in_features}, {num_layers}")
+        if low_rank is not None and low_rank < 1:
+            raise ValueError(f"low_rank must be None or >= 1, got {low_rank}")
+        kw = dict(device=device, dtype=dtype)
+        self.in_features, self.num_layers, self.low_rank, self.backend = in_features, num_layers, low_rank, backend
+        if low_rank is None:
+            self.weights = nn.ParameterList(nn.Parameter(torch.empty(in_features, in_features, **kw))
+                                            for _ in range(num_layers))
+        else:
+            self.u = nn.ParameterList(nn.Parameter(torch.empty(in_features, low_rank, **kw)) for _ in range(num_layers))
+            self.v = nn.ParameterList(nn.Parameter(torch.empty(low_rank, in_features, **kw)) for _ in range(num_layers))
+        self.biases = nn.ParameterList(nn.Parameter(torch.empty(in_features, **kw)) for _ in range(num_layers))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.xavier_normal_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def layer_weight(self, layer: int):
+        """W_l as cross_layer takes it: a tensor, or the (u, v) pair in the low-rank case."""
+        return self.weights[layer] if self.low_rank is None else (self.u[layer], self.v[layer])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xl = x
+        for layer in range(self.num_layers):
+            xl = cross_layer(x, xl, self.layer_weight(layer), self.biases[layer], backend=self.backend)
+        return xl
+
+
+def _mlp(sizes: Sequence[int], device, dtype) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1], device=device, dtype=dtype))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class WukongLayer(nn.Module):
+    """One Wukong interaction layer on X [B, num_in, dim] -> [B, num_fm_out + num_lcb_out, dim].
+
+    ``FMB(X) = MLP(LayerNorm(flatten(X (X^T Y))))`` reshaped to [B, num_fm_out, dim], with Y
+    [num_in, fm_rank] learned (the paper's optimised FM; the first two steps are the fused
+    ``fm_compress``); ``LCB(X) = W X`` over the feature axis, W [num_lcb_out, num_in];
+    ``out = LayerNorm_dim(concat(FMB(X), LCB(X)) + residual(X))`` where residual is X itself when
+    num_fm_out + num_lcb_out == num_in, else a learned projection over the feature axis
+    [num_out, num_in]. The final LayerNorm is over the embedding dim. ``mlp_hidden`` is the MLP's
+    hidden widths (an int for one hidden layer), ReLU between layers.
+    """
+
+    def __init__(self, num_in: int, num_fm_out: int, num_lcb_out: int, dim: int, fm_rank: int,
+                 mlp_hidden: int | Sequence[int], backend: str | None = None, device=None, dtype=None):
+        super().__init__()
+        if min(num_in, dim, fm_rank) < 1 or min(num_fm_out, num_lcb_out) < 0 or num_fm_out + num_lcb_out < 1:
+            raise ValueError("num_in, dim, fm_rank must be >= 1 and num_fm_out + num_lcb_out >= 1, got "
+                             f"{num_in}, {dim}, {fm_rank}, {num_fm_out}, {num_lcb_out}")
+        kw = dict(device=device, dtype=dtype)
+        hidden = [mlp_hidden] if isinstance(mlp_hidden, int) else list(mlp_hidden)
+        self.num_in, self.num_fm_out, self.num_lcb_out, self.dim = num_in, num_fm_out, num_lcb_out, dim
+        self.num_out = num_fm_out + num_lcb_out
+        self.backend = backend
+        self.fm_y = nn.Parameter(torch.empty(num_in, fm_rank, **kw))
+        self.fm_norm = nn.LayerNorm(num_in * fm_rank, **kw)
+        self.fm_mlp = _mlp([num_in * fm_rank, *hidden, num_fm_out * dim], **kw) if num_fm_out else None
+        self.lcb_weight = nn.Parameter(torch.empty(num_lcb_out, num_in, **kw))
+        self.residual_weight = (nn.Parameter(torch.empty(self.num_out, num_in, **kw))
+                                if self.num_out != num_in else None)
+        self.norm = nn.LayerNorm(dim, **kw)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = 1.0 / math.sqrt(self.num_in)
+        for p in (self.fm_y, self.lcb_weight, self.residual_weight):
+            if p is not None:
+                nn.init.normal_(p, std=std)
+
+    def fm_block(self, x: torch.Tensor) -> torch.Tensor:
+        compressed = fm_compress(x, self.fm_y, self.fm_norm.weight, self.fm_norm.bias, self.fm_norm.eps,
+                                 backend=self.backend)
+        return self.fm_mlp(compressed).view(x.shape[0], self.num_fm_out, self.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = []
+        if self.num_fm_out:
+            parts.append(self.fm_block(x))
+        if self.num_lcb_out:
+            parts.append(torch.matmul(self.lcb_weight, x))
+        residual = x if self.residual_weight is None else torch.matmul(self.residual_weight, x)
+        return self.norm(torch.cat(parts, 1) + residual)
+
+
+class WukongStack(nn.Module):
+    """num_layers WukongLayers: the first maps num_in features to num_fm_out + num_lcb_out, the
+    rest keep that count (their residual is the identity)."""
+
+    def __init__(self, num_layers: int, num_in: int, num_fm_out: int, num_lcb_out: int, dim: int, fm_rank: int,
+                 mlp_hidden: int | Sequence[int], backend: str | None = None, device=None, dtype=None):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        num_out = num_fm_out + num_lcb_out
+        self.layers = nn.ModuleList(
+            WukongLayer(num_in if i == 0 else num_out, num_fm_out, num_lcb_out, dim, fm_rank, mlp_hidden,
+                        backend=backend, device=device, dtype=dtype)
+            for i in range(num_layers))
+
+    @property
+    def backend(self) -> str | None:
+        return self.layers[0].backend
+
+    @backend.setter
+    def backend(self, name: str | None) -> None:
+        for layer in self.layers:
+            layer.backend = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -1,0 +1,260 @@
+"""Jagged attention (softmax and HSTU): the front door (validation, torch.library ops, fake kernels, autograd).
+
+q, k [N, H, Dqk] and v [N, H, Dv] pack B sequences back to back (FBGEMM's jagged layout):
+sequence b is rows seq_offsets[b] : seq_offsets[b+1]. Attention runs within each sequence only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import BackendUnavailableError, kernel, resolve_backend
+from .._validate import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_nonnegative_int,
+    check_offsets_meta,
+    check_offsets_values,
+    check_same_device,
+    check_tensor,
+)
+
+FAMILY = "attention"
+KINDS = ("softmax", "hstu")
+# The backends this family has; `auto` picks among them. The cuda backend has the forward only:
+# differentiable calls never run on it (auto takes triton; backend="cuda" is refused).
+IMPLEMENTED = ("reference", "cpu", "triton", "cuda")
+FORWARD_ONLY = ("cuda",)
+
+
+def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
+    """Data-dependent checks (read the tensors): run inside the ops' real kernels, never while tracing."""
+    check_offsets_values("seq_offsets", seq_offsets, q.shape[0])
+    lengths = seq_offsets.long().diff()
+    if lengths.numel() > 0:
+        longest = int(lengths.max())
+        if longest > max_seq_len:
+            raise ValueError(f"max_seq_len must be >= every sequence length, got {max_seq_len} < {longest}")
+    if num_targets is not None and num_targets.numel() > 0:
+        bad = (num_targets.long() < 0) | (num_targets.long() > lengths)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"num_targets[{b}] must be in [0, {int(lengths[b])}] (its sequence length), "
+                             f"got {int(num_targets[b])}")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops. `backend` is a concrete backend name, resolved by the public function.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gem_kernels::jagged_attention_fwd", mutates_args=())
+def jagged_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                            max_seq_len: int, kind: str, causal: bool, scale: float,
+                            num_targets: torch.Tensor | None, contextual_len: int, max_attn_len: int,
+                            pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None,
+                            timestamps: torch.Tensor | None, deterministic: bool,
+                            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [N, H, Dv] in q's dtype, lse [N, H] fp32 softmax log-sum-exp; empty [0] for hstu).
+
+    `deterministic` is only carried to the backward.
+    """
+    _check_values(q, seq_offsets, max_seq_len, num_targets)
+    out, lse = kernel(FAMILY, "jagged_attention_fwd", backend)(
+        q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
+        pos_bias, time_bias, timestamps)
+    return out, lse
+
+
+def _fake_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
+              pos_bias, time_bias, timestamps, deterministic=False, backend=None):
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = q.new_empty((q.shape[0], q.shape[1]) if kind == "softmax" else (0,), dtype=torch.float32)
+    return out, lse
+
+
+jagged_attention_fwd_op.register_fake(_fake_fwd)
+
+
+@torch.library.custom_op("gem_kernels::jagged_attention_bwd", mutates_args=())
+def jagged_attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                            kind: str, causal: bool, scale: float, num_targets: torch.Tensor | None,
+                            contextual_len: int, max_attn_len: int, pos_bias: torch.Tensor | None,
+                            time_bias: torch.Tensor | None, timestamps: torch.Tensor | None, deterministic: bool,
+                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor]:
+    """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient."""
+    if backend in FORWARD_ONLY:
+        raise NotImplementedError(f"backend {backend!r} implements only the forward of jagged_attention")
+    _check_values(q, seq_offsets, max_seq_len, num_targets)
+    return tuple(kernel(FAMILY, "jagged_attention_bwd", backend)(
+        grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
+        max_attn_len, pos_bias, time_bias, timestamps, deterministic))
+
+
+def _fake_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+              contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic, backend=None):
+    dpos = torch.empty_like(pos_bias) if pos_bias is not None else q.new_empty((0,))
+    dtime = torch.empty_like(time_bias) if time_bias is not None else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dpos, dtime
+
+
+jagged_attention_bwd_op.register_fake(_fake_bwd)
+
+
+def _setup(ctx, inputs, output):
+    (q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
+     time_bias, timestamps, deterministic, backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seq_offsets, num_targets, pos_bias, time_bias, timestamps)
+    ctx.args = (max_seq_len, kind, causal, scale, contextual_len, max_attn_len, backend)
+    ctx.deterministic = deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, seq_offsets, num_targets, pos_bias, time_bias, timestamps = ctx.saved_tensors
+    max_seq_len, kind, causal, scale, contextual_len, max_attn_len, backend = ctx.args
+    dq, dk, dv, dpos, dtime = jagged_attention_bwd_op(
+        grad_out.contiguous(), q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+        contextual_len, max_attn_len, pos_bias, time_bias, timestamps, ctx.deterministic, backend)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None,
+            dpos if pos_bias is not None else None, dtime if time_bias is not None else None, None, None, None)
+
+
+jagged_attention_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+# Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
+if hasattr(torch.ops.gem_kernels, "jagged_attention_fwd_native"):
+    torch.library.register_fake("gem_kernels::jagged_attention_fwd_native")(_fake_fwd)
+    torch.library.register_fake("gem_kernels::jagged_attention_bwd_native")(_fake_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_bias(name: str, bias, num_heads: int, width: int | None, device) -> None:
+    check_tensor(name, bias, dtypes=FLOAT_DTYPES, dims=(2,))
+    if bias.shape[0] not in (1, num_heads):
+        raise ValueError(f"{name}.shape[0] must be 1 or H = {num_heads}, got shape {tuple(bias.shape)}")
+    if width is not None and bias.shape[1] != width:
+        raise ValueError(f"{name}.shape[1] must be 2 * max_seq_len - 1 = {width}, got shape {tuple(bias.shape)}")
+    if bias.shape[1] < 1:
+        raise ValueError(f"{name}.shape[1] must be >= 1, got shape {tuple(bias.shape)}")
+    if bias.device != device:
+        raise ValueError(f"{name} is on {bias.device} but q is on {device}; they must match")
+
+
+def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                     max_seq_len: int, *, kind: str = "softmax", causal: bool = True, scale: float | None = None,
+                     num_targets: torch.Tensor | None = None, contextual_len: int = 0, max_attn_len: int = 0,
+                     pos_bias: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
+                     timestamps: torch.Tensor | None = None, deterministic: bool = False,
+                     backend: str | None = None) -> torch.Tensor:
+    """Attention within each sequence of a jagged batch: softmax or HSTU (pointwise SiLU) weights.
+
+    Within sequence b (length L, positions i = query and j = key counted from its start, n =
+    num_targets[b] or 0, c = contextual_len)::
+
+        s_ij = scale * <q_i, k_j> + pos_bias[h, j - i + max_seq_len - 1] + time_bias[h, bucket(t_i - t_j)]
+        bucket(dt) = min(num_buckets, floor(ln(max(|dt|, 1)) / 0.301)),  num_buckets = time_bias.shape[1] - 1
+        softmax: out_i = sum_j softmax_j(s_ij over visible j) v_j
+        hstu:    out_i = sum_{visible j} silu(s_ij) / max_seq_len * v_j
+
+    Visibility is generative-recommenders' ``_get_valid_attn_mask``: the c context positions get id
+    0, position p >= c gets id p - c + 1 (c = 0: id = p), and the n targets share the id of the
+    first target. With d = id_i - id_j (|d| when not causal), j is visible from i when i == j, or
+    d > 0 and (max_attn_len == 0 or d <= max_attn_len); a context query (id 0, c > 0) also sees
+    every non-target key. Targets see the history and themselves, never each other; context never
+    sees targets. Every row sees at least itself, so no softmax row is empty.
+
+    Args:
+        q, k: [N, H, Dqk]; v: [N, H, Dv]; one dtype among float32/float16/bfloat16, one device.
+        seq_offsets: [B+1] int32/int64; offsets[0] == 0, nondecreasing, offsets[-1] == N. B = 0 and
+            zero-length sequences are valid.
+        max_seq_len: int >= every sequence length; also the HSTU normaliser and the pos_bias width.
+        kind: "softmax" | "hstu".
+        causal: see the visibility rule above.
+        scale: multiplies <q, k>; default 1 / sqrt(Dqk).
+        num_targets: [B] int32/int64 with 0 <= num_targets[b] <= L_b, or None (no targets).
+        contextual_len: c >= 0.
+        max_attn_len: window on the id distance, 0 = unlimited.
+        pos_bias: [H or 1, 2 * max_seq_len - 1] float, or None.
+        time_bias: [H or 1, num_buckets + 1] float, or None; needs timestamps.
+        timestamps: [N] int32/int64 (one per row), required with time_bias.
+        deterministic: make the backward bit-identical run to run. The cpu and reference backends
+            always are; triton never uses atomics for dq/dk/dv but adds the bias gradients with fp32
+            atomics, so with a bias it raises NotImplementedError under deterministic=True.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+            "cuda" has the forward only: it is refused when a gradient is needed, and "auto" then
+            takes triton on CUDA tensors.
+
+    Returns:
+        out [N, H, Dv] in q's dtype, differentiable w.r.t. q, k, v, pos_bias and time_bias. Softmax
+        statistics and all accumulations are fp32.
+    """
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_tensor("k", k, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_tensor("v", v, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_offsets_meta("seq_offsets", seq_offsets)
+    check_same_device(q=q, k=k, v=v, seq_offsets=seq_offsets)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    if v.dtype != q.dtype:
+        raise ValueError(f"v must have q's dtype {q.dtype}, got {v.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must have shape [N, H, Dv] = [{q.shape[0]}, {q.shape[1]}, Dv], got {tuple(v.shape)}")
+    if q.shape[2] < 1 or v.shape[2] < 1:
+        raise ValueError(f"head dims must be >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    check_nonnegative_int("max_seq_len", max_seq_len)
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if scale is None:
+        scale = q.shape[2] ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
+    check_nonnegative_int("contextual_len", contextual_len)
+    check_nonnegative_int("max_attn_len", max_attn_len)
+    num_seqs = seq_offsets.shape[0] - 1
+    if num_targets is not None:
+        check_tensor("num_targets", num_targets, dtypes=INDEX_DTYPES, dims=(1,))
+        check_same_device(q=q, num_targets=num_targets)
+        if num_targets.shape[0] != num_seqs:
+            raise ValueError(f"num_targets must have B = {num_seqs} elements, got shape {tuple(num_targets.shape)}")
+        num_targets = num_targets.contiguous()
+    num_heads = q.shape[1]
+    if pos_bias is not None:
+        _check_bias("pos_bias", pos_bias, num_heads, 2 * max_seq_len - 1, q.device)
+        pos_bias = pos_bias.contiguous()
+    if time_bias is not None:
+        _check_bias("time_bias", time_bias, num_heads, None, q.device)
+        if timestamps is None:
+            raise ValueError("timestamps must be given with time_bias, got None")
+        time_bias = time_bias.contiguous()
+    if timestamps is not None:
+        check_tensor("timestamps", timestamps, dtypes=INDEX_DTYPES, dims=(1,))
+        check_same_device(q=q, timestamps=timestamps)
+        if timestamps.shape[0] != q.shape[0]:
+            raise ValueError(f"timestamps must have N = {q.shape[0]} elements, got shape {tuple(timestamps.shape)}")
+        timestamps = timestamps.contiguous() if time_bias is not None else None
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, pos_bias, time_bias))
+    if needs_grad and backend in FORWARD_ONLY:
+        raise BackendUnavailableError(
+            f"backend {backend!r} implements only the forward of jagged_attention; use backend='triton' (or "
+            "'auto') when gradients are needed, or call it under torch.no_grad()")
+    implemented = tuple(b for b in IMPLEMENTED if not (needs_grad and b in FORWARD_ONLY))
+    name = resolve_backend(backend, q.device, implemented)
+    out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
+                                        max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
+                                        max_attn_len, pos_bias, time_bias, timestamps, deterministic, name)
+    return out

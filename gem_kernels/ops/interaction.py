@@ -1,0 +1,319 @@
+"""Feature-interaction layers: the front door (validation, torch.library ops, fake kernels, autograd).
+
+Three fused ops, each with its backward as a registered op:
+
+- ``dot_interaction``: DLRM / TorchRec ``InteractionArch`` pairwise dot products of F embeddings.
+- ``cross_layer``: one DCNv2 cross layer ``x0 * (W xl + b) + xl`` (full or low rank W = U V).
+- ``fm_compress``: Wukong's optimised factorization machine ``flatten(X (X^T Y))`` with its LayerNorm.
+
+Every tensor argument of an op has the dtype of the activations (fp32/fp16/bf16); kernels
+accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import kernel, resolve_backend
+from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+
+FAMILY = "interaction"
+# Backends with kernels for this family (see _backend.resolve_backend).
+IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+
+
+def num_pairs(num_features: int, self_interaction: bool) -> int:
+    """P: F (F - 1) / 2 pairs i < j, or F (F + 1) / 2 pairs i <= j with self_interaction."""
+    return num_features * (num_features + 1) // 2 if self_interaction else num_features * (num_features - 1) // 2
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops. `backend` is a concrete backend name, resolved by the public functions.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gem_kernels::dot_interaction", mutates_args=())
+def dot_interaction_op(x: torch.Tensor, self_interaction: bool, backend: str) -> torch.Tensor:
+    return kernel(FAMILY, "dot_interaction", backend)(x, self_interaction)
+
+
+@dot_interaction_op.register_fake
+def _(x, self_interaction, backend):
+    return x.new_empty((x.shape[0], num_pairs(x.shape[1], self_interaction)))
+
+
+@torch.library.custom_op("gem_kernels::dot_interaction_backward", mutates_args=())
+def dot_interaction_backward_op(grad_out: torch.Tensor, x: torch.Tensor, self_interaction: bool,
+                                backend: str) -> torch.Tensor:
+    return kernel(FAMILY, "dot_interaction_backward", backend)(grad_out, x, self_interaction)
+
+
+@dot_interaction_backward_op.register_fake
+def _(grad_out, x, self_interaction, backend):
+    return torch.empty_like(x)
+
+
+def _dot_interaction_setup(ctx, inputs, output):
+    x, self_interaction, backend = inputs
+    ctx.save_for_backward(x)
+    ctx.self_interaction = self_interaction
+    ctx.backend = backend
+
+
+def _dot_interaction_backward(ctx, grad_out):
+    (x,) = ctx.saved_tensors
+    return dot_interaction_backward_op(grad_out.contiguous(), x, ctx.self_interaction, ctx.backend), None, None
+
+
+dot_interaction_op.register_autograd(_dot_interaction_backward, setup_context=_dot_interaction_setup)
+
+
+@torch.library.custom_op("gem_kernels::cross_layer", mutates_args=())
+def cross_layer_op(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, z, p): p = xl V^T (empty when v is empty: full rank W = u), z = p U^T + b, out = x0 * z + xl.
+
+    z and p are what the backward needs (not differentiable outputs)."""
+    return kernel(FAMILY, "cross_layer", backend)(x0, xl, u, v, bias)
+
+
+@cross_layer_op.register_fake
+def _(x0, xl, u, v, bias, backend):
+    p = xl.new_empty((xl.shape[0], v.shape[0])) if v.numel() else xl.new_empty(0)
+    return torch.empty_like(xl), torch.empty_like(xl), p
+
+
+@torch.library.custom_op("gem_kernels::cross_layer_backward", mutates_args=())
+def cross_layer_backward_op(grad_out: torch.Tensor, x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor,
+                            v: torch.Tensor, z: torch.Tensor, p: torch.Tensor, backend: str
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return kernel(FAMILY, "cross_layer_backward", backend)(grad_out, x0, xl, u, v, z, p)
+
+
+@cross_layer_backward_op.register_fake
+def _(grad_out, x0, xl, u, v, z, p, backend):
+    return (torch.empty_like(x0), torch.empty_like(xl), torch.empty_like(u), torch.empty_like(v),
+            xl.new_empty((xl.shape[1],)))
+
+
+def _cross_layer_setup(ctx, inputs, output):
+    x0, xl, u, v, _bias, backend = inputs
+    _out, z, p = output
+    ctx.mark_non_differentiable(z, p)
+    ctx.save_for_backward(x0, xl, u, v, z, p)
+    ctx.backend = backend
+
+
+def _cross_layer_backward(ctx, grad_out, _grad_z, _grad_p):
+    x0, xl, u, v, z, p = ctx.saved_tensors
+    grads = cross_layer_backward_op(grad_out.contiguous(), x0, xl, u, v, z, p, ctx.backend)
+    return (*grads, None)
+
+
+cross_layer_op.register_autograd(_cross_layer_backward, setup_context=_cross_layer_setup)
+
+
+@torch.library.custom_op("gem_kernels::fm_compress", mutates_args=())
+def fm_compress_op(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [B, F*k], mean [B] fp32, rstd [B] fp32): the LayerNorm statistics the backward reuses."""
+    return kernel(FAMILY, "fm_compress", backend)(x, y, ln_weight, ln_bias, eps)
+
+
+@fm_compress_op.register_fake
+def _(x, y, ln_weight, ln_bias, eps, backend):
+    B = x.shape[0]
+    return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
+            x.new_empty((B,), dtype=torch.float32))
+
+
+@torch.library.custom_op("gem_kernels::fm_compress_backward", mutates_args=())
+def fm_compress_backward_op(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor,
+                            mean: torch.Tensor, rstd: torch.Tensor, backend: str
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return kernel(FAMILY, "fm_compress_backward", backend)(grad_out, x, y, ln_weight, mean, rstd)
+
+
+@fm_compress_backward_op.register_fake
+def _(grad_out, x, y, ln_weight, mean, rstd, backend):
+    return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
+
+
+def _fm_compress_setup(ctx, inputs, output):
+    x, y, ln_weight, _ln_bias, _eps, backend = inputs
+    _out, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, y, ln_weight, mean, rstd)
+    ctx.backend = backend
+
+
+def _fm_compress_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    x, y, ln_weight, mean, rstd = ctx.saved_tensors
+    grads = fm_compress_backward_op(grad_out.contiguous(), x, y, ln_weight, mean, rstd, ctx.backend)
+    return (*grads, None, None)
+
+
+fm_compress_op.register_autograd(_fm_compress_backward, setup_context=_fm_compress_setup)
+
+
+# Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
+if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
+
+    @torch.library.register_fake("gem_kernels::dot_interaction_native")
+    def _(x, self_interaction):
+        return x.new_empty((x.shape[0], num_pairs(x.shape[1], self_interaction)))
+
+    @torch.library.register_fake("gem_kernels::dot_interaction_backward_native")
+    def _(grad_out, x, self_interaction):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("gem_kernels::cross_layer_native")
+    def _(x0, xl, u, v, bias):
+        p = xl.new_empty((xl.shape[0], v.shape[0])) if v.numel() else xl.new_empty(0)
+        return torch.empty_like(xl), torch.empty_like(xl), p
+
+    @torch.library.register_fake("gem_kernels::cross_layer_backward_native")
+    def _(grad_out, x0, xl, u, v, z, p):
+        return (torch.empty_like(x0), torch.empty_like(xl), torch.empty_like(u), torch.empty_like(v),
+                xl.new_empty((xl.shape[1],)))
+
+    @torch.library.register_fake("gem_kernels::fm_compress_native")
+    def _(x, y, ln_weight, ln_bias, eps):
+        B = x.shape[0]
+        return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
+                x.new_empty((B,), dtype=torch.float32))
+
+    @torch.library.register_fake("gem_kernels::fm_compress_backward_native")
+    def _(grad_out, x, y, ln_weight, mean, rstd):
+        return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_like(name: str, t, ref_name: str, ref: torch.Tensor, shape: tuple) -> None:
+    """t is a tensor of ref's dtype and device with exactly `shape`."""
+    check_tensor(name, t, dtypes=FLOAT_DTYPES, dims=(len(shape),))
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+    check_same_device(**{ref_name: ref, name: t})
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def dot_interaction(x: torch.Tensor, self_interaction: bool = False, *, backend: str | None = None) -> torch.Tensor:
+    """DLRM pairwise dot interaction of F embeddings, upper triangle only.
+
+    ``out[b, p] = sum_d x[b, i_p, d] * x[b, j_p, d]`` for the pairs ``(i_p, j_p)`` of
+    ``torch.triu_indices(F, F, 1)`` (i < j), or ``torch.triu_indices(F, F, 0)`` (i <= j) with
+    ``self_interaction``: TorchRec's ``InteractionArch`` (bmm + triu gather), whose [B, F, F] gram
+    the fused backends never materialise. Accumulates in fp32.
+
+    Args:
+        x: [B, F, D] float32/float16/bfloat16. B = 0 is valid; F = 1 gives P = 0 (or 1 with
+            self_interaction).
+        self_interaction: include the squared norms <x_i, x_i>.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+
+    Returns:
+        [B, P] in x's dtype, P = F (F - 1) / 2 (F (F + 1) / 2 with self_interaction). Differentiable
+        w.r.t. x: ``grad_x = (G + G^T) x`` with G the upper triangle scattered from grad_out.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
+    _check_bool("self_interaction", self_interaction)
+    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    return dot_interaction_op(x.contiguous(), self_interaction, name)
+
+
+def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
+                weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor, *,
+                backend: str | None = None) -> torch.Tensor:
+    """One DCNv2 cross layer: ``x_{l+1} = x0 * (W xl + b) + xl``, bias, product and residual fused.
+
+    Follows TorchRec's ``CrossNet`` (full rank, ``W`` [N, N] applied as ``xl @ W^T``, nn.Linear's
+    convention) and ``LowRankCrossNet`` (``W = U V``: pass ``weight=(u, v)`` with u [N, r] and
+    v [r, N], so ``W xl = U (V xl)``). Accumulates in fp32.
+
+    Args:
+        x0: [B, N] the layer-0 input, float32/float16/bfloat16. B = 0 is valid.
+        xl: [B, N] the current layer's input, x0's dtype and device.
+        weight: [N, N], or a tuple (u [N, r], v [r, N]) with r >= 1; x0's dtype and device.
+        bias: [N], x0's dtype and device.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+
+    Returns:
+        [B, N] in x0's dtype; differentiable w.r.t. x0, xl, weight (u, v) and bias.
+    """
+    check_tensor("x0", x0, dtypes=FLOAT_DTYPES, dims=(2,))
+    _check_like("xl", xl, "x0", x0, tuple(x0.shape))
+    N = x0.shape[1]
+    if isinstance(weight, (tuple, list)):
+        if len(weight) != 2:
+            raise ValueError(f"weight must be a tensor [N, N] or a tuple (u, v), got a sequence of {len(weight)}")
+        u, v = weight
+        check_tensor("u", u, dims=(2,))
+        rank = u.shape[1]
+        if rank < 1:
+            raise ValueError(f"u must have shape ({N}, r) with r >= 1, got {tuple(u.shape)}")
+        _check_like("u", u, "x0", x0, (N, rank))
+        _check_like("v", v, "x0", x0, (rank, N))
+    else:
+        u = weight
+        _check_like("weight", u, "x0", x0, (N, N))
+        v = x0.new_empty(0)
+    _check_like("bias", bias, "x0", x0, (N,))
+    name = resolve_backend(backend, x0.device, IMPLEMENTED)
+    out, _z, _p = cross_layer_op(x0.contiguous(), xl.contiguous(), u.contiguous(), v.contiguous(),
+                                 bias.contiguous(), name)
+    return out
+
+
+def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None = None,
+                ln_bias: torch.Tensor | None = None, eps: float = 1e-5, *,
+                backend: str | None = None) -> torch.Tensor:
+    """Wukong's optimised factorization machine with its LayerNorm: ``LayerNorm(flatten(X (X^T Y)))``.
+
+    Per sample, ``s = flatten(x[b] @ (x[b]^T @ y))`` [F*k] (the rank-k compression of the F x F
+    interaction matrix ``x x^T``, Wukong's "optimised FM"), then LayerNorm over those F*k features:
+    ``out = (s - mean(s)) / sqrt(var(s) + eps) * ln_weight + ln_bias`` (biased variance, like
+    torch.nn.LayerNorm). The output is what the FMB's MLP consumes. Statistics and matmuls in fp32.
+
+    Args:
+        x: [B, F, D] float32/float16/bfloat16. B = 0 and F = 1 are valid.
+        y: [F, k] the learned compression, x's dtype and device, k >= 1.
+        ln_weight: [F*k] LayerNorm scale, x's dtype and device; None means 1 (no affine scale).
+        ln_bias: [F*k] LayerNorm shift; None means 0.
+        eps: LayerNorm epsilon, > 0 (torch.nn.LayerNorm's default 1e-5).
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+
+    Returns:
+        [B, F*k] in x's dtype; differentiable w.r.t. x, y, ln_weight and ln_bias.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
+    F = x.shape[1]
+    check_tensor("y", y, dims=(2,))
+    if y.shape[1] < 1:
+        raise ValueError(f"y must have shape ({F}, k) with k >= 1, got {tuple(y.shape)}")
+    _check_like("y", y, "x", x, (F, y.shape[1]))
+    width = F * y.shape[1]
+    if ln_weight is None:
+        ln_weight = x.new_ones(width)
+    else:
+        _check_like("ln_weight", ln_weight, "x", x, (width,))
+    if ln_bias is None:
+        ln_bias = x.new_zeros(width)
+    else:
+        _check_like("ln_bias", ln_bias, "x", x, (width,))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    out, _mean, _rstd = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
+                                       ln_bias.contiguous(), float(eps), name)
+    return out

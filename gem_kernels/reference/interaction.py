@@ -1,0 +1,133 @@
+"""Reference feature-interaction layers: plain PyTorch, any device, autograd-free twins of the ops.
+
+Each function computes in fp32 and casts back to the input dtype (every tensor argument of an op
+has that dtype), and has the signature of the
+backend kernels in gem_kernels.ops.interaction (forward and backward), so tests and bench call it
+like any other backend. The formulations are the published ones:
+
+- dot_interaction: TorchRec's ``InteractionArch`` / DLRM: ``bmm(x, x^T)`` then a gather of the
+  upper triangle in ``torch.triu_indices(F, F, offset)`` order.
+- cross_layer: DCNv2 (TorchRec ``CrossNet`` / ``LowRankCrossNet``): ``x0 * (W xl + b) + xl`` with
+  ``W = U V`` in the low-rank case.
+- fm_compress: Wukong's optimised factorization machine ``flatten(X (X^T Y))`` followed by its
+  LayerNorm over the flattened ``F * k`` features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def triu_pairs(num_features: int, self_interaction: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the interaction pairs in output order: torch.triu_indices(F, F, 0 or 1)."""
+    return torch.triu_indices(num_features, num_features, 0 if self_interaction else 1, device=device)
+
+
+def dot_interaction(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
+    """x [B, F, D] -> [B, P]: out[b, p] = <x[b, i_p], x[b, j_p]> for the triu pairs (i_p, j_p)."""
+    xf = x.float()
+    gram = torch.bmm(xf, xf.transpose(1, 2))
+    rows, cols = triu_pairs(x.shape[1], self_interaction, x.device)
+    return gram[:, rows, cols].to(x.dtype)
+
+
+def dot_interaction_backward(grad_out: torch.Tensor, x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
+    """grad_x = (G + G^T) x with G [B, F, F] the upper triangle scattered from grad_out."""
+    B, F, _ = x.shape
+    rows, cols = triu_pairs(F, self_interaction, x.device)
+    grad = torch.zeros(B, F, F, dtype=torch.float32, device=x.device)
+    grad[:, rows, cols] = grad_out.float()
+    return torch.bmm(grad + grad.transpose(1, 2), x.float()).to(x.dtype)
+
+
+def cross_layer(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, z, p): p = xl V^T [B, r] (empty when v is empty: full rank), z = p U^T + b, out = x0 * z + xl."""
+    xlf = xl.float()
+    p = xlf @ v.float().t() if v.numel() else xlf.new_empty(0)
+    z = torch.addmm(bias.float(), p if v.numel() else xlf, u.float().t())
+    out = x0.float() * z + xlf
+    return out.to(xl.dtype), z.to(xl.dtype), p.to(xl.dtype)
+
+
+def cross_layer_backward(grad_out: torch.Tensor, x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor,
+                         v: torch.Tensor, z: torch.Tensor, p: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x0, grad_xl, grad_u, grad_v, grad_bias); grad_v is empty in the full-rank case."""
+    g, x0f, xlf, uf = grad_out.float(), x0.float(), xl.float(), u.float()
+    grad_z = g * x0f
+    grad_x0 = g * z.float()
+    grad_bias = grad_z.sum(0)
+    if v.numel():
+        pf = p.float()
+        grad_u = grad_z.t() @ pf
+        grad_p = grad_z @ uf
+        grad_v = grad_p.t() @ xlf
+        grad_xl = g + grad_p @ v.float()
+    else:
+        grad_u = grad_z.t() @ xlf
+        grad_v = xlf.new_empty(0)
+        grad_xl = g + grad_z @ uf
+    dt = xl.dtype
+    return grad_x0.to(dt), grad_xl.to(dt), grad_u.to(dt), grad_v.to(dt), grad_bias.to(dt)
+
+
+def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, mean, rstd): s = flatten(x (x^T y)) [B, F*k], out = (s - mean) * rstd * w + b per row."""
+    xf = x.float()
+    s = torch.bmm(xf, torch.matmul(xf.transpose(1, 2), y.float())).flatten(1)
+    mean = s.mean(1)
+    rstd = torch.rsqrt((s - mean[:, None]).square().mean(1) + eps)
+    out = (s - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
+    return out.to(x.dtype), mean, rstd
+
+
+def fm_compress_backward(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor,
+                         mean: torch.Tensor, rstd: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_y, grad_ln_weight, grad_ln_bias); recomputes x^T y and s from x and y."""
+    B, F, _ = x.shape
+    k = y.shape[1]
+    xf, yf, g = x.float(), y.float(), grad_out.float()
+    a = torch.matmul(xf.transpose(1, 2), yf)  # [B, D, k]
+    s = torch.bmm(xf, a).flatten(1)
+    xhat = (s - mean[:, None]) * rstd[:, None]
+    grad_w = (g * xhat).sum(0)
+    grad_b = g.sum(0)
+    gh = g * ln_weight.float()
+    grad_s = rstd[:, None] * (gh - gh.mean(1, keepdim=True) - xhat * (gh * xhat).mean(1, keepdim=True))
+    grad_s = grad_s.view(B, F, k)
+    grad_a = torch.bmm(xf.transpose(1, 2), grad_s)  # [B, D, k]
+    grad_x = torch.bmm(grad_s, a.transpose(1, 2)) + torch.matmul(yf, grad_a.transpose(1, 2))
+    grad_y = torch.bmm(xf, grad_a).sum(0)
+    return grad_x.to(x.dtype), grad_y.to(x.dtype), grad_w.to(x.dtype), grad_b.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager formulations differentiated by autograd (TorchRec / paper style, in the input dtype): the
+# bench's "eager" baseline and the tests' oracle for the hand-written backward twins above.
+# ---------------------------------------------------------------------------------------------
+
+
+def eager_dot_interaction(x: torch.Tensor, self_interaction: bool = False) -> torch.Tensor:
+    """TorchRec InteractionArch: bmm(x, x^T) then the triu gather."""
+    rows, cols = triu_pairs(x.shape[1], self_interaction, x.device)
+    return torch.bmm(x, x.transpose(1, 2))[:, rows, cols]
+
+
+def eager_cross_layer(x0: torch.Tensor, xl: torch.Tensor, weight, bias: torch.Tensor) -> torch.Tensor:
+    """TorchRec CrossNet / LowRankCrossNet layer: x0 * (W xl + b) + xl, W = U V when weight = (u, v)."""
+    if isinstance(weight, (tuple, list)):
+        u, v = weight
+        z = torch.nn.functional.linear(torch.nn.functional.linear(xl, v), u, bias)
+    else:
+        z = torch.nn.functional.linear(xl, weight, bias)
+    return x0 * z + xl
+
+
+def eager_fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None = None,
+                      ln_bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """Wukong FMB's optimised FM and LayerNorm: layer_norm(flatten(bmm(x, x^T y)))."""
+    s = torch.bmm(x, torch.matmul(x.transpose(1, 2), y)).flatten(1)
+    return torch.nn.functional.layer_norm(s, (s.shape[1],), ln_weight, ln_bias, eps)

@@ -1,0 +1,360 @@
+"""Triton kernels of the attention family: jagged attention (softmax and HSTU), forward and backward.
+
+Work decomposition (FlashAttention-2 on a jagged batch, one sequence per program row of the grid):
+- forward: grid (cdiv(max_seq_len, BLOCK_M), B * H). Program (m, b*H+h) owns BLOCK_M query rows of
+  sequence b, head h, and walks the key blocks of that sequence only, with the online softmax in
+  fp32 (softmax) or a plain fp32 accumulator (HSTU). The visibility mask is computed from the (i, j)
+  ids in-tile; a key block with no visible pair is skipped before any load; the biases are gathered
+  in-tile. Programs past the sequence end exit at once.
+- backward: two kernels, no atomics on dq/dk/dv (deterministic): `_bwd_kv` (grid over key blocks)
+  accumulates dk, dv over the query blocks and adds the bias gradients with fp32 atomics;
+  `_bwd_q` (grid over query blocks) accumulates dq over the key blocks. Both recompute the scores.
+  delta_i = <dO_i, O_i> (softmax) is one torch reduction before them.
+Roofline: FLOPs 4 * sum(visible pairs) * H * D forward (2 products), 2.5x backward (5 products, one
+recomputed); minimum bytes N*H*(2*Dqk + 2*Dv)*s forward.
+
+Under TRITON_INTERPRET=1 (CPU) every tl.dot runs on fp32 operands (the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpret
+from ..reference.attention import time_buckets
+
+# 64 x 64 tiles: two [64, D<=128] operand tiles and the fp32 score tile fit the registers/shared
+# memory of every SM80+ part at 4 warps; the interpreter also stays quick on the tiny test shapes.
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _ids(pos, L, max_id, contextual_len):
+    """generative-recommenders' position ids: context -> 0, p >= c -> p - c + 1, targets -> max_id."""
+    ids = tl.where(contextual_len > 0, tl.maximum(pos - contextual_len + 1, 0), pos)
+    return tl.minimum(ids, max_id)
+
+
+@triton.jit
+def _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL: tl.constexpr):
+    d = id_m[:, None] - id_n[None, :]
+    if not CAUSAL:
+        d = tl.where(d < 0, -d, d)
+    vis = (offs_m[:, None] == offs_n[None, :]) | ((d > 0) & ((max_attn_len == 0) | (d <= max_attn_len)))
+    vis = vis | ((contextual_len > 0) & (id_m[:, None] == 0) & (id_n[None, :] < max_id))
+    return vis & (offs_m[:, None] < L) & (offs_n[None, :] < L)
+
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M,
+            pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets,
+            HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 s = scale * q k^T + pos_bias[hp, j - i + M - 1] + time_bias[ht, bucket(t_i - t_j)], and the buckets."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    bucket = tl.zeros(s.shape, dtype=tl.int32)
+    if HAS_POS:
+        rel = offs_n[None, :] - offs_m[:, None] + M - 1
+        s += tl.load(pos_bias_ptr + hp * stride_pb + rel, mask=vis, other=0.0).to(tl.float32)
+    if HAS_TIME:
+        t_m = tl.load(timestamps_ptr + start + offs_m, mask=offs_m < L, other=0)
+        t_n = tl.load(timestamps_ptr + start + offs_n, mask=offs_n < L, other=0)
+        dt = t_m[:, None] - t_n[None, :]
+        dt = tl.where(dt < 0, -dt, dt)
+        # bucket = number of thresholds <= |dt| (host-computed with the reference's fp64 formula).
+        for b in range(0, MAX_BUCKETS):
+            thr = tl.load(thr_ptr + b, mask=b < num_buckets, other=9223372036854775807)
+            bucket += (dt >= thr).to(tl.int32)
+        s += tl.load(time_bias_ptr + ht * stride_tb + bucket, mask=vis, other=0.0).to(tl.float32)
+    return s, bucket
+
+
+@triton.jit
+def _jagged_attention_fwd_kernel(
+    Q_ptr, K_ptr, V_ptr, Out_ptr, Lse_ptr, offsets_ptr, targets_ptr,
+    pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
+    stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
+    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
+    SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start = tl.load(offsets_ptr + b).to(tl.int64)
+    L = (tl.load(offsets_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
+    if pid_m * BLOCK_M < L:
+        n_t = 0
+        if HAS_TARGETS:
+            n_t = tl.load(targets_ptr + b).to(tl.int32)
+        max_id = L - n_t + tl.where(contextual_len > 0, 1 - contextual_len, 0)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        id_m = _ids(offs_m, L, max_id, contextual_len)
+        row_ok = offs_m < L
+        q = tl.load(Q_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+        hp = h if pos_heads > 1 else 0
+        ht = h if time_heads > 1 else 0
+        for j0 in range(0, L, BLOCK_N):
+            offs_n = j0 + tl.arange(0, BLOCK_N)
+            id_n = _ids(offs_n, L, max_id, contextual_len)
+            vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
+            if tl.max(vis.to(tl.int32)) > 0:  # skip fully masked tiles before any load
+                col_ok = offs_n < L
+                k = tl.load(K_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                            mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                v = tl.load(V_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                            mask=col_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s, _bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
+                                     time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
+                                     HAS_TIME, MAX_BUCKETS, PRECISION)
+                if SOFTMAX:
+                    s = tl.where(vis, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp(s - m_safe[:, None])
+                    alpha = tl.exp(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                    m_i = m_new
+                else:
+                    w = tl.where(vis, s * tl.sigmoid(s) * inv_m, 0.0)
+                    acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+        if SOFTMAX:
+            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            acc = acc / l_safe[:, None]
+            tl.store(Lse_ptr + (start + offs_m) * H + h, m_i + tl.log(l_safe), mask=row_ok)
+        tl.store(Out_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                 acc.to(Out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+
+
+@triton.jit
+def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht, scale, inv_m, M,
+                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets,
+                SOFTMAX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """(P or the HSTU weights, dS, buckets) of one tile, fp32, zero where invisible."""
+    s, bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
+                        time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS, HAS_TIME,
+                        MAX_BUCKETS, PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION).to(tl.float32)
+    if SOFTMAX:
+        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+    else:
+        sig = tl.sigmoid(s)
+        p = tl.where(vis, s * sig * inv_m, 0.0)
+        ds = tl.where(vis, dp * sig * (1.0 + s * (1.0 - sig)) * inv_m, 0.0)
+    return p, ds, bucket
+
+
+@triton.jit
+def _jagged_attention_bwd_kernel(
+    Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, DK_ptr, DV_ptr, DPos_ptr, DTime_ptr,
+    offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
+    stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
+    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
+    KV_PASS: tl.constexpr, SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """KV_PASS: program = one key block -> dk, dv (+ bias grads by atomics). Else: one query block -> dq."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start = tl.load(offsets_ptr + b).to(tl.int64)
+    L = (tl.load(offsets_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
+    OWN: tl.constexpr = BLOCK_N if KV_PASS else BLOCK_M
+    if pid * OWN < L:
+        n_t = 0
+        if HAS_TARGETS:
+            n_t = tl.load(targets_ptr + b).to(tl.int32)
+        max_id = L - n_t + tl.where(contextual_len > 0, 1 - contextual_len, 0)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        hp = h if pos_heads > 1 else 0
+        ht = h if time_heads > 1 else 0
+        if KV_PASS:
+            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < L
+            id_n = _ids(offs_n, L, max_id, contextual_len)
+            k = tl.load(K_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                        mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                        mask=col_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+            dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+            for i0 in range(0, L, BLOCK_M):
+                offs_m = i0 + tl.arange(0, BLOCK_M)
+                row_ok = offs_m < L
+                id_m = _ids(offs_m, L, max_id, contextual_len)
+                vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
+                if tl.max(vis.to(tl.int32)) > 0:
+                    q = tl.load(Q_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                    do = tl.load(DO_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                                 mask=row_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+                    if UPCAST:
+                        q = q.to(tl.float32)
+                        do = do.to(tl.float32)
+                    lse = tl.zeros((BLOCK_M,), tl.float32)
+                    delta = tl.zeros((BLOCK_M,), tl.float32)
+                    if SOFTMAX:
+                        lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+                        delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+                    p, ds, bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
+                                                scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb,
+                                                timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
+                                                MAX_BUCKETS, PRECISION)
+                    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
+                    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * scale
+                    if HAS_POS:
+                        rel = offs_n[None, :] - offs_m[:, None] + M - 1
+                        tl.atomic_add(DPos_ptr + hp * stride_pb + rel, ds, mask=vis)
+                    if HAS_TIME:
+                        tl.atomic_add(DTime_ptr + ht * stride_tb + bucket, ds, mask=vis)
+            tl.store(DK_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                     dk.to(DK_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
+            tl.store(DV_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                     dv.to(DV_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < Dv))
+        else:
+            offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < L
+            id_m = _ids(offs_m, L, max_id, contextual_len)
+            q = tl.load(Q_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(DO_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.zeros((BLOCK_M,), tl.float32)
+            delta = tl.zeros((BLOCK_M,), tl.float32)
+            if SOFTMAX:
+                lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+                delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+            dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for j0 in range(0, L, BLOCK_N):
+                offs_n = j0 + tl.arange(0, BLOCK_N)
+                col_ok = offs_n < L
+                id_n = _ids(offs_n, L, max_id, contextual_len)
+                vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
+                if tl.max(vis.to(tl.int32)) > 0:
+                    k = tl.load(K_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                    v = tl.load(V_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                                mask=col_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
+                    if UPCAST:
+                        k = k.to(tl.float32)
+                        v = v.to(tl.float32)
+                    _p, ds, _bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
+                                                  scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr,
+                                                  stride_tb, timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
+                                                  HAS_TIME, MAX_BUCKETS, PRECISION)
+                    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
+            tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                     dq.to(DQ_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+def _bucket_thresholds(num_buckets: int, device) -> torch.Tensor:
+    """thr[m-1] = the smallest |dt| with bucket >= m (m = 1..num_buckets), from the reference's own formula."""
+    thresholds = []
+    for m in range(1, num_buckets + 1):
+        guess = min(int(torch.tensor(0.301 * m, dtype=torch.float64).exp()), 2**62)
+        x = torch.arange(max(1, guess - 2), guess + 4, dtype=torch.int64)
+        hits = x[time_buckets(x, num_buckets) >= m]
+        thresholds.append(int(hits[0]) if hits.numel() else 2**62)
+    return torch.tensor(thresholds or [0], dtype=torch.int64, device=device)
+
+
+def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
+            time_bias, timestamps):
+    N, H, D = q.shape
+    Dv = v.shape[2]
+    dummy = q.new_empty((1,), dtype=torch.float32)
+    num_buckets = time_bias.shape[1] - 1 if time_bias is not None else 0
+    args = dict(
+        offsets_ptr=seq_offsets,
+        targets_ptr=num_targets if num_targets is not None else seq_offsets,
+        pos_bias_ptr=pos_bias.float().contiguous() if pos_bias is not None else dummy,
+        time_bias_ptr=time_bias.float().contiguous() if time_bias is not None else dummy,
+        timestamps_ptr=timestamps.long() if timestamps is not None else seq_offsets.long(),
+        thr_ptr=_bucket_thresholds(num_buckets, q.device),
+        stride_qn=H * D, stride_qh=D, stride_vn=H * Dv, stride_vh=Dv,
+        stride_pb=pos_bias.shape[1] if pos_bias is not None else 0,
+        stride_tb=time_bias.shape[1] if time_bias is not None else 0,
+        H=H, D=D, Dv=Dv, M=max_seq_len, scale=scale, inv_m=1.0 / max_seq_len if max_seq_len > 0 else 0.0,
+        contextual_len=contextual_len, max_attn_len=max_attn_len, num_buckets=num_buckets,
+        pos_heads=pos_bias.shape[0] if pos_bias is not None else 1,
+        time_heads=time_bias.shape[0] if time_bias is not None else 1,
+        SOFTMAX=kind == "softmax", CAUSAL=causal, HAS_TARGETS=num_targets is not None, HAS_POS=pos_bias is not None,
+        HAS_TIME=time_bias is not None, MAX_BUCKETS=max(1, num_buckets),
+        UPCAST=triton_interpret() or q.dtype == torch.float32,
+        # fp32 operands: exact fp32 products (no TF32), so fp32 matches the reference to 1e-5.
+        PRECISION="ieee" if (triton_interpret() or q.dtype == torch.float32) else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+    )
+    return args
+
+
+def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
+                         max_attn_len, pos_bias, time_bias, timestamps):
+    N, H, _ = q.shape
+    out = torch.empty((N, H, v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((N, H) if kind == "softmax" else (0,), dtype=torch.float32, device=q.device)
+    num_seqs = seq_offsets.numel() - 1
+    if N == 0 or num_seqs == 0:
+        return out, lse
+    args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
+                   pos_bias, time_bias, timestamps)
+    grid = (triton.cdiv(max_seq_len, BLOCK_M), num_seqs * H)
+    _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
+    return out, lse
+
+
+def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+                         contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic):
+    if deterministic and (pos_bias is not None or time_bias is not None):
+        raise NotImplementedError(
+            "triton backend: deterministic bias gradients are not implemented (they use fp32 atomics); "
+            "use deterministic=False or the cpu/reference backend")
+    N, H, D = q.shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dpos = torch.zeros(pos_bias.shape, dtype=torch.float32, device=q.device) if pos_bias is not None else None
+    dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device) if time_bias is not None else None
+    num_seqs = seq_offsets.numel() - 1
+    if N > 0 and num_seqs > 0:
+        args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
+                       max_attn_len, pos_bias, time_bias, timestamps)
+        if kind == "softmax":
+            delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [N, H]
+        else:
+            lse = delta = q.new_zeros((1,), dtype=torch.float32)
+        common = (q, k, v, grad_out, lse, delta, dq, dk, dv,
+                  dpos if dpos is not None else delta, dtime if dtime is not None else delta)
+        for kv_pass in (True, False):
+            grid = (triton.cdiv(max_seq_len, BLOCK_N if kv_pass else BLOCK_M), num_seqs * H)
+            _jagged_attention_bwd_kernel[grid](*common, KV_PASS=kv_pass, **args)
+    dpos = dpos.to(pos_bias.dtype) if dpos is not None else q.new_empty((0,))
+    dtime = dtime.to(time_bias.dtype) if time_bias is not None else q.new_empty((0,))
+    return dq, dk, dv, dpos, dtime

@@ -1,0 +1,503 @@
+"""jagged_attention (softmax and HSTU): the reference against a per-(b, h, i, j) loop oracle, every
+backend against the reference, forward and every gradient, every option alone and combined."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gem_kernels as gk
+from gem_kernels.ops.attention import FORWARD_ONLY, IMPLEMENTED, jagged_attention_bwd_op, jagged_attention_fwd_op
+from gem_kernels.reference import attention as ref
+
+from .utils import TOLERANCES, assert_close, device_backend_params, offsets_from_lengths, poison_allocator
+
+# Backends with forward and backward; FORWARD_ONLY ones (cuda) are tested on the forward.
+BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference" and b not in FORWARD_ONLY)
+NUM_BUCKETS = 8
+
+
+def interpreted(device, backend):
+    """Triton in the CPU interpreter: slow, so it runs the short TRITON_CASES instead of the full sweep."""
+    return backend == "triton" and device == "cpu"
+
+
+def skip_if_interpreted(device, backend):
+    if interpreted(device, backend):
+        pytest.skip("Triton interpreter: covered by the short test_triton_interpreter_* cases (full sweep on GPU)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Independent oracle: the visibility rule and the scores as the issue states them, one pair at a time.
+# ------------------------------------------------------------------------------------------------
+
+def oracle_id(p, L, n, c):
+    """Context positions get id 0, p >= c gets p - c + 1 (c = 0: p); targets share the first target's id."""
+    def base(x):
+        return (0 if x < c else x - c + 1) if c > 0 else x
+    return base(L - n) if n > 0 and p >= L - n else base(p)
+
+
+def oracle_visible(i, j, L, n, c, causal, max_attn_len):
+    if i == j:
+        return True
+    d = oracle_id(i, L, n, c) - oracle_id(j, L, n, c)
+    if not causal:
+        d = abs(d)
+    if d > 0 and (max_attn_len == 0 or d <= max_attn_len):
+        return True
+    return c > 0 and oracle_id(i, L, n, c) == 0 and j < L - n  # context sees every non-target key
+
+
+def oracle_attention(q, k, v, offsets, M, kind, causal, scale, num_targets, c, max_attn_len, pos_bias, time_bias,
+                     timestamps):
+    q, k, v = q.detach(), k.detach(), v.detach()
+    pos_bias = None if pos_bias is None else pos_bias.detach()
+    time_bias = None if time_bias is None else time_bias.detach()
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    for b in range(offsets.numel() - 1):
+        start, L = int(offsets[b]), int(offsets[b + 1] - offsets[b])
+        n = 0 if num_targets is None else int(num_targets[b])
+        for h in range(q.shape[1]):
+            for i in range(L):
+                scores, keys = [], []
+                for j in range(L):
+                    if not oracle_visible(i, j, L, n, c, causal, max_attn_len):
+                        continue
+                    s = scale * float(q[start + i, h].double() @ k[start + j, h].double())
+                    if pos_bias is not None:
+                        s += float(pos_bias[h % pos_bias.shape[0], j - i + M - 1])
+                    if time_bias is not None:
+                        dt = abs(int(timestamps[start + i]) - int(timestamps[start + j]))
+                        bucket = min(NUM_BUCKETS, math.floor(math.log(max(dt, 1)) / 0.301))
+                        s += float(time_bias[h % time_bias.shape[0], bucket])
+                    scores.append(s)
+                    keys.append(j)
+                if kind == "softmax":
+                    top = max(scores)
+                    weights = [math.exp(s - top) for s in scores]
+                    weights = [w / sum(weights) for w in weights]
+                else:
+                    weights = [s / (1 + math.exp(-s)) / M for s in scores]
+                for w, j in zip(weights, keys):
+                    out[start + i, h] += w * v[start + j, h].double()
+    return out
+
+
+def make_inputs(lengths, *, H=2, D=8, Dv=None, dtype=torch.float32, device="cpu", pos_heads=None, time_heads=None,
+                M=None, targets=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    offsets = offsets_from_lengths(lengths, device=device)
+    N = int(sum(lengths))
+    M = max([0, *lengths]) if M is None else M
+    Dv = D if Dv is None else Dv
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=device).requires_grad_(True)
+
+    inputs = dict(q=rnd(N, H, D), k=rnd(N, H, D), v=rnd(N, H, Dv), seq_offsets=offsets, max_seq_len=M)
+    if pos_heads:
+        inputs["pos_bias"] = (0.5 * torch.randn(pos_heads, 2 * M - 1, generator=g)).to(device).requires_grad_(True)
+    if time_heads:
+        time_bias = 0.5 * torch.randn(time_heads, NUM_BUCKETS + 1, generator=g)
+        inputs["time_bias"] = time_bias.to(device).requires_grad_(True)
+        # Spread over ~e^(0.301*NUM_BUCKETS) so every bucket, the clamped last one included, occurs.
+        inputs["timestamps"] = torch.randint(0, 40, (N,), generator=g).to(device) ** 2
+    if targets is not None:
+        inputs["num_targets"] = torch.tensor(targets, dtype=torch.int64, device=device)
+    return inputs
+
+
+def leaves(inputs):
+    return [inputs[name] for name in ("q", "k", "v", "pos_bias", "time_bias") if name in inputs]
+
+
+def run(inputs, backend, grad_seed=1, **options):
+    out = gk.jagged_attention(**inputs, backend=backend, **options)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)
+    grads = torch.autograd.grad(out, leaves(inputs), grad_out)
+    return out, grads
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference against the oracle
+# ------------------------------------------------------------------------------------------------
+
+MASK_CASES = [
+    dict(lengths=[6, 0, 9, 1], causal=True),
+    dict(lengths=[6, 0, 9, 1], causal=False),
+    dict(lengths=[7, 9, 3], targets=[2, 3, 0]),
+    dict(lengths=[7, 9, 3], targets=[2, 3, 0], causal=False),
+    dict(lengths=[8, 9, 4], contextual_len=3),
+    dict(lengths=[8, 9, 4], contextual_len=3, causal=False),
+    dict(lengths=[10, 9, 5], max_attn_len=2),
+    dict(lengths=[10, 9, 5], max_attn_len=2, causal=False),
+    dict(lengths=[10, 12, 6], targets=[3, 1, 2], contextual_len=2, max_attn_len=3),
+    dict(lengths=[10, 12, 6], targets=[3, 1, 2], contextual_len=4, max_attn_len=2, causal=False),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: str(sorted(c.items())))
+def test_reference_mask_matches_oracle(case):
+    case = dict(case)
+    lengths = case.pop("lengths")
+    targets = case.pop("targets", None)
+    c, mal, causal = case.get("contextual_len", 0), case.get("max_attn_len", 0), case.get("causal", True)
+    M = max(lengths) + 2  # padding past the longest sequence must stay invisible
+    lens = torch.tensor(lengths)
+    nt = None if targets is None else torch.tensor(targets)
+    valid = ref.visibility_mask(lens, M, causal=causal, num_targets=nt, contextual_len=c, max_attn_len=mal)
+    for b, L in enumerate(lengths):
+        n = 0 if targets is None else targets[b]
+        expected = torch.tensor([[i < L and j < L and oracle_visible(i, j, L, n, c, causal, mal) for j in range(M)]
+                                 for i in range(M)])
+        assert torch.equal(valid[b], expected), f"sequence {b}"
+
+
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("case", MASK_CASES[::3] + [MASK_CASES[-1]], ids=lambda c: str(sorted(c.items())))
+def test_reference_output_matches_oracle(kind, case):
+    case = dict(case)
+    lengths, targets = case.pop("lengths"), case.pop("targets", None)
+    inputs = make_inputs(lengths, pos_heads=2, time_heads=1, targets=targets, M=max(lengths) + 3)
+    scale = 0.3
+    out = gk.jagged_attention(**inputs, kind=kind, scale=scale, backend="reference", **case)
+    expected = oracle_attention(inputs["q"], inputs["k"], inputs["v"], inputs["seq_offsets"], inputs["max_seq_len"],
+                                kind, case.get("causal", True), scale, inputs.get("num_targets"),
+                                case.get("contextual_len", 0), case.get("max_attn_len", 0), inputs["pos_bias"],
+                                inputs["time_bias"], inputs["timestamps"])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_reference_backward_matches_autograd(kind):
+    """The reference backend's closed-form backward against torch autograd through the padded forward."""
+    inputs = make_inputs([7, 0, 12, 1], pos_heads=2, time_heads=1, targets=[2, 0, 3, 0])
+    options = dict(kind=kind, causal=True, scale=0.4, contextual_len=2, max_attn_len=4)
+    _, grads = run(inputs, "reference", **options)
+    out, _ = ref.jagged_attention_with_lse(
+        inputs["q"], inputs["k"], inputs["v"], inputs["seq_offsets"], inputs["max_seq_len"], kind, True, 0.4,
+        inputs["num_targets"], 2, 4, inputs["pos_bias"], inputs["time_bias"], inputs["timestamps"])
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    expected = torch.autograd.grad(out, leaves(inputs), grad_out)
+    for got, exp in zip(grads, expected):
+        torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every backend against the reference
+# ------------------------------------------------------------------------------------------------
+
+# (lengths, inputs options, op options): each option alone, then combined.
+CASES = [
+    ([5, 0, 70, 1, 130], {}, {}),
+    ([5, 0, 70, 1, 130], {}, dict(causal=False)),
+    ([9, 33, 2], {}, dict(scale=0.7)),
+    ([9, 140, 3, 0], dict(targets=[2, 40, 3, 0]), {}),
+    ([9, 140, 3], {}, dict(contextual_len=5)),
+    ([2, 140, 3], {}, dict(contextual_len=150)),  # every position is context
+    ([9, 140, 3], {}, dict(max_attn_len=17)),
+    ([9, 140, 3], dict(pos_heads=2), {}),
+    ([9, 140, 3], dict(pos_heads=1, M=150), {}),
+    ([9, 140, 3], dict(time_heads=2), {}),
+    ([9, 140, 3], dict(time_heads=1), {}),
+    ([9, 140, 3, 0, 1], dict(targets=[3, 20, 1, 0, 0], pos_heads=2, time_heads=1), dict(contextual_len=4,
+                                                                                      max_attn_len=30)),
+    ([9, 140, 3, 0, 1], dict(targets=[3, 20, 1, 0, 1], pos_heads=1, time_heads=2), dict(contextual_len=2,
+                                                                                      max_attn_len=9,
+                                                                                      causal=False)),
+    ([1], {}, {}),
+    ([0, 0], {}, {}),
+    ([], {}, {}),
+]
+
+
+def _check_against_reference(inputs, backend, dtype, **options):
+    poison_allocator(sum(t.numel() * 4 for t in leaves(inputs)), inputs["q"].device)
+    out, grads = run(inputs, backend, **options)
+    expected_out, expected_grads = run(inputs, "reference", **options)
+    assert out.shape == expected_out.shape and out.dtype == dtype
+    assert_close(out, expected_out, dtype)
+    names = [n for n in ("q", "k", "v", "pos_bias", "time_bias") if n in inputs]
+    for name, got, exp in zip(names, grads, expected_grads):
+        assert got.shape == exp.shape and got.dtype == exp.dtype, name
+        if name.endswith("bias"):
+            # NOTE: a bias gradient sums up to H * sum L^2 terms: relative to its largest entry.
+            tol = TOLERANCES[dtype if dtype != torch.float32 else torch.float32]
+            scale = max(1.0, float(exp.abs().max()))
+            torch.testing.assert_close(got, exp, atol=tol["atol"] * scale * 4, rtol=tol["rtol"] * 4, msg=name)
+        elif dtype != torch.float32 and name in ("q", "k"):
+            # NOTE: dq/dk use delta_i = <dO_i, O_i> with O rounded to the I/O dtype (FlashAttention does
+            # the same); the reference's delta is unrounded fp32: allow 2x, relative to the largest entry.
+            tol = TOLERANCES[dtype]
+            scale = max(1.0, float(exp.abs().max()))
+            torch.testing.assert_close(got, exp, atol=2 * tol["atol"] * scale, rtol=2 * tol["rtol"], msg=name)
+        else:
+            assert_close(got, exp, dtype)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("lengths,input_options,options", CASES)
+def test_backend_matches_reference(device, backend, kind, lengths, input_options, options):
+    skip_if_interpreted(device, backend)
+    inputs = make_inputs(lengths, device=device, **input_options)
+    _check_against_reference(inputs, backend, torch.float32, kind=kind, **options)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(FORWARD_ONLY))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("lengths,input_options,options", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_only_backend_matches_reference(device, backend, kind, lengths, input_options, options, dtype):
+    inputs = make_inputs(lengths, device=device, dtype=dtype, **input_options)
+    with torch.no_grad():
+        out = gk.jagged_attention(**inputs, kind=kind, backend=backend, **options)
+        expected = gk.jagged_attention(**inputs, kind=kind, backend="reference", **options)
+    assert_close(out, expected, dtype)
+
+
+def test_forward_only_backend_refuses_gradients():
+    inputs = make_inputs([3, 4])
+    for backend in FORWARD_ONLY:
+        with pytest.raises(gk.BackendUnavailableError, match="implements only the forward"):
+            gk.jagged_attention(**inputs, backend=backend)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(device, backend, kind, dtype):
+    if interpreted(device, backend) and (kind, dtype) not in (("softmax", torch.bfloat16), ("hstu", torch.float16)):
+        pytest.skip("Triton interpreter: one dtype per kind keeps CI short")
+    inputs = make_inputs([9, 0, 70, 1], dtype=dtype, device=device, targets=[2, 0, 5, 0], pos_heads=2, time_heads=1)
+    _check_against_reference(inputs, backend, dtype, kind=kind, contextual_len=2, max_attn_len=20)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+@pytest.mark.parametrize("D,Dv", [(24, 24), (40, 40), (24, 40), (40, 7)])
+def test_head_dims(device, backend, D, Dv):
+    if interpreted(device, backend) and (D, Dv) != (40, 7):
+        pytest.skip("Triton interpreter: one odd shape keeps CI short")
+    inputs = make_inputs([13, 0, 29], D=D, Dv=Dv, H=3, device=device, pos_heads=3)
+    for kind in ("softmax", "hstu"):
+        _check_against_reference(inputs, backend, torch.float32, kind=kind)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_deterministic_backward_is_bit_identical(device, backend, kind):
+    if backend == "triton":
+        # dq, dk, dv use no atomics; the bias gradients do, so deterministic=True refuses them.
+        inputs = make_inputs([40, 3, 70, 17], H=2, device=device, targets=[3, 0, 9, 1])
+        biased = make_inputs([5], device=device, pos_heads=1)
+        with pytest.raises(NotImplementedError, match="deterministic bias gradients"):
+            run(biased, backend, deterministic=True)
+    else:
+        inputs = make_inputs([40, 3, 200, 17], H=2, device=device, pos_heads=1, time_heads=2, targets=[3, 0, 9, 1])
+    options = dict(kind=kind, contextual_len=2, max_attn_len=50, deterministic=True)
+    first = run(inputs, backend, **options)
+    second = run(inputs, backend, **options)
+    for a, b in zip([first[0], *first[1]], [second[0], *second[1]]):
+        assert torch.equal(a, b)
+
+
+def test_cpu_backward_is_independent_of_thread_count():
+    """Per-item bias partials reduced in item order: 1 and 2 threads give the same bits."""
+    # ~7e7 FLOPs: enough work that the kernel does use a second thread (it stays on one below ~2^24 a thread).
+    inputs = make_inputs([150, 3, 200, 17, 90], H=4, D=64, pos_heads=1, time_heads=4, targets=[3, 0, 9, 1, 0])
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, grads = run(inputs, "cpu", kind="softmax", contextual_len=2, deterministic=True)
+            results.append([out, *grads])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+def test_int32_offsets_and_targets_and_timestamps(device, backend):
+    skip_if_interpreted(device, backend)
+    inputs = make_inputs([9, 0, 17], device=device, time_heads=1)
+    inputs["seq_offsets"] = inputs["seq_offsets"].int()
+    inputs["num_targets"] = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+    inputs["timestamps"] = inputs["timestamps"].int()
+    _check_against_reference(inputs, backend, torch.float32)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=5),
+    extra_len=st.integers(0, 5),
+    kind=st.sampled_from(["softmax", "hstu"]),
+    causal=st.booleans(),
+    contextual_len=st.integers(0, 6),
+    max_attn_len=st.integers(0, 12),
+    with_targets=st.booleans(),
+    pos_heads=st.sampled_from([None, 1, 2]),
+    time_heads=st.sampled_from([None, 1, 2]),
+    D=st.integers(1, 20),
+    Dv=st.integers(1, 20),
+    seed=st.integers(0, 1000),
+)
+def test_fuzz_cpu_against_reference(lengths, extra_len, kind, causal, contextual_len, max_attn_len, with_targets,
+                                    pos_heads, time_heads, D, Dv, seed):
+    targets = [(L * (seed % 7)) // 7 for L in lengths] if with_targets else None
+    inputs = make_inputs(lengths, D=D, Dv=Dv, M=max([1, *lengths]) + extra_len, targets=targets,
+                         pos_heads=pos_heads, time_heads=time_heads, seed=seed)
+    _check_against_reference(inputs, "cpu", torch.float32, kind=kind, causal=causal, contextual_len=contextual_len,
+                             max_attn_len=max_attn_len)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+def test_time_buckets_over_a_wide_range(device, backend):
+    """Many buckets and |dt| up to 1e14: the kernels' bucket search agrees with the fp64 formula."""
+    g = torch.Generator().manual_seed(3)
+    inputs = make_inputs([20, 31], device=device)
+    num_buckets = 100  # e^(0.301 * 100) ~ 1.2e13: the clamp at num_buckets is reached too
+    inputs["time_bias"] = torch.randn(2, num_buckets + 1, generator=g).to(device).requires_grad_(True)
+    inputs["timestamps"] = (torch.rand(51, generator=g, dtype=torch.float64) ** 4 * 1e14).long().to(device)
+    _check_against_reference(inputs, backend, torch.float32)
+
+
+# Short cases for the Triton interpreter: every option, multi-tile (L = 70 > BLOCK 64) and edge sizes.
+TRITON_CASES = [
+    ([5, 0, 70, 1], {}, {}),
+    ([5, 0, 70, 1], {}, dict(causal=False, scale=0.7)),
+    ([9, 70, 3, 0], dict(targets=[2, 40, 3, 0], pos_heads=2, time_heads=1), dict(contextual_len=4, max_attn_len=30)),
+    ([9, 70, 3, 0, 1], dict(targets=[3, 20, 1, 0, 1], pos_heads=1, time_heads=2, M=80),
+     dict(contextual_len=2, max_attn_len=9, causal=False)),
+    ([1], {}, {}),
+    ([0, 0], {}, {}),
+    ([], {}, {}),
+]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("lengths,input_options,options", TRITON_CASES)
+def test_triton_interpreter_matches_reference(kind, lengths, input_options, options):
+    if "triton" not in gk.available_backends() or torch.cuda.is_available():
+        pytest.skip("runs the Triton interpreter on machines without a GPU (the GPU runs the full sweep)")
+    inputs = make_inputs(lengths, **input_options)
+    _check_against_reference(inputs, "triton", torch.float32, kind=kind, **options)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a ValueError naming the argument (validation runs before any backend)
+# ------------------------------------------------------------------------------------------------
+
+def _bad(**changes):
+    base = dict(q=torch.ones(5, 2, 4), k=torch.ones(5, 2, 4), v=torch.ones(5, 2, 3),
+                seq_offsets=torch.tensor([0, 2, 5]), max_seq_len=4)
+    base.update(changes)
+    return base
+
+
+BAD = [
+    (_bad(q=torch.ones(5, 2)), "q must have 3 dims"),
+    (_bad(k=torch.ones(5, 2, 4, dtype=torch.float16)), "k must have q's dtype"),
+    (_bad(v=torch.ones(5, 2, 3, dtype=torch.float64)), "v must have dtype"),
+    (_bad(k=torch.ones(5, 2, 5)), "k must have q's shape"),
+    (_bad(v=torch.ones(5, 3, 3)), "v must have shape"),
+    (_bad(seq_offsets=torch.tensor([0, 3, 2, 5])), "nondecreasing"),
+    (_bad(seq_offsets=torch.tensor([0, 2, 4])), r"seq_offsets\[-1\] must equal the number of rows 5"),
+    (_bad(seq_offsets=torch.tensor([0.0, 5.0])), "seq_offsets must have dtype"),
+    (_bad(max_seq_len=2), "max_seq_len must be >= every sequence length, got 2 < 3"),
+    (_bad(max_seq_len=-1), "max_seq_len must be >= 0"),
+    (_bad(kind="relu"), "kind must be one of"),
+    (_bad(causal=1), "causal must be a bool"),
+    (_bad(scale="x"), "scale must be a float"),
+    (_bad(num_targets=torch.tensor([1])), "num_targets must have B = 2 elements"),
+    (_bad(num_targets=torch.tensor([1, 4])), r"num_targets\[1\] must be in \[0, 3\]"),
+    (_bad(num_targets=torch.tensor([1.0, 2.0])), "num_targets must have dtype"),
+    (_bad(contextual_len=-1), "contextual_len must be >= 0"),
+    (_bad(max_attn_len=1.5), "max_attn_len must be an int"),
+    (_bad(pos_bias=torch.ones(2, 6)), r"pos_bias.shape\[1\] must be 2 \* max_seq_len - 1 = 7"),
+    (_bad(pos_bias=torch.ones(3, 7)), r"pos_bias.shape\[0\] must be 1 or H = 2"),
+    (_bad(time_bias=torch.ones(1, 4)), "timestamps must be given with time_bias"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(4, dtype=torch.long)), "timestamps must have N = 5"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5)), "timestamps must have dtype"),
+    (_bad(deterministic="yes"), "deterministic must be a bool"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", *BACKENDS])
+@pytest.mark.parametrize("kwargs,match", BAD)
+def test_rejects_bad_input(backend, kwargs, match):
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    with pytest.raises(ValueError, match=match):
+        gk.jagged_attention(**kwargs, backend=backend)
+
+
+def test_device_mismatch_is_value_error():
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2, device="meta"), torch.ones(3, 1, 2),
+                            torch.tensor([0, 3]), 3)
+
+
+def test_unavailable_backend_is_reported():
+    if "cuda" in gk.available_backends():
+        pytest.skip("the cuda backend runs here")
+    with pytest.raises(gk.BackendUnavailableError):
+        gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 3]), 3,
+                            backend="cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library registration: opcheck and torch.compile
+# ------------------------------------------------------------------------------------------------
+
+def _op_args(kind, with_bias):
+    inputs = make_inputs([3, 0, 5, 1], H=2, D=4, Dv=3, pos_heads=2 if with_bias else None,
+                         time_heads=1 if with_bias else None, targets=[1, 0, 2, 0])
+    return (inputs["q"], inputs["k"], inputs["v"], inputs["seq_offsets"], 5, kind, True, 0.5,
+            inputs["num_targets"], 1, 3, inputs.get("pos_bias"), inputs.get("time_bias"), inputs.get("timestamps"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_opcheck(backend, kind, with_bias):
+    args = _op_args(kind, with_bias)
+    torch.library.opcheck(jagged_attention_fwd_op, (*args, False, backend))
+    out, lse = jagged_attention_fwd_op(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args), False,
+                                       backend)
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    torch.library.opcheck(jagged_attention_bwd_op, (torch.randn_like(out), *plain[:3], out, lse, *plain[3:], True,
+                                                    backend))
+
+
+def test_opcheck_native_ops():
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in _op_args("softmax", True)]
+    torch.library.opcheck(torch.ops.gem_kernels.jagged_attention_fwd_native.default, tuple(plain))
+    out, lse = torch.ops.gem_kernels.jagged_attention_fwd_native(*plain)
+    torch.library.opcheck(torch.ops.gem_kernels.jagged_attention_bwd_native.default,
+                          (torch.randn_like(out), *plain[:3], out, lse, *plain[3:], False))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    inputs = make_inputs([4, 0, 9], pos_heads=2, time_heads=1, targets=[1, 0, 2])
+
+    def fn(q, k, v, pos_bias, time_bias):
+        out = gk.jagged_attention(q, k, v, inputs["seq_offsets"], inputs["max_seq_len"], kind="hstu",
+                                  num_targets=inputs["num_targets"], contextual_len=1, pos_bias=pos_bias,
+                                  time_bias=time_bias, timestamps=inputs["timestamps"], backend=backend)
+        return (out * 2.0).sum()
+
+    args = [inputs[n] for n in ("q", "k", "v", "pos_bias", "time_bias")]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got = compiled(*args)
+    expected = fn(*args)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(torch.autograd.grad(got, args), torch.autograd.grad(expected, args)):
+        torch.testing.assert_close(g, e)

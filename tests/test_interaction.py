@@ -1,0 +1,407 @@
+"""Interaction family (dot_interaction, cross_layer, fm_compress, their modules): every backend
+against the reference, forward and every gradient; the reference against eager autograd."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gem_kernels as gk
+from gem_kernels.ops.interaction import (
+    IMPLEMENTED,
+    cross_layer_backward_op,
+    cross_layer_op,
+    dot_interaction_backward_op,
+    dot_interaction_op,
+    fm_compress_backward_op,
+    fm_compress_op,
+    num_pairs,
+)
+from gem_kernels.reference import interaction as ref
+
+from .utils import (
+    FLOAT_DTYPES,
+    assert_close,
+    assert_close_vs_eager,
+    device_backend_params,
+    poison_allocator,
+    randn_nonzero,
+)
+
+BACKEND_PARAMS = device_backend_params(IMPLEMENTED)
+
+# The Triton interpreter is slow: its backend runs a reduced set of the shapes below.
+TRITON_MAX_ELEMS = 12000
+
+
+def _skip_big_for_interpreter(backend, device, numel, dtype=torch.float32):
+    if backend == "triton" and device == "cpu" and numel > TRITON_MAX_ELEMS:
+        pytest.skip("interpreter: large shapes are covered by the compiled backends")
+
+
+def _grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+# NOTE: fp32 outputs here are sums of up to F*D = 127*200 products; a backend summing in another
+# order than the reference's bmm differs by a few ulps of the sum, above the table's 1e-5.
+FP32_SUM_TOL = dict(atol=5e-5, rtol=5e-5)
+
+
+def _check_all(actual_out, expected_out, actual_grads, expected_grads, dtype, names):
+    tol = FP32_SUM_TOL if dtype == torch.float32 else {}
+    assert actual_out.shape == expected_out.shape and actual_out.dtype == expected_out.dtype
+    assert_close(actual_out, expected_out, dtype, **tol)
+    for name, a, e in zip(names, actual_grads, expected_grads):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        assert_close(a, e, dtype, msg=lambda m, name=name: f"grad {name}: {m}", **tol)
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference twins (hand-written backward) against autograd through the eager formulations.
+# ------------------------------------------------------------------------------------------------
+
+def test_reference_matches_eager_autograd():
+    x = randn_nonzero(4, 7, 9).requires_grad_(True)
+    for self_interaction in (False, True):
+        out = gk.dot_interaction(x, self_interaction, backend="reference")
+        eager = ref.eager_dot_interaction(x, self_interaction)
+        g = randn_nonzero(*out.shape)
+        _check_all(out, eager, _grads(out, x, g), _grads(eager, x, g), torch.float32, ["x"])
+
+    x0, xl = randn_nonzero(5, 6).requires_grad_(True), randn_nonzero(5, 6).requires_grad_(True)
+    w, b = randn_nonzero(6, 6).requires_grad_(True), randn_nonzero(6).requires_grad_(True)
+    u, v = randn_nonzero(6, 2).requires_grad_(True), randn_nonzero(2, 6).requires_grad_(True)
+    for weight, params in ((w, (x0, xl, w, b)), ((u, v), (x0, xl, u, v, b))):
+        out = gk.cross_layer(x0, xl, weight, b, backend="reference")
+        eager = ref.eager_cross_layer(x0, xl, weight, b)
+        g = randn_nonzero(*out.shape)
+        _check_all(out, eager, _grads(out, params, g), _grads(eager, params, g), torch.float32, "x0 xl u v b".split())
+
+    x, y = randn_nonzero(3, 5, 8).requires_grad_(True), randn_nonzero(5, 4).requires_grad_(True)
+    lw, lb = randn_nonzero(20).requires_grad_(True), randn_nonzero(20).requires_grad_(True)
+    out = gk.fm_compress(x, y, lw, lb, eps=1e-3, backend="reference")
+    eager = ref.eager_fm_compress(x, y, lw, lb, eps=1e-3)
+    g = randn_nonzero(*out.shape)
+    _check_all(out, eager, _grads(out, (x, y, lw, lb), g), _grads(eager, (x, y, lw, lb), g), torch.float32,
+               ["x", "y", "ln_weight", "ln_bias"], )
+
+
+def test_pair_order_is_triu_indices():
+    x = randn_nonzero(2, 5, 3)
+    for self_interaction, offset in ((False, 1), (True, 0)):
+        rows, cols = torch.triu_indices(5, 5, offset)
+        expected = torch.stack([(x[:, i] * x[:, j]).sum(-1) for i, j in zip(rows.tolist(), cols.tolist())], 1)
+        for backend in ("reference", "cpu"):
+            torch.testing.assert_close(gk.dot_interaction(x, self_interaction, backend=backend), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every backend against the reference.
+# ------------------------------------------------------------------------------------------------
+
+DOT_SHAPES = [(0, 3, 8), (3, 1, 8), (5, 3, 36), (4, 27, 8), (2, 27, 200), (2, 127, 36)]
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("shape", DOT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction(device, backend, shape, dtype, self_interaction):
+    _skip_big_for_interpreter(backend, device, math.prod(shape))
+    B, F, D = shape
+    x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
+    P = num_pairs(F, self_interaction)
+    poison_allocator(B * max(P, F * D) * 4, device)
+    out = gk.dot_interaction(x, self_interaction, backend=backend)
+    expected = gk.dot_interaction(x, self_interaction, backend="reference")
+    assert out.shape == (B, P)
+    g = randn_nonzero(B, P, dtype=dtype, device=device)
+    poison_allocator(B * F * D * 4, device)
+    _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), dtype, ["x"])
+
+
+CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16)]
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("shape", CROSS_SHAPES, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cross_layer(device, backend, shape, dtype):
+    B, N, rank = shape
+    _skip_big_for_interpreter(backend, device, B * N)
+    mk = lambda *s: (randn_nonzero(*s, dtype=torch.float32, device=device) / math.sqrt(s[-1])).to(dtype)  # noqa: E731
+    x0, xl, b = randn_nonzero(B, N, dtype=dtype, device=device), mk(B, N), mk(N)
+    if rank is None:
+        weight = mk(N, N).requires_grad_(True)
+        params = [x0, xl, weight, b]
+    else:
+        weight = (mk(N, rank).requires_grad_(True), mk(rank, N).requires_grad_(True))
+        params = [x0, xl, *weight, b]
+    for p in params:
+        p.requires_grad_(True)
+    poison_allocator(B * N * 4, device)
+    out = gk.cross_layer(x0, xl, weight, b, backend=backend)
+    expected = gk.cross_layer(x0, xl, weight, b, backend="reference")
+    g = randn_nonzero(B, N, dtype=dtype, device=device)
+    names = ["x0", "xl", "weight", "bias"] if rank is None else ["x0", "xl", "u", "v", "bias"]
+    if dtype == torch.float32:
+        _check_all(out, expected, _grads(out, params, g), _grads(expected, params, g), dtype, names)
+        return
+    # fp16/bf16: the GEMMs round their outputs (and the low-rank p, grad_p) to the I/O dtype, as
+    # eager does; compare against the fp32 reference with FlashAttention's 2x-eager rule.
+    params32 = [p.detach().float().requires_grad_(True) for p in params]
+    weight32 = params32[2] if rank is None else (params32[2], params32[3])
+    exact = gk.cross_layer(params32[0], params32[1], weight32, params32[-1], backend="reference")
+    eager = ref.eager_cross_layer(x0, xl, weight, b)
+    assert out.shape == exact.shape and out.dtype == dtype
+    assert_close_vs_eager(out, exact, eager, dtype, "out")
+    for name, a, e, ea in zip(names, _grads(out, params, g), _grads(exact, params32, g.float()),
+                              _grads(eager, params, g)):
+        assert a.dtype == dtype, name
+        assert_close_vs_eager(a, e, ea, dtype, f"grad {name}")
+
+
+FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2)]
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_fm_compress(device, backend, shape, dtype):
+    B, F, D, k = shape
+    _skip_big_for_interpreter(backend, device, B * F * D)
+    x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
+    y = randn_nonzero(F, k, dtype=dtype, device=device).requires_grad_(True)
+    lw = randn_nonzero(F * k, dtype=dtype, device=device).requires_grad_(True)
+    lb = randn_nonzero(F * k, dtype=dtype, device=device).requires_grad_(True)
+    poison_allocator(B * F * max(D, k) * 4, device)
+    out = gk.fm_compress(x, y, lw, lb, backend=backend)
+    expected = gk.fm_compress(x, y, lw, lb, backend="reference")
+    g = randn_nonzero(B, F * k, dtype=dtype, device=device)
+    inputs = (x, y, lw, lb)
+    _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype,
+               ["x", "y", "ln_weight", "ln_bias"])
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+def test_fm_compress_default_layernorm_params(device, backend):
+    x = randn_nonzero(3, 4, 8, device=device)
+    y = randn_nonzero(4, 2, device=device)
+    out = gk.fm_compress(x, y, backend=backend)
+    expected = torch.nn.functional.layer_norm(ref.eager_fm_compress(x, y), (8,))
+    assert_close(out, expected, torch.float32, atol=1e-4, rtol=1e-4)  # NOTE: fp32 LayerNorm of sums of 32 products
+    assert_close(out.mean(1), torch.zeros(3, device=device), torch.float32, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(0, 4), F=st.integers(1, 40), D=st.integers(1, 70), k=st.integers(1, 9),
+       self_interaction=st.booleans())
+def test_fuzz_cpu_against_reference(B, F, D, k, self_interaction):
+    x = randn_nonzero(B, F, D).requires_grad_(True)
+    out = gk.dot_interaction(x, self_interaction, backend="cpu")
+    expected = gk.dot_interaction(x, self_interaction, backend="reference")
+    g = randn_nonzero(*out.shape)
+    _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), torch.float32, ["x"])
+    y = randn_nonzero(F, k).requires_grad_(True)
+    out = gk.fm_compress(x, y, backend="cpu")
+    expected = gk.fm_compress(x, y, backend="reference")
+    g = randn_nonzero(*out.shape)
+    # NOTE: LayerNorm of F*k sums of F*D products; fp32 reassociation error scales with the sums.
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, expected, **tol)
+    for a, e in zip(_grads(out, (x, y), g), _grads(expected, (x, y), g)):
+        torch.testing.assert_close(a, e, **tol)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a ValueError naming the argument (validation runs before any backend).
+# ------------------------------------------------------------------------------------------------
+
+def test_dot_interaction_rejects_bad_input():
+    with pytest.raises(ValueError, match="x must have 3 dims"):
+        gk.dot_interaction(torch.ones(3, 4))
+    with pytest.raises(ValueError, match="x must have dtype"):
+        gk.dot_interaction(torch.ones(2, 3, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+        gk.dot_interaction([[1.0]])
+    with pytest.raises(ValueError, match="self_interaction must be a bool"):
+        gk.dot_interaction(torch.ones(2, 3, 4), self_interaction=1)
+
+
+def test_cross_layer_rejects_bad_input():
+    x0, w, b = torch.ones(4, 6), torch.ones(6, 6), torch.ones(6)
+    with pytest.raises(ValueError, match=r"xl must have shape \(4, 6\), got \(4, 5\)"):
+        gk.cross_layer(x0, torch.ones(4, 5), w, b)
+    with pytest.raises(ValueError, match="xl must have the dtype of x0"):
+        gk.cross_layer(x0, torch.ones(4, 6, dtype=torch.bfloat16), w, b)
+    with pytest.raises(ValueError, match=r"weight must have shape \(6, 6\), got \(6, 5\)"):
+        gk.cross_layer(x0, x0, torch.ones(6, 5), b)
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\), got \(5,\)"):
+        gk.cross_layer(x0, x0, w, torch.ones(5))
+    with pytest.raises(ValueError, match=r"v must have shape \(2, 6\), got \(3, 6\)"):
+        gk.cross_layer(x0, x0, (torch.ones(6, 2), torch.ones(3, 6)), b)
+    with pytest.raises(ValueError, match="weight must be a tensor"):
+        gk.cross_layer(x0, x0, (torch.ones(6, 2),), b)
+    with pytest.raises(ValueError, match="x0 must have 2 dims"):
+        gk.cross_layer(torch.ones(2, 4, 6), x0, w, b)
+    with pytest.raises(ValueError, match="bias is on meta but x0 is on cpu"):
+        gk.cross_layer(x0, x0, w, torch.ones(6, device="meta"))
+
+
+def test_fm_compress_rejects_bad_input():
+    x, y = torch.ones(2, 3, 4), torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"y must have shape \(3, 2\), got \(4, 2\)"):
+        gk.fm_compress(x, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="y must have shape .* with k >= 1"):
+        gk.fm_compress(x, torch.ones(3, 0))
+    with pytest.raises(ValueError, match=r"ln_weight must have shape \(6,\), got \(5,\)"):
+        gk.fm_compress(x, y, torch.ones(5))
+    with pytest.raises(ValueError, match="ln_bias must have the dtype of x"):
+        gk.fm_compress(x, y, None, torch.ones(6, dtype=torch.float16))
+    with pytest.raises(ValueError, match="eps must be a float > 0"):
+        gk.fm_compress(x, y, eps=0.0)
+    with pytest.raises(ValueError, match="y is on meta but x is on cpu"):
+        gk.fm_compress(x, torch.ones(3, 2, device="meta"))
+    with pytest.raises(ValueError, match="x must have 3 dims"):
+        gk.fm_compress(torch.ones(3, 4), y)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library registration: opcheck and torch.compile.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_opcheck(backend):
+    x = randn_nonzero(3, 5, 7).requires_grad_(True)
+    for self_interaction in (False, True):
+        torch.library.opcheck(dot_interaction_op, (x, self_interaction, backend))
+        g = randn_nonzero(3, num_pairs(5, self_interaction))
+        torch.library.opcheck(dot_interaction_backward_op, (g, x.detach(), self_interaction, backend))
+    x0, xl, b = (randn_nonzero(4, 6).requires_grad_(True) for _ in range(2)), None, randn_nonzero(6)
+    x0, xl = list(x0)
+    w, u, v = randn_nonzero(6, 6), randn_nonzero(6, 2), randn_nonzero(2, 6)
+    empty = torch.empty(0)
+    for uu, vv in ((w, empty), (u, v)):
+        args = (x0, xl, uu.requires_grad_(True), vv.requires_grad_(vv.numel() > 0), b.requires_grad_(True))
+        torch.library.opcheck(cross_layer_op, (*args, backend))
+        out, z, p = cross_layer_op(*(a.detach() for a in args), backend)
+        torch.library.opcheck(cross_layer_backward_op,
+                              (randn_nonzero(4, 6), x0.detach(), xl.detach(), uu.detach(), vv.detach(), z, p, backend))
+    y, lw, lb = randn_nonzero(5, 3).requires_grad_(True), randn_nonzero(15), randn_nonzero(15)
+    torch.library.opcheck(fm_compress_op, (x, y, lw.requires_grad_(True), lb.requires_grad_(True), 1e-5, backend))
+    _, mean, rstd = fm_compress_op(x.detach(), y.detach(), lw.detach(), lb.detach(), 1e-5, backend)
+    torch.library.opcheck(fm_compress_backward_op,
+                          (randn_nonzero(3, 15), x.detach(), y.detach(), lw.detach(), mean, rstd, backend))
+
+
+def test_opcheck_native_ops():
+    ops = torch.ops.gem_kernels
+    x = randn_nonzero(3, 5, 7)
+    torch.library.opcheck(ops.dot_interaction_native.default, (x, False))
+    torch.library.opcheck(ops.dot_interaction_backward_native.default, (randn_nonzero(3, 15), x, True))
+    x0, xl, w, b = randn_nonzero(4, 6), randn_nonzero(4, 6), randn_nonzero(6, 6), randn_nonzero(6)
+    torch.library.opcheck(ops.cross_layer_native.default, (x0, xl, w, torch.empty(0), b))
+    u, v = randn_nonzero(6, 2), randn_nonzero(2, 6)
+    _, z, p = ops.cross_layer_native(x0, xl, u, v, b)
+    torch.library.opcheck(ops.cross_layer_backward_native.default, (randn_nonzero(4, 6), x0, xl, u, v, z, p))
+    y, lw, lb = randn_nonzero(5, 3), randn_nonzero(15), randn_nonzero(15)
+    torch.library.opcheck(ops.fm_compress_native.default, (x, y, lw, lb, 1e-5))
+    _, mean, rstd = ops.fm_compress_native(x, y, lw, lb, 1e-5)
+    torch.library.opcheck(ops.fm_compress_backward_native.default, (randn_nonzero(3, 15), x, y, lw, mean, rstd))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_torch_compile_fullgraph(backend):
+    torch._dynamo.reset()
+
+    def fn(x, y, w, b, u, v):
+        flat = x.flatten(1)
+        crossed = gk.cross_layer(flat, flat, w, b, backend=backend)
+        crossed = gk.cross_layer(flat, crossed, (u, v), b, backend=backend)
+        pairs = gk.dot_interaction(crossed.view_as(x), backend=backend)
+        return pairs.sum(1) + gk.fm_compress(x, y, backend=backend).sum(1)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    args = [randn_nonzero(4, 3, 5), randn_nonzero(3, 2), randn_nonzero(15, 15) / 4, randn_nonzero(15),
+            randn_nonzero(15, 2) / 4, randn_nonzero(2, 15) / 4]
+    args = [a.requires_grad_(True) for a in args]
+    out, expected = compiled(*args), fn(*args)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    for a, e in zip(torch.autograd.grad(out.sum(), args), torch.autograd.grad(expected.sum(), args)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules.
+# ------------------------------------------------------------------------------------------------
+
+def _module_vs_reference(module, x, backend):
+    """Run the module on `backend` and on reference with the same parameters; compare output and
+    the gradients of the input and every parameter."""
+    x = x.clone().requires_grad_(True)
+    module.backend = "reference"
+    expected = module(x)
+    expected_grads = _grads(expected, [x, *module.parameters()], torch.ones_like(expected))
+    module.backend = backend
+    out = module(x)
+    grads = _grads(out, [x, *module.parameters()], torch.ones_like(out))
+    names = ["x", *(n for n, _ in module.named_parameters())]
+    # NOTE: modules chain several ops and GEMMs; fp32 reassociation error compounds through them.
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, expected, **tol)
+    for name, a, e in zip(names, grads, expected_grads):
+        torch.testing.assert_close(a, e, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    return out
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(tuple(b for b in IMPLEMENTED if b != "reference")))
+def test_modules_match_reference(device, backend):
+    torch.manual_seed(1)
+    x = randn_nonzero(5, 6, 8, device=device)
+    out = _module_vs_reference(gk.nn.DotInteraction(self_interaction=True).to(device), x, backend)
+    assert out.shape == (5, 21)
+    for low_rank in (None, 3):
+        net = gk.nn.CrossNet(48, 3, low_rank=low_rank).to(device)
+        with torch.no_grad():
+            for b in net.biases:
+                b.normal_()
+        assert _module_vs_reference(net, x.flatten(1) / 4, backend).shape == (5, 48)
+    # num_fm_out + num_lcb_out != num_in: the residual is a learned projection.
+    layer = gk.nn.WukongLayer(6, 3, 2, 8, fm_rank=4, mlp_hidden=[16, 12]).to(device)
+    assert layer.residual_weight is not None
+    assert _module_vs_reference(layer, x, backend).shape == (5, 5, 8)
+    stack = gk.nn.WukongStack(2, 6, 4, 2, 8, fm_rank=3, mlp_hidden=10).to(device)
+    assert stack.layers[0].residual_weight is None and stack.layers[1].residual_weight is None
+    assert _module_vs_reference(stack, x, backend).shape == (5, 6, 8)
+    stack = gk.nn.WukongStack(3, 6, 2, 1, 8, fm_rank=2, mlp_hidden=7).to(device)
+    assert stack.layers[0].residual_weight.shape == (3, 6) and stack.layers[1].residual_weight is None
+    assert _module_vs_reference(stack, x, backend).shape == (5, 3, 8)
+
+
+def test_modules_match_eager_formulation():
+    """The modules implement the published layers: compare with the eager (autograd) formulas."""
+    torch.manual_seed(2)
+    x = randn_nonzero(4, 5, 6)
+    net = gk.nn.CrossNet(30, 2, low_rank=4, backend="cpu")
+    x0 = x.flatten(1)
+    xl = x0
+    for layer in range(2):
+        xl = ref.eager_cross_layer(x0, xl, net.layer_weight(layer), net.biases[layer])
+    torch.testing.assert_close(net(x0), xl, atol=1e-5, rtol=1e-5)
+
+    layer = gk.nn.WukongLayer(5, 2, 3, 6, fm_rank=3, mlp_hidden=8, backend="cpu")
+    fm = ref.eager_fm_compress(x, layer.fm_y, layer.fm_norm.weight, layer.fm_norm.bias)
+    fmb = layer.fm_mlp(fm).view(4, 2, 6)
+    lcb = torch.einsum("of,bfd->bod", layer.lcb_weight, x)
+    expected = torch.nn.functional.layer_norm(torch.cat([fmb, lcb], 1) + x, (6,), layer.norm.weight, layer.norm.bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_module_bad_config():
+    with pytest.raises(ValueError, match="low_rank"):
+        gk.nn.CrossNet(8, 2, low_rank=0)
+    with pytest.raises(ValueError, match="num_layers"):
+        gk.nn.WukongStack(0, 4, 2, 2, 8, 2, 8)
