@@ -10,6 +10,16 @@ TORCH_LIBRARY(gem_kernels, m) {
   // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
   m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
   m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
+  // embedding_bag (TBE): packed tables + int64 metadata; codes as in gem_kernels/reference/embedding_bag.py
+  m.def("embedding_bag_forward_native(Tensor weights, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
+        "Tensor indices, Tensor offsets, Tensor per_sample_weights, int output_dim, int pooling, int bounds_check) "
+        "-> Tensor");
+  m.def("embedding_bag_backward_native(Tensor grad_output, Tensor weights, Tensor weights_offsets, Tensor D_offsets, "
+        "Tensor rows_offsets, Tensor indices, Tensor offsets, Tensor per_sample_weights, int pooling) -> Tensor");
+  m.def("embedding_bag_backward_fused_native(Tensor grad_output, Tensor(a!) weights, Tensor(b!) momentum1, "
+        "Tensor(c!) momentum2, Tensor(d!) step, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
+        "Tensor indices, Tensor offsets, Tensor per_sample_weights, int pooling, int optimizer, float lr, float eps, "
+        "float beta1, float beta2, float weight_decay) -> ()");
   // attention: jagged q, k [N, H, Dqk], v [N, H, Dv] -> (out [N, H, Dv], fp32 lse [N, H] or [0] for hstu)
   m.def("jagged_attention_fwd_native(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seq_len, str kind, "
         "bool causal, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, Tensor? pos_bias, "

@@ -14,9 +14,11 @@ from ._backend import (
     use_backend,
 )
 from .ops.attention import jagged_attention
+from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
-from . import nn
+from . import nn, optim
+from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,10 @@ __all__ = [
     "dot_interaction",
     "cross_layer",
     "fm_compress",
+    "FusedEmbeddingBag",
+    "TableSpec",
+    "embedding_bag",
     "nn",
+    "optim",
     "__version__",
 ]

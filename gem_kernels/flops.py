@@ -29,6 +29,24 @@ def padded_to_jagged(offsets: torch.Tensor, max_len: int, dim: int, elem_bytes: 
     return 0, (kept + total) * dim * elem_bytes + offsets.numel() * offsets.element_size()
 
 
+def embedding_bag(lookups: list[int], dims: list[int], batch: int, elem_bytes: int, index_bytes: int) -> tuple[int, int]:
+    """(flops, bytes) of a pooled multi-table lookup, FBGEMM's minimum bytes: every looked-up row read
+    once, the [B, sum D] output written once, plus the indices and offsets. lookups[t]: indices of table t."""
+    rows_read = sum(n * d for n, d in zip(lookups, dims))
+    indices = sum(lookups) * index_bytes + (len(dims) * batch + 1) * index_bytes
+    return 2 * rows_read, (rows_read + batch * sum(dims)) * elem_bytes + indices
+
+
+def embedding_bag_backward_rowwise_adagrad(lookups: list[int], unique_rows: list[int], dims: list[int], batch: int,
+                                           elem_bytes: int, index_bytes: int) -> tuple[int, int]:
+    """(flops, bytes) of the backward with the row-wise Adagrad update fused: grad_output [B, sum D] read
+    once, every unique row read and written once with its fp32 state, plus the indices and offsets.
+    FLOPs: 2 per looked-up element (the duplicate sums) + 6 per updated element (g^2, mean, scale, update)."""
+    updated = sum(u * d for u, d in zip(unique_rows, dims))
+    indices = sum(lookups) * index_bytes + (len(dims) * batch + 1) * index_bytes
+    grad_read = batch * sum(dims) * elem_bytes
+    flops_ = 2 * sum(n * d for n, d in zip(lookups, dims)) + 6 * updated
+    return flops_, grad_read + 2 * updated * elem_bytes + 2 * sum(unique_rows) * 4 + indices
 def jagged_attention(offsets: torch.Tensor, num_heads: int, dim_qk: int, dim_v: int, elem_bytes: int, *,
                      causal: bool = True, backward: bool = False) -> tuple[int, int]:
     """(flops, bytes) of jagged attention over the real (unpadded) sequences.

@@ -1,0 +1,237 @@
+"""Bench of the embedding_bag family: fused multi-table embedding bags (TBE), forward and
+forward + backward + ExactRowwiseAdagrad.
+
+Workload (issue 3): 26 tables with rows geometrically spaced from 1e3 to 5e5 and D alternating 64 /
+128 (about 0.9 GB of fp32 weights on the CPU), B = 4096, bag lengths ~ Poisson(20), row ids drawn
+from a Zipf law (alpha 1.05) over each table and scattered by a fixed random permutation, so hot rows
+repeat as in production but do not sit next to each other. A larger preset runs on a GPU.
+
+Impls: the gem_kernels backends (cpu; reference, which is also the verification reference), and the
+baselines: "eager-loop", one nn.EmbeddingBag per table in a Python loop (sparse gradients, the
+row-wise Adagrad step written in plain torch ops: what a user writes, torch.optim.Adagrad not being
+row-wise); "compile", the same loop under torch.compile; "fbgemm", fbgemm_gpu's
+SplitTableBatchedEmbeddingBagsCodegen (EXACT_ROWWISE_ADAGRAD, host weights on the CPU). Every impl of
+a case starts from the same weights; the harness checks each one's first output against the
+reference's before timing it. In the fwd+bwd+optimizer case that first output is the forward of the
+first step (the update itself is checked by tests/test_embedding_bag.py against the reference math).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+import gem_kernels as gk
+from gem_kernels import flops
+
+from .harness import Case, rotate
+
+SEED = 0
+ZIPF_ALPHA = 1.05
+MEAN_BAG = 20
+LR, EPS = 0.01, 1e-8
+
+
+def table_specs(num_tables: int, min_rows: int, max_rows: int, dims=(64, 128)) -> list[gk.TableSpec]:
+    ratio = (max_rows / min_rows) ** (1 / max(num_tables - 1, 1))
+    return [gk.TableSpec(int(round(min_rows * ratio**t)), dims[t % len(dims)]) for t in range(num_tables)]
+
+
+def zipf_batch(specs: list[gk.TableSpec], batch: int, seed: int, mean_bag: int = MEAN_BAG,
+               alpha: float = ZIPF_ALPHA) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 (indices, offsets [T*B+1]): Poisson(mean_bag) bag lengths, Zipf(alpha) row ids per table."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.poisson(torch.full((len(specs) * batch,), float(mean_bag)), generator=gen).long()
+    per_table = []
+    for t, spec in enumerate(specs):
+        n = int(lengths[t * batch:(t + 1) * batch].sum())
+        ranks = torch.arange(1, spec.num_embeddings + 1, dtype=torch.float64)
+        cdf = (ranks ** -alpha).cumsum(0)
+        rank = torch.searchsorted(cdf, torch.rand(n, generator=gen, dtype=torch.float64) * cdf[-1])
+        rank = rank.clamp(max=spec.num_embeddings - 1)
+        # A fixed permutation per table (seeded by t, the same for every batch) scatters the hot rows.
+        perm = torch.randperm(spec.num_embeddings, generator=torch.Generator().manual_seed(1000 + t))
+        per_table.append(perm[rank])
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    return torch.cat(per_table), offsets
+
+
+def _fbgemm_tbe(specs, weights_of, pooling: str, reason_only: bool = False):
+    """fbgemm_gpu's CPU TBE with the given tables' weights, or (None, why) when it cannot run."""
+    try:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not here"
+        return None, f"fbgemm omitted: fbgemm_gpu's TBE does not import ({type(exc).__name__}: {exc})"
+    if reason_only:
+        return None, None
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(s.num_embeddings, s.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for s in specs],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS,
+        pooling_mode=PoolingMode.SUM if pooling == "sum" else PoolingMode.MEAN,
+        weights_precision=SparseType.FP32, output_dtype=SparseType.FP32)
+    with torch.no_grad():
+        for t, w in enumerate(tbe.split_embedding_weights()):
+            w.copy_(weights_of(t))
+    return tbe, None
+
+
+def _eager_bags(module: gk.FusedEmbeddingBag, copy: bool) -> list[torch.nn.EmbeddingBag]:
+    bags = []
+    for t in range(module.num_tables):
+        weight = module.weight(t).detach()
+        bags.append(torch.nn.EmbeddingBag.from_pretrained(weight.clone() if copy else weight, freeze=False,
+                                                          mode=module.pooling, sparse=True))
+    return bags
+
+
+def _loop_forward(bags, batch: int) -> Callable:
+    def forward(indices, table_offsets):
+        # table_offsets: per table, that table's B start offsets relative to its first index, and
+        # its slice bounds; precomputed so the loop itself has no host sync.
+        outs = [bag(indices[lo:hi], starts) for bag, (lo, hi, starts) in zip(bags, table_offsets)]
+        return torch.cat(outs, dim=1)
+
+    return forward
+
+
+def _table_offsets(offsets: torch.Tensor, num_tables: int, batch: int) -> list[tuple[int, int, torch.Tensor]]:
+    result = []
+    for t in range(num_tables):
+        lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
+        result.append((lo, hi, offsets[t * batch:(t + 1) * batch] - lo))
+    return result
+
+
+def rowwise_adagrad_step(bags, states, lr: float = LR, eps: float = EPS) -> None:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD in plain torch ops on sparse gradients."""
+    with torch.no_grad():
+        for bag, state in zip(bags, states):
+            grad = bag.weight.grad.coalesce()
+            rows, values = grad.indices()[0], grad.values()
+            state[rows] += values.pow(2).mean(dim=1)
+            bag.weight.index_add_(0, rows, values * (-lr / (state[rows].sqrt() + eps))[:, None])
+            bag.weight.grad = None
+
+
+def _shape(specs, batch: int, indices: torch.Tensor) -> str:
+    rows = sum(s.num_embeddings for s in specs)
+    gb = sum(s.num_embeddings * s.embedding_dim for s in specs) * 4 / 1e9
+    return (f"T={len(specs)} rows={rows / 1e6:.2f}M ({gb:.2f} GB) D={sorted({s.embedding_dim for s in specs})} "
+            f"B={batch} L~{indices.numel() / (len(specs) * batch):.0f} zipf={ZIPF_ALPHA}")
+
+
+def cases(quick: bool, device: torch.device) -> Iterator[Case]:
+    if quick:
+        specs, batch, num_sets = table_specs(4, 1000, 20_000), 256, 2
+    elif device.type == "cuda":
+        specs, batch, num_sets = table_specs(26, 10_000, 5_000_000), 16384, 3
+    else:
+        specs, batch, num_sets = table_specs(26, 1000, 500_000), 4096, 2
+    dtype = torch.float32
+    backends = [b for b in (("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference"))
+                if b in gk.available_backends() and (b in ("cpu", "reference") or device.type == "cuda")]
+    batches = [zipf_batch(specs, batch, SEED + i) for i in range(num_sets)]
+    batches = [(i.to(device), o.to(device)) for i, o in batches]
+    dims = [s.embedding_dim for s in specs]
+    first_indices, first_offsets = (x.cpu() for x in batches[0])
+    bounds = [(int(first_offsets[t * batch]), int(first_offsets[(t + 1) * batch])) for t in range(len(specs))]
+    lookups = [hi - lo for lo, hi in bounds]
+    unique = [int(first_indices[lo:hi].unique().numel()) for lo, hi in bounds]
+    shape = _shape(specs, batch, batches[0][0])
+    _, fbgemm_why = _fbgemm_tbe(specs, None, "sum", reason_only=True)
+    if device.type != "cpu" and fbgemm_why is None:
+        fbgemm_why = "fbgemm omitted: this bench builds fbgemm's CPU TBE only"
+    notes = [fbgemm_why] if fbgemm_why else []
+    if device.type == "cpu":
+        notes.append("FusedEmbeddingBag asks for transparent huge pages for its weights (madvise); the forward's "
+                     "eager-loop/compile read those same weights, fbgemm and the fwd+bwd copies use torch's "
+                     "default allocation")
+    if quick:
+        notes.append("compile omitted in --quick: compiling takes longer than the quick budget")
+    tolerance = dict(atol=1e-4, rtol=1e-4)  # fp32 sums of ~20 rows in different orders
+
+    # ---- forward (inference: no autograd graph) ----
+    module = gk.FusedEmbeddingBag(specs, pooling="sum", dtype=dtype, device=device)
+    arg_sets = [(i, o, _table_offsets(o, len(specs), batch)) for i, o in batches]
+    impls: dict[str, Callable] = {}
+    for backend in backends:
+        impls[backend] = rotate(arg_sets, lambda i, o, _, b=backend: _no_grad(
+            lambda: gk.embedding_bag(module.weights, module.weights_offsets, module.D_offsets, module.rows_offsets,
+                                     i, o, output_dim=module.output_dim, pooling="sum", backend=b)))
+    bags = _eager_bags(module, copy=False)
+    loop = _loop_forward(bags, batch)
+    impls["eager-loop"] = rotate(arg_sets, lambda i, o, tables: _no_grad(lambda: loop(i, tables)))
+    if not quick:  # compiling takes longer than the whole quick budget
+        compiled = torch.compile(loop, dynamic=False)
+        impls["compile"] = rotate(arg_sets, lambda i, o, tables: _no_grad(lambda: compiled(i, tables)))
+    if fbgemm_why is None:
+        tbe, _ = _fbgemm_tbe(specs, lambda t: module.weight(t).detach(), "sum")
+        impls["fbgemm"] = rotate(arg_sets, lambda i, o, _: _no_grad(lambda: tbe(i, o)))
+    case_flops, case_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
+    yield Case(op="embedding_bag fwd", shape=shape, dtype=dtype, flops=case_flops, bytes=case_bytes, impls=impls,
+               baseline="eager-loop", peak="bandwidth", notes=list(notes), reference="reference"
+               if "reference" in backends else None, tolerance=tolerance)
+    del impls, loop, bags
+    if fbgemm_why is None:
+        del tbe
+
+    # ---- forward + backward + ExactRowwiseAdagrad: every impl owns a copy of the same weights ----
+    gen = torch.Generator().manual_seed(SEED + 7)
+    grad_sets = [torch.randn(batch, module.output_dim, generator=gen).to(device) for _ in batches]
+    arg_sets = [(i, o, _table_offsets(o, len(specs), batch), g) for (i, o), g in zip(batches, grad_sets)]
+    optimizer = gk.optim.ExactRowwiseAdagrad(lr=LR, eps=EPS)
+    impls = {}
+    for backend in backends:
+        fused = gk.FusedEmbeddingBag(specs, pooling="sum", dtype=dtype, device=device, optimizer=optimizer,
+                                     backend=backend)
+        with torch.no_grad():
+            fused.weights.copy_(module.weights)
+        impls[backend] = rotate(arg_sets, lambda i, o, _, g, m=fused: _fused_step(m, i, o, g))
+    for name in ("eager-loop",) if quick else ("eager-loop", "compile"):
+        bags = _eager_bags(module, copy=True)
+        states = [torch.zeros(b.num_embeddings, device=device) for b in bags]
+        loop = _loop_forward(bags, batch)
+        fwd = loop if name == "eager-loop" else torch.compile(loop, dynamic=False)
+        impls[name] = rotate(arg_sets, lambda i, o, tables, g, fwd=fwd, bags=bags, states=states:
+                             _eager_step(fwd, bags, states, i, tables, g))
+    if fbgemm_why is None:
+        tbe, _ = _fbgemm_tbe(specs, lambda t: module.weight(t).detach(), "sum")
+        impls["fbgemm"] = rotate(arg_sets, lambda i, o, _, g: _fbgemm_step(tbe, i, o, g))
+    fwd_flops, fwd_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
+    bwd_flops, bwd_bytes = flops.embedding_bag_backward_rowwise_adagrad(lookups, unique, dims, batch, 4, 8)
+    yield Case(op="embedding_bag fwd+bwd+rowwise_adagrad", shape=shape, dtype=dtype, flops=fwd_flops + bwd_flops,
+               bytes=fwd_bytes + bwd_bytes, impls=impls, baseline="eager-loop", peak="bandwidth",
+               notes=notes + ["eager-loop/compile: nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad in "
+                              "torch ops (compile: the forward loop compiled)"],
+               reference="reference" if "reference" in backends else None, tolerance=tolerance)
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def _fused_step(module, indices, offsets, grad):
+    out = module(indices, offsets)
+    out.backward(grad)
+    return out.detach()
+
+
+def _eager_step(forward, bags, states, indices, tables, grad):
+    out = forward(indices, tables)
+    out.backward(grad)
+    rowwise_adagrad_step(bags, states)
+    return out.detach()
+
+
+def _fbgemm_step(tbe, indices, offsets, grad):
+    out = tbe(indices, offsets)
+    out.backward(grad)
+    return out.detach()

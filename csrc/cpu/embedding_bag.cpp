@@ -1,0 +1,673 @@
+// CPU kernels of the embedding_bag family: fused multi-table embedding bags (TBE) and their
+// backward with the optimizer fused in.
+//
+// Packed layout (FBGEMM TBE): table t is weights[weights_offsets[t] : + rows_t * D_t] viewed as
+// [rows_t, D_t]; bag b of table t is indices[offsets[t*B+b] : offsets[t*B+b+1]].
+//
+// Forward work decomposition: items of (table, 128 consecutive bags), table-major, handed to the
+// threads dynamically (parallel_dynamic); one item owns whole bags, so every output slice is
+// written by one thread. The bag's rows are accumulated in fp32 (fp16/bf16 converted on load) with
+// at::vec::Vectorized over D (in registers for D = 32/64/128), while the rows 16 indices ahead in
+// the same table are prefetched: the lookups are random DRAM reads and the prefetch keeps several
+// of them in flight per core.
+//
+// Backward work decomposition, two phases:
+//   1. per table (tables handed out dynamically): the kept (row, position) pairs, packed in one uint64, are
+//      radix sorted by row (stable, so duplicates keep position order: deterministic sums), and the
+//      runs of equal rows (segments, one per unique row) are recorded;
+//   2. over slices of every table's segments (dynamically): the segment's gradient rows are summed in fp32,
+//      then the row is written once: the dense gradient row, or the fused optimizer step on the
+//      weight row and its state. No two threads touch the same row, so no atomics.
+//
+// Roofline (FBGEMM's minimum bytes, s = weight element size, i = index size):
+//   forward:  FLOPs 2 * N * D (pooled); bytes N * D * s (rows read) + B * sum_t D_t * s (output written)
+//             + N * i + (T*B+1) * i.
+//   backward + row-wise Adagrad: FLOPs ~ 2 * N * D + 6 * U * D (U unique rows); bytes: gradient read
+//             B * sum D * s, U rows read and written (2 * U * D * s), U * 4 * 2 state, indices.
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
+// The extension is built for x86-64-v3: let at::vec use its AVX2 implementation, in a namespace of
+// our own so its inline functions never collide with libtorch's per-capability copies.
+#define CPU_CAPABILITY gk_avx2
+#define CPU_CAPABILITY_AVX2
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_alloc.h"
+
+namespace gem_kernels {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Weights are fp32, fp16 or bf16 (the front door rejects the rest).
+#define GK_DISPATCH_WEIGHT_TYPES(TYPE, NAME, ...)                                                  \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                          \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                       \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+constexpr int64_t kSum = 0, kMean = 1, kNone = 2;
+constexpr int64_t kFatal = 0, kWarn = 1;
+constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2, kOptAdam = 3;
+// Rows prefetched ahead of the one being accumulated (FBGEMM's default distance): enough random
+// DRAM reads in flight per core to cover the latency.
+constexpr int64_t kPrefetchDistance = 16;
+// Bags per forward work item: ~20 lookups each, a few thousand rows per item.
+constexpr int64_t kBagsPerChunk = 128;
+// Work items per table in the backward (slices of its unique rows).
+constexpr int64_t kSlicesPerTable = 16;
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte);
+}
+
+// Runs body(item) for item in [0, total) on every thread (one when `work` is small), items handed out in order from a shared
+// counter (dynamic scheduling). On a shared host a static split waits for its slowest thread; here
+// a stalled thread just takes fewer items. Exceptions propagate as from at::parallel_for.
+// Below this many element operations one thread is faster than waking the others (which on a
+// busy host can take milliseconds).
+constexpr int64_t kMinParallelWork = int64_t(1) << 18;
+
+template <typename Body>
+void parallel_dynamic(int64_t total, int64_t work, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers =
+      work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) body(item);
+  });
+}
+
+// acc[0:D] += scale * row[0:D], row converted to fp32.
+template <typename scalar_t>
+inline void axpy_row(float* __restrict__ acc, const scalar_t* __restrict__ row, float scale, int64_t D) {
+  const Vec s(scale);
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) {
+    Vec x;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      x = Vec::loadu(row + d);
+    } else {
+      at::vec::load_to_float<scalar_t>(row + d, x);
+    }
+    at::vec::fmadd(x, s, Vec::loadu(acc + d)).store(acc + d);
+  }
+  for (; d < D; ++d) acc[d] += scale * static_cast<float>(row[d]);
+}
+
+// dst[0:D] = src[0:D] * scale, converted to scalar_t.
+template <typename scalar_t>
+inline void store_row(scalar_t* __restrict__ dst, const float* __restrict__ src, float scale, int64_t D) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const Vec s(scale);
+    for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(src + d) * s).store(dst + d);
+  } else {
+    const Vec s(scale);
+    for (; d + 2 * Vec::size() <= D; d += 2 * Vec::size()) {
+      at::vec::convert_from_float<scalar_t>(Vec::loadu(src + d) * s, Vec::loadu(src + d + Vec::size()) * s)
+          .store(dst + d);
+    }
+  }
+  for (; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * scale);
+}
+
+template <typename scalar_t>
+inline void load_row(float* __restrict__ dst, const scalar_t* __restrict__ src, int64_t D) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, src, D * sizeof(float));
+  } else {
+    int64_t d = 0;
+    for (; d + Vec::size() <= D; d += Vec::size()) {
+      Vec x;
+      at::vec::load_to_float<scalar_t>(src + d, x);
+      x.store(dst + d);
+    }
+    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+struct Meta {
+  const int64_t* w_off;
+  const int64_t* d_off;
+  const int64_t* r_off;
+  int64_t T;
+  int64_t B;
+  int64_t max_D;
+};
+
+Meta read_meta(const at::Tensor& weights_offsets, const at::Tensor& D_offsets, const at::Tensor& rows_offsets,
+               const at::Tensor& offsets, const at::Tensor& weights) {
+  for (const auto* t : {&weights_offsets, &D_offsets, &rows_offsets}) {
+    GK_CHECK_CPU(*t);
+    GK_CHECK_CONTIGUOUS(*t);
+    TORCH_CHECK(t->scalar_type() == at::kLong, "metadata tensors must be int64");
+  }
+  const int64_t T = weights_offsets.numel();
+  TORCH_CHECK(T >= 1 && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1, "bad table metadata sizes");
+  TORCH_CHECK((offsets.numel() - 1) % T == 0, "offsets must have T*B+1 elements");
+  Meta m{weights_offsets.data_ptr<int64_t>(), D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(), T,
+         (offsets.numel() - 1) / T, 0};
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t D = m.d_off[t + 1] - m.d_off[t];
+    const int64_t rows = m.r_off[t + 1] - m.r_off[t];
+    TORCH_CHECK(D >= 1 && rows >= 1 && m.w_off[t] >= 0 && m.w_off[t] + rows * D <= weights.numel(),
+                "table ", t, " does not fit in weights");
+    TORCH_CHECK(rows < (int64_t(1) << 31), "table ", t, " has more than 2^31 rows");
+    m.max_D = std::max(m.max_D, D);
+  }
+  return m;
+}
+
+void check_common(const at::Tensor& weights, const at::Tensor& indices, const at::Tensor& offsets,
+                  const at::Tensor& per_sample_weights) {
+  for (const auto* t : {&weights, &indices, &offsets, &per_sample_weights}) {
+    GK_CHECK_CPU(*t);
+    GK_CHECK_CONTIGUOUS(*t);
+  }
+  GK_CHECK_DIM(weights, 1);
+  GK_CHECK_DIM(indices, 1);
+  GK_CHECK_DIM(offsets, 1);
+  GK_CHECK_INDEX(indices);
+  TORCH_CHECK(offsets.scalar_type() == indices.scalar_type(), "offsets must have indices' dtype");
+  TORCH_CHECK(offsets.numel() >= 1, "offsets must have at least one element");
+  TORCH_CHECK(per_sample_weights.numel() == 0 ||
+                  (per_sample_weights.scalar_type() == at::kFloat && per_sample_weights.numel() == indices.numel()),
+              "per_sample_weights must be empty or fp32 [N]");
+}
+
+// The data checks of gem_kernels._validate.check_offsets_values, same messages (ValueError in
+// Python), done here for the cpu backend: one serial pass over T*B+1 offsets costs microseconds,
+// three small ATen ops on them cost milliseconds of thread-pool wake-ups.
+void check_offsets_values(const at::Tensor& offsets, int64_t total) {
+  AT_DISPATCH_INDEX_TYPES(offsets.scalar_type(), "check_offsets_values", [&] {
+    const index_t* off = offsets.data_ptr<index_t>();
+    const int64_t n = offsets.numel();
+    TORCH_CHECK_VALUE(off[0] == 0, "offsets[0] must be 0, got ", static_cast<int64_t>(off[0]));
+    for (int64_t i = 1; i < n; ++i) {
+      TORCH_CHECK_VALUE(off[i] >= off[i - 1], "offsets must be nondecreasing, but offsets[", i, "] = ",
+                        static_cast<int64_t>(off[i]), " < offsets[", i - 1, "] = ", static_cast<int64_t>(off[i - 1]));
+    }
+    TORCH_CHECK_VALUE(off[n - 1] == total, "offsets[-1] must equal the number of rows ", total, ", got ",
+                      static_cast<int64_t>(off[n - 1]));
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward
+// ------------------------------------------------------------------------------------------------
+
+// One pooled bag of a table with D = kD known at compile time (the common 32/64/128): the row sum
+// lives in registers, the row prefetch and the D loop are unrolled, the per-sample-weight branch is
+// compiled out. When most lookups hit the cache (Zipf-hot rows) these instructions are the cost.
+// Returns the number of kept indices; on_bad(p, idx) handles an out-of-range index.
+template <int kD, bool kHasPsw, typename scalar_t, typename index_t, typename OnBad>
+inline int64_t pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const index_t* __restrict__ indices,
+                                int64_t start, int64_t stop, int64_t prefetch_stop, const float* __restrict__ psw,
+                                float* __restrict__ sum, const OnBad& on_bad) {
+  constexpr int kV = kD / Vec::size();
+  static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
+  Vec acc[kV];
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
+  int64_t kept = 0;
+  for (int64_t p = start; p < stop; ++p) {
+    if (p + kPrefetchDistance < prefetch_stop) {
+      const int64_t ahead = indices[p + kPrefetchDistance];
+      if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
+        const char* line = reinterpret_cast<const char*>(table + ahead * kD);
+#pragma GCC unroll 16
+        for (int byte = 0; byte < kD * static_cast<int>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(line + byte);
+      }
+    }
+    const int64_t idx = indices[p];
+    if (C10_UNLIKELY(static_cast<uint64_t>(idx) >= static_cast<uint64_t>(rows))) {
+      on_bad(p, idx);
+      continue;
+    }
+    const scalar_t* row = table + idx * kD;
+    const Vec scale(kHasPsw ? psw[p] : 1.f);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) {
+      Vec x;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        x = Vec::loadu(row + v * Vec::size());
+      } else {
+        at::vec::load_to_float<scalar_t>(row + v * Vec::size(), x);
+      }
+      acc[v] = kHasPsw ? at::vec::fmadd(x, scale, acc[v]) : acc[v] + x;
+    }
+    ++kept;
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) acc[v].store(sum + v * Vec::size());
+  return kept;
+}
+
+template <int kD, typename scalar_t, typename index_t, typename OnBad>
+inline int64_t pool_bag_fixed(const scalar_t* table, int64_t rows, const index_t* indices, int64_t start, int64_t stop,
+                              int64_t prefetch_stop, const float* psw, float* sum, const OnBad& on_bad) {
+  return psw ? pool_bag_fixed_d<kD, true>(table, rows, indices, start, stop, prefetch_stop, psw, sum, on_bad)
+             : pool_bag_fixed_d<kD, false>(table, rows, indices, start, stop, prefetch_stop, psw, sum, on_bad);
+}
+
+template <typename scalar_t, typename index_t>
+void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indices, const index_t* offsets,
+                    const float* psw, scalar_t* out, int64_t output_dim, int64_t pooling, int64_t bounds_check) {
+  std::atomic<int64_t> dropped{0};
+  std::mutex first_bad_mutex;
+  std::string first_bad;
+  // An out-of-range index: raise (fatal) or count it and remember the first (warn, skip).
+  const auto report_bad = [&](int64_t t, int64_t b, int64_t p, int64_t idx, int64_t rows) {
+    const std::string what = "indices[" + std::to_string(p) + "] = " + std::to_string(idx) +
+                             " is out of range for table " + std::to_string(t) + " (num_embeddings=" +
+                             std::to_string(rows) + ") in bag " + std::to_string(b);
+    TORCH_CHECK_INDEX(bounds_check != kFatal, what);
+    if (dropped.fetch_add(1) == 0) {
+      std::lock_guard<std::mutex> lock(first_bad_mutex);
+      first_bad = what;
+    }
+  };
+  // Work items are (table, chunk of kBagsPerChunk bags), table-major, handed out dynamically: the
+  // threads work through one table together (FBGEMM's table-by-table order), so that table's hot
+  // Zipf-head rows are shared in cache, and a thread slowed by the host takes fewer chunks.
+  const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
+  parallel_dynamic(chunks * m.T, (offsets[m.T * m.B] + m.T * m.B) * m.max_D, [&](int64_t item) {
+    thread_local std::vector<float> acc;
+    acc.resize(m.max_D);
+    {
+      const int64_t t = item / chunks;
+      const int64_t b_begin = (item % chunks) * kBagsPerChunk;
+      const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
+      const int64_t D = m.d_off[t + 1] - m.d_off[t];
+      const int64_t rows = m.r_off[t + 1] - m.r_off[t];
+      const scalar_t* table = weights + m.w_off[t];
+      const int64_t chunk_stop = offsets[t * m.B + b_end];
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t tb = t * m.B + b;
+        const int64_t start = offsets[tb];
+        const int64_t stop = offsets[tb + 1];
+        TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
+        int64_t kept = 0;
+        if (pooling != kNone && (D == 32 || D == 64 || D == 128)) {
+          const auto on_bad = [&](int64_t p, int64_t idx) { report_bad(t, b, p, idx, rows); };
+          kept = D == 32    ? pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad)
+                 : D == 64  ? pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad)
+                            : pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad);
+          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+          store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
+          continue;
+        }
+        if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
+        for (int64_t p = start; p < stop; ++p) {
+          if (p + kPrefetchDistance < chunk_stop) {
+            const int64_t ahead = indices[p + kPrefetchDistance];
+            if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
+          }
+          const int64_t idx = indices[p];
+          if (idx < 0 || idx >= rows) {
+            report_bad(t, b, p, idx, rows);
+            if (pooling == kNone) std::fill(out + p * output_dim, out + (p + 1) * output_dim, scalar_t(0));
+            continue;
+          }
+          const float scale = psw ? psw[p] : 1.f;
+          if (pooling == kNone) {
+            std::fill(acc.begin(), acc.begin() + D, 0.f);
+            axpy_row(acc.data(), table + idx * D, scale, D);
+            store_row(out + p * output_dim, acc.data(), 1.f, D);
+          } else {
+            axpy_row(acc.data(), table + idx * D, scale, D);
+          }
+          ++kept;
+        }
+        if (pooling != kNone) {
+          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+          store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
+        }
+      }
+    }
+  });
+  if (bounds_check == kWarn && dropped.load() > 0) {
+    TORCH_WARN("embedding_bag: dropping ", dropped.load(), " out-of-range indices; first: ", first_bad);
+  }
+}
+
+at::Tensor embedding_bag_forward_cpu(const at::Tensor& weights, const at::Tensor& weights_offsets,
+                                     const at::Tensor& D_offsets, const at::Tensor& rows_offsets,
+                                     const at::Tensor& indices, const at::Tensor& offsets,
+                                     const at::Tensor& per_sample_weights, int64_t output_dim, int64_t pooling,
+                                     int64_t bounds_check) {
+  check_common(weights, indices, offsets, per_sample_weights);
+  const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
+  if (pooling == kNone) {
+    for (int64_t t = 0; t < m.T; ++t) TORCH_CHECK(m.d_off[t + 1] - m.d_off[t] == output_dim, "pooling none needs D == output_dim");
+  } else {
+    TORCH_CHECK(m.d_off[m.T] == output_dim, "output_dim must equal D_offsets[-1]");
+  }
+  const int64_t N = indices.numel();
+  check_offsets_values(offsets, N);
+  auto out = empty_for_streaming_write({pooling == kNone ? N : m.B, output_dim}, weights.options());
+  GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_forward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_forward_cpu_idx", [&] {
+      forward_kernel<scalar_t, index_t>(m, weights.data_ptr<scalar_t>(), indices.data_ptr<index_t>(),
+                                        offsets.data_ptr<index_t>(),
+                                        per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr,
+                                        out.data_ptr<scalar_t>(), output_dim, pooling, bounds_check);
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward, phase 1: per table, sort the kept (row, position) pairs by row and find the segments.
+// ------------------------------------------------------------------------------------------------
+
+// Stable LSD radix sort of `a` by bits [32, 32 + key_bits) (the row; the low 32 bits hold the
+// position). Returns the buffer holding the result (a or tmp).
+uint64_t* radix_sort_by_row(uint64_t* a, uint64_t* tmp, int64_t n, int key_bits) {
+  if (n <= 1 || key_bits == 0) return a;
+  const int passes = (key_bits + 10) / 11;
+  const int digit_bits = (key_bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t(1) << digit_bits) - 1;
+  std::vector<int64_t> count(size_t(1) << digit_bits);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 32 + pass * digit_bits;
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++count[(a[i] >> shift) & mask];
+    int64_t sum = 0;
+    for (auto& c : count) {
+      const int64_t here = c;
+      c = sum;
+      sum += here;
+    }
+    for (int64_t i = 0; i < n; ++i) tmp[count[(a[i] >> shift) & mask]++] = a[i];
+    std::swap(a, tmp);
+  }
+  return a;
+}
+
+struct Segments {
+  std::vector<uint64_t> buf_a, buf_b;       // [N] pairs; table t's live at [lo_t, lo_t + kept_t)
+  std::vector<uint64_t*> sorted;            // per table: where its sorted pairs ended up
+  std::vector<int64_t> seg_begin;           // [N + T]: table t's segment starts at [lo_t + t, ...]
+  std::vector<int64_t> seg_prefix;          // [T + 1]: segments before table t
+  std::vector<int32_t> bag_of;              // [N] local bag of each position (pooled only)
+  std::vector<float> bag_scale;             // [T*B] 1 / kept length (mean only)
+};
+
+template <typename index_t>
+Segments sort_segments(const Meta& m, const index_t* indices, const index_t* offsets, int64_t N, int64_t pooling) {
+  Segments s;
+  s.buf_a.resize(N);
+  s.buf_b.resize(N);
+  s.sorted.resize(m.T);
+  s.seg_begin.resize(N + m.T);
+  s.seg_prefix.assign(m.T + 1, 0);
+  if (pooling != kNone) s.bag_of.resize(N);
+  if (pooling == kMean) s.bag_scale.resize(m.T * m.B);
+  std::vector<int64_t> seg_count(m.T, 0);
+  parallel_dynamic(m.T, N * 8, [&](int64_t t) {
+    {
+      const int64_t rows = m.r_off[t + 1] - m.r_off[t];
+      const int64_t lo = offsets[t * m.B];
+      const int64_t hi = offsets[(t + 1) * m.B];
+      TORCH_CHECK(hi - lo < (int64_t(1) << 32), "table ", t, " has more than 2^32 indices in one batch");
+      uint64_t* pairs = s.buf_a.data() + lo;
+      int64_t n = 0;
+      for (int64_t b = 0; b < m.B; ++b) {
+        const int64_t start = offsets[t * m.B + b];
+        const int64_t stop = offsets[t * m.B + b + 1];
+        int64_t kept = 0;
+        for (int64_t p = start; p < stop; ++p) {
+          const int64_t idx = indices[p];
+          if (idx < 0 || idx >= rows) continue;  // dropped: the forward already raised or warned
+          pairs[n++] = (static_cast<uint64_t>(idx) << 32) | static_cast<uint64_t>(p - lo);
+          if (pooling != kNone) s.bag_of[p] = static_cast<int32_t>(b);
+          ++kept;
+        }
+        if (pooling == kMean) s.bag_scale[t * m.B + b] = kept > 0 ? 1.f / static_cast<float>(kept) : 0.f;
+      }
+      int key_bits = 0;
+      while ((int64_t(1) << key_bits) < rows) ++key_bits;
+      uint64_t* sorted = radix_sort_by_row(pairs, s.buf_b.data() + lo, n, key_bits);
+      s.sorted[t] = sorted;
+      int64_t* segs = s.seg_begin.data() + lo + t;
+      int64_t count = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (i == 0 || (sorted[i] >> 32) != (sorted[i - 1] >> 32)) segs[count++] = i;
+      }
+      segs[count] = n;
+      seg_count[t] = count;
+    }
+  });
+  for (int64_t t = 0; t < m.T; ++t) s.seg_prefix[t + 1] = s.seg_prefix[t] + seg_count[t];
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward, phase 2: one task per segment (unique row): sum its gradient rows, then write the row.
+// `write(t, row, D, grad)` receives the fp32 summed gradient of local row `row` of table t (scratch
+// it may overwrite).
+// ------------------------------------------------------------------------------------------------
+
+// `prefetch_base(t)` is where table t's destination rows start (prefetched four segments ahead).
+template <typename scalar_t, typename index_t, typename Base, typename Write>
+void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* grad_output, int64_t grad_stride,
+                           const index_t* offsets, const float* psw, int64_t pooling, Base prefetch_base,
+                           Write write) {
+  // Items are (table, slice of its unique rows), table-major, handed out dynamically as in the forward.
+  parallel_dynamic(kSlicesPerTable * m.T, (offsets[m.T * m.B] + s.seg_prefix[m.T]) * m.max_D, [&](int64_t item) {
+    thread_local std::vector<float> acc;
+    acc.resize(m.max_D);
+    {
+      const int64_t t = item / kSlicesPerTable;
+      const int64_t slice = item % kSlicesPerTable;
+      const int64_t count = s.seg_prefix[t + 1] - s.seg_prefix[t];
+      const int64_t local_begin = count * slice / kSlicesPerTable;
+      const int64_t local_end = count * (slice + 1) / kSlicesPerTable;
+      const int64_t D = m.d_off[t + 1] - m.d_off[t];
+      const int64_t lo = offsets[t * m.B];
+      const int64_t* segs = s.seg_begin.data() + lo + t;
+      const uint64_t* pairs = s.sorted[t];
+      const int64_t slice_stop = segs[local_end];
+      for (int64_t local = local_begin; local < local_end; ++local) {
+        const int64_t first = segs[local];
+        const int64_t last = segs[local + 1];
+        if (local + 4 < local_end) {
+          prefetch_row(prefetch_base(t) + static_cast<int64_t>(pairs[segs[local + 4]] >> 32) * D, D);
+        }
+        std::fill(acc.begin(), acc.begin() + D, 0.f);
+        for (int64_t i = first; i < last; ++i) {
+          if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
+            const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
+            prefetch_row(pooling == kNone ? grad_output + q * grad_stride
+                                          : grad_output + s.bag_of[q] * grad_stride + m.d_off[t], D);
+          }
+          const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
+          float scale = psw ? psw[p] : 1.f;
+          const scalar_t* src;
+          if (pooling == kNone) {
+            src = grad_output + p * grad_stride;
+          } else {
+            const int64_t b = s.bag_of[p];
+            src = grad_output + b * grad_stride + m.d_off[t];
+            if (pooling == kMean) scale *= s.bag_scale[t * m.B + b];
+          }
+          axpy_row(acc.data(), src, scale, D);
+        }
+        write(t, static_cast<int64_t>(pairs[first] >> 32), D, acc.data());
+      }
+    }
+  });
+}
+
+at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
+                                      const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+                                      const at::Tensor& rows_offsets, const at::Tensor& indices,
+                                      const at::Tensor& offsets, const at::Tensor& per_sample_weights,
+                                      int64_t pooling) {
+  check_common(weights, indices, offsets, per_sample_weights);
+  GK_CHECK_CPU(grad_output);
+  GK_CHECK_CONTIGUOUS(grad_output);
+  GK_CHECK_DIM(grad_output, 2);
+  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
+  const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  auto grad_weights = empty_for_streaming_write(weights.sizes(), weights.options()).zero_();
+  GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_backward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_backward_cpu_idx", [&] {
+      const index_t* off = offsets.data_ptr<index_t>();
+      const Segments s = sort_segments<index_t>(m, indices.data_ptr<index_t>(), off, indices.numel(), pooling);
+      scalar_t* grad = grad_weights.data_ptr<scalar_t>();
+      for_each_row_gradient<scalar_t, index_t>(
+          m, s, grad_output.data_ptr<scalar_t>(), grad_output.size(1), off,
+          per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, pooling,
+          [&](int64_t t) { return grad + m.w_off[t]; },
+          [&](int64_t t, int64_t row, int64_t D, float* g) { store_row(grad + m.w_off[t] + row * D, g, 1.f, D); });
+    });
+  });
+  return grad_weights;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fused optimizers: one exact step on a touched row, in fp32. Weight decay is L2 (g += wd * w).
+// ------------------------------------------------------------------------------------------------
+
+struct OptimizerArgs {
+  int64_t kind;
+  float lr, eps, beta1, beta2, weight_decay;
+  float step_size;        // Adam: lr / (1 - beta1^step)
+  float inv_bias2_sqrt;   // Adam: 1 / sqrt(1 - beta2^step)
+};
+
+template <typename scalar_t>
+void optimizer_row(const OptimizerArgs& o, scalar_t* w_row, float* g, float* w, float* m1_row, float* m2_row,
+                   int64_t D) {
+  load_row(w, w_row, D);
+  if (o.weight_decay != 0.f) {
+    for (int64_t d = 0; d < D; ++d) g[d] += o.weight_decay * w[d];
+  }
+  if (o.kind == kOptSgd) {
+    for (int64_t d = 0; d < D; ++d) w[d] -= o.lr * g[d];
+  } else if (o.kind == kOptRowwiseAdagrad) {
+    Vec sq(0.f);
+    int64_t d = 0;
+    for (; d + Vec::size() <= D; d += Vec::size()) {
+      const Vec x = Vec::loadu(g + d);
+      sq = at::vec::fmadd(x, x, sq);
+    }
+    float sum_sq = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sq);
+    for (; d < D; ++d) sum_sq += g[d] * g[d];
+    const float state = *m1_row + sum_sq / static_cast<float>(D);
+    *m1_row = state;
+    const float multiplier = o.lr / (std::sqrt(state) + o.eps);
+    for (int64_t e = 0; e < D; ++e) w[e] -= multiplier * g[e];
+  } else {  // Adam
+    const Vec b1(o.beta1), b2(o.beta2), one_b1(1.f - o.beta1), one_b2(1.f - o.beta2);
+    const Vec eps(o.eps), step_size(o.step_size), inv_bias2(o.inv_bias2_sqrt);
+    int64_t d = 0;
+    for (; d + Vec::size() <= D; d += Vec::size()) {
+      const Vec x = Vec::loadu(g + d);
+      const Vec m1 = at::vec::fmadd(b1, Vec::loadu(m1_row + d), one_b1 * x);
+      const Vec m2 = at::vec::fmadd(b2, Vec::loadu(m2_row + d), one_b2 * x * x);
+      m1.store(m1_row + d);
+      m2.store(m2_row + d);
+      const Vec denom = m2.sqrt() * inv_bias2 + eps;
+      (Vec::loadu(w + d) - step_size * m1 / denom).store(w + d);
+    }
+    for (; d < D; ++d) {
+      const float m1 = o.beta1 * m1_row[d] + (1.f - o.beta1) * g[d];
+      const float m2 = o.beta2 * m2_row[d] + (1.f - o.beta2) * g[d] * g[d];
+      m1_row[d] = m1;
+      m2_row[d] = m2;
+      w[d] -= o.step_size * m1 / (std::sqrt(m2) * o.inv_bias2_sqrt + o.eps);
+    }
+  }
+  store_row(w_row, w, 1.f, D);
+}
+
+void embedding_bag_backward_fused_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
+                                      const at::Tensor& momentum1, const at::Tensor& momentum2, const at::Tensor& step,
+                                      const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+                                      const at::Tensor& rows_offsets, const at::Tensor& indices,
+                                      const at::Tensor& offsets, const at::Tensor& per_sample_weights, int64_t pooling,
+                                      int64_t optimizer, double lr, double eps, double beta1, double beta2,
+                                      double weight_decay) {
+  check_common(weights, indices, offsets, per_sample_weights);
+  GK_CHECK_CPU(grad_output);
+  GK_CHECK_CONTIGUOUS(grad_output);
+  GK_CHECK_DIM(grad_output, 2);
+  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
+  TORCH_CHECK(optimizer >= kOptSgd && optimizer <= kOptAdam, "bad optimizer code ", optimizer);
+  const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  for (const auto* t : {&momentum1, &momentum2}) {
+    GK_CHECK_CPU(*t);
+    GK_CHECK_CONTIGUOUS(*t);
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "optimizer state must be fp32");
+  }
+  if (optimizer == kOptRowwiseAdagrad) {
+    TORCH_CHECK(momentum1.numel() == m.r_off[m.T], "momentum1 must have rows_offsets[-1] elements");
+  }
+  if (optimizer == kOptAdam) {
+    TORCH_CHECK(momentum1.numel() == weights.numel() && momentum2.numel() == weights.numel(),
+                "Adam state must have weights.numel() elements");
+  }
+  GK_CHECK_CPU(step);
+  TORCH_CHECK(step.scalar_type() == at::kLong && step.numel() == 1, "step must be an int64 scalar");
+  const int64_t step_value = ++*step.data_ptr<int64_t>();
+  OptimizerArgs o{optimizer, float(lr), float(eps), float(beta1), float(beta2), float(weight_decay), 0.f, 0.f};
+  if (optimizer == kOptAdam) {
+    o.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, double(step_value))));
+    o.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, double(step_value))));
+  }
+  GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_backward_fused_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_backward_fused_cpu_idx", [&] {
+      const index_t* off = offsets.data_ptr<index_t>();
+      const Segments s = sort_segments<index_t>(m, indices.data_ptr<index_t>(), off, indices.numel(), pooling);
+      scalar_t* w = weights.data_ptr<scalar_t>();
+      float* m1 = momentum1.numel() ? momentum1.data_ptr<float>() : nullptr;
+      float* m2 = momentum2.numel() ? momentum2.data_ptr<float>() : nullptr;
+      for_each_row_gradient<scalar_t, index_t>(
+          m, s, grad_output.data_ptr<scalar_t>(), grad_output.size(1), off,
+          per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, pooling,
+          [&](int64_t t) { return w + m.w_off[t]; },
+          [&](int64_t t, int64_t row, int64_t D, float* g) {
+            thread_local std::vector<float> w_buf;
+            w_buf.resize(D);
+            const int64_t element = m.w_off[t] + row * D;
+            float* m1_row = optimizer == kOptRowwiseAdagrad ? m1 + m.r_off[t] + row
+                            : optimizer == kOptAdam        ? m1 + element
+                                                           : nullptr;
+            float* m2_row = optimizer == kOptAdam ? m2 + element : nullptr;
+            optimizer_row(o, w + element, g, w_buf.data(), m1_row, m2_row, D);
+          });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
+  m.impl("embedding_bag_forward_native", &embedding_bag_forward_cpu);
+  m.impl("embedding_bag_backward_native", &embedding_bag_backward_cpu);
+  m.impl("embedding_bag_backward_fused_native", &embedding_bag_backward_fused_cpu);
+}
+
+}  // namespace gem_kernels

@@ -1,0 +1,266 @@
+"""Fused multi-table embedding bags (TBE): the front door (validation, torch.library ops, fakes, autograd).
+
+Packed layout (FBGEMM TBE): T tables back to back in one flat ``weights`` buffer, described by three
+int64 metadata tensors on the weights' device:
+  weights_offsets [T]    element offset of table t in ``weights``
+  D_offsets       [T+1]  column offset of table t in the pooled output; D_t = D_offsets[t+1] - D_offsets[t]
+  rows_offsets    [T+1]  cumulative rows; rows_t = rows_offsets[t+1] - rows_offsets[t] (also the row
+                         offset of table t in row-wise optimizer state)
+Bag b of table t is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (feature-major, TorchRec KJT).
+
+The forward op is differentiable w.r.t. ``weights``. With ``optimizer="none"`` its backward returns
+the dense gradient of the flat buffer; with a fused optimizer the backward applies the update in
+place to ``weights`` and the optimizer state (``embedding_bag_backward_fused``, which mutates them)
+and returns no gradient, like FBGEMM's TBE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import kernel, resolve_backend
+from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_offsets_values, check_same_device, check_tensor
+from ..reference.embedding_bag import (
+    BOUNDS_CHECK_CODES,
+    NONE,
+    OPT_NONE,
+    OPTIMIZER_CODES,
+    POOLING_CODES,
+    SKIP,
+    kept_mask,
+)
+
+FAMILY = "embedding_bag"
+# The backends this family has kernels for (resolve_backend refuses the others by name).
+IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+
+
+def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
+                  pooling: int) -> tuple:
+    if pooling == NONE:
+        return (indices.shape[0], output_dim)
+    num_tables = weights_offsets.shape[0]
+    return ((offsets.shape[0] - 1) // num_tables if num_tables else 0, output_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library ops. `backend` is a concrete backend name, resolved by the public function below.
+# Codes: pooling sum=0 mean=1 none=2; bounds_check fatal=0 warn=1 skip=2; optimizer none=0 sgd=1
+# rowwise_adagrad=2 adam=3. per_sample_weights is an empty tensor when absent.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gem_kernels::embedding_bag", mutates_args=())
+def embedding_bag_op(weights: torch.Tensor, momentum1: torch.Tensor, momentum2: torch.Tensor, step: torch.Tensor,
+                     weights_offsets: torch.Tensor, D_offsets: torch.Tensor, rows_offsets: torch.Tensor,
+                     indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor, output_dim: int,
+                     pooling: int, bounds_check: int, optimizer: int, lr: float, eps: float, beta1: float,
+                     beta2: float, weight_decay: float, backend: str) -> torch.Tensor:
+    """Forward. The optimizer state and scalars are inputs only so that the backward can reach them."""
+    if backend != "cpu":  # the C++ kernel checks them itself, same messages, without the ATen-op overhead
+        check_offsets_values("offsets", offsets, indices.shape[0])
+    if backend == "cuda" and bounds_check != SKIP:  # the CUDA kernel only drops bad indices: raise/warn here
+        kept_mask(rows_offsets, indices, offsets, bounds_check)
+    return kernel(FAMILY, "embedding_bag_forward", backend)(
+        weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, output_dim,
+        pooling, bounds_check)
+
+
+@embedding_bag_op.register_fake
+def _(weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
+      per_sample_weights, output_dim, pooling, bounds_check, optimizer, lr, eps, beta1, beta2, weight_decay, backend):
+    return weights.new_empty(_output_shape(indices, offsets, weights_offsets, output_dim, pooling))
+
+
+@torch.library.custom_op("gem_kernels::embedding_bag_backward", mutates_args=())
+def embedding_bag_backward_op(grad_output: torch.Tensor, weights: torch.Tensor, weights_offsets: torch.Tensor,
+                              D_offsets: torch.Tensor, rows_offsets: torch.Tensor, indices: torch.Tensor,
+                              offsets: torch.Tensor, per_sample_weights: torch.Tensor, pooling: int,
+                              backend: str) -> torch.Tensor:
+    """Dense gradient [weights.numel()] of the flat weights (duplicates summed, dropped indices ignored)."""
+    return kernel(FAMILY, "embedding_bag_backward", backend)(
+        grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, pooling)
+
+
+@embedding_bag_backward_op.register_fake
+def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
+      pooling, backend):
+    return weights.new_empty(weights.shape)
+
+
+@torch.library.custom_op("gem_kernels::embedding_bag_backward_fused",
+                         mutates_args=("weights", "momentum1", "momentum2", "step"))
+def embedding_bag_backward_fused_op(grad_output: torch.Tensor, weights: torch.Tensor, momentum1: torch.Tensor,
+                                    momentum2: torch.Tensor, step: torch.Tensor, weights_offsets: torch.Tensor,
+                                    D_offsets: torch.Tensor, rows_offsets: torch.Tensor, indices: torch.Tensor,
+                                    offsets: torch.Tensor, per_sample_weights: torch.Tensor, pooling: int,
+                                    optimizer: int, lr: float, eps: float, beta1: float, beta2: float,
+                                    weight_decay: float, backend: str) -> None:
+    """One fused optimizer step, in place on weights/momentum1/momentum2; step += 1."""
+    kernel(FAMILY, "embedding_bag_backward_fused", backend)(
+        grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
+        per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay)
+
+
+@embedding_bag_backward_fused_op.register_fake
+def _(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
+      per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay, backend):
+    return None
+
+
+def _setup(ctx, inputs, output):
+    (weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
+     per_sample_weights, _output_dim, pooling, _bounds_check, optimizer, lr, eps, beta1, beta2, weight_decay,
+     backend) = inputs
+    ctx.save_for_backward(weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights)
+    ctx.pooling, ctx.optimizer, ctx.backend = pooling, optimizer, backend
+    ctx.hyperparams = (lr, eps, beta1, beta2, weight_decay)
+    if optimizer == OPT_NONE:
+        ctx.weights_shape, ctx.weights_dtype = weights.shape, weights.dtype
+    else:
+        # Held as plain attributes, not saved tensors: the fused backward mutates them, and a second
+        # forward sharing the weights must still be able to run its own backward afterwards.
+        ctx.state = (weights, momentum1, momentum2, step)
+
+
+def _backward(ctx, grad_output):
+    weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights = ctx.saved_tensors
+    grad_output = grad_output.contiguous()
+    grad_weights = None
+    if ctx.optimizer == OPT_NONE:
+        if ctx.needs_input_grad[0]:
+            weights_meta = grad_output.new_empty(ctx.weights_shape, dtype=ctx.weights_dtype)
+            grad_weights = embedding_bag_backward_op(grad_output, weights_meta, weights_offsets, D_offsets,
+                                                     rows_offsets, indices, offsets, per_sample_weights, ctx.pooling,
+                                                     ctx.backend)
+    else:
+        weights, momentum1, momentum2, step = ctx.state
+        embedding_bag_backward_fused_op(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets,
+                                        rows_offsets, indices, offsets, per_sample_weights, ctx.pooling,
+                                        ctx.optimizer, *ctx.hyperparams, ctx.backend)
+    return (grad_weights,) + (None,) * 19
+
+
+embedding_bag_op.register_autograd(_backward, setup_context=_setup)
+
+
+# Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
+if hasattr(torch.ops.gem_kernels, "embedding_bag_forward_native"):
+
+    @torch.library.register_fake("gem_kernels::embedding_bag_forward_native")
+    def _(weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, output_dim,
+          pooling, bounds_check):
+        return weights.new_empty(_output_shape(indices, offsets, weights_offsets, output_dim, pooling))
+
+    @torch.library.register_fake("gem_kernels::embedding_bag_backward_native")
+    def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
+          pooling):
+        return weights.new_empty(weights.shape)
+
+    @torch.library.register_fake("gem_kernels::embedding_bag_backward_fused_native")
+    def _(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices,
+          offsets, per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------
+
+
+def _code(name: str, value: str, codes: dict) -> int:
+    if value not in codes:
+        raise ValueError(f"{name} must be one of {tuple(codes)}, got {value!r}")
+    return codes[value]
+
+
+def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
+                  rows_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                  per_sample_weights: torch.Tensor | None = None, *, output_dim: int, pooling: str = "sum",
+                  bounds_check: str = "fatal", optimizer=None, momentum1: torch.Tensor | None = None,
+                  momentum2: torch.Tensor | None = None, step: torch.Tensor | None = None,
+                  backend: str | None = None) -> torch.Tensor:
+    """Look up and pool T tables' bags in one call (FBGEMM TBE / TorchRec EmbeddingBagCollection).
+
+    ``out[b, D_offsets[t]:D_offsets[t+1]] = sum_i w_i * W_t[indices[i]]  for i in offsets[t*B+b] : offsets[t*B+b+1]``
+    (``mean`` divides by the bag's kept length, an empty bag gives zeros); ``pooling="none"``:
+    ``out[i] = w_i * W_t[indices[i]]`` ([N, D], every table of dim D). Reference: per-table
+    ``torch.nn.functional.embedding_bag``.
+
+    Args:
+        weights: flat [sum_t rows_t * D_t] float32/float16/bfloat16, the packed tables.
+        weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1] (see the module docstring).
+        indices: [N] int32/int64, row ids local to their table.
+        offsets: [T*B+1], indices' dtype; offsets[0] == 0, nondecreasing, offsets[-1] == N.
+        per_sample_weights: [N] float or None (pooling "sum" or "none" only); no gradient flows to it.
+        output_dim: D_offsets[-1] for sum/mean, the shared D for "none" (a Python int, so shapes are static).
+        pooling: "sum" | "mean" | "none".
+        bounds_check: "fatal" (IndexError naming table, bag and value) | "warn" (warn once per call and
+            drop bad indices) | "skip" (drop silently). Negative indices are out of range.
+        optimizer: None, or a ``gem_kernels.optim`` config: the backward then updates ``weights``,
+            ``momentum1`` (row-wise Adagrad: fp32 [rows_offsets[-1]]; Adam: fp32 like weights),
+            ``momentum2`` (Adam) and ``step`` (int64 scalar, += 1 per backward) in place.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+
+    Returns:
+        [B, output_dim] (sum/mean) or [N, output_dim] (none), weights' dtype.
+    """
+    check_tensor("weights", weights, dtypes=FLOAT_DTYPES, dims=(1,))
+    for name, meta in (("weights_offsets", weights_offsets), ("D_offsets", D_offsets), ("rows_offsets", rows_offsets)):
+        check_tensor(name, meta, dtypes=(torch.int64,), dims=(1,))
+    num_tables = weights_offsets.shape[0]
+    if D_offsets.shape[0] != num_tables + 1 or rows_offsets.shape[0] != num_tables + 1:
+        raise ValueError(f"D_offsets and rows_offsets must have T+1 = {num_tables + 1} elements, got "
+                         f"{D_offsets.shape[0]} and {rows_offsets.shape[0]}")
+    if num_tables < 1:
+        raise ValueError("weights_offsets must describe at least one table, got 0")
+    check_tensor("indices", indices, dtypes=INDEX_DTYPES, dims=(1,))
+    check_offsets_meta("offsets", offsets)
+    if offsets.dtype != indices.dtype:
+        raise ValueError(f"offsets must have indices' dtype {indices.dtype}, got {offsets.dtype}")
+    if (offsets.shape[0] - 1) % num_tables != 0:
+        raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables} tables, got {offsets.shape[0]}")
+    pooling_code = _code("pooling", pooling, POOLING_CODES)
+    bounds_code = _code("bounds_check", bounds_check, BOUNDS_CHECK_CODES)
+    if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim < 0:
+        raise ValueError(f"output_dim must be an int >= 0, got {output_dim!r}")
+    if per_sample_weights is None:
+        per_sample_weights = weights.new_empty(0, dtype=torch.float32)
+    else:
+        check_tensor("per_sample_weights", per_sample_weights, dtypes=FLOAT_DTYPES + (torch.float64,), dims=(1,))
+        if per_sample_weights.shape[0] != indices.shape[0]:
+            raise ValueError(f"per_sample_weights must have indices' length {indices.shape[0]}, got "
+                             f"{per_sample_weights.shape[0]}")
+        if pooling == "mean":
+            raise ValueError("per_sample_weights are only supported with pooling 'sum' or 'none', got 'mean'")
+        per_sample_weights = per_sample_weights.detach().float()
+    check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
+                      weights_offsets=weights_offsets, D_offsets=D_offsets, rows_offsets=rows_offsets)
+    if optimizer is None:
+        opt_code, hyper = OPT_NONE, (0.0, 0.0, 0.0, 0.0, 0.0)
+        momentum1 = momentum2 = step = weights.new_empty(0, dtype=torch.float32)
+    else:
+        if getattr(optimizer, "name", None) not in OPTIMIZER_CODES:
+            raise ValueError(f"optimizer must be None or a gem_kernels.optim config, got {optimizer!r}")
+        opt_code, hyper = OPTIMIZER_CODES[optimizer.name], optimizer.hyperparams()
+        empty = weights.new_empty(0, dtype=torch.float32)
+        momentum1 = empty if momentum1 is None else momentum1
+        momentum2 = empty if momentum2 is None else momentum2
+        if step is None:
+            raise ValueError("step must be an int64 scalar tensor when an optimizer is given")
+        check_tensor("step", step, dtypes=(torch.int64,), dims=(0,))
+        for name, state in (("momentum1", momentum1), ("momentum2", momentum2)):
+            check_tensor(name, state, dtypes=(torch.float32,), dims=(1,))
+        # Row-wise Adagrad's state length (rows_offsets[-1]) is data; the kernels check it.
+        need1 = {"sgd": 0, "rowwise_adagrad": None, "adam": weights.shape[0]}[optimizer.name]
+        need2 = weights.shape[0] if optimizer.name == "adam" else 0
+        if need1 is not None and momentum1.shape[0] != need1:
+            raise ValueError(f"momentum1 must have {need1} elements for {optimizer.name}, got {momentum1.shape[0]}")
+        if momentum2.shape[0] != need2:
+            raise ValueError(f"momentum2 must have {need2} elements for {optimizer.name}, got {momentum2.shape[0]}")
+        check_same_device(weights=weights, momentum1=momentum1, momentum2=momentum2, step=step)
+    name = resolve_backend(backend, weights.device, IMPLEMENTED)
+    return embedding_bag_op(weights, momentum1, momentum2, step, weights_offsets.contiguous(), D_offsets.contiguous(),
+                            rows_offsets.contiguous(), indices.contiguous(), offsets.contiguous(),
+                            per_sample_weights.contiguous(), output_dim, pooling_code, bounds_code, opt_code, *hyper,
+                            name)

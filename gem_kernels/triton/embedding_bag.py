@@ -1,0 +1,185 @@
+"""Triton kernels of the embedding_bag family: fused multi-table embedding bags (TBE) and their
+backward with the optimizer fused.
+
+Forward work decomposition: one program per (table, bag); it loops over the bag's indices and
+accumulates the rows in fp32 over one BLOCK_D tile covering the table's D (so every output slice is
+written by one program). pooling "none" writes each looked-up row instead of accumulating.
+
+Backward work decomposition: the host sorts the kept lookups by global row (rows_offsets[t] + row,
+a stable sort, so duplicates keep position order: deterministic sums) and cuts the runs of equal
+rows (segments); one program per unique row sums its gradient rows in fp32 and writes the row
+once: the dense gradient, or the optimizer step on the weight row and its state. No atomics.
+
+Bounds checks run on the host before the launch (gem_kernels.reference.embedding_bag.kept_mask);
+the kernels drop out-of-range indices.
+
+Roofline: forward FLOPs 2 * N * D, bytes N * D * s + B * sum D * s + indices; backward with
+row-wise Adagrad: grad_output B * sum D * s read, U unique rows read and written, U fp32 states.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.embedding_bag import MEAN, NONE, OPT_ADAM, OPT_NONE, OPT_ROWWISE_ADAGRAD, OPT_SGD, kept_mask
+
+
+@triton.jit
+def _embedding_bag_fwd_kernel(
+    weights_ptr, w_off_ptr, d_off_ptr, r_off_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr,
+    B, output_dim,
+    POOLING: tl.constexpr, HAS_PSW: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tb = tl.program_id(0).to(tl.int64)
+    t = tb // B
+    b = tb - t * B
+    w_off = tl.load(w_off_ptr + t)
+    d_begin = tl.load(d_off_ptr + t)
+    D = tl.load(d_off_ptr + t + 1) - d_begin
+    rows = tl.load(r_off_ptr + t + 1) - tl.load(r_off_ptr + t)
+    start = tl.load(offsets_ptr + tb).to(tl.int64)
+    stop = tl.load(offsets_ptr + tb + 1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    col = d < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    kept = 0.0
+    for p in range(start, stop):
+        idx = tl.load(indices_ptr + p).to(tl.int64)
+        valid = (idx >= 0) & (idx < rows)
+        row = tl.load(weights_ptr + w_off + idx * D + d, mask=col & valid, other=0.0).to(tl.float32)
+        if HAS_PSW:
+            row = row * tl.load(psw_ptr + p)
+        if POOLING == 2:
+            tl.store(out_ptr + p * output_dim + d, row.to(out_ptr.dtype.element_ty), mask=d < output_dim)
+        else:
+            acc += row
+            kept += tl.where(valid, 1.0, 0.0)
+    if POOLING != 2:
+        if POOLING == 1:
+            acc = acc / tl.maximum(kept, 1.0)
+        tl.store(out_ptr + b * output_dim + d_begin + d, acc.to(out_ptr.dtype.element_ty), mask=col)
+
+
+@triton.jit
+def _embedding_bag_bwd_kernel(
+    grad_ptr, weights_ptr, m1_ptr, m2_ptr, w_off_ptr, d_off_ptr, r_off_ptr,
+    seg_ptr, order_ptr, seg_table_ptr, seg_row_ptr, src_row_ptr, scale_ptr,
+    grad_stride, lr, eps, beta1, beta2, weight_decay, step_size, inv_bias2_sqrt,
+    POOLING: tl.constexpr, OPTIMIZER: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    u = tl.program_id(0).to(tl.int64)
+    t = tl.load(seg_table_ptr + u)
+    global_row = tl.load(seg_row_ptr + u)
+    d_begin = tl.load(d_off_ptr + t)
+    D = tl.load(d_off_ptr + t + 1) - d_begin
+    local_row = global_row - tl.load(r_off_ptr + t)
+    element = tl.load(w_off_ptr + t) + local_row * D
+    d = tl.arange(0, BLOCK_D)
+    col = d < D
+    first = tl.load(seg_ptr + u)
+    last = tl.load(seg_ptr + u + 1)
+    g = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if POOLING == 2:  # grad_output [N, D]: the index's own row
+        grad_cols = grad_ptr + d
+    else:  # grad_output [B, sum D]: the bag's row, table t's columns
+        grad_cols = grad_ptr + d_begin + d
+    for i in range(first, last):
+        p = tl.load(order_ptr + i)
+        src = tl.load(src_row_ptr + p)
+        g += tl.load(grad_cols + src * grad_stride, mask=col, other=0.0).to(tl.float32) * tl.load(scale_ptr + p)
+    if OPTIMIZER == 0:
+        tl.store(weights_ptr + element + d, g.to(weights_ptr.dtype.element_ty), mask=col)
+    else:
+        w = tl.load(weights_ptr + element + d, mask=col, other=0.0).to(tl.float32)
+        g = g + weight_decay * w
+        if OPTIMIZER == 1:
+            w = w - lr * g
+        elif OPTIMIZER == 2:
+            state = tl.load(m1_ptr + global_row) + tl.sum(g * g, axis=0) / D.to(tl.float32)
+            tl.store(m1_ptr + global_row, state)
+            w = w - (lr / (tl.sqrt(state) + eps)) * g
+        else:
+            m1 = beta1 * tl.load(m1_ptr + element + d, mask=col, other=0.0) + (1.0 - beta1) * g
+            m2 = beta2 * tl.load(m2_ptr + element + d, mask=col, other=0.0) + (1.0 - beta2) * g * g
+            tl.store(m1_ptr + element + d, m1, mask=col)
+            tl.store(m2_ptr + element + d, m2, mask=col)
+            w = w - step_size * m1 / (tl.sqrt(m2) * inv_bias2_sqrt + eps)
+        tl.store(weights_ptr + element + d, w.to(weights_ptr.dtype.element_ty), mask=col)
+
+
+def _block_d(D_offsets: torch.Tensor) -> int:
+    return triton.next_power_of_2(max(int(D_offsets.diff().max()), 1))
+
+
+def embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
+                          output_dim: int, pooling: int, bounds_check: int) -> torch.Tensor:
+    kept_mask(rows_offsets, indices, offsets, bounds_check)  # raises or warns; the kernel drops the bad ones
+    num_tables = weights_offsets.numel()
+    batch = (offsets.numel() - 1) // num_tables
+    rows_out = indices.numel() if pooling == NONE else batch
+    out = weights.new_empty((rows_out, output_dim))
+    if num_tables * batch == 0 or out.numel() == 0:
+        return out.zero_()
+    if pooling == NONE:
+        out.zero_()  # rows of dropped indices
+    has_psw = per_sample_weights.numel() > 0
+    _embedding_bag_fwd_kernel[(num_tables * batch,)](
+        weights, weights_offsets, D_offsets, rows_offsets, indices, offsets,
+        per_sample_weights if has_psw else weights, out, batch, output_dim,
+        POOLING=pooling, HAS_PSW=has_psw, BLOCK_D=_block_d(D_offsets))
+    return out
+
+
+def _segments(rows_offsets, indices, offsets, per_sample_weights, pooling, num_tables):
+    """Host-side sort: (segment starts, sorted order, table and global row per segment, src row and scale per index)."""
+    batch = (offsets.numel() - 1) // num_tables
+    kept, bag_ids = kept_mask(rows_offsets, indices, offsets, 2)
+    tables = bag_ids // max(batch, 1)
+    global_rows = rows_offsets[:-1][tables] + indices.long()
+    scale = per_sample_weights.float() if per_sample_weights.numel() else torch.ones(indices.numel(), device=indices.device)
+    if pooling == MEAN:
+        counts = torch.zeros(num_tables * batch, device=indices.device).index_add_(0, bag_ids, kept.float())
+        scale = scale / counts.clamp(min=1)[bag_ids]
+    src_rows = torch.arange(indices.numel(), device=indices.device) if pooling == NONE else bag_ids % max(batch, 1)
+    positions = kept.nonzero().squeeze(1)
+    sorted_rows, perm = torch.sort(global_rows[positions], stable=True)
+    order = positions[perm]
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    seg = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=indices.device)
+    seg[1:] = counts.cumsum(0)
+    seg_tables = torch.searchsorted(rows_offsets, unique_rows, right=True) - 1
+    return seg, order, seg_tables, unique_rows, src_rows, scale
+
+
+def _launch_backward(grad_output, weights, momentum1, momentum2, weights_offsets, D_offsets, rows_offsets, indices,
+                     offsets, per_sample_weights, pooling, optimizer, hyper=(0.0,) * 7):
+    seg, order, seg_tables, unique_rows, src_rows, scale = _segments(rows_offsets, indices, offsets,
+                                                                     per_sample_weights, pooling,
+                                                                     weights_offsets.numel())
+    if unique_rows.numel() == 0:
+        return
+    _embedding_bag_bwd_kernel[(unique_rows.numel(),)](
+        grad_output, weights, momentum1 if momentum1.numel() else weights, momentum2 if momentum2.numel() else weights,
+        weights_offsets, D_offsets, rows_offsets, seg, order, seg_tables, unique_rows, src_rows, scale,
+        grad_output.shape[1], *hyper, POOLING=pooling, OPTIMIZER=optimizer, BLOCK_D=_block_d(D_offsets))
+
+
+def embedding_bag_backward(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets,
+                           per_sample_weights, pooling: int) -> torch.Tensor:
+    grad_weights = torch.zeros_like(weights)
+    _launch_backward(grad_output, grad_weights, grad_output.new_empty(0), grad_output.new_empty(0), weights_offsets,
+                     D_offsets, rows_offsets, indices, offsets, per_sample_weights, pooling, OPT_NONE)
+    return grad_weights
+
+
+def embedding_bag_backward_fused(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets,
+                                 rows_offsets, indices, offsets, per_sample_weights, pooling: int, optimizer: int,
+                                 lr: float, eps: float, beta1: float, beta2: float, weight_decay: float) -> None:
+    assert optimizer in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ADAM)
+    step += 1
+    step_value = int(step)
+    step_size = lr / (1 - beta1 ** step_value) if optimizer == OPT_ADAM else 0.0
+    inv_bias2_sqrt = (1 - beta2 ** step_value) ** -0.5 if optimizer == OPT_ADAM else 0.0
+    _launch_backward(grad_output, weights, momentum1, momentum2, weights_offsets, D_offsets, rows_offsets, indices,
+                     offsets, per_sample_weights, pooling, optimizer,
+                     (lr, eps, beta1, beta2, weight_decay, step_size, inv_bias2_sqrt))

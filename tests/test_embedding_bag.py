@@ -1,0 +1,470 @@
+"""Fused multi-table embedding bags (TBE): every backend against the reference, forward, backward and
+every fused optimizer; the reference against torch.nn.EmbeddingBag and torch.optim."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gem_kernels as gk
+from gem_kernels.ops.embedding_bag import IMPLEMENTED, embedding_bag_backward_fused_op, embedding_bag_op
+
+from .utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    assert_close,
+    device_backend_params,
+    offsets_from_lengths,
+    poison_allocator,
+    randn_nonzero,
+)
+
+# Odd dims (4, 36, 260, 5) take the generic paths; 32, 64 and 128 the cpu backend's fixed-D ones.
+MIXED = [gk.TableSpec(10, 4), gk.TableSpec(7, 36), gk.TableSpec(50, 260), gk.TableSpec(3, 5), gk.TableSpec(20, 64),
+         gk.TableSpec(9, 128), gk.TableSpec(6, 32)]
+SAME_DIM = [gk.TableSpec(10, 36), gk.TableSpec(7, 36), gk.TableSpec(50, 36)]
+OPTIMIZERS = [
+    gk.optim.ExactSGD(lr=0.1),
+    gk.optim.ExactSGD(lr=0.05, weight_decay=0.1),
+    gk.optim.ExactRowwiseAdagrad(lr=0.1, eps=1e-8),
+    gk.optim.ExactRowwiseAdagrad(lr=0.1, eps=1e-3, weight_decay=0.05),
+    gk.optim.ExactAdam(lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.02),
+]
+
+
+def _params(**kw):
+    """(device, backend) pairs, skipped with the reason where this family has no such backend yet."""
+    params = []
+    for p in device_backend_params():
+        device, backend = p.values
+        marks = list(p.marks)
+        if backend not in IMPLEMENTED and not any(m.name == "skip" for m in marks):
+            marks.append(pytest.mark.skip(reason=f"embedding_bag has no {backend} backend yet"))
+        params.append(pytest.param(device, backend, marks=marks, id=p.id))
+    return params
+
+
+def make_batch(specs, batch, index_dtype=torch.int64, device="cpu", seed=0, max_len=6, cover_all=False):
+    """Random bags with empty bags and duplicate rows; cover_all makes every row of every table appear."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, max_len + 1, (len(specs) * batch,), generator=gen)
+    lengths[::4] = 0  # empty bags
+    per_table = []
+    for t, spec in enumerate(specs):
+        table_lengths = lengths[t * batch:(t + 1) * batch]
+        if cover_all:
+            table_lengths[0] += spec.num_embeddings
+        n = int(table_lengths.sum())
+        idx = torch.randint(0, spec.num_embeddings, (n,), generator=gen)
+        if cover_all:
+            idx[:spec.num_embeddings] = torch.arange(spec.num_embeddings)
+        if n >= 2:
+            idx[-1] = idx[0]  # a duplicate in every table
+        per_table.append(idx)
+    indices = torch.cat(per_table).to(dtype=index_dtype, device=device)
+    return indices, offsets_from_lengths(lengths, index_dtype, device)
+
+
+def functional(module, indices, offsets, psw=None, backend=None, **kw):
+    return gk.embedding_bag(module.weights, module.weights_offsets, module.D_offsets, module.rows_offsets, indices,
+                            offsets, psw, output_dim=module.output_dim, pooling=module.pooling,
+                            backend=backend or module.backend, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference against an independent oracle: one torch.nn.EmbeddingBag per table.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_reference_matches_nn_embedding_bag(pooling, with_psw):
+    if with_psw and pooling == "mean":
+        pytest.skip("per_sample_weights are sum-only (as in nn.EmbeddingBag)")
+    batch = 5
+    bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode=pooling) for s in MIXED]
+    module = gk.FusedEmbeddingBag.from_embedding_bags(bags, backend="reference")
+    indices, offsets = make_batch(MIXED, batch)
+    psw = randn_nonzero(indices.numel()) if with_psw else None
+    out = module(indices, offsets, psw)
+    expected = []
+    for t, bag in enumerate(bags):
+        lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
+        local = offsets[t * batch:(t + 1) * batch + 1] - lo
+        expected.append(bag(indices[lo:hi], local[:-1], psw[lo:hi] if with_psw else None))
+    expected = torch.cat(expected, dim=1)
+    torch.testing.assert_close(out, expected)
+    grad = randn_nonzero(*out.shape)
+    out.backward(grad)
+    expected.backward(grad)
+    for t, bag in enumerate(bags):
+        torch.testing.assert_close(module.weights.grad[module._weight_offsets[t]:][:bag.weight.numel()],
+                                   bag.weight.grad.flatten())
+
+
+def test_reference_pooling_none_matches_embedding():
+    module = gk.FusedEmbeddingBag(SAME_DIM, pooling="none", backend="reference")
+    indices, offsets = make_batch(SAME_DIM, 4)
+    psw = randn_nonzero(indices.numel())
+    out = module(indices, offsets, psw)
+    tables = torch.bucketize(torch.arange(indices.numel()), offsets[1:], right=True) // 4
+    expected = torch.stack([module.weight(int(t))[int(i)] * w for t, i, w in zip(tables, indices, psw)])
+    torch.testing.assert_close(out, expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every backend against the reference: forward and dense gradient.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batch, with_psw):
+    if with_psw and pooling == "mean":
+        pytest.skip("per_sample_weights are sum/none only")
+    if backend == "triton" and device == "cpu" and (index_dtype == torch.int32 or batch == 1) and dtype != torch.float32:
+        pytest.skip("interpreter: half dtypes once per pooling (int64, B=5) keeps CI short; fp32 covers the rest")
+    specs = SAME_DIM if pooling == "none" else MIXED
+    module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=dtype, device=device, backend=backend)
+    indices, offsets = make_batch(specs, batch, index_dtype, device, seed=batch)
+    psw = randn_nonzero(indices.numel(), device=device) if with_psw else None
+    poison_allocator(max(indices.numel(), batch) * module.output_dim * 4, device)
+    out = module(indices, offsets, psw)
+    expected = functional(module, indices, offsets, psw, backend="reference")
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert_close(out, expected)
+    grad = randn_nonzero(*out.shape, dtype=dtype, device=device)
+    poison_allocator(module.weights.numel() * 4, device)
+    (grad_weights,) = torch.autograd.grad(out, module.weights, grad)
+    (expected_grad,) = torch.autograd.grad(expected, module.weights, grad)
+    assert_close(grad_weights, expected_grad)
+
+
+@pytest.mark.parametrize("device,backend", _params())
+def test_all_bags_empty_and_zero_batch(device, backend):
+    module = gk.FusedEmbeddingBag(MIXED, pooling="mean", device=device, backend=backend)
+    offsets = torch.zeros(len(MIXED) * 3 + 1, dtype=torch.int64, device=device)
+    indices = torch.zeros(0, dtype=torch.int64, device=device)
+    out = module(indices, offsets)
+    torch.testing.assert_close(out, torch.zeros(3, module.output_dim, device=device), rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out, module.weights, torch.ones_like(out))
+    assert not grad.any()
+    empty = module(indices, torch.zeros(1, dtype=torch.int64, device=device))
+    assert empty.shape == (0, module.output_dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused optimizers: every backend against the reference after three steps (weights and state).
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: repr(o))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("pooling", ["sum", "mean", "none"])
+def test_fused_optimizer_matches_reference(device, backend, optimizer, dtype, pooling):
+    if dtype != torch.float32 and pooling != "sum":
+        pytest.skip("half-precision weights are covered with sum pooling; mean/none differ only in the gradient")
+    if backend == "triton" and device == "cpu" and dtype == torch.float16:
+        pytest.skip("interpreter: bf16 covers the half-precision path; fp16 runs on the GPU")
+    specs = SAME_DIM if pooling == "none" else MIXED
+    module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=dtype, device=device, optimizer=optimizer,
+                                  backend=backend)
+    reference = copy.deepcopy(module)
+    reference.backend = "reference"
+    for step in range(3):
+        indices, offsets = make_batch(specs, 4, device=device, seed=10 + step)
+        psw = randn_nonzero(indices.numel(), device=device) if pooling == "sum" else None
+        grad = randn_nonzero(indices.numel() if pooling == "none" else 4, module.output_dim, dtype=dtype,
+                             device=device)
+        for m in (module, reference):
+            m(indices, offsets, psw).backward(grad)
+        assert module.weights.grad is None
+        assert_close(module.weights.detach(), reference.weights.detach())
+        torch.testing.assert_close(module.momentum1, reference.momentum1, **_state_tol(dtype))
+        torch.testing.assert_close(module.momentum2, reference.momentum2, **_state_tol(dtype))
+        assert int(module.step) == int(reference.step) == step + 1
+
+
+def _state_tol(dtype):
+    # NOTE: state is fp32, but it accumulates gradients of half-precision grad_output/weights whose
+    # rounding (one ulp of fp16/bf16 weights after the previous step) carries into it.
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def _bags_and_module(optimizer, backend, specs=MIXED):
+    bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode="sum") for s in specs]
+    module = gk.FusedEmbeddingBag.from_embedding_bags(bags, optimizer=optimizer, backend=backend)
+    return bags, module
+
+
+def _loop_step(bags, indices, offsets, grad, batch):
+    out = []
+    for t, bag in enumerate(bags):
+        lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
+        out.append(bag(indices[lo:hi], (offsets[t * batch:(t + 1) * batch] - lo)))
+    torch.cat(out, dim=1).backward(grad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("optimizer,torch_optimizer", [
+    (gk.optim.ExactSGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    (gk.optim.ExactAdam(lr=0.01, betas=(0.8, 0.95), weight_decay=0.02),
+     lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95), weight_decay=0.02)),
+], ids=["sgd", "adam"])
+def test_fused_optimizer_matches_torch_optim(backend, optimizer, torch_optimizer):
+    """With every row touched in every step, the exact sparse update is torch.optim's dense one."""
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    bags, module = _bags_and_module(optimizer, backend)
+    opt = torch_optimizer([b.weight for b in bags])
+    for step in range(3):
+        indices, offsets = make_batch(MIXED, 3, seed=step, cover_all=True)
+        grad = randn_nonzero(3, module.output_dim)
+        module(indices, offsets).backward(grad)
+        opt.zero_grad()
+        _loop_step(bags, indices, offsets, grad, 3)
+        opt.step()
+    for t, bag in enumerate(bags):
+        torch.testing.assert_close(module.weight(t).detach(), bag.weight.detach(), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_rowwise_adagrad_matches_loop(backend):
+    """Row-wise Adagrad against a row-by-row loop of FBGEMM's formula, duplicates summed first."""
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    lr, eps = 0.1, 1e-6
+    bags, module = _bags_and_module(gk.optim.ExactRowwiseAdagrad(lr=lr, eps=eps), backend)
+    weights = [b.weight.detach().clone() for b in bags]
+    state = [torch.zeros(b.num_embeddings) for b in bags]
+    for step in range(3):
+        indices, offsets = make_batch(MIXED, 3, seed=20 + step)
+        grad = randn_nonzero(3, module.output_dim)
+        module(indices, offsets).backward(grad)
+        for b in bags:
+            b.weight.grad = None
+        _loop_step(bags, indices, offsets, grad, 3)
+        for t, bag in enumerate(bags):
+            lo, hi = int(offsets[t * 3]), int(offsets[(t + 1) * 3])
+            for row in sorted(set(indices[lo:hi].tolist())):
+                g = bag.weight.grad[row]
+                state[t][row] += (g * g).mean()
+                weights[t][row] -= lr * g / (state[t][row].sqrt() + eps)
+            with torch.no_grad():
+                bag.weight.copy_(weights[t])
+    for t in range(len(bags)):
+        torch.testing.assert_close(module.weight(t).detach(), weights[t], atol=2e-5, rtol=2e-5)
+        r0 = int(module.rows_offsets[t])
+        torch.testing.assert_close(module.momentum1[r0:r0 + bags[t].num_embeddings], state[t])
+
+
+# ------------------------------------------------------------------------------------------------
+# Bounds checks and bad input.
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("bad", ["rows", -1, 1 << 40], ids=["rows", "negative", "huge"])
+@pytest.mark.parametrize("table", [1, 4], ids=["D36", "D64"])
+def test_bounds_check(device, backend, bad, table):
+    specs = MIXED
+    indices, offsets = make_batch(specs, 3, device=device, seed=3)
+    lo = int(offsets[3 * table])  # first index of the table
+    bag = int(torch.searchsorted(offsets, lo, right=True)) - 1 - 3 * table
+    indices = indices.clone()
+    indices[lo] = specs[table].num_embeddings if bad == "rows" else bad
+    module = gk.FusedEmbeddingBag(specs, device=device, backend=backend, bounds_check="fatal")
+    value = indices[lo].item()
+    with pytest.raises(IndexError, match=rf"= {value} is out of range for table {table} .* in bag {bag}"):
+        module(indices, offsets)
+    # warn / skip drop the bad index: the result is the reference's on the batch without it.
+    keep = torch.ones(indices.numel(), dtype=torch.bool, device=device)
+    keep[lo] = False
+    lengths = offsets.diff()
+    lengths[3 * table + bag] -= 1
+    clean_out = functional(module, indices[keep], offsets_from_lengths(lengths.cpu(), offsets.dtype, device),
+                           backend="reference")
+    module.bounds_check = "warn"
+    with pytest.warns(UserWarning, match="dropping 1 out-of-range"):
+        out = module(indices, offsets)
+    torch.testing.assert_close(out, clean_out)
+    module.bounds_check = "skip"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = module(indices, offsets)
+    torch.testing.assert_close(out, clean_out)
+    (grad,) = torch.autograd.grad(out, module.weights, torch.ones_like(out))
+    (clean_grad,) = torch.autograd.grad(clean_out, module.weights, torch.ones_like(out))
+    torch.testing.assert_close(grad, clean_grad)
+
+
+BAD = [
+    (lambda i, o: (i, torch.tensor([0, 2, 1, 3, 3, 3, 3, 3, 3])), ValueError, "nondecreasing"),
+    (lambda i, o: (i, o[:-1]), ValueError, r"offsets must have T\*B\+1 elements"),
+    (lambda i, o: (i, o.int()), ValueError, "offsets must have indices' dtype"),
+    (lambda i, o: (i.float(), o), ValueError, "indices must have dtype"),
+    (lambda i, o: (i[:-1], o), ValueError, r"offsets\[-1\] must equal the number of rows"),
+    (lambda i, o: (i.view(1, -1), o), ValueError, "indices must have 1 dims"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("make,error,match", BAD)
+def test_rejects_bad_input(backend, make, error, match):
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    module = gk.FusedEmbeddingBag(MIXED[:2], backend=backend)
+    indices, offsets = make_batch(MIXED[:2], 4)
+    indices, offsets = make(indices, offsets)
+    with pytest.raises(error, match=match):
+        module(indices, offsets)
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        gk.FusedEmbeddingBag(MIXED, pooling="max")
+    with pytest.raises(ValueError, match="same embedding_dim"):
+        gk.FusedEmbeddingBag(MIXED, pooling="none")
+    with pytest.raises(ValueError, match="bounds_check must be one of"):
+        gk.FusedEmbeddingBag(MIXED, bounds_check="clamp")
+    with pytest.raises(ValueError, match="num_embeddings must be an int >= 1"):
+        gk.TableSpec(0, 4)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        gk.optim.ExactRowwiseAdagrad(lr=-1.0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        gk.FusedEmbeddingBag(MIXED, dtype=torch.float64)
+    module = gk.FusedEmbeddingBag(MIXED, pooling="mean")
+    indices, offsets = make_batch(MIXED, 2)
+    with pytest.raises(ValueError, match="per_sample_weights are only supported with pooling 'sum' or 'none'"):
+        module(indices, offsets, torch.ones(indices.numel()))
+    with pytest.raises(ValueError, match="per_sample_weights must have indices' length"):
+        gk.FusedEmbeddingBag(MIXED)(indices, offsets, torch.ones(indices.numel() + 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Module: from_embedding_bags, weight(t), state_dict round trip.
+# ------------------------------------------------------------------------------------------------
+
+def test_weight_views_and_state_dict_round_trip():
+    bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode="mean") for s in MIXED]
+    optimizer = gk.optim.ExactAdam(lr=0.01)
+    module = gk.FusedEmbeddingBag.from_embedding_bags(bags, optimizer=optimizer, backend="cpu"
+                                                      if "cpu" in gk.available_backends() else "reference")
+    assert module.pooling == "mean"
+    for t, bag in enumerate(bags):
+        assert module.weight(t).shape == bag.weight.shape
+        torch.testing.assert_close(module.weight(t), bag.weight, rtol=0, atol=0)
+        assert module.weight(t).data_ptr() == module.weights.data_ptr() + module._weight_offsets[t] * 4
+    indices, offsets = make_batch(MIXED, 3)
+    module(indices, offsets).sum().backward()
+    state = module.state_dict()
+    assert set(state) == {"weights", "momentum1", "momentum2", "step"}
+    fresh = gk.FusedEmbeddingBag(MIXED, pooling="mean", optimizer=optimizer, backend=module.backend)
+    fresh.load_state_dict(state)
+    for name in state:
+        torch.testing.assert_close(getattr(fresh, name), getattr(module, name), rtol=0, atol=0)
+    # Both continue identically: the optimizer state came along.
+    for m in (module, fresh):
+        m(indices, offsets).sum().backward()
+    torch.testing.assert_close(fresh.weights, module.weights, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.momentum2, module.momentum2, rtol=0, atol=0)
+
+
+def test_from_embedding_bags_rejects_mixed_modes():
+    with pytest.raises(ValueError, match="share one mode"):
+        gk.FusedEmbeddingBag.from_embedding_bags([torch.nn.EmbeddingBag(3, 4, mode="sum"),
+                                                  torch.nn.EmbeddingBag(3, 4, mode="max")])
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library registration: opcheck and torch.compile.
+# ------------------------------------------------------------------------------------------------
+
+def _op_args(module, indices, offsets, backend, optimizer_code=0):
+    psw = torch.empty(0)
+    return (module.weights, module.momentum1, module.momentum2, module.step, module.weights_offsets,
+            module.D_offsets, module.rows_offsets, indices, offsets, psw, module.output_dim, 0, 0, optimizer_code,
+            0.1, 1e-8, 0.9, 0.99, 0.0, backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_opcheck(backend, index_dtype):
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    module = gk.FusedEmbeddingBag(MIXED[:3], backend=backend)
+    indices, offsets = make_batch(MIXED[:3], 3, index_dtype)
+    torch.library.opcheck(embedding_bag_op, _op_args(module, indices, offsets, backend))
+    adagrad = gk.FusedEmbeddingBag(MIXED[:3], optimizer=gk.optim.ExactRowwiseAdagrad(), backend=backend)
+    grad = randn_nonzero(3, adagrad.output_dim)
+    torch.library.opcheck(embedding_bag_backward_fused_op,
+                          (grad, adagrad.weights.detach(), adagrad.momentum1, adagrad.momentum2, adagrad.step,
+                           adagrad.weights_offsets, adagrad.D_offsets, adagrad.rows_offsets, indices, offsets,
+                           torch.empty(0), 0, 2, 0.1, 1e-8, 0.0, 0.0, 0.0, backend))
+
+
+def test_opcheck_native_ops():
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    module = gk.FusedEmbeddingBag(MIXED[:3])
+    indices, offsets = make_batch(MIXED[:3], 3)
+    meta = (module.weights_offsets, module.D_offsets, module.rows_offsets)
+    weights = module.weights.detach()
+    torch.library.opcheck(torch.ops.gem_kernels.embedding_bag_forward_native.default,
+                          (weights, *meta, indices, offsets, torch.empty(0), module.output_dim, 1, 0))
+    grad = randn_nonzero(3, module.output_dim)
+    torch.library.opcheck(torch.ops.gem_kernels.embedding_bag_backward_native.default,
+                          (grad, weights, *meta, indices, offsets, torch.empty(0), 0))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_torch_compile_fullgraph(backend):
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    torch._dynamo.reset()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = gk.FusedEmbeddingBag(MIXED, backend=backend)
+            self.proj = torch.nn.Linear(self.ebc.output_dim, 3)
+
+        def forward(self, indices, offsets):
+            return self.proj(torch.relu(self.ebc(indices, offsets)))
+
+    model = Model()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    indices, offsets = make_batch(MIXED, 4)
+    out = compiled(indices, offsets)
+    expected = model(indices, offsets)
+    torch.testing.assert_close(out, expected)
+    (g,) = torch.autograd.grad(out.sum(), model.ebc.weights)
+    (g_ref,) = torch.autograd.grad(expected.sum(), model.ebc.weights)
+    torch.testing.assert_close(g, g_ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fuzz: the cpu backend against the reference over shapes.
+# ------------------------------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dims=st.lists(st.sampled_from([1, 4, 7, 32, 36, 64, 70, 128]), min_size=1, max_size=4), rows=st.integers(1, 30),
+       batch=st.integers(0, 6), max_len=st.integers(0, 8), pooling=st.sampled_from(["sum", "mean"]),
+       seed=st.integers(0, 1000))
+def test_fuzz_cpu_against_reference(dims, rows, batch, max_len, pooling, seed):
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    specs = [gk.TableSpec(rows + t, d) for t, d in enumerate(dims)]
+    module = gk.FusedEmbeddingBag(specs, pooling=pooling, backend="cpu")
+    indices, offsets = make_batch(specs, batch, seed=seed, max_len=max_len)
+    out = module(indices, offsets)
+    expected = functional(module, indices, offsets, backend="reference")
+    torch.testing.assert_close(out, expected)
+    grad = randn_nonzero(*out.shape)
+    (g,) = torch.autograd.grad(out, module.weights, grad)
+    (g_ref,) = torch.autograd.grad(expected, module.weights, grad)
+    torch.testing.assert_close(g, g_ref)
