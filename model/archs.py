@@ -63,10 +63,21 @@ def pooled_embeddings_eager(weight: torch.Tensor, table_row_offsets: torch.Tenso
     return pooled.view(num_tables, batch_size, weight.shape[1]).transpose(0, 1)
 
 
+def pooled_embeddings_fused(weight: torch.Tensor, table_row_offsets: torch.Tensor, indices: torch.Tensor,
+                            offsets: torch.Tensor, num_tables: int, batch_size: int) -> torch.Tensor:
+    """pooled_embeddings_eager in one gem_kernels.embedding_bag call (FBGEMM TBE layout: the flat
+    weight is the packed tables, every table of dim D)."""
+    dim = weight.shape[1]
+    rows_offsets = torch.cat([table_row_offsets, table_row_offsets.new_full((1,), weight.shape[0])])
+    d_offsets = torch.arange(num_tables + 1, device=weight.device, dtype=torch.int64) * dim
+    pooled = gem_kernels.embedding_bag(weight.view(-1), table_row_offsets * dim, d_offsets, rows_offsets,
+                                       indices, offsets, output_dim=num_tables * dim, pooling="sum")
+    return pooled.view(batch_size, num_tables, dim)
+
+
 POOLED_EMBEDDINGS: dict[str, Callable[..., torch.Tensor]] = {
     "eager": pooled_embeddings_eager,
-    # fused by gem_kernels.FusedEmbeddingBag (multi-table TBE) once available (issue 3).
-    "fused": pooled_embeddings_eager,
+    "fused": pooled_embeddings_fused,
 }
 
 

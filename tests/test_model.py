@@ -213,6 +213,7 @@ def test_every_arch_has_both_kernels():
         assert set(table) == {"eager", "fused"}
     assert JAGGED_ATTENTION["fused"] is not jagged_attention_eager
     assert DOT_INTERACTION["fused"] is gem_kernels.dot_interaction
+    assert POOLED_EMBEDDINGS["fused"] is not pooled_embeddings_eager
 
 
 # ----------------------------------------------------------------------------------------- the model
