@@ -86,3 +86,24 @@ def test_cuda_compiled_when_toolchain_present():
     if os.environ.get("GEM_KERNELS_CUDA") == "0" or shutil.which("nvcc") is None or torch.version.cuda is None:
         pytest.skip("no CUDA toolchain at build time (or GEM_KERNELS_CUDA=0)")
     assert _backend.ext_with_cuda(), "nvcc and a CUDA torch are here but gem_kernels._C was built without CUDA"
+
+
+def test_import_without_extension_keeps_reference_and_says_why():
+    """A missing or broken gem_kernels._C must not break `import gem_kernels`."""
+    code = (
+        "import sys; sys.modules['gem_kernels._C'] = None\n"  # makes `import gem_kernels._C` raise ImportError
+        "import torch, gem_kernels as gk\n"
+        "from gem_kernels import _backend\n"
+        "assert 'reference' in gk.available_backends() and 'cpu' not in gk.available_backends()\n"
+        "print(_backend.unavailable_reason('cpu'))\n"
+        "v, o = torch.ones(3, 2), torch.tensor([0, 1, 3])\n"
+        "assert gk.jagged_to_padded(v, o, 2).shape == (2, 2, 2)\n"  # auto falls back to reference
+        "try:\n"
+        "    gk.jagged_to_padded(v, o, 2, backend='cpu')\n"
+        "except gk.BackendUnavailableError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "gem_kernels._C failed to import" in out.stdout
+    assert "refused: backend 'cpu' is not available" in out.stdout
