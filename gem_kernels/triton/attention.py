@@ -72,6 +72,17 @@ def _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M,
 
 
 @triton.jit
+def _load_rows(ptr, rows, row_ok, stride_n, col0, cols, width, UPCAST: tl.constexpr):
+    """The [rows, cols] tile of one head of a packed [N, H, width] tensor (col0 = h * stride_h),
+    zero outside the sequence and past width; in fp32 when UPCAST."""
+    x = tl.load(ptr + rows[:, None] * stride_n + col0 + cols[None, :],
+                mask=row_ok[:, None] & (cols[None, :] < width), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _jagged_attention_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, Lse_ptr, offsets_ptr, targets_ptr,
     pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
@@ -97,10 +108,7 @@ def _jagged_attention_fwd_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         id_m = _ids(offs_m, L, max_id, contextual_len)
         row_ok = offs_m < L
-        q = tl.load(Q_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -112,13 +120,8 @@ def _jagged_attention_fwd_kernel(
             vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
             if tl.max(vis.to(tl.int32)) > 0:  # skip fully masked tiles before any load
                 col_ok = offs_n < L
-                k = tl.load(K_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                            mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                v = tl.load(V_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                            mask=col_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
+                k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+                v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                 s, _bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
                                      time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
                                      HAS_TIME, MAX_BUCKETS, PRECISION)
@@ -194,13 +197,8 @@ def _jagged_attention_bwd_kernel(
             offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = offs_n < L
             id_n = _ids(offs_n, L, max_id, contextual_len)
-            k = tl.load(K_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                        mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                        mask=col_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+            v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
             dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
             dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
             for i0 in range(0, L, BLOCK_M):
@@ -209,13 +207,8 @@ def _jagged_attention_bwd_kernel(
                 id_m = _ids(offs_m, L, max_id, contextual_len)
                 vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
                 if tl.max(vis.to(tl.int32)) > 0:
-                    q = tl.load(Q_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                    do = tl.load(DO_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                                 mask=row_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-                    if UPCAST:
-                        q = q.to(tl.float32)
-                        do = do.to(tl.float32)
+                    q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+                    do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                     lse = tl.zeros((BLOCK_M,), tl.float32)
                     delta = tl.zeros((BLOCK_M,), tl.float32)
                     if SOFTMAX:
@@ -240,13 +233,8 @@ def _jagged_attention_bwd_kernel(
             offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
             id_m = _ids(offs_m, L, max_id, contextual_len)
-            q = tl.load(Q_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(DO_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                         mask=row_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
+            q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+            do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
             lse = tl.zeros((BLOCK_M,), tl.float32)
             delta = tl.zeros((BLOCK_M,), tl.float32)
             if SOFTMAX:
@@ -259,13 +247,8 @@ def _jagged_attention_bwd_kernel(
                 id_n = _ids(offs_n, L, max_id, contextual_len)
                 vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
                 if tl.max(vis.to(tl.int32)) > 0:
-                    k = tl.load(K_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                    v = tl.load(V_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                                mask=col_ok[:, None] & (offs_dv[None, :] < Dv), other=0.0)
-                    if UPCAST:
-                        k = k.to(tl.float32)
-                        v = v.to(tl.float32)
+                    k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+                    v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                     _p, ds, _bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
                                                   scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr,
                                                   stride_tb, timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
