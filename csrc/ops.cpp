@@ -20,6 +20,9 @@ TORCH_LIBRARY(gem_kernels, m) {
         "Tensor(c!) momentum2, Tensor(d!) step, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
         "Tensor indices, Tensor offsets, Tensor per_sample_weights, int pooling, int optimizer, float lr, float eps, "
         "float beta1, float beta2, float weight_decay) -> ()");
+  m.def("embedding_bag_per_sample_weights_backward_native(Tensor grad_output, Tensor weights, "
+        "Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, Tensor indices, Tensor offsets, int pooling) "
+        "-> Tensor");
   // attention: jagged q, k [N, H, Dqk], v [N, H, Dv] -> (out [N, H, Dv], fp32 lse [N, H] or [0] for hstu)
   m.def("jagged_attention_fwd_native(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seq_len, str kind, "
         "bool causal, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, Tensor? pos_bias, "

@@ -10,7 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gem_kernels as gk
-from gem_kernels.ops.embedding_bag import IMPLEMENTED, embedding_bag_backward_fused_op, embedding_bag_op
+from gem_kernels.reference import embedding_bag as ref_eb
+from gem_kernels.ops.embedding_bag import (
+    IMPLEMENTED,
+    embedding_bag_backward_fused_op,
+    embedding_bag_op,
+    embedding_bag_per_sample_weights_backward_op,
+)
 
 from .utils import (
     FLOAT_DTYPES,
@@ -87,13 +93,14 @@ def test_reference_matches_nn_embedding_bag(pooling, with_psw):
     bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode=pooling) for s in MIXED]
     module = gk.FusedEmbeddingBag.from_embedding_bags(bags, backend="reference")
     indices, offsets = make_batch(MIXED, batch)
-    psw = randn_nonzero(indices.numel()) if with_psw else None
+    psw = randn_nonzero(indices.numel()).requires_grad_() if with_psw else None
+    oracle_psw = psw.detach().clone().requires_grad_() if with_psw else None
     out = module(indices, offsets, psw)
     expected = []
     for t, bag in enumerate(bags):
         lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
         local = offsets[t * batch:(t + 1) * batch + 1] - lo
-        expected.append(bag(indices[lo:hi], local[:-1], psw[lo:hi] if with_psw else None))
+        expected.append(bag(indices[lo:hi], local[:-1], oracle_psw[lo:hi] if with_psw else None))
     expected = torch.cat(expected, dim=1)
     torch.testing.assert_close(out, expected)
     grad = randn_nonzero(*out.shape)
@@ -102,16 +109,21 @@ def test_reference_matches_nn_embedding_bag(pooling, with_psw):
     for t, bag in enumerate(bags):
         torch.testing.assert_close(module.weights.grad[module._weight_offsets[t]:][:bag.weight.numel()],
                                    bag.weight.grad.flatten())
+    if with_psw:
+        torch.testing.assert_close(psw.grad, oracle_psw.grad)
 
 
 def test_reference_pooling_none_matches_embedding():
     module = gk.FusedEmbeddingBag(SAME_DIM, pooling="none", backend="reference")
     indices, offsets = make_batch(SAME_DIM, 4)
-    psw = randn_nonzero(indices.numel())
+    psw = randn_nonzero(indices.numel()).requires_grad_()
+    oracle_psw = psw.detach().clone().requires_grad_()
     out = module(indices, offsets, psw)
     tables = torch.bucketize(torch.arange(indices.numel()), offsets[1:], right=True) // 4
-    expected = torch.stack([module.weight(int(t))[int(i)] * w for t, i, w in zip(tables, indices, psw)])
+    expected = torch.stack([module.weight(int(t))[int(i)] * w for t, i, w in zip(tables, indices, oracle_psw)])
     torch.testing.assert_close(out, expected)
+    grad = randn_nonzero(*out.shape)
+    torch.testing.assert_close(torch.autograd.grad(out, psw, grad)[0], torch.autograd.grad(expected, oracle_psw, grad)[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,7 +144,7 @@ def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batc
     specs = SAME_DIM if pooling == "none" else MIXED
     module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=dtype, device=device, backend=backend)
     indices, offsets = make_batch(specs, batch, index_dtype, device, seed=batch)
-    psw = randn_nonzero(indices.numel(), device=device) if with_psw else None
+    psw = randn_nonzero(indices.numel(), device=device).requires_grad_() if with_psw else None
     poison_allocator(max(indices.numel(), batch) * module.output_dim * 4, device)
     out = module(indices, offsets, psw)
     expected = functional(module, indices, offsets, psw, backend="reference")
@@ -140,9 +152,13 @@ def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batc
     assert_close(out, expected)
     grad = randn_nonzero(*out.shape, dtype=dtype, device=device)
     poison_allocator(module.weights.numel() * 4, device)
-    (grad_weights,) = torch.autograd.grad(out, module.weights, grad)
-    (expected_grad,) = torch.autograd.grad(expected, module.weights, grad)
-    assert_close(grad_weights, expected_grad)
+    inputs = (module.weights, psw) if with_psw else (module.weights,)
+    grads = torch.autograd.grad(out, inputs, grad)
+    expected_grads = torch.autograd.grad(expected, inputs, grad)
+    assert_close(grads[0], expected_grads[0])
+    if with_psw:  # a dot over D of dtype-rounded rows: compared at the weights' dtype
+        assert grads[1].dtype == psw.dtype
+        assert_close(grads[1].to(dtype), expected_grads[1].to(dtype))
 
 
 @pytest.mark.parametrize("device,backend", _params())
@@ -181,8 +197,17 @@ def test_fused_optimizer_matches_reference(device, backend, optimizer, dtype, po
         psw = randn_nonzero(indices.numel(), device=device) if pooling == "sum" else None
         grad = randn_nonzero(indices.numel() if pooling == "none" else 4, module.output_dim, dtype=dtype,
                              device=device)
+        # The per-sample-weight gradient must come from the weights before this step's update: the
+        # reference op on a snapshot of them (module and reference weights drift apart by rounding
+        # in half precision, so each is checked against its own snapshot).
         for m in (module, reference):
-            m(indices, offsets, psw).backward(grad)
+            before = m.weights.detach().clone()
+            w = psw.clone().requires_grad_() if psw is not None else None
+            m(indices, offsets, w).backward(grad)
+            if w is not None:
+                expected = ref_eb.embedding_bag_per_sample_weights_backward(
+                    grad, before, m.weights_offsets, m.D_offsets, m.rows_offsets, indices, offsets, 0)
+                torch.testing.assert_close(w.grad, expected, atol=1e-4, rtol=1e-4)
         assert module.weights.grad is None
         assert_close(module.weights.detach(), reference.weights.detach())
         torch.testing.assert_close(module.momentum1, reference.momentum1, **_state_tol(dtype))
@@ -300,6 +325,14 @@ def test_bounds_check(device, backend, bad, table):
     (grad,) = torch.autograd.grad(out, module.weights, torch.ones_like(out))
     (clean_grad,) = torch.autograd.grad(clean_out, module.weights, torch.ones_like(out))
     torch.testing.assert_close(grad, clean_grad)
+    psw = randn_nonzero(indices.numel(), device=device).requires_grad_()
+    (psw_grad,) = torch.autograd.grad(module(indices, offsets, psw), psw, torch.ones_like(out))
+    assert psw_grad[lo] == 0  # the dropped index
+    clean_psw = psw.detach()[keep].requires_grad_()
+    clean_out = functional(module, indices[keep], offsets_from_lengths(lengths.cpu(), offsets.dtype, device),
+                           clean_psw, backend="reference")
+    (clean_psw_grad,) = torch.autograd.grad(clean_out, clean_psw, torch.ones_like(out))
+    torch.testing.assert_close(psw_grad[keep], clean_psw_grad)
 
 
 BAD = [
@@ -399,6 +432,13 @@ def test_opcheck(backend, index_dtype):
     module = gk.FusedEmbeddingBag(MIXED[:3], backend=backend)
     indices, offsets = make_batch(MIXED[:3], 3, index_dtype)
     torch.library.opcheck(embedding_bag_op, _op_args(module, indices, offsets, backend))
+    args = list(_op_args(module, indices, offsets, backend))
+    args[9] = randn_nonzero(indices.numel()).requires_grad_()  # differentiable per_sample_weights
+    torch.library.opcheck(embedding_bag_op, tuple(args))
+    grad = randn_nonzero(3, module.output_dim)
+    torch.library.opcheck(embedding_bag_per_sample_weights_backward_op,
+                          (grad, module.weights.detach(), module.weights_offsets, module.D_offsets,
+                           module.rows_offsets, indices, offsets, 0, backend))
     adagrad = gk.FusedEmbeddingBag(MIXED[:3], optimizer=gk.optim.ExactRowwiseAdagrad(), backend=backend)
     grad = randn_nonzero(3, adagrad.output_dim)
     torch.library.opcheck(embedding_bag_backward_fused_op,
@@ -419,6 +459,8 @@ def test_opcheck_native_ops():
     grad = randn_nonzero(3, module.output_dim)
     torch.library.opcheck(torch.ops.gem_kernels.embedding_bag_backward_native.default,
                           (grad, weights, *meta, indices, offsets, torch.empty(0), 0))
+    torch.library.opcheck(torch.ops.gem_kernels.embedding_bag_per_sample_weights_backward_native.default,
+                          (grad, weights, *meta, indices, offsets, 0))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -433,17 +475,18 @@ def test_torch_compile_fullgraph(backend):
             self.ebc = gk.FusedEmbeddingBag(MIXED, backend=backend)
             self.proj = torch.nn.Linear(self.ebc.output_dim, 3)
 
-        def forward(self, indices, offsets):
-            return self.proj(torch.relu(self.ebc(indices, offsets)))
+        def forward(self, indices, offsets, psw):
+            return self.proj(torch.relu(self.ebc(indices, offsets, psw)))
 
     model = Model()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     indices, offsets = make_batch(MIXED, 4)
-    out = compiled(indices, offsets)
-    expected = model(indices, offsets)
+    psw = randn_nonzero(indices.numel()).requires_grad_()
+    out = compiled(indices, offsets, psw)
+    expected = model(indices, offsets, psw)
     torch.testing.assert_close(out, expected)
-    (g,) = torch.autograd.grad(out.sum(), model.ebc.weights)
-    (g_ref,) = torch.autograd.grad(expected.sum(), model.ebc.weights)
+    g = torch.autograd.grad(out.sum(), (model.ebc.weights, psw))
+    g_ref = torch.autograd.grad(expected.sum(), (model.ebc.weights, psw))
     torch.testing.assert_close(g, g_ref)
 
 

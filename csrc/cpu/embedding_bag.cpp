@@ -547,6 +547,87 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
 }
 
 // ------------------------------------------------------------------------------------------------
+// Gradient of per_sample_weights: grad[p] = <the grad_output row p was pooled into, W_t[indices[p]]>.
+// Decomposition as in the forward (table-major chunks of bags, prefetching the rows ahead); the
+// bag's gradient row stays in L1 while its rows stream by. FLOPs 2 * N * D; bytes N * D * s (rows)
+// + B * sum D * s (gradient) + N * (4 + i).
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t>
+inline Vec load_vec(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec x;
+    at::vec::load_to_float<scalar_t>(p, x);
+    return x;
+  }
+}
+
+template <typename scalar_t>
+inline float dot_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, int64_t D) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= D; d += Vec::size()) acc = at::vec::fmadd(load_vec(a + d), load_vec(b + d), acc);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < D; ++d) sum += static_cast<float>(a[d]) * static_cast<float>(b[d]);
+  return sum;
+}
+
+at::Tensor embedding_bag_per_sample_weights_backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
+                                                         const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+                                                         const at::Tensor& rows_offsets, const at::Tensor& indices,
+                                                         const at::Tensor& offsets, int64_t pooling) {
+  check_common(weights, indices, offsets, at::empty({0}, weights.options().dtype(at::kFloat)));
+  GK_CHECK_CPU(grad_output);
+  GK_CHECK_CONTIGUOUS(grad_output);
+  GK_CHECK_DIM(grad_output, 2);
+  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
+  TORCH_CHECK(pooling == kSum || pooling == kNone, "per_sample_weights need pooling sum or none, got code ", pooling);
+  const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  const int64_t N = indices.numel();
+  TORCH_CHECK(grad_output.size(0) == (pooling == kNone ? N : m.B), "grad_output has ", grad_output.size(0),
+              " rows, expected ", pooling == kNone ? N : m.B);
+  TORCH_CHECK(grad_output.size(1) >= (pooling == kNone ? m.max_D : m.d_off[m.T]), "grad_output is too narrow");
+  check_offsets_values(offsets, N);
+  auto grad_psw = at::empty({N}, weights.options().dtype(at::kFloat));
+  GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_per_sample_weights_backward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_per_sample_weights_backward_cpu_idx", [&] {
+      const scalar_t* w = weights.data_ptr<scalar_t>();
+      const scalar_t* grad = grad_output.data_ptr<scalar_t>();
+      const index_t* idx = indices.data_ptr<index_t>();
+      const index_t* off = offsets.data_ptr<index_t>();
+      float* out = grad_psw.data_ptr<float>();
+      const int64_t stride = grad_output.size(1);
+      const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
+      parallel_dynamic(chunks * m.T, (N + m.T * m.B) * m.max_D, [&](int64_t item) {
+        const int64_t t = item / chunks;
+        const int64_t b_begin = (item % chunks) * kBagsPerChunk;
+        const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
+        const int64_t D = m.d_off[t + 1] - m.d_off[t];
+        const int64_t rows = m.r_off[t + 1] - m.r_off[t];
+        const scalar_t* table = w + m.w_off[t];
+        const int64_t chunk_stop = off[t * m.B + b_end];
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          const scalar_t* bag_grad = pooling == kNone ? nullptr : grad + b * stride + m.d_off[t];
+          for (int64_t p = off[t * m.B + b]; p < off[t * m.B + b + 1]; ++p) {
+            if (p + kPrefetchDistance < chunk_stop) {
+              const int64_t ahead = idx[p + kPrefetchDistance];
+              if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
+            }
+            const int64_t row = idx[p];
+            out[p] = (row < 0 || row >= rows)
+                         ? 0.f
+                         : dot_row(pooling == kNone ? grad + p * stride : bag_grad, table + row * D, D);
+          }
+        }
+      });
+    });
+  });
+  return grad_psw;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Fused optimizers: one exact step on a touched row, in fp32. Weight decay is L2 (g += wd * w).
 // ------------------------------------------------------------------------------------------------
 
@@ -668,6 +749,7 @@ TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
   m.impl("embedding_bag_forward_native", &embedding_bag_forward_cpu);
   m.impl("embedding_bag_backward_native", &embedding_bag_backward_cpu);
   m.impl("embedding_bag_backward_fused_native", &embedding_bag_backward_fused_cpu);
+  m.impl("embedding_bag_per_sample_weights_backward_native", &embedding_bag_per_sample_weights_backward_cpu);
 }
 
 }  // namespace gem_kernels

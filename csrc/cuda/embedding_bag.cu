@@ -85,6 +85,38 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
   }
 }
 
+// Gradient of per_sample_weights, decomposed as the forward (one warp per (table, bag)): for each
+// index p of the bag, the lanes' partial dots of its weight row with the bag's gradient row (or
+// row p for pooling "none") are reduced across the warp; lane 0 writes grad[p] (0 when dropped).
+// FLOPs 2 * N * D; bytes N * D * s + B * sum D * s + N * (4 + i).
+template <typename scalar_t, typename index_t>
+__global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ weights,
+                                              const int64_t* __restrict__ w_off, const int64_t* __restrict__ d_off,
+                                              const int64_t* __restrict__ r_off, const index_t* __restrict__ indices,
+                                              const index_t* __restrict__ offsets, float* __restrict__ grad_psw,
+                                              int64_t T, int64_t B, int64_t grad_stride, int64_t pooling) {
+  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
+  if (tb >= T * B) return;
+  const int lane = threadIdx.x;
+  const int64_t t = tb / B;
+  const int64_t b = tb - t * B;
+  const int64_t D = d_off[t + 1] - d_off[t];
+  const int64_t rows = r_off[t + 1] - r_off[t];
+  const scalar_t* table = weights + w_off[t];
+  for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) {
+    const int64_t idx = indices[p];
+    const bool valid = idx >= 0 && idx < rows;  // warp-uniform
+    const scalar_t* g = pooling == kNone ? grad + p * grad_stride : grad + b * grad_stride + d_off[t];
+    float dot = 0.f;
+    if (valid) {
+      for (int64_t d = lane; d < D; d += 32) dot += static_cast<float>(g[d]) * static_cast<float>(table[idx * D + d]);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (lane == 0) grad_psw[p] = dot;
+  }
+}
+
 struct OptimizerArgs {
   int64_t kind;
   float lr, eps, beta1, beta2, weight_decay, step_size, inv_bias2_sqrt;
@@ -293,12 +325,43 @@ void embedding_bag_backward_fused_cuda(const at::Tensor& grad_output, const at::
                   offsets, per_sample_weights, pooling, o);
 }
 
+at::Tensor embedding_bag_per_sample_weights_backward_cuda(const at::Tensor& grad_output, const at::Tensor& weights,
+                                                          const at::Tensor& weights_offsets,
+                                                          const at::Tensor& D_offsets, const at::Tensor& rows_offsets,
+                                                          const at::Tensor& indices, const at::Tensor& offsets,
+                                                          int64_t pooling) {
+  check_cuda_args(weights, indices, offsets, at::empty({0}, weights.options().dtype(at::kFloat)));
+  GK_CHECK_CUDA(grad_output);
+  GK_CHECK_CONTIGUOUS(grad_output);
+  TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == weights.scalar_type(),
+              "grad_output must be 2-D with weights' dtype");
+  TORCH_CHECK(pooling == 0 || pooling == kNone, "per_sample_weights need pooling sum or none, got code ", pooling);
+  const c10::cuda::CUDAGuard guard(weights.device());
+  const int64_t T = num_tables(weights_offsets);
+  const int64_t B = (offsets.numel() - 1) / T;
+  auto grad_psw = at::zeros({indices.numel()}, weights.options().dtype(at::kFloat));
+  if (T * B == 0 || indices.numel() == 0) return grad_psw;
+  const dim3 block(32, kWarps);
+  const dim3 grid(static_cast<unsigned>((T * B + kWarps - 1) / kWarps));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "embedding_bag_psw_grad_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_psw_grad_cuda_idx", [&] {
+      embedding_bag_psw_grad_kernel<scalar_t, index_t><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
+          grad_output.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(), weights_offsets.data_ptr<int64_t>(),
+          D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(), indices.data_ptr<index_t>(),
+          offsets.data_ptr<index_t>(), grad_psw.data_ptr<float>(), T, B, grad_output.size(1), pooling);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return grad_psw;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m) {
   m.impl("embedding_bag_forward_native", &embedding_bag_forward_cuda);
   m.impl("embedding_bag_backward_native", &embedding_bag_backward_cuda);
   m.impl("embedding_bag_backward_fused_native", &embedding_bag_backward_fused_cuda);
+  m.impl("embedding_bag_per_sample_weights_backward_native", &embedding_bag_per_sample_weights_backward_cuda);
 }
 
 }  // namespace gem_kernels

@@ -8,7 +8,8 @@ int64 metadata tensors on the weights' device:
                          offset of table t in row-wise optimizer state)
 Bag b of table t is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (feature-major, TorchRec KJT).
 
-The forward op is differentiable w.r.t. ``weights``. With ``optimizer="none"`` its backward returns
+The forward op is differentiable w.r.t. ``weights`` and ``per_sample_weights``
+(``embedding_bag_per_sample_weights_backward``). With ``optimizer="none"`` its backward returns
 the dense gradient of the flat buffer; with a fused optimizer the backward applies the update in
 place to ``weights`` and the optimizer state (``embedding_bag_backward_fused``, which mutates them)
 and returns no gradient, like FBGEMM's TBE.
@@ -108,11 +109,31 @@ def _(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offse
     return None
 
 
+@torch.library.custom_op("gem_kernels::embedding_bag_per_sample_weights_backward", mutates_args=())
+def embedding_bag_per_sample_weights_backward_op(grad_output: torch.Tensor, weights: torch.Tensor,
+                                                 weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
+                                                 rows_offsets: torch.Tensor, indices: torch.Tensor,
+                                                 offsets: torch.Tensor, pooling: int, backend: str) -> torch.Tensor:
+    """fp32 [N]: <the output-gradient row index i was pooled into, its weight row> (0 for a dropped index)."""
+    return kernel(FAMILY, "embedding_bag_per_sample_weights_backward", backend)(
+        grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, pooling)
+
+
+@embedding_bag_per_sample_weights_backward_op.register_fake
+def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, pooling, backend):
+    return weights.new_empty(indices.shape, dtype=torch.float32)
+
+
 def _setup(ctx, inputs, output):
     (weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
      per_sample_weights, _output_dim, pooling, _bounds_check, optimizer, lr, eps, beta1, beta2, weight_decay,
      backend) = inputs
-    ctx.save_for_backward(weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights)
+    # The per-sample-weight gradient reads the weights as they were in the forward. Without a fused
+    # optimizer they are saved (autograd's version counter catches an in-place change before the
+    # backward); with one they are the state below, read before this backward's own update.
+    psw_grad = per_sample_weights.requires_grad
+    ctx.save_for_backward(weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
+                          weights if psw_grad and optimizer == OPT_NONE else None)
     ctx.pooling, ctx.optimizer, ctx.backend = pooling, optimizer, backend
     ctx.hyperparams = (lr, eps, beta1, beta2, weight_decay)
     if optimizer == OPT_NONE:
@@ -124,9 +145,14 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad_output):
-    weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights = ctx.saved_tensors
+    weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, saved_weights = ctx.saved_tensors
     grad_output = grad_output.contiguous()
-    grad_weights = None
+    grad_weights = grad_psw = None
+    if ctx.needs_input_grad[9]:
+        weights = saved_weights if ctx.optimizer == OPT_NONE else ctx.state[0]
+        grad_psw = embedding_bag_per_sample_weights_backward_op(grad_output, weights, weights_offsets, D_offsets,
+                                                                rows_offsets, indices, offsets, ctx.pooling,
+                                                                ctx.backend)
     if ctx.optimizer == OPT_NONE:
         if ctx.needs_input_grad[0]:
             weights_meta = grad_output.new_empty(ctx.weights_shape, dtype=ctx.weights_dtype)
@@ -138,7 +164,7 @@ def _backward(ctx, grad_output):
         embedding_bag_backward_fused_op(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets,
                                         rows_offsets, indices, offsets, per_sample_weights, ctx.pooling,
                                         ctx.optimizer, *ctx.hyperparams, ctx.backend)
-    return (grad_weights,) + (None,) * 19
+    return (grad_weights,) + (None,) * 8 + (grad_psw,) + (None,) * 10
 
 
 embedding_bag_op.register_autograd(_backward, setup_context=_setup)
@@ -156,6 +182,10 @@ if hasattr(torch.ops.gem_kernels, "embedding_bag_forward_native"):
     def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
           pooling):
         return weights.new_empty(weights.shape)
+
+    @torch.library.register_fake("gem_kernels::embedding_bag_per_sample_weights_backward_native")
+    def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, pooling):
+        return weights.new_empty(indices.shape, dtype=torch.float32)
 
     @torch.library.register_fake("gem_kernels::embedding_bag_backward_fused_native")
     def _(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices,
@@ -192,7 +222,9 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1] (see the module docstring).
         indices: [N] int32/int64, row ids local to their table.
         offsets: [T*B+1], indices' dtype; offsets[0] == 0, nondecreasing, offsets[-1] == N.
-        per_sample_weights: [N] float or None (pooling "sum" or "none" only); no gradient flows to it.
+        per_sample_weights: [N] float or None (pooling "sum" or "none" only). It is differentiable:
+            ``d out / d w_i = <grad of the output row i was pooled into, W_t[indices[i]]>`` (0 for a
+            dropped index), computed from the weights before a fused optimizer's update (FBGEMM's order).
         output_dim: D_offsets[-1] for sum/mean, the shared D for "none" (a Python int, so shapes are static).
         pooling: "sum" | "mean" | "none".
         bounds_check: "fatal" (IndexError naming table, bag and value) | "warn" (warn once per call and
@@ -233,7 +265,7 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
                              f"{per_sample_weights.shape[0]}")
         if pooling == "mean":
             raise ValueError("per_sample_weights are only supported with pooling 'sum' or 'none', got 'mean'")
-        per_sample_weights = per_sample_weights.detach().float()
+        per_sample_weights = per_sample_weights.float()
     check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
                       weights_offsets=weights_offsets, D_offsets=D_offsets, rows_offsets=rows_offsets)
     if optimizer is None:

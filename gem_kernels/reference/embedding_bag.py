@@ -151,6 +151,26 @@ def embedding_bag_backward(grad_output, weights, weights_offsets, D_offsets, row
     return grad_weights.to(weights.dtype)
 
 
+def embedding_bag_per_sample_weights_backward(grad_output, weights, weights_offsets, D_offsets, rows_offsets,
+                                              indices, offsets, pooling: int) -> torch.Tensor:
+    """Gradient of the output w.r.t. per_sample_weights: fp32 [N].
+
+    ``grad[i] = <grad_output[b, D_offsets[t]:D_offsets[t+1]], W_t[indices[i]]>`` for index i of bag b of
+    table t (sum pooling), ``<grad_output[i], W_t[indices[i]]>`` (pooling "none"); 0 for a dropped index.
+    """
+    tables = table_views(weights, weights_offsets, D_offsets, rows_offsets)
+    batch = (offsets.numel() - 1) // max(len(tables), 1)
+    kept, bag_ids = kept_mask(rows_offsets, indices, offsets, SKIP)
+    d_off = D_offsets.tolist()
+    grad_output = grad_output.float()
+    grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
+    for t, table in enumerate(tables):
+        lo, hi, keep, idx, bags, _, _ = _table_batch(t, batch, offsets, indices, kept, bag_ids, grad.new_empty(0))
+        src = grad_output[lo:hi][keep] if pooling == NONE else grad_output[bags, d_off[t]:d_off[t + 1]]
+        grad[lo:hi][keep] = (F.embedding(idx, table.float()) * src).sum(dim=1)
+    return grad
+
+
 def apply_optimizer(optimizer: int, w: torch.Tensor, g: torch.Tensor, m1: torch.Tensor | None,
                     m2: torch.Tensor | None, step: int, lr: float, eps: float, beta1: float, beta2: float,
                     weight_decay: float):

@@ -107,6 +107,36 @@ def _embedding_bag_bwd_kernel(
         tl.store(weights_ptr + element + d, w.to(weights_ptr.dtype.element_ty), mask=col)
 
 
+@triton.jit
+def _embedding_bag_psw_bwd_kernel(
+    grad_ptr, weights_ptr, w_off_ptr, d_off_ptr, r_off_ptr, indices_ptr, offsets_ptr, out_ptr,
+    B, grad_stride,
+    POOLING: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Gradient of per_sample_weights: one program per (table, bag), as the forward; for each index
+    the dot of its weight row with the bag's gradient row (pooling "none": the index's own row)."""
+    tb = tl.program_id(0).to(tl.int64)
+    t = tb // B
+    b = tb - t * B
+    w_off = tl.load(w_off_ptr + t)
+    d_begin = tl.load(d_off_ptr + t)
+    D = tl.load(d_off_ptr + t + 1) - d_begin
+    rows = tl.load(r_off_ptr + t + 1) - tl.load(r_off_ptr + t)
+    start = tl.load(offsets_ptr + tb).to(tl.int64)
+    stop = tl.load(offsets_ptr + tb + 1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    col = d < D
+    if POOLING != 2:
+        g = tl.load(grad_ptr + b * grad_stride + d_begin + d, mask=col, other=0.0).to(tl.float32)
+    for p in range(start, stop):
+        idx = tl.load(indices_ptr + p).to(tl.int64)
+        valid = (idx >= 0) & (idx < rows)
+        row = tl.load(weights_ptr + w_off + idx * D + d, mask=col & valid, other=0.0).to(tl.float32)
+        if POOLING == 2:
+            g = tl.load(grad_ptr + p * grad_stride + d, mask=col, other=0.0).to(tl.float32)
+        tl.store(out_ptr + p, tl.sum(row * g, axis=0))
+
+
 def _block_d(D_offsets: torch.Tensor) -> int:
     return triton.next_power_of_2(max(int(D_offsets.diff().max()), 1))
 
@@ -183,3 +213,16 @@ def embedding_bag_backward_fused(grad_output, weights, momentum1, momentum2, ste
     _launch_backward(grad_output, weights, momentum1, momentum2, weights_offsets, D_offsets, rows_offsets, indices,
                      offsets, per_sample_weights, pooling, optimizer,
                      (lr, eps, beta1, beta2, weight_decay, step_size, inv_bias2_sqrt))
+
+
+def embedding_bag_per_sample_weights_backward(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices,
+                                              offsets, pooling: int) -> torch.Tensor:
+    num_tables = weights_offsets.numel()
+    batch = (offsets.numel() - 1) // num_tables
+    grad_psw = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
+    if num_tables * batch == 0 or indices.numel() == 0:
+        return grad_psw
+    _embedding_bag_psw_bwd_kernel[(num_tables * batch,)](
+        grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, grad_psw, batch,
+        grad_output.shape[1], POOLING=pooling, BLOCK_D=_block_d(D_offsets))
+    return grad_psw
