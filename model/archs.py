@@ -1,7 +1,7 @@
 """The arches of the GEM-like model, each with its kernel switch.
 
 Every arch picks its compute kernel in ONE place: a module-level table `{kernels: function}` right
-above the arch (POOLED_EMBEDDINGS, JAGGED_ATTENTION, DOT_INTERACTION). "eager" is plain PyTorch;
+above the arch (POOLED_EMBEDDINGS, JAGGED_ATTENTION, DOT_INTERACTION, WUKONG_BACKEND). "eager" is plain PyTorch;
 "fused" is gem_kernels. A fused op that lands replaces one entry of one table, with the same
 signature; nothing else in the model changes.
 """
@@ -251,17 +251,38 @@ DOT_INTERACTION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# Wukong interaction: the stack's fused ops (fm_compress) run on gem_kernels' reference backend
+# (plain PyTorch, the paper's formulation) for "eager" and on the auto-selected backend for "fused".
+WUKONG_BACKEND: dict[str, str | None] = {
+    "eager": "reference",
+    "fused": None,
+}
+
+
 class InteractionArch(nn.Module):
-    """[dense_out, dot_interaction(features)] -> over arch MLP -> num_tasks logits (the task heads)."""
+    """[dense_out, interaction(features)] -> over arch MLP -> num_tasks logits (the task heads).
+
+    interaction "dot": the F*(F-1)/2 pairwise dot products; "wukong": a WukongStack over the F
+    features, its [B, fm_out + lcb_out, D] output flattened.
+    """
 
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
         check_kernels(kernels)
-        self.dot_interaction = DOT_INTERACTION[kernels]
-        over_sizes = (cfg.embedding_dim + cfg.num_interactions,) + cfg.over_arch_layers
+        self.interaction = cfg.interaction
+        if cfg.interaction == "dot":
+            self.dot_interaction = DOT_INTERACTION[kernels]
+        else:
+            self.wukong = gem_kernels.nn.WukongStack(cfg.wukong_layers, cfg.num_features, cfg.wukong_fm_out,
+                                                     cfg.wukong_lcb_out, cfg.embedding_dim, cfg.wukong_fm_rank,
+                                                     list(cfg.wukong_mlp), backend=WUKONG_BACKEND[kernels])
+        over_sizes = (cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers
         self.over_arch = mlp(over_sizes, final_activation=True)
         self.task_heads = nn.Linear(over_sizes[-1], cfg.num_tasks)
 
     def forward(self, dense_out: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        interactions = self.dot_interaction(features)
+        if self.interaction == "dot":
+            interactions = self.dot_interaction(features)
+        else:
+            interactions = self.wukong(features).flatten(1)
         return self.task_heads(self.over_arch(torch.cat([dense_out, interactions], dim=1)))

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+INTERACTIONS = ("dot", "wukong")
+
+
 @dataclass(frozen=True)
 class GemConfig:
     """Model and data sizes. `small()` fits a CPU test, `gpu()` a single-GPU benchmark.
 
     Features of the interaction arch, in order: the dense-arch output, one pooled embedding per
     sparse table, the pooled user-history representation; F = num_tables + 2, all of width
-    embedding_dim (DLRM's dot interaction needs one width).
+    embedding_dim (DLRM's dot interaction and Wukong's layers need one width).
     """
 
     # Dense features [B, num_dense] -> dense arch MLP -> [B, embedding_dim].
@@ -30,6 +33,15 @@ class GemConfig:
     num_attention_layers: int = 2
     num_heads: int = 2
     ffn_multiplier: int = 2
+    # Interaction arch over the F features: "dot" (DLRM's pairwise dot products) or "wukong" (GEM's
+    # choice: a stack of Wukong layers, each a factorization-machine block of wukong_fm_out features
+    # (rank wukong_fm_rank, MLP wukong_mlp) and a linear-compression block of wukong_lcb_out).
+    interaction: str = "dot"
+    wukong_layers: int = 2
+    wukong_fm_out: int = 4
+    wukong_lcb_out: int = 4
+    wukong_fm_rank: int = 4
+    wukong_mlp: tuple[int, ...] = (64,)
     # Over arch MLP -> num_tasks logits.
     over_arch_layers: tuple[int, ...] = (64, 32)
     num_tasks: int = 2
@@ -54,6 +66,16 @@ class GemConfig:
         if not self.num_embeddings_per_table or min(self.num_embeddings_per_table) < 1:
             raise ValueError(f"num_embeddings_per_table must be non-empty with every entry >= 1, "
                              f"got {self.num_embeddings_per_table}")
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.interaction == "wukong":
+            wukong = dict(wukong_layers=self.wukong_layers, wukong_fm_out=self.wukong_fm_out,
+                          wukong_fm_rank=self.wukong_fm_rank)
+            for name, value in wukong.items():
+                if value < 1:
+                    raise ValueError(f"{name} must be >= 1, got {value}")
+            if self.wukong_lcb_out < 0:
+                raise ValueError(f"wukong_lcb_out must be >= 0, got {self.wukong_lcb_out}")
         if self.embedding_dim % self.num_heads:
             raise ValueError(f"embedding_dim ({self.embedding_dim}) must be divisible by num_heads ({self.num_heads})")
         if not 0.0 <= self.empty_seq_prob <= 1.0:
@@ -72,6 +94,13 @@ class GemConfig:
     def num_interactions(self) -> int:
         """F * (F - 1) / 2: the upper triangle (i < j) of the dot-product matrix."""
         return self.num_features * (self.num_features - 1) // 2
+
+    @property
+    def interaction_width(self) -> int:
+        """Width of the interaction arch's output: the dot products, or the flattened Wukong features."""
+        if self.interaction == "dot":
+            return self.num_interactions
+        return (self.wukong_fm_out + self.wukong_lcb_out) * self.embedding_dim
 
     @property
     def head_dim(self) -> int:
@@ -99,6 +128,12 @@ class GemConfig:
             num_attention_layers=4,
             num_heads=4,
             ffn_multiplier=4,
+            interaction="wukong",
+            wukong_layers=2,
+            wukong_fm_out=16,
+            wukong_lcb_out=16,
+            wukong_fm_rank=16,
+            wukong_mlp=(1024,),
             over_arch_layers=(1024, 512, 256),
             num_tasks=4,
         )

@@ -1,5 +1,5 @@
-"""GemModel: a GEM-like recommendation model (dense arch, sparse arch, sequence arch, DLRM dot
-interaction, over arch, task heads) on eager PyTorch or on gem_kernels' fused kernels."""
+"""GemModel: a GEM-like recommendation model (dense arch, sparse arch, sequence arch, DLRM dot or
+Wukong interaction, over arch, task heads) on eager PyTorch or on gem_kernels' fused kernels."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gem_kernels import flops
+
 from .archs import InteractionArch, SequenceArch, SparseArch, check_kernels, mlp, mlp_flops
 from .config import GemConfig
 from .data import Batch
 
 
 class GemModel(nn.Module):
-    """logits[B, num_tasks] = task_heads(over_arch([d, dot_interaction([d, e_1..e_T, u])]))
+    """logits[B, num_tasks] = task_heads(over_arch([d, interaction([d, e_1..e_T, u])]))
 
     d = dense_arch(dense) [B, D], e_t = sum-pooled bag of table t [B, D], u = mean over the user
-    history after the attention layers [B, D] (0 for an empty history).
+    history after the attention layers [B, D] (0 for an empty history); interaction is DLRM's dot
+    interaction or a Wukong stack (cfg.interaction).
 
     Args:
         cfg: sizes.
@@ -58,7 +61,8 @@ class GemModel(nn.Module):
 
         Counts matmuls (2*m*n*k each) and attention on the real jagged lengths (QK^T and PV over the
         causal half: 2 * sum_b L_b^2 * D per layer); backward = 2x forward, so a step is 3x forward.
-        Embedding pooling, norms, activations and the loss are not counted.
+        Wukong layers count as gem_kernels.flops.wukong_layer does. Embedding pooling, the other norms,
+        activations and the loss are not counted.
         """
         cfg = self.cfg
         rows, dim = batch.batch_size, cfg.embedding_dim
@@ -71,8 +75,15 @@ class GemModel(nn.Module):
                      + 2 * 2 * tokens * dim * ffn_dim        # FFN, two matmuls
                      + 2 * int((lengths * lengths).sum()) * dim)  # causal QK^T + PV, all heads
         forward += cfg.num_attention_layers * per_layer
-        forward += rows * cfg.num_interactions * 2 * dim     # one D-long dot per pair i < j
-        forward += mlp_flops((dim + cfg.num_interactions,) + cfg.over_arch_layers + (cfg.num_tasks,), rows)
+        if cfg.interaction == "dot":
+            forward += rows * cfg.num_interactions * 2 * dim     # one D-long dot per pair i < j
+        else:
+            num_in = cfg.num_features
+            for _ in range(cfg.wukong_layers):
+                forward += flops.wukong_layer(rows, num_in, cfg.wukong_fm_out, cfg.wukong_lcb_out, dim,
+                                              cfg.wukong_fm_rank, list(cfg.wukong_mlp), 4)[0]
+                num_in = cfg.wukong_fm_out + cfg.wukong_lcb_out
+        forward += mlp_flops((dim + cfg.interaction_width,) + cfg.over_arch_layers + (cfg.num_tasks,), rows)
         return 3 * forward
 
 

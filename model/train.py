@@ -10,12 +10,13 @@ device before the clock starts); the first step is a warm-up and is not timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
 from .archs import KERNELS
-from .config import GemConfig
+from .config import INTERACTIONS, GemConfig
 from .data import make_batch
 from .gem import GemModel, train_step
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernels", choices=KERNELS, default="fused")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--config", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--interaction", choices=INTERACTIONS, default=None,
+                        help="interaction arch (default: the preset's; small: dot, gpu: wukong)")
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     parser.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
@@ -45,10 +48,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device(args.device)
     cfg = PRESETS[args.config]()
+    if args.interaction is not None:
+        cfg = dataclasses.replace(cfg, interaction=args.interaction)
     model = GemModel(cfg, kernels=args.kernels, seed=args.seed).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     batches = [make_batch(cfg, args.batch_size, device=device, seed=step) for step in range(args.steps)]
-    print(f"config={args.config} kernels={args.kernels} device={device} batch_size={args.batch_size} "
+    print(f"config={args.config} interaction={cfg.interaction} kernels={args.kernels} device={device} batch_size={args.batch_size} "
           f"steps={args.steps} params={sum(p.numel() for p in model.parameters()):,}")
 
     flops = sum(model.flops_per_step(batch) for batch in batches[1:])  # outside the clock: it syncs

@@ -26,6 +26,8 @@ from .utils import assert_close, offsets_from_lengths
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = GemConfig.small()
+WUKONG = dataclasses.replace(SMALL, interaction="wukong")
+CONFIGS = [pytest.param(SMALL, id="dot"), pytest.param(WUKONG, id="wukong")]
 
 
 @pytest.fixture(autouse=True)
@@ -125,10 +127,11 @@ def test_gpu_preset_is_valid_and_bigger():
 
 
 @pytest.mark.parametrize("field, value", [("embedding_dim", 0), ("num_heads", 3), ("max_seq_len", -1),
-                                          ("num_embeddings_per_table", ()), ("empty_seq_prob", 1.5)])
+                                          ("num_embeddings_per_table", ()), ("empty_seq_prob", 1.5),
+                                          ("interaction", "cross"), ("wukong_fm_rank", 0), ("wukong_lcb_out", -1)])
 def test_config_rejects_bad_sizes(field, value):
     with pytest.raises(ValueError, match=field):
-        dataclasses.replace(SMALL, **{field: value})
+        dataclasses.replace(WUKONG, **{field: value})
 
 
 def test_bad_arguments():
@@ -219,8 +222,8 @@ def test_every_arch_has_both_kernels():
 # ----------------------------------------------------------------------------------------- the model
 
 
-def _loss_and_grads(kernels: str, batch: Batch):
-    model = GemModel(SMALL, kernels=kernels, seed=0)
+def _loss_and_grads(kernels: str, batch: Batch, cfg: GemConfig = SMALL):
+    model = GemModel(cfg, kernels=kernels, seed=0)
     loss = model.loss(batch)
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
@@ -247,11 +250,12 @@ def test_same_seed_same_parameters():
     assert not torch.equal(eager.sparse_arch.weight, other.sparse_arch.weight)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("batch_size", [64, 1])
-def test_eager_and_fused_agree(batch_size):
-    batch = make_batch(SMALL, batch_size, seed=11)
-    _, loss_eager, grads_eager = _loss_and_grads("eager", batch)
-    model, loss_fused, grads_fused = _loss_and_grads("fused", batch)
+def test_eager_and_fused_agree(batch_size, cfg):
+    batch = make_batch(cfg, batch_size, seed=11)
+    _, loss_eager, grads_eager = _loss_and_grads("eager", batch, cfg)
+    model, loss_fused, grads_fused = _loss_and_grads("fused", batch, cfg)
     assert torch.isfinite(loss_eager)
     assert_close(loss_fused, loss_eager, dtype=torch.float32)
     assert grads_eager.keys() == grads_fused.keys()
@@ -264,6 +268,9 @@ def test_eager_and_fused_agree(batch_size):
                  "sequence_arch.time_embedding", "sequence_arch.layers.0.qkv.weight",
                  "interaction_arch.task_heads.weight"):
         assert float(grads_eager[name].abs().sum()) > 0, name
+    if cfg.interaction == "wukong":
+        wukong = [name for name in grads_eager if name.startswith("interaction_arch.wukong.")]
+        assert len(wukong) > 10 and all(float(grads_eager[name].abs().sum()) > 0 for name in wukong)
 
 
 def test_all_sequences_empty():
@@ -281,19 +288,36 @@ def test_all_sequences_empty():
     assert float(grads_eager["sequence_arch.item_embedding"].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("kernels", ["eager", "fused"])
-def test_training_decreases_loss(kernels):
-    model = GemModel(SMALL, kernels=kernels, seed=0)
+def test_training_decreases_loss(kernels, cfg):
+    model = GemModel(cfg, kernels=kernels, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    held_out = make_batch(SMALL, 512, seed=10_000)
+    held_out = make_batch(cfg, 512, seed=10_000)
     with torch.no_grad():
         before = float(model.loss(held_out))
-    losses = [train_step(model, make_batch(SMALL, 128, seed=step), optimizer) for step in range(20)]
+    losses = [train_step(model, make_batch(cfg, 128, seed=step), optimizer) for step in range(20)]
     assert all(isinstance(loss, float) for loss in losses)
     with torch.no_grad():
         after = float(model.loss(held_out))
     # Fresh batches every step, judged on a batch never trained on: this is learning the teacher.
     assert after < before - 0.05, (before, after)
+
+
+def test_flops_per_step_wukong_counts_its_layers():
+    batch = make_batch(SMALL, 16, seed=0)
+    dot, wukong = GemModel(SMALL, kernels="eager"), GemModel(WUKONG, kernels="eager")
+    num_in, layers = SMALL.num_features, 0
+    for _ in range(WUKONG.wukong_layers):
+        layers += gem_kernels.flops.wukong_layer(16, num_in, WUKONG.wukong_fm_out, WUKONG.wukong_lcb_out,
+                                                 WUKONG.embedding_dim, WUKONG.wukong_fm_rank,
+                                                 list(WUKONG.wukong_mlp), 4)[0]
+        num_in = WUKONG.wukong_fm_out + WUKONG.wukong_lcb_out
+    dot_products = 16 * SMALL.num_interactions * 2 * SMALL.embedding_dim
+    # Only the over arch's first layer sees the wider interaction output.
+    over_first_layer = 2 * 16 * (WUKONG.interaction_width - SMALL.num_interactions) * SMALL.over_arch_layers[0]
+    expected = 3 * (layers - dot_products + over_first_layer)
+    assert wukong.flops_per_step(batch) - dot.flops_per_step(batch) == expected
 
 
 def test_flops_per_step():
