@@ -210,6 +210,22 @@ void check_offsets_values(const at::Tensor& offsets, int64_t total) {
   });
 }
 
+// Forward-style work items: (table t, bags [b_begin, b_end) of kBagsPerChunk), table-major, handed
+// out dynamically: the threads work through one table together (FBGEMM's table-by-table order), so
+// that table's hot Zipf-head rows are shared in cache, and a thread slowed by the host takes fewer
+// chunks. body(t, b_begin, b_end, D_t, rows_t, chunk_stop): chunk_stop ends the chunk's indices
+// (row prefetches stay inside it).
+template <typename index_t, typename Body>
+void for_each_bag_chunk(const Meta& m, const index_t* offsets, int64_t work, const Body& body) {
+  const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
+  parallel_dynamic(chunks * m.T, work, [&](int64_t item) {
+    const int64_t t = item / chunks;
+    const int64_t b_begin = (item % chunks) * kBagsPerChunk;
+    const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
+    body(t, b_begin, b_end, m.d_off[t + 1] - m.d_off[t], m.r_off[t + 1] - m.r_off[t], offsets[t * m.B + b_end]);
+  });
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward
 // ------------------------------------------------------------------------------------------------
@@ -285,21 +301,12 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
       first_bad = what;
     }
   };
-  // Work items are (table, chunk of kBagsPerChunk bags), table-major, handed out dynamically: the
-  // threads work through one table together (FBGEMM's table-by-table order), so that table's hot
-  // Zipf-head rows are shared in cache, and a thread slowed by the host takes fewer chunks.
-  const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
-  parallel_dynamic(chunks * m.T, (offsets[m.T * m.B] + m.T * m.B) * m.max_D, [&](int64_t item) {
+  for_each_bag_chunk(m, offsets, (offsets[m.T * m.B] + m.T * m.B) * m.max_D,
+                     [&](int64_t t, int64_t b_begin, int64_t b_end, int64_t D, int64_t rows, int64_t chunk_stop) {
     thread_local std::vector<float> acc;
     acc.resize(m.max_D);
     {
-      const int64_t t = item / chunks;
-      const int64_t b_begin = (item % chunks) * kBagsPerChunk;
-      const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
-      const int64_t D = m.d_off[t + 1] - m.d_off[t];
-      const int64_t rows = m.r_off[t + 1] - m.r_off[t];
       const scalar_t* table = weights + m.w_off[t];
-      const int64_t chunk_stop = offsets[t * m.B + b_end];
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t tb = t * m.B + b;
         const int64_t start = offsets[tb];
@@ -599,15 +606,9 @@ at::Tensor embedding_bag_per_sample_weights_backward_cpu(const at::Tensor& grad_
       const index_t* off = offsets.data_ptr<index_t>();
       float* out = grad_psw.data_ptr<float>();
       const int64_t stride = grad_output.size(1);
-      const int64_t chunks = (m.B + kBagsPerChunk - 1) / kBagsPerChunk;
-      parallel_dynamic(chunks * m.T, (N + m.T * m.B) * m.max_D, [&](int64_t item) {
-        const int64_t t = item / chunks;
-        const int64_t b_begin = (item % chunks) * kBagsPerChunk;
-        const int64_t b_end = std::min(m.B, b_begin + kBagsPerChunk);
-        const int64_t D = m.d_off[t + 1] - m.d_off[t];
-        const int64_t rows = m.r_off[t + 1] - m.r_off[t];
+      for_each_bag_chunk(m, off, (N + m.T * m.B) * m.max_D, [&](int64_t t, int64_t b_begin, int64_t b_end, int64_t D,
+                                                              int64_t rows, int64_t chunk_stop) {
         const scalar_t* table = w + m.w_off[t];
-        const int64_t chunk_stop = off[t * m.B + b_end];
         for (int64_t b = b_begin; b < b_end; ++b) {
           const scalar_t* bag_grad = pooling == kNone ? nullptr : grad + b * stride + m.d_off[t];
           for (int64_t p = off[t * m.B + b]; p < off[t * m.B + b + 1]; ++p) {

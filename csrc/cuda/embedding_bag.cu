@@ -35,6 +35,17 @@ constexpr int kPerLane = 4;    // columns per lane per chunk: 128 columns per wa
 constexpr int64_t kNone = 2, kMean = 1;
 constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2;
 
+// Bag tb = t * B + b of the bag-per-warp kernels: (table t, bag b, t's D, t's row count).
+struct WarpBag {
+  int64_t t, b, D, rows;
+};
+
+__device__ __forceinline__ WarpBag warp_bag(int64_t tb, int64_t B, const int64_t* __restrict__ d_off,
+                                            const int64_t* __restrict__ r_off) {
+  const int64_t t = tb / B;
+  return {t, tb - t * B, d_off[t + 1] - d_off[t], r_off[t + 1] - r_off[t]};
+}
+
 template <typename scalar_t, typename index_t>
 __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, const int64_t* __restrict__ w_off,
                                          const int64_t* __restrict__ d_off, const int64_t* __restrict__ r_off,
@@ -44,10 +55,7 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
   const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
   if (tb >= T * B) return;
   const int lane = threadIdx.x;
-  const int64_t t = tb / B;
-  const int64_t b = tb - t * B;
-  const int64_t D = d_off[t + 1] - d_off[t];
-  const int64_t rows = r_off[t + 1] - r_off[t];
+  const auto [t, b, D, rows] = warp_bag(tb, B, d_off, r_off);
   const scalar_t* table = weights + w_off[t];
   const int64_t start = offsets[tb];
   const int64_t stop = offsets[tb + 1];
@@ -98,10 +106,7 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
   const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
   if (tb >= T * B) return;
   const int lane = threadIdx.x;
-  const int64_t t = tb / B;
-  const int64_t b = tb - t * B;
-  const int64_t D = d_off[t + 1] - d_off[t];
-  const int64_t rows = r_off[t + 1] - r_off[t];
+  const auto [t, b, D, rows] = warp_bag(tb, B, d_off, r_off);
   const scalar_t* table = weights + w_off[t];
   for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) {
     const int64_t idx = indices[p];

@@ -25,20 +25,24 @@ from ..reference.embedding_bag import MEAN, NONE, OPT_ADAM, OPT_NONE, OPT_ROWWIS
 
 
 @triton.jit
+def _program_bag(B, w_off_ptr, d_off_ptr, r_off_ptr, offsets_ptr):
+    """The (table t, bag b) this program owns: (b, t's element offset, column offset, D, rows, and the
+    bag's index range [start, stop))."""
+    tb = tl.program_id(0).to(tl.int64)
+    t = tb // B
+    d_begin = tl.load(d_off_ptr + t)
+    return (tb - t * B, tl.load(w_off_ptr + t), d_begin, tl.load(d_off_ptr + t + 1) - d_begin,
+            tl.load(r_off_ptr + t + 1) - tl.load(r_off_ptr + t), tl.load(offsets_ptr + tb).to(tl.int64),
+            tl.load(offsets_ptr + tb + 1).to(tl.int64))
+
+
+@triton.jit
 def _embedding_bag_fwd_kernel(
     weights_ptr, w_off_ptr, d_off_ptr, r_off_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr,
     B, output_dim,
     POOLING: tl.constexpr, HAS_PSW: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    tb = tl.program_id(0).to(tl.int64)
-    t = tb // B
-    b = tb - t * B
-    w_off = tl.load(w_off_ptr + t)
-    d_begin = tl.load(d_off_ptr + t)
-    D = tl.load(d_off_ptr + t + 1) - d_begin
-    rows = tl.load(r_off_ptr + t + 1) - tl.load(r_off_ptr + t)
-    start = tl.load(offsets_ptr + tb).to(tl.int64)
-    stop = tl.load(offsets_ptr + tb + 1).to(tl.int64)
+    b, w_off, d_begin, D, rows, start, stop = _program_bag(B, w_off_ptr, d_off_ptr, r_off_ptr, offsets_ptr)
     d = tl.arange(0, BLOCK_D)
     col = d < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -115,15 +119,7 @@ def _embedding_bag_psw_bwd_kernel(
 ):
     """Gradient of per_sample_weights: one program per (table, bag), as the forward; for each index
     the dot of its weight row with the bag's gradient row (pooling "none": the index's own row)."""
-    tb = tl.program_id(0).to(tl.int64)
-    t = tb // B
-    b = tb - t * B
-    w_off = tl.load(w_off_ptr + t)
-    d_begin = tl.load(d_off_ptr + t)
-    D = tl.load(d_off_ptr + t + 1) - d_begin
-    rows = tl.load(r_off_ptr + t + 1) - tl.load(r_off_ptr + t)
-    start = tl.load(offsets_ptr + tb).to(tl.int64)
-    stop = tl.load(offsets_ptr + tb + 1).to(tl.int64)
+    b, w_off, d_begin, D, rows, start, stop = _program_bag(B, w_off_ptr, d_off_ptr, r_off_ptr, offsets_ptr)
     d = tl.arange(0, BLOCK_D)
     col = d < D
     if POOLING != 2:
