@@ -288,20 +288,23 @@ def test_head_dims(device, backend, D, Dv):
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 @pytest.mark.parametrize("kind", ["softmax", "hstu"])
-def test_deterministic_backward_is_bit_identical(device, backend, kind):
-    if backend == "triton":
-        # dq, dk, dv use no atomics; the bias gradients do, so deterministic=True refuses them.
-        inputs = make_inputs([40, 3, 70, 17], H=2, device=device, targets=[3, 0, 9, 1])
-        biased = make_inputs([5], device=device, pos_heads=1)
-        with pytest.raises(NotImplementedError, match="deterministic bias gradients"):
-            run(biased, backend, deterministic=True)
-    else:
-        inputs = make_inputs([40, 3, 200, 17], H=2, device=device, pos_heads=1, time_heads=2, targets=[3, 0, 9, 1])
+@pytest.mark.parametrize("pos_heads,time_heads,M", [(1, 2, None), (2, 1, 150)])
+def test_deterministic_backward_is_bit_identical(device, backend, kind, pos_heads, time_heads, M):
+    """deterministic=True with both biases: the same bits twice, and the reference's values. M = 150 leaves
+    relative positions and key blocks that no sequence reaches (their gradient must be exactly 0)."""
+    lengths = [40, 3, 70, 17] if interpreted(device, backend) else [40, 3, 200, 17]
+    inputs = make_inputs(lengths, H=2, device=device, pos_heads=pos_heads, time_heads=time_heads,
+                         targets=[3, 0, 9, 1], M=M)
     options = dict(kind=kind, contextual_len=2, max_attn_len=50, deterministic=True)
     first = run(inputs, backend, **options)
     second = run(inputs, backend, **options)
     for a, b in zip([first[0], *first[1]], [second[0], *second[1]]):
         assert torch.equal(a, b)
+    _check_against_reference(inputs, backend, torch.float32, **options)
+    if M is not None:
+        reach = max(lengths) - 1  # |j - i| <= L - 1
+        unreachable = torch.cat([first[1][3][:, :M - 1 - reach], first[1][3][:, M + reach:]], 1)
+        assert torch.equal(unreachable, torch.zeros_like(unreachable))
 
 
 def test_cpu_backward_is_independent_of_thread_count():

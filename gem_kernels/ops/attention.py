@@ -186,8 +186,9 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         time_bias: [H or 1, num_buckets + 1] float, or None; needs timestamps.
         timestamps: [N] int32/int64 (one per row), required with time_bias.
         deterministic: make the backward bit-identical run to run. The cpu and reference backends
-            always are; triton never uses atomics for dq/dk/dv but adds the bias gradients with fp32
-            atomics, so with a bias it raises NotImplementedError under deterministic=True.
+            always are. triton never uses atomics for dq/dk/dv; its bias gradients use fp32 atomics
+            when False, and per-program partial sums in scratch reduced in a fixed order when True
+            (slower: a reduction kernel, scratch of ~H * sum L^2 / 16 bytes for pos_bias).
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
             "cuda" has the forward only: it is refused when a gradient is needed, and "auto" then
             takes triton on CUDA tensors.

@@ -6,10 +6,14 @@ Work decomposition (FlashAttention-2 on a jagged batch, one sequence per program
   fp32 (softmax) or a plain fp32 accumulator (HSTU). The visibility mask is computed from the (i, j)
   ids in-tile; a key block with no visible pair is skipped before any load; the biases are gathered
   in-tile. Programs past the sequence end exit at once.
-- backward: two kernels, no atomics on dq/dk/dv (deterministic): `_bwd_kv` (grid over key blocks)
-  accumulates dk, dv over the query blocks and adds the bias gradients with fp32 atomics;
-  `_bwd_q` (grid over query blocks) accumulates dq over the key blocks. Both recompute the scores.
-  delta_i = <dO_i, O_i> (softmax) is one torch reduction before them.
+- backward: two passes of one kernel, no atomics on dq/dk/dv: the KV pass (grid over key blocks)
+  accumulates dk, dv over the query blocks; the Q pass (grid over query blocks) accumulates dq over
+  the key blocks. Both recompute the scores. delta_i = <dO_i, O_i> (softmax) is one torch reduction
+  before them. The bias gradients come from the KV pass: with deterministic=False it adds them with
+  fp32 atomics (fast, order-dependent bits); with deterministic=True each KV program writes its
+  partial sums to scratch (pos_bias: the diagonal sums of dS over its key block, one store per
+  64-wide block of relative positions; time_bias: its num_buckets+1 bucket sums), reduced afterwards
+  in a fixed order (`_pos_bias_grad_reduce_kernel`, torch.sum): bit-identical run to run.
 Roofline: FLOPs 4 * sum(visible pairs) * H * D forward (2 products), 2.5x backward (5 products, one
 recomputed); minimum bytes N*H*(2*Dqk + 2*Dv)*s forward.
 
@@ -29,6 +33,8 @@ from ..reference.attention import time_buckets
 # memory of every SM80+ part at 4 warps; the interpreter also stays quick on the tiny test shapes.
 BLOCK_M = 64
 BLOCK_N = 64
+# The deterministic pos_bias gradient walks query blocks in steps of one key block (see _diagonal_sums).
+assert BLOCK_M == BLOCK_N
 
 
 @triton.jit
@@ -166,17 +172,51 @@ def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht, 
 
 
 @triton.jit
+def _diagonal_sums(ds, BLOCK: tl.constexpr):
+    """Sums of a [BLOCK, BLOCK] tile along its diagonals c - r: (upper[t] for c - r = t + 1, lower[t] for
+    c - r = t - BLOCK + 1), t in [0, BLOCK). Each row is gathered into its diagonal's column, then
+    the columns are summed: a fixed order, no atomics."""
+    r = tl.arange(0, BLOCK)[:, None]
+    t = tl.arange(0, BLOCK)[None, :]
+    up = r + 1 + t
+    upper = tl.sum(tl.where(up < BLOCK, tl.gather(ds, tl.minimum(up, BLOCK - 1), 1), 0.0), 0)
+    lo = r + t - (BLOCK - 1)
+    lower = tl.sum(tl.where(lo >= 0, tl.gather(ds, tl.maximum(lo, 0), 1), 0.0), 0)
+    return upper, lower
+
+
+@triton.jit
+def _bucket_sums(ds, bucket, num_buckets, TB: tl.constexpr):
+    """part[m] = sum of ds over the tile's pairs in time bucket m (m <= num_buckets < TB), fixed order."""
+    offs = tl.arange(0, TB)
+    part = tl.zeros((TB,), tl.float32)
+    for m in range(0, num_buckets + 1):
+        total = tl.sum(tl.sum(tl.where(bucket == m, ds, 0.0), 1), 0)
+        part += tl.where(offs == m, total, 0.0)
+    return part
+
+
+@triton.jit
 def _jagged_attention_bwd_kernel(
     Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, DK_ptr, DV_ptr, DPos_ptr, DTime_ptr,
-    offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
+    pos_base_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
     stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
-    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
-    KV_PASS: tl.constexpr, SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads, key_blocks,
+    KV_PASS: tl.constexpr, DETERMINISTIC: tl.constexpr, SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
+    TB: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """KV_PASS: program = one key block -> dk, dv (+ bias grads by atomics). Else: one query block -> dq."""
+    """KV_PASS: program = one key block -> dk, dv and the bias gradients. Else: one query block -> dq.
+
+    Bias gradients, DETERMINISTIC=False: fp32 atomics straight into DPos_ptr [pos_heads, 2M-1] and
+    DTime_ptr [time_heads, num_buckets+1]. DETERMINISTIC=True: DPos_ptr is the pos scratch, where
+    program (kt, b, h) owns nt + 1 blocks of BLOCK_N floats from pos_base_ptr[b] + (h*nt + kt)*(nt+1)*BLOCK_N
+    (nt = cdiv(L, BLOCK_N)); its block x holds the dS sums of relative positions j - i in
+    (BLOCK_N*(x + kt - nt), BLOCK_N*(x + kt - nt + 1)]. Query block qt touches blocks nt - qt (c - r > 0)
+    and nt - qt - 1 (c - r <= 0), which query block qt + 1 touches next: the walk keeps the second in
+    `carry` and stores each block once, complete. DTime_ptr is the time scratch [B*H, key_blocks, num_buckets+1].
+    """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -201,7 +241,16 @@ def _jagged_attention_bwd_kernel(
             v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
             dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
             dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+            offs_blk = tl.arange(0, BLOCK_N)
+            if DETERMINISTIC and HAS_POS:
+                nt = tl.cdiv(L, BLOCK_N)
+                pos_row = DPos_ptr + tl.load(pos_base_ptr + b) + (h * nt + pid).to(tl.int64) * (nt + 1) * BLOCK_N
+                carry = tl.zeros((BLOCK_N,), tl.float32)
+            if DETERMINISTIC and HAS_TIME:
+                time_part = tl.zeros((TB,), tl.float32)
             for i0 in range(0, L, BLOCK_M):
+                upper = tl.zeros((BLOCK_N,), tl.float32)
+                lower = tl.zeros((BLOCK_N,), tl.float32)
                 offs_m = i0 + tl.arange(0, BLOCK_M)
                 row_ok = offs_m < L
                 id_m = _ids(offs_m, L, max_id, contextual_len)
@@ -221,10 +270,26 @@ def _jagged_attention_bwd_kernel(
                     dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
                     dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * scale
                     if HAS_POS:
-                        rel = offs_n[None, :] - offs_m[:, None] + M - 1
-                        tl.atomic_add(DPos_ptr + hp * stride_pb + rel, ds, mask=vis)
+                        if DETERMINISTIC:
+                            upper, lower = _diagonal_sums(ds, BLOCK_N)
+                        else:
+                            rel = offs_n[None, :] - offs_m[:, None] + M - 1
+                            tl.atomic_add(DPos_ptr + hp * stride_pb + rel, ds, mask=vis)
                     if HAS_TIME:
-                        tl.atomic_add(DTime_ptr + ht * stride_tb + bucket, ds, mask=vis)
+                        if DETERMINISTIC:
+                            time_part += _bucket_sums(ds, bucket, num_buckets, TB)
+                        else:
+                            tl.atomic_add(DTime_ptr + ht * stride_tb + bucket, ds, mask=vis)
+                if DETERMINISTIC and HAS_POS:
+                    # Skipped (fully masked) query blocks still store: every scratch block is written.
+                    tl.store(pos_row + (nt - i0 // BLOCK_M) * BLOCK_N + offs_blk, carry + upper)
+                    carry = lower
+            if DETERMINISTIC and HAS_POS:
+                tl.store(pos_row + offs_blk, carry)
+            if DETERMINISTIC and HAS_TIME:
+                offs_tb = tl.arange(0, TB)
+                tl.store(DTime_ptr + (bh.to(tl.int64) * key_blocks + pid) * (num_buckets + 1) + offs_tb, time_part,
+                         mask=offs_tb <= num_buckets)
             tl.store(DK_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
                      dk.to(DK_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
             tl.store(DV_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
@@ -256,6 +321,32 @@ def _jagged_attention_bwd_kernel(
                     dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
             tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
                      dq.to(DQ_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _pos_bias_grad_reduce_kernel(Scratch_ptr, pos_base_ptr, offsets_ptr, DPos_ptr, num_seqs, H, M, pos_heads,
+                                 stride_pb, key_blocks, BLOCK: tl.constexpr):
+    """Program (hp, m): block m of relative positions j - i in (BLOCK*m, BLOCK*(m+1)], m in [-key_blocks,
+    key_blocks), of dpos[hp]: the sum over sequences b, heads h of group hp (every h when pos_heads == 1)
+    and key blocks kt of the KV programs' scratch blocks (layout in _jagged_attention_bwd_kernel), in
+    that fixed order. FLOPs: one add per scratch float; bytes: the scratch read once, dpos written once."""
+    hp = tl.program_id(0)
+    m = tl.program_id(1) - key_blocks
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    h_lo = tl.where(pos_heads == 1, 0, hp)
+    h_hi = tl.where(pos_heads == 1, H, hp + 1)
+    for b in range(0, num_seqs):
+        L = tl.load(offsets_ptr + b + 1) - tl.load(offsets_ptr + b)
+        nt = tl.cdiv(L, BLOCK)
+        base = tl.load(pos_base_ptr + b)
+        for h in range(h_lo, h_hi):
+            # Key block kt holds block m at x = m - kt + nt, present when 0 <= x <= nt.
+            for kt in range(tl.maximum(m, 0), tl.minimum(nt, m + nt + 1)):
+                x = m - kt + nt
+                acc += tl.load(Scratch_ptr + base + ((h * nt + kt) * (nt + 1) + x).to(tl.int64) * BLOCK + offs)
+    rel = BLOCK * m + 1 + offs + M - 1
+    tl.store(DPos_ptr + hp * stride_pb + rel, acc, mask=(rel >= 0) & (rel < 2 * M - 1))
 
 
 def _bucket_thresholds(num_buckets: int, device) -> torch.Tensor:
@@ -315,12 +406,20 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
     return out, lse
 
 
+def _pos_scratch_bases(seq_offsets, num_heads: int) -> tuple[torch.Tensor, int]:
+    """(int64 [B] start of sequence b's block in the deterministic pos scratch, its total floats).
+
+    Sequence b (nt = cdiv(L_b, BLOCK_N) key blocks) takes H * nt * (nt + 1) * BLOCK_N floats: the
+    scratch is 4 * H * sum_b nt_b (nt_b + 1) * BLOCK_N bytes, about H * sum_b L_b^2 / 16 bytes (jagged:
+    no padding to max_seq_len). One host sync reads the total to allocate it."""
+    key_blocks = (seq_offsets.long().diff() + BLOCK_N - 1) // BLOCK_N
+    sizes = num_heads * key_blocks * (key_blocks + 1) * BLOCK_N
+    bases = torch.cumsum(sizes, 0) - sizes
+    return bases.contiguous(), int(sizes.sum()) if sizes.numel() else 0
+
+
 def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
                          contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic):
-    if deterministic and (pos_bias is not None or time_bias is not None):
-        raise NotImplementedError(
-            "triton backend: deterministic bias gradients are not implemented (they use fp32 atomics); "
-            "use deterministic=False or the cpu/reference backend")
     N, H, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dpos = torch.zeros(pos_bias.shape, dtype=torch.float32, device=q.device) if pos_bias is not None else None
@@ -333,11 +432,33 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
             delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [N, H]
         else:
             lse = delta = q.new_zeros((1,), dtype=torch.float32)
+        key_blocks = triton.cdiv(max_seq_len, BLOCK_N)
+        pos_out, time_out, pos_bases = dpos, dtime, seq_offsets
+        if deterministic and pos_bias is not None:
+            pos_bases, pos_floats = _pos_scratch_bases(seq_offsets, H)
+            pos_out = torch.empty((pos_floats,), dtype=torch.float32, device=q.device)  # every float is stored
+        if deterministic and time_bias is not None:
+            # [B*H, key_blocks, num_buckets+1]: 4 * B * H * cdiv(max_seq_len, 64) * (num_buckets+1) bytes
+            # (linear in max_seq_len: ~0.5 MiB at B=32, H=4, max_seq_len=4096, 32 buckets). Zeroed: programs
+            # past their sequence's end store nothing.
+            time_out = torch.zeros((num_seqs * H, key_blocks, time_bias.shape[1]), dtype=torch.float32,
+                                   device=q.device)
         common = (q, k, v, grad_out, lse, delta, dq, dk, dv,
-                  dpos if dpos is not None else delta, dtime if dtime is not None else delta)
+                  pos_out if pos_out is not None else delta, time_out if time_out is not None else delta, pos_bases)
+        num_buckets = args["num_buckets"]
         for kv_pass in (True, False):
             grid = (triton.cdiv(max_seq_len, BLOCK_N if kv_pass else BLOCK_M), num_seqs * H)
-            _jagged_attention_bwd_kernel[grid](*common, KV_PASS=kv_pass, **args)
+            _jagged_attention_bwd_kernel[grid](*common, key_blocks=key_blocks, KV_PASS=kv_pass,
+                                               DETERMINISTIC=deterministic,
+                                               TB=triton.next_power_of_2(num_buckets + 1), **args)
+        if deterministic and pos_bias is not None:
+            _pos_bias_grad_reduce_kernel[(pos_bias.shape[0], 2 * key_blocks)](
+                pos_out, pos_bases, seq_offsets, dpos, num_seqs, H, max_seq_len, pos_bias.shape[0],
+                pos_bias.shape[1], key_blocks, BLOCK=BLOCK_N)
+        if deterministic and time_bias is not None:
+            # torch.sum reduces in a fixed order for a given shape: deterministic.
+            per_head = time_out.view(num_seqs, H, key_blocks, -1).sum(dim=(0, 2))
+            dtime = per_head if time_bias.shape[0] == H else per_head.sum(0, keepdim=True)
     dpos = dpos.to(pos_bias.dtype) if dpos is not None else q.new_empty((0,))
     dtime = dtime.to(time_bias.dtype) if time_bias is not None else q.new_empty((0,))
     return dq, dk, dv, dpos, dtime
