@@ -7,8 +7,13 @@ count the visible work of the real sequences only (gem_kernels.flops.jagged_atte
 Peers: `reference` (gem_kernels' padded eager twin: pad, mask, fp32 maths), `sdpa`
 (scaled_dot_product_attention on inputs padded beforehand, with the visibility mask and biases as an
 additive float mask; the padding itself is not timed, which flatters it), `nested` (nested-tensor
-SDPA; it runs only without a mask, so only on the non-causal case), `flex` (FlexAttention with a
-document mask, GPU only). HSTU has no SDPA form: its baseline is the padded eager reference.
+SDPA; it runs only without a mask, so only on the non-causal case), `flex` (FlexAttention on the
+packed input [1, H, N, D] with a document-id mask_mod, causal as the case, the block mask built once
+per batch beforehand and not timed, like sdpa's mask; `torch.compile(flex_attention, dynamic=True)`
+as jagged users compile it, since N changes every batch: one compile serves every case). Flex runs
+on the softmax kind without bias (the visibility of those cases is exactly the document mask, + causal);
+on the CPU torch has its forward only (the backward raises), so fwd+bwd cases note it absent. HSTU
+has no SDPA form: its baseline is the padded eager reference.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import gem_kernels as gk
 from .harness import Case, rotate
@@ -25,6 +31,8 @@ from gem_kernels.reference import attention as ref
 
 H, D = 4, 128
 NUM_BUCKETS = 32
+# Compiled lazily on the first flex call (torch.compile itself is cheap; the first call compiles).
+_flex_compiled = torch.compile(flex_attention, dynamic=True)
 
 
 def _lengths(num_seqs: int, max_seq_len: int, density: float, gen: torch.Generator) -> torch.Tensor:
@@ -79,6 +87,43 @@ def _padded_sdpa_inputs(args, causal):
     return padded, mask
 
 
+def _flex_missing(device: torch.device, backward: bool, quick: bool) -> str | None:
+    """Why the FlexAttention peer cannot run this case here, or None."""
+    if quick:
+        # Measured on the 2-core CPU with an empty inductor cache: the first call compiles for 13-19 s,
+        # and the --quick budget of the whole family is 9 s. A warm cache would hide it; a bench
+        # cannot count on one.
+        return "FlexAttention: not in --quick (its first call compiles for 13-19 s cold, past the quick budget)"
+    if backward:
+        # Ask torch itself (eager flex validates the device before any work): the message is the reason.
+        x = torch.zeros(1, 1, 16, 16, device=device, requires_grad=True)
+        try:
+            flex_attention(x, x, x)
+        except NotImplementedError as exc:
+            return f"FlexAttention fwd+bwd absent: {exc}"
+    return None
+
+
+def _flex_inputs(args, causal, backward):
+    """q, k, v as [1, H, N, D] leaves and the block mask of the jagged document mask (+ causal), built
+    once per batch, untimed. The leaves require grad only for fwd+bwd: CPU flex refuses any input that
+    does, even under no_grad."""
+    offsets = args["seq_offsets"]
+    n = args["q"].shape[0]
+    with torch.no_grad():
+        packed = [args[name].detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(backward)
+                  for name in ("q", "k", "v")]
+        doc = torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device),
+                                      offsets.long().diff(), output_size=n)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc[q_idx] == doc[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    block_mask = create_block_mask(mask_mod, 1, 1, n, n, device=offsets.device)
+    return packed, block_mask
+
+
 def _fwd(fn):
     def run():
         with torch.no_grad():
@@ -113,10 +158,11 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         for kind, with_bias, causal in variants:
             sets = [_inputs(lengths, max_seq_len, dtype, device, with_bias, seed) for seed in range(2)]
             for backward in (False, True) if causal else (False,):
-                yield _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, real_density, device, dtype)
+                yield _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, real_density, device, dtype,
+                        quick)
 
 
-def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density, device, dtype) -> Case:
+def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density, device, dtype, quick) -> Case:
     args0 = sets[0]
     flops, nbytes = gk_flops.jagged_attention(args0["seq_offsets"].cpu(), H, D, D, torch.finfo(dtype).bits // 8,
                                               causal=causal, backward=backward)
@@ -167,8 +213,17 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
             impls["nested"] = _cycle([nested_call(a) for a in sets])
         else:
             notes.append("nested-tensor SDPA runs only without a mask (no causal, no bias): absent")
-        if device.type == "cuda":
-            notes.append("FlexAttention peer not wired yet")
+        flex_missing = _flex_missing(device, backward, quick)
+        if flex_missing is None:
+            def flex_call(packed, block_mask):
+                q, k, v = packed
+                if backward:
+                    return wrap(lambda: _flex_compiled(q, k, v, block_mask=block_mask), [q, k, v])
+                # Forward: back to the jagged [N, H, D] layout, as the other impls return it.
+                return wrap(lambda: _flex_compiled(q, k, v, block_mask=block_mask)[0].transpose(0, 1), [q, k, v])
+            impls["flex"] = _cycle([flex_call(*_flex_inputs(a, causal, backward)) for a in sets])
+        else:
+            notes.append(flex_missing)
     else:
         notes.append("HSTU (SiLU weights) has no SDPA form: baseline is the padded eager reference")
     bias_txt = " +pos/time bias" if with_bias else ""
