@@ -179,10 +179,9 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
         impls["cpu"] = ours("cpu")
     else:
         impls["triton"] = ours("triton")
-        if not backward:
-            impls["cuda"] = ours("cuda")  # forward only
-        if with_bias:
-            notes.append("triton bias gradients use fp32 atomics (deterministic=False)")
+        impls["cuda"] = ours("cuda")
+        if with_bias and backward:
+            notes.append("triton and cuda bias gradients use fp32 atomics (deterministic=False)")
     # The padded eager twin is the HSTU baseline; for softmax (where SDPA is the baseline) it runs at
     # the short length only: at 1024 it takes seconds per call and says nothing new.
     if kind == "hstu" or max_seq_len <= 256:

@@ -9,13 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gem_kernels as gk
-from gem_kernels.ops.attention import FORWARD_ONLY, IMPLEMENTED, jagged_attention_bwd_op, jagged_attention_fwd_op
+from gem_kernels.ops import attention as attention_ops
+from gem_kernels.ops.attention import IMPLEMENTED, jagged_attention_bwd_op, jagged_attention_fwd_op
 from gem_kernels.reference import attention as ref
 
 from .utils import TOLERANCES, assert_close, device_backend_params, offsets_from_lengths, poison_allocator
 
-# Backends with forward and backward; FORWARD_ONLY ones (cuda) are tested on the forward.
-BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference" and b not in FORWARD_ONLY)
+# Every backend has forward and backward; each is tested against the reference.
+BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference")
 NUM_BUCKETS = 8
 
 
@@ -247,23 +248,24 @@ def test_backend_matches_reference(device, backend, kind, lengths, input_options
     _check_against_reference(inputs, backend, torch.float32, kind=kind, **options)
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params(FORWARD_ONLY))
-@pytest.mark.parametrize("kind", ["softmax", "hstu"])
-@pytest.mark.parametrize("lengths,input_options,options", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_only_backend_matches_reference(device, backend, kind, lengths, input_options, options, dtype):
-    inputs = make_inputs(lengths, device=device, dtype=dtype, **input_options)
-    with torch.no_grad():
-        out = gk.jagged_attention(**inputs, kind=kind, backend=backend, **options)
-        expected = gk.jagged_attention(**inputs, kind=kind, backend="reference", **options)
-    assert_close(out, expected, dtype)
+@pytest.mark.parametrize("device,expected", [
+    pytest.param("cpu", "cpu", marks=pytest.mark.skipif("cpu" not in gk.available_backends(),
+                                                        reason="gem_kernels._C not built")),
+    pytest.param("cuda", "triton", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="no CUDA device on this machine")]),
+])
+def test_auto_backend_choice(device, expected, monkeypatch):
+    """auto: cpu on CPU tensors; triton (tensor cores) before cuda on CUDA tensors, forward and backward."""
+    chosen = []
+    real_kernel = attention_ops.kernel
 
+    def spy(family, op, backend):
+        chosen.append(backend)
+        return real_kernel(family, op, backend)
 
-def test_forward_only_backend_refuses_gradients():
-    inputs = make_inputs([3, 4])
-    for backend in FORWARD_ONLY:
-        with pytest.raises(gk.BackendUnavailableError, match="implements only the forward"):
-            gk.jagged_attention(**inputs, backend=backend)
+    monkeypatch.setattr(attention_ops, "kernel", spy)
+    run(make_inputs([5, 0, 3], device=device, pos_heads=1), "auto")
+    assert chosen == [expected, expected]
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
@@ -288,11 +290,12 @@ def test_head_dims(device, backend, D, Dv):
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 @pytest.mark.parametrize("kind", ["softmax", "hstu"])
-@pytest.mark.parametrize("pos_heads,time_heads,M", [(1, 2, None), (2, 1, 150)])
-def test_deterministic_backward_is_bit_identical(device, backend, kind, pos_heads, time_heads, M):
-    """deterministic=True with both biases: the same bits twice, and the reference's values. M = 150 leaves
-    relative positions and key blocks that no sequence reaches (their gradient must be exactly 0)."""
+@pytest.mark.parametrize("pos_heads,time_heads,extra_len", [(1, 2, None), (2, 1, 80)])
+def test_deterministic_backward_is_bit_identical(device, backend, kind, pos_heads, time_heads, extra_len):
+    """deterministic=True with both biases: the same bits twice, and the reference's values. max_seq_len =
+    longest + 80 leaves relative positions and key blocks that no sequence reaches (gradient exactly 0)."""
     lengths = [40, 3, 70, 17] if interpreted(device, backend) else [40, 3, 200, 17]
+    M = None if extra_len is None else max(lengths) + extra_len
     inputs = make_inputs(lengths, H=2, device=device, pos_heads=pos_heads, time_heads=time_heads,
                          targets=[3, 0, 9, 1], M=M)
     options = dict(kind=kind, contextual_len=2, max_attn_len=50, deterministic=True)
@@ -334,6 +337,7 @@ def test_int32_offsets_and_targets_and_timestamps(device, backend):
     _check_against_reference(inputs, backend, torch.float32)
 
 
+@pytest.mark.parametrize("device,backend", device_backend_params(("cpu", "cuda")))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.integers(0, 40), min_size=0, max_size=5),
@@ -348,14 +352,15 @@ def test_int32_offsets_and_targets_and_timestamps(device, backend):
     D=st.integers(1, 20),
     Dv=st.integers(1, 20),
     seed=st.integers(0, 1000),
+    deterministic=st.booleans(),
 )
-def test_fuzz_cpu_against_reference(lengths, extra_len, kind, causal, contextual_len, max_attn_len, with_targets,
-                                    pos_heads, time_heads, D, Dv, seed):
+def test_fuzz_native_against_reference(device, backend, lengths, extra_len, kind, causal, contextual_len,
+                                       max_attn_len, with_targets, pos_heads, time_heads, D, Dv, seed, deterministic):
     targets = [(L * (seed % 7)) // 7 for L in lengths] if with_targets else None
     inputs = make_inputs(lengths, D=D, Dv=Dv, M=max([1, *lengths]) + extra_len, targets=targets,
-                         pos_heads=pos_heads, time_heads=time_heads, seed=seed)
-    _check_against_reference(inputs, "cpu", torch.float32, kind=kind, causal=causal, contextual_len=contextual_len,
-                             max_attn_len=max_attn_len)
+                         pos_heads=pos_heads, time_heads=time_heads, seed=seed, device=device)
+    _check_against_reference(inputs, backend, torch.float32, kind=kind, causal=causal, contextual_len=contextual_len,
+                             max_attn_len=max_attn_len, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
@@ -458,9 +463,9 @@ def test_unavailable_backend_is_reported():
 # torch.library registration: opcheck and torch.compile
 # ------------------------------------------------------------------------------------------------
 
-def _op_args(kind, with_bias):
+def _op_args(kind, with_bias, device="cpu"):
     inputs = make_inputs([3, 0, 5, 1], H=2, D=4, Dv=3, pos_heads=2 if with_bias else None,
-                         time_heads=1 if with_bias else None, targets=[1, 0, 2, 0])
+                         time_heads=1 if with_bias else None, targets=[1, 0, 2, 0], device=device)
     return (inputs["q"], inputs["k"], inputs["v"], inputs["seq_offsets"], 5, kind, True, 0.5,
             inputs["num_targets"], 1, 3, inputs.get("pos_bias"), inputs.get("time_bias"), inputs.get("timestamps"))
 
@@ -478,12 +483,14 @@ def test_opcheck(backend, kind, with_bias):
                                                     backend))
 
 
-def test_opcheck_native_ops():
-    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in _op_args("softmax", True)]
+@pytest.mark.parametrize("device,backend", device_backend_params(("cpu", "cuda")))
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_opcheck_native_ops(device, backend, deterministic):
+    plain = [a.detach() if isinstance(a, torch.Tensor) else a for a in _op_args("softmax", True, device)]
     torch.library.opcheck(torch.ops.gem_kernels.jagged_attention_fwd_native.default, tuple(plain))
     out, lse = torch.ops.gem_kernels.jagged_attention_fwd_native(*plain)
     torch.library.opcheck(torch.ops.gem_kernels.jagged_attention_bwd_native.default,
-                          (torch.randn_like(out), *plain[:3], out, lse, *plain[3:], False))
+                          (torch.randn_like(out), *plain[:3], out, lse, *plain[3:], deterministic))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -1,16 +1,32 @@
-// CUDA kernels of the attention family: jagged attention forward (softmax and HSTU).
-// Forward only: the backward of the `cuda` backend is not implemented (the Python front door sends
-// differentiable calls to triton and refuses backend="cuda" for them).
+// CUDA kernels of the attention family: jagged attention (softmax and HSTU), forward and backward.
 //
-// Work decomposition: grid (B * H, cdiv(max_seq_len, kBlockM)); block (b*H+h, m) owns kBlockM query
-// rows of sequence b, head h, and walks kBlockN-key tiles of that sequence only (flash-style: online
-// softmax in fp32, the [L, L] matrix never exists). Every tile's visibility is computed from the (i, j)
-// ids in-tile and a tile with no visible pair is skipped (__syncthreads_or) before its K/V loads;
+// Forward. Grid (B * H, cdiv(max_seq_len, kBlockM)); block (b*H+h, m) owns kBlockM query rows of
+// sequence b, head h, and walks kBlockN-key tiles of that sequence only (flash-style: online softmax
+// in fp32, the [L, L] matrix never exists). Every tile's visibility is computed from the (i, j) ids
+// in-tile and a tile with no visible pair is skipped (__syncthreads_or) before its K/V loads;
 // position and time biases are gathered in-tile. Q, K, V tiles, the score tile and the fp32 output
 // accumulator live in shared memory; the products run on the CUDA cores in fp32 (a plain, portable
 // kernel: no tensor cores yet). Blocks past a sequence's end exit at once.
 //
-// Roofline: FLOPs 4 * sum(visible pairs) * H * D; minimum bytes N*H*(2*Dqk + 2*Dv)*s plus biases.
+// Backward (FlashAttention-2 order, scores recomputed from q, k and the forward's lse; delta_i =
+// <dO_i, O_i> is one ATen reduction before the kernels), the CPU kernel's semantics:
+// - KV pass, grid (B * H, cdiv(max_seq_len, kBlockN)): block (b*H+h, n) owns kBlockN keys and walks
+//   the query tiles of its sequence, accumulating dK = scale * dS^T Q and dV = P^T dO in shared
+//   memory (no atomics), and the bias gradients of its tile: pos_bias by the diagonal sums of dS
+//   (one per relative position of the tile), time_bias by bucket sums kept in shared memory.
+//   deterministic=false: those sums go to dpos/dtime by fp32 atomicAdd (one per diagonal / bucket
+//   per tile, not per pair). deterministic=true: no float atomics; the block adds its diagonal sums
+//   into its own window of a pos scratch (read-modify-write ordered by the block's barriers) and
+//   stores its bucket sums into a time scratch; pos_bias_grad_reduce_kernel and an ATen sum reduce
+//   them in a fixed order (bit-identical run to run).
+// - Q pass, grid (B * H, cdiv(max_seq_len, kBlockM)): block (b*H+h, m) owns kBlockM queries and walks
+//   the key tiles, accumulating dQ = scale * dS K in shared memory (no atomics, whatever the flag).
+// Fully masked tiles are skipped in both passes, as in the forward.
+//
+// Roofline: FLOPs 4 * sum(visible pairs) * H * D forward, 2.5x that backward (5 tile products, one of
+// them the recomputed Q K^T; the Q pass recomputes Q K^T and dO V^T once more: 7 products run).
+// Minimum bytes: forward N*H*(2*Dqk + 2*Dv)*s plus biases; backward reads q, k, v, out, dO and writes
+// dq, dk, dv: N*H*(4*Dqk + 4*Dv)*s, plus biases, timestamps and the lse/delta rows (8*N*H).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -31,7 +47,7 @@ constexpr int kThreads = 128;
 constexpr int kBlockM = 16;  // 16 query rows x 32 keys: a 2 KiB score tile, 4 scores per thread
 constexpr int kBlockN = 32;
 
-struct FwdArgs {
+struct AttnArgs {
   const int64_t* offsets;
   const int64_t* targets;  // nullptr: no targets
   const float* pos_bias;   // nullptr: absent
@@ -44,13 +60,24 @@ struct FwdArgs {
   bool softmax, causal;
 };
 
+// Where the backward's bias gradients go (see the header comment).
+struct BiasGradOut {
+  float* dpos;               // [pos_heads, 2M-1], atomics (deterministic=false)
+  float* dtime;              // [time_heads, num_buckets+1], atomics (deterministic=false)
+  float* pos_scratch;        // deterministic: block (b, h, n) owns W = L + kBlockN - 1 floats at
+  const int64_t* pos_bases;  //   pos_bases[b] + (h * cdiv(L, kBlockN) + n) * W; slot x is j - i = x - (L-1) + n*kBlockN
+  float* time_scratch;       // deterministic: [B*H, key_blocks, num_buckets+1]
+  int64_t key_blocks;
+  bool deterministic;
+};
+
 __device__ __forceinline__ int64_t position_id(int64_t p, int64_t c, int64_t max_id) {
   const int64_t id = c > 0 ? max(p - c + 1, static_cast<int64_t>(0)) : p;
   return min(id, max_id);
 }
 
 // generative-recommenders' _get_valid_attn_mask for one pair.
-__device__ __forceinline__ bool visible(int64_t i, int64_t j, int64_t max_id, const FwdArgs& a) {
+__device__ __forceinline__ bool visible(int64_t i, int64_t j, int64_t max_id, const AttnArgs& a) {
   if (i == j) return true;
   const int64_t id_i = position_id(i, a.contextual_len, max_id);
   const int64_t id_j = position_id(j, a.contextual_len, max_id);
@@ -60,7 +87,7 @@ __device__ __forceinline__ bool visible(int64_t i, int64_t j, int64_t max_id, co
   return a.contextual_len > 0 && id_i == 0 && id_j < max_id;
 }
 
-__device__ __forceinline__ int64_t time_bucket(int64_t dt, const FwdArgs& a) {
+__device__ __forceinline__ int64_t time_bucket(int64_t dt, const AttnArgs& a) {
   const int64_t x = dt < 0 ? -dt : dt;
   int64_t lo = 0, hi = a.num_buckets;  // number of thresholds <= x, by bisection
   while (lo < hi) {
@@ -70,10 +97,46 @@ __device__ __forceinline__ int64_t time_bucket(int64_t dt, const FwdArgs& a) {
   return lo;
 }
 
+// s_ij = scale * <q_i, k_j> + pos_bias + time_bias, in fp32; *bucket gets the pair's time bucket.
+__device__ __forceinline__ float biased_score(const float* qr, const float* kc, int64_t i, int64_t j, int64_t start,
+                                              int64_t hp, int64_t ht, const AttnArgs& a, int* bucket) {
+  float s = 0.0f;
+  for (int64_t d = 0; d < a.D; ++d) s += qr[d] * kc[d];
+  s *= a.scale;
+  if (a.pos_bias != nullptr) s += a.pos_bias[hp * (2 * a.M - 1) + (j - i + a.M - 1)];
+  if (a.time_bias != nullptr) {
+    const int64_t bkt = time_bucket(a.timestamps[start + i] - a.timestamps[start + j], a);
+    *bucket = static_cast<int>(bkt);
+    s += a.time_bias[ht * (a.num_buckets + 1) + bkt];
+  }
+  return s;
+}
+
+// dst[rows][width] <- rows row0.. of head h of a packed [N, H, width] tensor in fp32, zero past `valid`.
+template <typename scalar_t>
+__device__ __forceinline__ void load_rows(float* dst, const scalar_t* src, int64_t row0, int64_t rows, int64_t valid,
+                                          int64_t H, int64_t h, int64_t width) {
+  for (int64_t idx = threadIdx.x; idx < rows * width; idx += blockDim.x) {
+    const int64_t r = idx / width, d = idx % width;
+    dst[idx] = r < valid ? static_cast<float>(src[((row0 + r) * H + h) * width + d]) : 0.0f;
+  }
+}
+
+// Whether any pair of the (i0.., j0..) tile is visible; a barrier for the whole block.
+__device__ __forceinline__ bool tile_visible(int64_t i0, int64_t bm, int64_t j0, int64_t bn, int64_t max_id,
+                                             const AttnArgs& a) {
+  int any = 0;
+  for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
+    const int r = idx / kBlockN, c = idx % kBlockN;
+    if (r < bm && c < bn && visible(i0 + r, j0 + c, max_id, a)) any = 1;
+  }
+  return __syncthreads_or(any) != 0;
+}
+
 template <typename scalar_t>
 __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                                             const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
-                                            float* __restrict__ lse, FwdArgs a) {
+                                            float* __restrict__ lse, AttnArgs a) {
   extern __shared__ float smem[];
   const int64_t D = a.D, Dv = a.Dv, H = a.H;
   float* sq = smem;                        // [kBlockM][D]
@@ -95,10 +158,7 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   const float neg_inf = -INFINITY;
   const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
 
-  for (int64_t idx = threadIdx.x; idx < kBlockM * D; idx += blockDim.x) {
-    const int64_t r = idx / D, d = idx % D;
-    sq[idx] = r < bm ? static_cast<float>(q[((start + i0 + r) * H + h) * D + d]) : 0.0f;
-  }
+  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D);
   for (int64_t idx = threadIdx.x; idx < kBlockM * Dv; idx += blockDim.x) sacc[idx] = 0.0f;
   if (threadIdx.x < kBlockM) {
     row_max[threadIdx.x] = neg_inf;
@@ -108,36 +168,16 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
 
   for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
     const int64_t bn = min(static_cast<int64_t>(kBlockN), L - j0);
-    int any = 0;
-    for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
-      const int r = idx / kBlockN, c = idx % kBlockN;
-      if (r < bm && c < bn && visible(i0 + r, j0 + c, max_id, a)) any = 1;
-    }
-    if (!__syncthreads_or(any)) continue;  // fully masked tile: no loads, no maths
-    for (int64_t idx = threadIdx.x; idx < kBlockN * D; idx += blockDim.x) {
-      const int64_t c = idx / D, d = idx % D;
-      sk[idx] = c < bn ? static_cast<float>(k[((start + j0 + c) * H + h) * D + d]) : 0.0f;
-    }
-    for (int64_t idx = threadIdx.x; idx < kBlockN * Dv; idx += blockDim.x) {
-      const int64_t c = idx / Dv, d = idx % Dv;
-      sv[idx] = c < bn ? static_cast<float>(v[((start + j0 + c) * H + h) * Dv + d]) : 0.0f;
-    }
+    if (!tile_visible(i0, bm, j0, bn, max_id, a)) continue;  // fully masked tile: no loads, no maths
+    load_rows(sk, k, start + j0, kBlockN, bn, H, h, D);
+    load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv);
     __syncthreads();
     for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
       const int r = idx / kBlockN, c = idx % kBlockN;
       const int64_t i = i0 + r, j = j0 + c;
       const bool on = r < bm && c < bn && visible(i, j, max_id, a);
-      float s = 0.0f;
-      if (on) {
-        const float* qr = sq + r * D;
-        const float* kc = sk + c * D;
-        for (int64_t d = 0; d < D; ++d) s += qr[d] * kc[d];
-        s *= a.scale;
-        if (a.pos_bias != nullptr) s += a.pos_bias[hp * (2 * a.M - 1) + (j - i + a.M - 1)];
-        if (a.time_bias != nullptr)
-          s += a.time_bias[ht * (a.num_buckets + 1) +
-                           time_bucket(a.timestamps[start + i] - a.timestamps[start + j], a)];
-      }
+      int bucket = 0;
+      const float s = on ? biased_score(sq + r * D, sk + c * D, i, j, start, hp, ht, a, &bucket) : 0.0f;
       if (a.softmax) {
         ss[idx] = on ? s : neg_inf;
       } else {
@@ -188,10 +228,336 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   }
 }
 
+// The backward's tile: P (softmax probabilities from the forward's lse, or the HSTU weights) into sp
+// and dS into sds, fp32, zero where invisible or outside the sequence; the pairs' time buckets into
+// sbucket when it is given. Reads sq, sdo (the tile's query rows), sk, sv (its keys), row_lse and
+// row_delta (softmax). Each thread owns whole pairs: no reduction across threads.
+__device__ __forceinline__ void grad_tile(const float* sq, const float* sk, const float* sv, const float* sdo,
+                                          const float* row_lse, const float* row_delta, float* sp, float* sds,
+                                          int* sbucket, int64_t i0, int64_t bm, int64_t j0, int64_t bn,
+                                          int64_t start, int64_t hp, int64_t ht, int64_t max_id, const AttnArgs& a) {
+  for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
+    const int r = idx / kBlockN, c = idx % kBlockN;
+    const int64_t i = i0 + r, j = j0 + c;
+    float p = 0.0f, ds = 0.0f;
+    int bucket = 0;
+    if (r < bm && c < bn && visible(i, j, max_id, a)) {
+      const float s = biased_score(sq + r * a.D, sk + c * a.D, i, j, start, hp, ht, a, &bucket);
+      const float* dor = sdo + r * a.Dv;
+      const float* vc = sv + c * a.Dv;
+      float dp = 0.0f;
+      for (int64_t d = 0; d < a.Dv; ++d) dp += dor[d] * vc[d];
+      if (a.softmax) {
+        p = expf(s - row_lse[r]);
+        ds = p * (dp - row_delta[r]);
+      } else {
+        const float sig = 1.0f / (1.0f + expf(-s));
+        p = s * sig * a.inv_m;
+        ds = dp * sig * (1.0f + s * (1.0f - sig)) * a.inv_m;
+      }
+    }
+    sp[idx] = p;
+    sds[idx] = ds;
+    if (sbucket != nullptr) sbucket[idx] = bucket;
+  }
+}
+
+// lse and delta of the tile's query rows into shared memory (softmax; zero past the sequence's end).
+__device__ __forceinline__ void load_row_stats(float* row_lse, float* row_delta, const float* lse, const float* delta,
+                                               int64_t row0, int64_t bm, int64_t H, int64_t h) {
+  if (threadIdx.x < kBlockM) {
+    const int r = threadIdx.x;
+    row_lse[r] = r < bm ? lse[(row0 + r) * H + h] : 0.0f;
+    row_delta[r] = r < bm ? delta[(row0 + r) * H + h] : 0.0f;
+  }
+}
+
+template <typename scalar_t>
+__global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                                               const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                                               const float* __restrict__ lse, const float* __restrict__ delta,
+                                               scalar_t* __restrict__ dk, scalar_t* __restrict__ dv, AttnArgs a,
+                                               BiasGradOut g) {
+  extern __shared__ float smem[];
+  const int64_t D = a.D, Dv = a.Dv, H = a.H;
+  const bool has_time = a.time_bias != nullptr;
+  const int64_t time_width = has_time ? a.num_buckets + 1 : 0;
+  float* sk = smem;                      // [kBlockN][D]
+  float* sv = sk + kBlockN * D;          // [kBlockN][Dv]
+  float* sdk = sv + kBlockN * Dv;        // [kBlockN][D]
+  float* sdv = sdk + kBlockN * D;        // [kBlockN][Dv]
+  float* sq = sdv + kBlockN * Dv;        // [kBlockM][D]
+  float* sdo = sq + kBlockM * D;         // [kBlockM][Dv]
+  float* sp = sdo + kBlockM * Dv;        // [kBlockM][kBlockN]
+  float* sds = sp + kBlockM * kBlockN;   // [kBlockM][kBlockN]
+  float* stime = sds + kBlockM * kBlockN;                           // [num_buckets+1] (time bias)
+  int* sbucket = reinterpret_cast<int*>(stime + time_width);        // [kBlockM][kBlockN] (time bias)
+  __shared__ float row_lse[kBlockM], row_delta[kBlockM];
+
+  const int64_t bh = blockIdx.x;
+  const int64_t b = bh / H, h = bh % H;
+  const int64_t start = a.offsets[b];
+  const int64_t L = a.offsets[b + 1] - start;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.y) * kBlockN;
+  if (j0 >= L) return;  // uniform over the block
+  const int64_t n_targets = a.targets != nullptr ? a.targets[b] : 0;
+  const int64_t max_id = L - n_targets + (a.contextual_len > 0 ? 1 - a.contextual_len : 0);
+  const int64_t bn = min(static_cast<int64_t>(kBlockN), L - j0);
+  const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
+  // Deterministic pos window of this block (see BiasGradOut).
+  const int64_t pos_width = L + kBlockN - 1;
+  float* pos_window = nullptr;
+  if (a.pos_bias != nullptr && g.deterministic) {
+    const int64_t key_tiles = (L + kBlockN - 1) / kBlockN;
+    pos_window = g.pos_scratch + g.pos_bases[b] + (h * key_tiles + blockIdx.y) * pos_width;
+  }
+
+  load_rows(sk, k, start + j0, kBlockN, bn, H, h, D);
+  load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv);
+  for (int64_t idx = threadIdx.x; idx < kBlockN * D; idx += blockDim.x) sdk[idx] = 0.0f;
+  for (int64_t idx = threadIdx.x; idx < kBlockN * Dv; idx += blockDim.x) sdv[idx] = 0.0f;
+  for (int64_t idx = threadIdx.x; idx < time_width; idx += blockDim.x) stime[idx] = 0.0f;
+  __syncthreads();
+
+  for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
+    const int64_t bm = min(static_cast<int64_t>(kBlockM), L - i0);
+    // Also the barrier that orders this tile's pos-window updates after the previous tile's.
+    if (!tile_visible(i0, bm, j0, bn, max_id, a)) continue;
+    load_rows(sq, q, start + i0, kBlockM, bm, H, h, D);
+    load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv);
+    if (a.softmax) load_row_stats(row_lse, row_delta, lse, delta, start + i0, bm, H, h);
+    __syncthreads();
+    grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, has_time ? sbucket : nullptr, i0, bm, j0, bn, start, hp,
+              ht, max_id, a);
+    __syncthreads();
+    // dV[c] += sum_r P[r, c] dO[r], dK[c] += scale * sum_r dS[r, c] Q[r]: each thread owns its outputs.
+    for (int64_t idx = threadIdx.x; idx < kBlockN * Dv; idx += blockDim.x) {
+      const int64_t c = idx / Dv, d = idx % Dv;
+      float acc = 0.0f;
+      for (int64_t r = 0; r < bm; ++r) acc += sp[r * kBlockN + c] * sdo[r * Dv + d];
+      sdv[idx] += acc;
+    }
+    for (int64_t idx = threadIdx.x; idx < kBlockN * D; idx += blockDim.x) {
+      const int64_t c = idx / D, d = idx % D;
+      float acc = 0.0f;
+      for (int64_t r = 0; r < bm; ++r) acc += sds[r * kBlockN + c] * sq[r * D + d];
+      sdk[idx] += a.scale * acc;
+    }
+    if (a.pos_bias != nullptr) {
+      // Diagonal e = c - r of the tile is relative position j - i = j0 - i0 + e: one sum per diagonal.
+      for (int t = threadIdx.x; t < kBlockM + kBlockN - 1; t += blockDim.x) {
+        const int e = t - (kBlockM - 1);
+        float sum = 0.0f;
+        for (int r = 0; r < kBlockM; ++r) {
+          const int c = r + e;
+          if (c >= 0 && c < kBlockN) sum += sds[r * kBlockN + c];
+        }
+        const int64_t rel = j0 - i0 + e;  // j - i
+        if (g.deterministic) {
+          const int64_t x = rel - j0 + L - 1;
+          if (x >= 0 && x < pos_width) pos_window[x] += sum;  // this block's own floats, in tile order
+        } else if (rel > -a.M && rel < a.M && sum != 0.0f) {
+          atomicAdd(g.dpos + hp * (2 * a.M - 1) + rel + a.M - 1, sum);
+        }
+      }
+    }
+    if (has_time) {
+      for (int64_t m = threadIdx.x; m < time_width; m += blockDim.x) {
+        float sum = 0.0f;
+        for (int idx = 0; idx < kBlockM * kBlockN; ++idx)
+          if (sbucket[idx] == m) sum += sds[idx];
+        stime[m] += sum;
+      }
+    }
+    __syncthreads();  // the next tile overwrites sq, sdo, sp, sds
+  }
+
+  for (int64_t idx = threadIdx.x; idx < bn * D; idx += blockDim.x) {
+    const int64_t c = idx / D, d = idx % D;
+    dk[((start + j0 + c) * H + h) * D + d] = static_cast<scalar_t>(sdk[idx]);
+  }
+  for (int64_t idx = threadIdx.x; idx < bn * Dv; idx += blockDim.x) {
+    const int64_t c = idx / Dv, d = idx % Dv;
+    dv[((start + j0 + c) * H + h) * Dv + d] = static_cast<scalar_t>(sdv[idx]);
+  }
+  for (int64_t m = threadIdx.x; m < time_width; m += blockDim.x) {
+    if (g.deterministic) {
+      g.time_scratch[(bh * g.key_blocks + blockIdx.y) * time_width + m] = stime[m];
+    } else if (stime[m] != 0.0f) {
+      atomicAdd(g.dtime + ht * time_width + m, stime[m]);
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
+                                              const scalar_t* __restrict__ v, const scalar_t* __restrict__ dout,
+                                              const float* __restrict__ lse, const float* __restrict__ delta,
+                                              scalar_t* __restrict__ dq, AttnArgs a) {
+  extern __shared__ float smem[];
+  const int64_t D = a.D, Dv = a.Dv, H = a.H;
+  float* sq = smem;                      // [kBlockM][D]
+  float* sdo = sq + kBlockM * D;         // [kBlockM][Dv]
+  float* sdq = sdo + kBlockM * Dv;       // [kBlockM][D]
+  float* sk = sdq + kBlockM * D;         // [kBlockN][D]
+  float* sv = sk + kBlockN * D;          // [kBlockN][Dv]
+  float* sp = sv + kBlockN * Dv;         // [kBlockM][kBlockN]
+  float* sds = sp + kBlockM * kBlockN;   // [kBlockM][kBlockN]
+  __shared__ float row_lse[kBlockM], row_delta[kBlockM];
+
+  const int64_t bh = blockIdx.x;
+  const int64_t b = bh / H, h = bh % H;
+  const int64_t start = a.offsets[b];
+  const int64_t L = a.offsets[b + 1] - start;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kBlockM;
+  if (i0 >= L) return;  // uniform over the block
+  const int64_t n_targets = a.targets != nullptr ? a.targets[b] : 0;
+  const int64_t max_id = L - n_targets + (a.contextual_len > 0 ? 1 - a.contextual_len : 0);
+  const int64_t bm = min(static_cast<int64_t>(kBlockM), L - i0);
+  const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
+
+  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D);
+  load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv);
+  if (a.softmax) load_row_stats(row_lse, row_delta, lse, delta, start + i0, bm, H, h);
+  for (int64_t idx = threadIdx.x; idx < kBlockM * D; idx += blockDim.x) sdq[idx] = 0.0f;
+  __syncthreads();
+
+  for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
+    const int64_t bn = min(static_cast<int64_t>(kBlockN), L - j0);
+    if (!tile_visible(i0, bm, j0, bn, max_id, a)) continue;
+    load_rows(sk, k, start + j0, kBlockN, bn, H, h, D);
+    load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv);
+    __syncthreads();
+    grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, nullptr, i0, bm, j0, bn, start, hp, ht, max_id, a);
+    __syncthreads();
+    for (int64_t idx = threadIdx.x; idx < kBlockM * D; idx += blockDim.x) {
+      const int64_t r = idx / D, d = idx % D;
+      float acc = 0.0f;
+      for (int64_t c = 0; c < bn; ++c) acc += sds[r * kBlockN + c] * sk[c * D + d];
+      sdq[idx] += a.scale * acc;
+    }
+    __syncthreads();  // the next tile overwrites sk, sv, sp, sds
+  }
+
+  for (int64_t idx = threadIdx.x; idx < bm * D; idx += blockDim.x) {
+    const int64_t r = idx / D, d = idx % D;
+    dq[((start + i0 + r) * H + h) * D + d] = static_cast<scalar_t>(sdq[idx]);
+  }
+}
+
+// floor(x / y) for y > 0 and any sign of x.
+__device__ __forceinline__ int64_t floor_div(int64_t x, int64_t y) { return x >= 0 ? x / y : -((-x + y - 1) / y); }
+
+// Deterministic dpos: thread (rel, hp) sums the pos windows of every KV block that holds relative
+// position rel - (M-1), over sequences b, heads h of group hp (all h when pos_heads == 1) and key
+// blocks n, in that fixed order. FLOPs: one add per scratch float; bytes: the scratch once + dpos.
+__global__ void pos_bias_grad_reduce_kernel(const float* __restrict__ scratch, const int64_t* __restrict__ bases,
+                                            const int64_t* __restrict__ offsets, float* __restrict__ dpos,
+                                            int64_t num_seqs, int64_t H, int64_t M, int64_t pos_heads) {
+  const int64_t width = 2 * M - 1;
+  const int64_t rel = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t hp = blockIdx.y;
+  if (rel >= width) return;
+  const int64_t dji = rel - (M - 1);  // j - i
+  const int64_t h_lo = pos_heads == 1 ? 0 : hp, h_hi = pos_heads == 1 ? H : hp + 1;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t L = offsets[b + 1] - offsets[b];
+    if (L == 0) continue;
+    const int64_t key_tiles = (L + kBlockN - 1) / kBlockN, pos_width = L + kBlockN - 1;
+    // Block n holds j - i at x = dji - n*kBlockN + L - 1, present when 0 <= x < pos_width.
+    const int64_t n_lo = max(floor_div(dji, kBlockN), static_cast<int64_t>(0));
+    const int64_t n_hi = min(floor_div(dji + L - 1, kBlockN), key_tiles - 1);
+    for (int64_t h = h_lo; h < h_hi; ++h)
+      for (int64_t n = n_lo; n <= n_hi; ++n)
+        acc += scratch[bases[b] + (h * key_tiles + n) * pos_width + (dji - n * kBlockN + L - 1)];
+  }
+  dpos[hp * width + rel] = acc;
+}
+
 at::Tensor opt_float(const c10::optional<at::Tensor>& t) {
   if (!t.has_value() || !t->defined()) return at::Tensor();
   GK_CHECK_CUDA((*t));
   return t->to(at::kFloat).contiguous();
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_offsets,
+               c10::string_view kind) {
+  GK_CHECK_CUDA(q);
+  GK_CHECK_CUDA(k);
+  GK_CHECK_CUDA(v);
+  GK_CHECK_CUDA(seq_offsets);
+  GK_CHECK_INDEX(seq_offsets);
+  GK_CHECK_DIM(q, 3);
+  GK_CHECK_DIM(v, 3);
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape");
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be [N, H, Dv]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+  TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
+}
+
+// The kernels' arguments and the device tensors they point into (kept alive by this struct).
+struct Prepared {
+  AttnArgs a{};
+  at::Tensor offsets, targets, pos_bias, time_bias, timestamps, thr;
+};
+
+Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq_offsets, int64_t max_seq_len,
+                 c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
+                 int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+                 const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in) {
+  Prepared p;
+  AttnArgs& a = p.a;
+  const int64_t N = q.size(0);
+  p.offsets = seq_offsets.to(at::kLong).contiguous();
+  a.offsets = p.offsets.data_ptr<int64_t>();
+  if (num_targets.has_value() && num_targets->defined()) {
+    p.targets = num_targets->to(at::kLong).contiguous();
+    a.targets = p.targets.data_ptr<int64_t>();
+  }
+  p.pos_bias = opt_float(pos_bias_in);
+  if (p.pos_bias.defined()) {
+    TORCH_CHECK(p.pos_bias.dim() == 2 && p.pos_bias.size(1) == 2 * max_seq_len - 1,
+                "pos_bias must be [H or 1, 2*max_seq_len-1]");
+    TORCH_CHECK(p.pos_bias.size(0) == 1 || p.pos_bias.size(0) == q.size(1), "pos_bias.size(0) must be 1 or H");
+    a.pos_bias = p.pos_bias.data_ptr<float>();
+    a.pos_heads = p.pos_bias.size(0);
+  }
+  p.time_bias = opt_float(time_bias_in);
+  if (p.time_bias.defined()) {
+    TORCH_CHECK(p.time_bias.dim() == 2 && p.time_bias.size(1) >= 1, "time_bias must be [H or 1, num_buckets+1]");
+    TORCH_CHECK(p.time_bias.size(0) == 1 || p.time_bias.size(0) == q.size(1), "time_bias.size(0) must be 1 or H");
+    TORCH_CHECK(timestamps_in.has_value() && timestamps_in->numel() == N, "timestamps must be [N] with time_bias");
+    GK_CHECK_CUDA((*timestamps_in));
+    p.timestamps = timestamps_in->to(at::kLong).contiguous();
+    a.time_bias = p.time_bias.data_ptr<float>();
+    a.time_heads = p.time_bias.size(0);
+    a.num_buckets = p.time_bias.size(1) - 1;
+    const auto table = bucket_thresholds(a.num_buckets);
+    at::Tensor host = at::empty({static_cast<int64_t>(table.size()) + 1}, at::kLong);
+    std::copy(table.begin(), table.end(), host.data_ptr<int64_t>());
+    p.thr = host.to(p.offsets.device());
+    a.timestamps = p.timestamps.data_ptr<int64_t>();
+    a.thr = p.thr.data_ptr<int64_t>();
+  }
+  a.H = q.size(1);
+  a.D = q.size(2);
+  a.Dv = v.size(2);
+  a.M = max_seq_len;
+  a.contextual_len = contextual_len;
+  a.max_attn_len = max_attn_len;
+  a.scale = static_cast<float>(scale);
+  a.inv_m = max_seq_len > 0 ? 1.0f / static_cast<float>(max_seq_len) : 0.0f;
+  a.softmax = kind == "softmax";
+  a.causal = causal;
+  return p;
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t smem) {
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
@@ -199,85 +565,143 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
     int64_t max_seq_len, c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in) {
-  GK_CHECK_CUDA(q_in);
-  GK_CHECK_CUDA(k_in);
-  GK_CHECK_CUDA(v_in);
-  GK_CHECK_CUDA(seq_offsets);
-  GK_CHECK_INDEX(seq_offsets);
-  GK_CHECK_DIM(q_in, 3);
-  GK_CHECK_DIM(v_in, 3);
-  TORCH_CHECK(k_in.sizes() == q_in.sizes(), "k must have q's shape");
-  TORCH_CHECK(v_in.size(0) == q_in.size(0) && v_in.size(1) == q_in.size(1), "v must be [N, H, Dv]");
-  TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
+  check_qkv(q_in, k_in, v_in, seq_offsets, kind);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-  const auto offsets = seq_offsets.to(at::kLong).contiguous();
-  const auto pos_bias = opt_float(pos_bias_in), time_bias = opt_float(time_bias_in);
-  at::Tensor targets, timestamps, thr;
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Dv = v.size(2), B = offsets.numel() - 1;
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Dv = v.size(2), B = seq_offsets.numel() - 1;
   const bool softmax = kind == "softmax";
   auto out = at::empty({N, H, Dv}, q.options());
   const std::vector<int64_t> lse_shape = softmax ? std::vector<int64_t>{N, H} : std::vector<int64_t>{0};
   auto lse = at::empty(lse_shape, q.options().dtype(at::kFloat));
   if (N == 0 || B == 0) return {out, lse};
-
-  FwdArgs a{};
-  a.offsets = offsets.data_ptr<int64_t>();
-  if (num_targets.has_value() && num_targets->defined()) {
-    targets = num_targets->to(at::kLong).contiguous();
-    a.targets = targets.data_ptr<int64_t>();
-  }
-  if (pos_bias.defined()) {
-    TORCH_CHECK(pos_bias.size(1) == 2 * max_seq_len - 1, "pos_bias must be [H or 1, 2*max_seq_len-1]");
-    a.pos_bias = pos_bias.data_ptr<float>();
-    a.pos_heads = pos_bias.size(0);
-  }
-  if (time_bias.defined()) {
-    TORCH_CHECK(timestamps_in.has_value() && timestamps_in->numel() == N, "timestamps must be [N] with time_bias");
-    timestamps = timestamps_in->to(at::kLong).contiguous();
-    a.time_bias = time_bias.data_ptr<float>();
-    a.time_heads = time_bias.size(0);
-    a.num_buckets = time_bias.size(1) - 1;
-    const auto table = bucket_thresholds(a.num_buckets);
-    thr = at::empty({static_cast<int64_t>(table.size()) + 1}, offsets.options());
-    at::Tensor host = at::empty({static_cast<int64_t>(table.size()) + 1}, at::kLong);
-    std::copy(table.begin(), table.end(), host.data_ptr<int64_t>());
-    thr.copy_(host);
-    a.timestamps = timestamps.data_ptr<int64_t>();
-    a.thr = thr.data_ptr<int64_t>();
-  }
-  a.H = H;
-  a.D = D;
-  a.Dv = Dv;
-  a.M = max_seq_len;
-  a.contextual_len = contextual_len;
-  a.max_attn_len = max_attn_len;
-  a.scale = static_cast<float>(scale);
-  a.inv_m = max_seq_len > 0 ? 1.0f / static_cast<float>(max_seq_len) : 0.0f;
-  a.softmax = softmax;
-  a.causal = causal;
+  const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
+                             max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
 
   const size_t smem = sizeof(float) * (kBlockM * D + kBlockN * D + kBlockN * Dv + kBlockM * kBlockN + kBlockM * Dv);
   const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((max_seq_len + kBlockM - 1) / kBlockM));
   if (grid.y == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_fwd_cuda", [&] {
     auto kernel = jagged_attention_fwd_kernel<scalar_t>;
-    if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-    }
+    allow_smem(kernel, smem);
     kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-        softmax ? lse.data_ptr<float>() : nullptr, a);
+        softmax ? lse.data_ptr<float>() : nullptr, p.a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cuda(
+    const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& seq_offsets, int64_t max_seq_len,
+    c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
+    int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+    bool deterministic) {
+  check_qkv(q_in, k_in, v_in, seq_offsets, kind);
+  GK_CHECK_CUDA(grad_out_in);
+  TORCH_CHECK(grad_out_in.sizes() == v_in.sizes(), "grad_out must be [N, H, Dv]");
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const auto dout = grad_out_in.to(q.scalar_type()).contiguous();
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Dv = v.size(2), B = seq_offsets.numel() - 1;
+  const bool softmax = kind == "softmax";
+  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const bool has_pos = pos_bias_in.has_value() && pos_bias_in->defined();
+  const bool has_time = time_bias_in.has_value() && time_bias_in->defined();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dpos = has_pos ? at::zeros(pos_bias_in->sizes(), f32) : at::empty({0}, q.options());
+  at::Tensor dtime = has_time ? at::zeros(time_bias_in->sizes(), f32) : at::empty({0}, q.options());
+  const auto finish = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    return {dq, dk, dv, has_pos ? dpos.to(pos_bias_in->scalar_type()) : dpos,
+            has_time ? dtime.to(time_bias_in->scalar_type()) : dtime};
+  };
+  if (N == 0 || B == 0 || max_seq_len == 0) return finish();
+  const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
+                             max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
+  at::Tensor lse, delta;
+  if (softmax) {
+    GK_CHECK_CUDA(out_in);
+    TORCH_CHECK(out_in.sizes() == v.sizes() && lse_in.numel() == N * H && lse_in.scalar_type() == at::kFloat,
+                "softmax backward needs out [N, H, Dv] and fp32 lse [N, H]");
+    lse = lse_in.contiguous();
+    delta = (dout.to(at::kFloat) * out_in.to(at::kFloat)).sum(-1).contiguous();  // [N, H]
+  }
+
+  const int64_t key_blocks = (max_seq_len + kBlockN - 1) / kBlockN;
+  const int64_t time_width = has_time ? p.a.num_buckets + 1 : 0;
+  BiasGradOut g{};
+  g.deterministic = deterministic;
+  g.key_blocks = key_blocks;
+  g.dpos = has_pos ? dpos.data_ptr<float>() : nullptr;
+  g.dtime = has_time ? dtime.data_ptr<float>() : nullptr;
+  at::Tensor pos_scratch, pos_bases, time_scratch;
+  if (deterministic && has_pos) {
+    // Sequence b (L, nt = cdiv(L, kBlockN) key blocks) takes H * nt * (L + kBlockN - 1) floats: the
+    // scratch is 4 * H * sum_b nt_b (L_b + kBlockN - 1) bytes, ~H * sum_b L_b^2 / 8 bytes (jagged, no
+    // padding to max_seq_len). Zeroed: the blocks add into it. One host copy of the offsets sizes it.
+    const auto lengths = p.offsets.diff().cpu();
+    const auto tiles = (lengths + (kBlockN - 1)).div(kBlockN, "floor");
+    const auto sizes = H * tiles * (lengths + (kBlockN - 1));
+    const auto bases_host = sizes.cumsum(0) - sizes;
+    pos_bases = bases_host.to(q.device());
+    pos_scratch = at::zeros({sizes.sum().item<int64_t>()}, f32);
+    g.pos_scratch = pos_scratch.data_ptr<float>();
+    g.pos_bases = pos_bases.data_ptr<int64_t>();
+  }
+  if (deterministic && has_time) {
+    // [B*H, key_blocks, num_buckets+1]: 4 * B * H * cdiv(max_seq_len, kBlockN) * (num_buckets+1) bytes.
+    // Zeroed: blocks past their sequence's end store nothing.
+    time_scratch = at::zeros({B * H, key_blocks, time_width}, f32);
+    g.time_scratch = time_scratch.data_ptr<float>();
+  }
+
+  const size_t smem_kv = sizeof(float) * (2 * kBlockN * D + 2 * kBlockN * Dv + kBlockM * D + kBlockM * Dv +
+                                          2 * kBlockM * kBlockN + time_width) +
+                         (has_time ? sizeof(int) * kBlockM * kBlockN : 0);
+  const size_t smem_q = sizeof(float) * (2 * kBlockM * D + kBlockM * Dv + kBlockN * D + kBlockN * Dv +
+                                         2 * kBlockM * kBlockN);
+  const dim3 grid_kv(static_cast<unsigned>(B * H), static_cast<unsigned>(key_blocks));
+  const dim3 grid_q(static_cast<unsigned>(B * H), static_cast<unsigned>((max_seq_len + kBlockM - 1) / kBlockM));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const float* lse_ptr = softmax ? lse.data_ptr<float>() : nullptr;
+  const float* delta_ptr = softmax ? delta.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_bwd_cuda", [&] {
+    auto kv_kernel = jagged_attention_bwd_kv_kernel<scalar_t>;
+    allow_smem(kv_kernel, smem_kv);
+    kv_kernel<<<grid_kv, kThreads, smem_kv, stream>>>(
+        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse_ptr,
+        delta_ptr, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), p.a, g);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto q_kernel = jagged_attention_bwd_q_kernel<scalar_t>;
+    allow_smem(q_kernel, smem_q);
+    q_kernel<<<grid_q, kThreads, smem_q, stream>>>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                                   v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse_ptr,
+                                                   delta_ptr, dq.data_ptr<scalar_t>(), p.a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (deterministic && has_pos) {
+    const int64_t width = 2 * max_seq_len - 1;
+    const dim3 grid(static_cast<unsigned>((width + kThreads - 1) / kThreads), static_cast<unsigned>(p.a.pos_heads));
+    pos_bias_grad_reduce_kernel<<<grid, kThreads, 0, stream>>>(pos_scratch.data_ptr<float>(),
+                                                               pos_bases.data_ptr<int64_t>(),
+                                                               p.offsets.data_ptr<int64_t>(), dpos.data_ptr<float>(),
+                                                               B, H, max_seq_len, p.a.pos_heads);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (deterministic && has_time) {
+    // ATen's sum reduces in a fixed order for a given shape: deterministic.
+    const auto per_head = time_scratch.view({B, H, key_blocks, time_width}).sum(at::IntArrayRef{0, 2});
+    dtime = p.a.time_heads == H ? per_head : per_head.sum(0, /*keepdim=*/true);
+  }
+  return finish();
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m) {
   m.impl("jagged_attention_fwd_native", &jagged_attention_fwd_cuda);
+  m.impl("jagged_attention_bwd_native", &jagged_attention_bwd_cuda);
 }
 
 }  // namespace gem_kernels

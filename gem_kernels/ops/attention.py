@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import BackendUnavailableError, kernel, resolve_backend
+from .._backend import get_backend, kernel, resolve_backend, unavailable_reason
 from .._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -21,10 +21,13 @@ from .._validate import (
 
 FAMILY = "attention"
 KINDS = ("softmax", "hstu")
-# The backends this family has; `auto` picks among them. The cuda backend has the forward only:
-# differentiable calls never run on it (auto takes triton; backend="cuda" is refused).
+# The backends this family has, each with forward and backward.
 IMPLEMENTED = ("reference", "cpu", "triton", "cuda")
-FORWARD_ONLY = ("cuda",)
+# `auto` on CUDA tensors takes triton before cuda (the other families' order is cuda > triton): triton's
+# tiles run on the tensor cores (tl.dot, bf16/fp16/tf32 operands), the cuda kernels are plain fp32
+# CUDA-core loops, so triton is the faster-expected path at every shape; cuda runs when named, or
+# under `auto` when triton is missing.
+AUTO_CUDA_FIRST = "triton"
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
@@ -85,8 +88,6 @@ def jagged_attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor]:
     """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient."""
-    if backend in FORWARD_ONLY:
-        raise NotImplementedError(f"backend {backend!r} implements only the forward of jagged_attention")
     _check_values(q, seq_offsets, max_seq_len, num_targets)
     return tuple(kernel(FAMILY, "jagged_attention_bwd", backend)(
         grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
@@ -188,10 +189,11 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         deterministic: make the backward bit-identical run to run. The cpu and reference backends
             always are. triton never uses atomics for dq/dk/dv; its bias gradients use fp32 atomics
             when False, and per-program partial sums in scratch reduced in a fixed order when True
-            (slower: a reduction kernel, scratch of ~H * sum L^2 / 16 bytes for pos_bias).
+            (slower: a reduction kernel, scratch of ~H * sum L^2 / 16 bytes for pos_bias). cuda: dq, dk,
+            dv never use atomics; bias gradients likewise atomics when False, scratch + fixed-order
+            reduction when True (~H * sum L^2 / 8 bytes for pos_bias).
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
-            "cuda" has the forward only: it is refused when a gradient is needed, and "auto" then
-            takes triton on CUDA tensors.
+            "auto" takes triton (then cuda) on CUDA tensors, cpu on CPU tensors.
 
     Returns:
         out [N, H, Dv] in q's dtype, differentiable w.r.t. q, k, v, pos_bias and time_bias. Softmax
@@ -247,14 +249,11 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         if timestamps.shape[0] != q.shape[0]:
             raise ValueError(f"timestamps must have N = {q.shape[0]} elements, got shape {tuple(timestamps.shape)}")
         timestamps = timestamps.contiguous() if time_bias is not None else None
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, pos_bias, time_bias))
-    if needs_grad and backend in FORWARD_ONLY:
-        raise BackendUnavailableError(
-            f"backend {backend!r} implements only the forward of jagged_attention; use backend='triton' (or "
-            "'auto') when gradients are needed, or call it under torch.no_grad()")
-    implemented = tuple(b for b in IMPLEMENTED if not (needs_grad and b in FORWARD_ONLY))
-    name = resolve_backend(backend, q.device, implemented)
+    requested = get_backend() if backend is None else backend
+    if requested == "auto" and q.device.type == "cuda" and unavailable_reason(AUTO_CUDA_FIRST) is None:
+        name = AUTO_CUDA_FIRST
+    else:
+        name = resolve_backend(backend, q.device, IMPLEMENTED)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
                                         max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
                                         max_attn_len, pos_bias, time_bias, timestamps, deterministic, name)
