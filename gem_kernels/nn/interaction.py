@@ -123,14 +123,26 @@ class WukongLayer(nn.Module):
                                  backend=self.backend)
         return self.fm_mlp(compressed).view(x.shape[0], self.num_fm_out, self.dim)
 
+    def feature_mix(self) -> torch.Tensor:
+        """M [num_out, num_in] with ``concat(0, LCB(X)) + residual(X) = M X``: the residual
+        projection (the identity when num_out == num_in) with lcb_weight added to its last
+        num_lcb_out rows, so the LCB and the residual are one matmul over the feature axis."""
+        if self.residual_weight is not None:
+            residual = self.residual_weight
+        else:
+            residual = torch.eye(self.num_in, dtype=self.lcb_weight.dtype, device=self.lcb_weight.device)
+        if not self.num_lcb_out:
+            return residual
+        return torch.cat([residual[:self.num_fm_out], residual[self.num_fm_out:] + self.lcb_weight])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = []
+        # One batched matmul for LCB + residual (bmm of the broadcast M: the eager matmul(W, x)
+        # over the middle axis copies x into a transposed layout, twice per layer, and once more
+        # for each gradient), then the FMB rows are added in place of the eager concat.
+        mixed = torch.bmm(self.feature_mix().expand(x.shape[0], -1, -1), x)
         if self.num_fm_out:
-            parts.append(self.fm_block(x))
-        if self.num_lcb_out:
-            parts.append(torch.matmul(self.lcb_weight, x))
-        residual = x if self.residual_weight is None else torch.matmul(self.residual_weight, x)
-        return self.norm(torch.cat(parts, 1) + residual)
+            mixed = mixed + nn.functional.pad(self.fm_block(x), (0, 0, 0, self.num_lcb_out))
+        return self.norm(mixed)
 
 
 class WukongStack(nn.Module):
