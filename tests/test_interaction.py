@@ -124,6 +124,24 @@ def test_dot_interaction(device, backend, shape, dtype, self_interaction):
     _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), dtype, ["x"])
 
 
+@pytest.mark.parametrize("device,backend", device_backend_params(("cuda",)))
+@pytest.mark.parametrize("num_features", [256, 300])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction_large_num_features(device, backend, num_features, dtype, self_interaction):
+    """F past one block's shared memory for an F x F tile (the bench's F = 256 and above): the CUDA
+    backward tiles sym(G); 300 and D = 40 leave partial 32-row and 32-column tiles."""
+    B, F, D = 3, num_features, 40
+    x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
+    P = num_pairs(F, self_interaction)
+    poison_allocator(B * max(P, F * D) * 4, device)
+    out = gk.dot_interaction(x, self_interaction, backend=backend)
+    expected = gk.dot_interaction(x, self_interaction, backend="reference")
+    g = randn_nonzero(B, P, dtype=dtype, device=device)
+    poison_allocator(B * F * D * 4, device)
+    _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), dtype, ["x"])
+
+
 CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16)]
 
 

@@ -6,9 +6,9 @@
 //   fp32 (row stride D + 1 against bank conflicts) when it fits in 48 KiB, else read through L1
 //   from global memory; thread t owns the pairs (i, j), j >= i + off, of the flattened F x F grid
 //   t, t + blockDim, ... and writes each at its packed upper-triangle index. Nothing [B, F, F] is
-//   materialised. bwd: one block per sample; sym(G) [F, F] is rebuilt in shared memory from the
-//   packed gradient and thread t computes grad_x[i, d] = sum_j sym(G)[i, j] x[j, d] for the
-//   elements t, t + blockDim, ... of [F, D].
+//   materialised. bwd: grad_x = sym(G) X as a tiled GEMM, one block per (sample, 32-row tile,
+//   32-column tile) walking j in 32-wide chunks, sym(G) tiles rebuilt from the packed gradient in
+//   shared memory (fixed 8.5 KiB, so any F works); 4*B*P*D FLOPs, B*(P + 2*F*D)*s bytes.
 // - cross_layer: the matmuls are at::addmm / at::mm (cuBLAS); the epilogues out = x0 * z + xl and
 //   (grad_z, grad_x0) = (g * x0, g * z) are one elementwise grid-stride kernel each.
 // - fm_compress: one block per sample, A = X^T Y [D, k] and S = X A [F, k] in shared memory (X is
@@ -81,26 +81,57 @@ __global__ void dot_interaction_fwd_kernel(const scalar_t* __restrict__ x, scala
   }
 }
 
+// grad_x = sym(G) X per sample, as a tiled GEMM so that any F fits: block (b, i-tile, d-tile) owns
+// grad_x[b, i0 : i0 + kBwdTileI, d0 : d0 + kBwdTileD] and walks j in kBwdTileJ chunks, staging the
+// sym(G) tile (rebuilt from the packed gradient) and the X tile in 8.5 KiB of shared memory. Thread
+// (tx, ty) owns column d0 + tx of rows i0 + ty + kBwdRowStep * r: a warp shares one row, so its sym(G)
+// reads are broadcasts and its X reads one conflict-free row. X is re-read ceil(F / kBwdTileI)
+// times and the packed gradient ceil(D / kBwdTileD) times, from L2 in the common case.
+constexpr int kBwdTileI = 32, kBwdTileJ = 32, kBwdTileD = 32, kBwdRowStep = 8;
+constexpr int kBwdRowsPerThread = kBwdTileI / kBwdRowStep;
+
 template <typename scalar_t>
-__global__ void dot_interaction_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
-                                           scalar_t* __restrict__ grad_x, int64_t F, int64_t D, int64_t P,
-                                           int64_t off) {
-  extern __shared__ float sym[];  // [F, F]
-  const int64_t b = blockIdx.x;
+__global__ void __launch_bounds__(kBwdTileD * kBwdRowStep)
+dot_interaction_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
+                           scalar_t* __restrict__ grad_x, int64_t F, int64_t D, int64_t P, int64_t off) {
+  __shared__ float gs[kBwdTileI][kBwdTileJ];
+  __shared__ float xs[kBwdTileJ][kBwdTileD + 1];
+  const int64_t b = blockIdx.x, i0 = static_cast<int64_t>(blockIdx.y) * kBwdTileI,
+                d0 = static_cast<int64_t>(blockIdx.z) * kBwdTileD;
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kBwdTileD + tx;
   const scalar_t* g = grad_out + b * P;
-  for (int64_t e = threadIdx.x; e < F * F; e += blockDim.x) {
-    const int64_t i = e / F, j = e % F;
-    const int64_t lo = min(i, j), hi = max(i, j);
-    float v = hi >= lo + off ? static_cast<float>(g[pair_index(lo, hi, F, off)]) : 0.f;
-    sym[e] = i == j ? 2.f * v : v;  // d<x_i, x_i>/dx_i = 2 x_i
-  }
-  __syncthreads();
   const scalar_t* xb = x + b * F * D;
-  for (int64_t e = threadIdx.x; e < F * D; e += blockDim.x) {
-    const int64_t i = e / D, d = e % D;
-    float acc = 0.f;
-    for (int64_t j = 0; j < F; ++j) acc += sym[i * F + j] * static_cast<float>(xb[j * D + d]);
-    grad_x[b * F * D + e] = static_cast<scalar_t>(acc);
+  float acc[kBwdRowsPerThread] = {};
+  for (int64_t j0 = 0; j0 < F; j0 += kBwdTileJ) {
+    for (int e = tid; e < kBwdTileI * kBwdTileJ; e += kBwdTileD * kBwdRowStep) {
+      const int64_t i = i0 + e / kBwdTileJ, j = j0 + e % kBwdTileJ;
+      float v = 0.f;
+      if (i < F && j < F) {
+        const int64_t lo = min(i, j), hi = max(i, j);
+        if (hi >= lo + off) v = static_cast<float>(g[pair_index(lo, hi, F, off)]);
+        if (i == j) v *= 2.f;  // d<x_i, x_i>/dx_i = 2 x_i
+      }
+      gs[e / kBwdTileJ][e % kBwdTileJ] = v;
+    }
+    for (int e = tid; e < kBwdTileJ * kBwdTileD; e += kBwdTileD * kBwdRowStep) {
+      const int64_t j = j0 + e / kBwdTileD, d = d0 + e % kBwdTileD;
+      xs[e / kBwdTileD][e % kBwdTileD] = j < F && d < D ? static_cast<float>(xb[j * D + d]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int jj = 0; jj < kBwdTileJ; ++jj) {
+      const float xv = xs[jj][tx];
+#pragma unroll
+      for (int r = 0; r < kBwdRowsPerThread; ++r) acc[r] += gs[ty + kBwdRowStep * r][jj] * xv;
+    }
+    __syncthreads();
+  }
+  const int64_t d = d0 + tx;
+  if (d >= D) return;
+#pragma unroll
+  for (int r = 0; r < kBwdRowsPerThread; ++r) {
+    const int64_t i = i0 + ty + kBwdRowStep * r;
+    if (i < F) grad_x[(b * F + i) * D + d] = static_cast<scalar_t>(acc[r]);
   }
 }
 
@@ -152,13 +183,15 @@ at::Tensor dot_interaction_backward_cuda(const at::Tensor& grad_out, const at::T
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == B && grad_out.size(1) == P, "grad_out must be [B, P]");
   auto grad_x = at::empty_like(x);
   if (grad_x.numel() == 0) return grad_x;
-  const size_t smem = static_cast<size_t>(F) * F * sizeof(float);
+  TORCH_CHECK((F + kBwdTileI - 1) / kBwdTileI <= 65535 && (D + kBwdTileD - 1) / kBwdTileD <= 65535,
+              "dot_interaction backward: F and D must be at most ", 65535 * kBwdTileI);
+  const dim3 grid(static_cast<unsigned>(B), static_cast<unsigned>((F + kBwdTileI - 1) / kBwdTileI),
+                  static_cast<unsigned>((D + kBwdTileD - 1) / kBwdTileD));
+  const dim3 block(kBwdTileD, kBwdRowStep);
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_backward_cuda", [&] {
-    auto kernel = dot_interaction_bwd_kernel<scalar_t>;
-    set_smem(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<B, kThreads, smem, stream>>>(grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
-                                          grad_x.data_ptr<scalar_t>(), F, D, P, off);
+    dot_interaction_bwd_kernel<scalar_t><<<grid, block, 0, stream>>>(
+        grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), grad_x.data_ptr<scalar_t>(), F, D, P, off);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad_x;
