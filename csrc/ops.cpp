@@ -40,10 +40,13 @@ TORCH_LIBRARY(gem_kernels, m) {
   m.def("cross_layer_native(Tensor x0, Tensor xl, Tensor u, Tensor v, Tensor bias) -> (Tensor, Tensor, Tensor)");
   m.def("cross_layer_backward_native(Tensor grad_out, Tensor x0, Tensor xl, Tensor u, Tensor v, Tensor z, "
         "Tensor p) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("fm_compress_native(Tensor x, Tensor y, Tensor ln_weight, Tensor ln_bias, float eps) -> "
-        "(Tensor, Tensor, Tensor)");
+  // fm_compress also returns `products`: fp32 [B, k*D + F*k] ((X^T Y)^T and S per sample) when
+  // save_products and the backend keeps them for its backward (CPU), else [0, k*D + F*k]: the
+  // backward then recomputes them.
+  m.def("fm_compress_native(Tensor x, Tensor y, Tensor ln_weight, Tensor ln_bias, float eps, bool save_products) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fm_compress_backward_native(Tensor grad_out, Tensor x, Tensor y, Tensor ln_weight, Tensor mean, "
-        "Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor rstd, Tensor products) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

@@ -206,6 +206,27 @@ def test_fm_compress(device, backend, shape, dtype):
                ["x", "y", "ln_weight", "ln_bias"])
 
 
+@pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fm_compress_cpu_saved_products(shape):
+    """The cpu forward keeps (X^T Y)^T and S exactly as the backward would recompute them, and the
+    backward gives the same gradients from them as from recomputing (empty products)."""
+    B, F, D, k = shape
+    x, y = randn_nonzero(B, F, D), randn_nonzero(F, k)
+    lw, lb = randn_nonzero(F * k), randn_nonzero(F * k)
+    poison_allocator(B * (D + F) * k * 4, "cpu")
+    out, mean, rstd, products = fm_compress_op(x, y, lw, lb, 1e-5, True, "cpu")
+    assert products.shape == (B, k * D + F * k) and products.dtype == torch.float32
+    a_t = torch.matmul(x.transpose(1, 2), y).transpose(1, 2)  # [B, k, D]
+    s = torch.bmm(x, a_t.transpose(1, 2))  # [B, F, k]
+    torch.testing.assert_close(products, torch.cat([a_t.flatten(1), s.flatten(1)], 1), **FP32_SUM_TOL)
+    assert fm_compress_op(x, y, lw, lb, 1e-5, False, "cpu")[3].shape == (0, k * D + F * k)
+    g = randn_nonzero(B, F * k)
+    saved = fm_compress_backward_op(g, x, y, lw, mean, rstd, products, "cpu")
+    recomputed = fm_compress_backward_op(g, x, y, lw, mean, rstd, products[:0], "cpu")
+    for name, a, e in zip(["x", "y", "ln_weight", "ln_bias"], saved, recomputed):
+        torch.testing.assert_close(a, e, **FP32_SUM_TOL, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
 def test_fm_compress_default_layernorm_params(device, backend):
     x = randn_nonzero(3, 4, 8, device=device)
@@ -311,10 +332,13 @@ def test_opcheck(backend):
         torch.library.opcheck(cross_layer_backward_op,
                               (randn_nonzero(4, 6), x0.detach(), xl.detach(), uu.detach(), vv.detach(), z, p, backend))
     y, lw, lb = randn_nonzero(5, 3).requires_grad_(True), randn_nonzero(15), randn_nonzero(15)
-    torch.library.opcheck(fm_compress_op, (x, y, lw.requires_grad_(True), lb.requires_grad_(True), 1e-5, backend))
-    _, mean, rstd = fm_compress_op(x.detach(), y.detach(), lw.detach(), lb.detach(), 1e-5, backend)
-    torch.library.opcheck(fm_compress_backward_op,
-                          (randn_nonzero(3, 15), x.detach(), y.detach(), lw.detach(), mean, rstd, backend))
+    lw.requires_grad_(True), lb.requires_grad_(True)
+    for save_products in (False, True):
+        torch.library.opcheck(fm_compress_op, (x, y, lw, lb, 1e-5, save_products, backend))
+        _, mean, rstd, products = fm_compress_op(x.detach(), y.detach(), lw.detach(), lb.detach(), 1e-5,
+                                                 save_products, backend)
+        torch.library.opcheck(fm_compress_backward_op,
+                              (randn_nonzero(3, 15), x.detach(), y.detach(), lw.detach(), mean, rstd, products, backend))
 
 
 def test_opcheck_native_ops():
@@ -328,9 +352,11 @@ def test_opcheck_native_ops():
     _, z, p = ops.cross_layer_native(x0, xl, u, v, b)
     torch.library.opcheck(ops.cross_layer_backward_native.default, (randn_nonzero(4, 6), x0, xl, u, v, z, p))
     y, lw, lb = randn_nonzero(5, 3), randn_nonzero(15), randn_nonzero(15)
-    torch.library.opcheck(ops.fm_compress_native.default, (x, y, lw, lb, 1e-5))
-    _, mean, rstd = ops.fm_compress_native(x, y, lw, lb, 1e-5)
-    torch.library.opcheck(ops.fm_compress_backward_native.default, (randn_nonzero(3, 15), x, y, lw, mean, rstd))
+    for save_products in (False, True):
+        torch.library.opcheck(ops.fm_compress_native.default, (x, y, lw, lb, 1e-5, save_products))
+        _, mean, rstd, products = ops.fm_compress_native(x, y, lw, lb, 1e-5, save_products)
+        torch.library.opcheck(ops.fm_compress_backward_native.default,
+                              (randn_nonzero(3, 15), x, y, lw, mean, rstd, products))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

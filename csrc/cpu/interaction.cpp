@@ -21,7 +21,10 @@
 //   dot_interaction fwd: FLOPs 2*B*P*D, bytes B*(F*D + P)*s.  bwd: 2*B*(2P)*D FLOPs (sym(G) X),
 //   bytes B*(P + 2*F*D)*s.
 //   cross_layer fwd: 2*B*N*N (+3*B*N) FLOPs, bytes (3*B*N + N*N + N)*s; low rank 4*B*N*r.
-//   fm_compress fwd: 4*B*F*D*k (+ ~8*B*F*k LayerNorm) FLOPs, bytes (B*F*D + B*F*k + F*k*3)*s.
+//   fm_compress fwd: 4*B*F*D*k (+ ~8*B*F*k LayerNorm) FLOPs, bytes (B*F*D + B*F*k + F*k*3)*s, plus
+//   4*B*(D + F)*k bytes of `products` when the backward will run. bwd with the products: 8*B*F*D*k
+//   FLOPs (grad_A, grad_X twice, grad_Y) instead of 12 (recomputing X^T Y and S): on this
+//   compute-bound CPU reading the fp32 products back costs far less than those FLOPs.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -352,9 +355,12 @@ FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
           round_up(k, kCols)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(const at::Tensor& x, const at::Tensor& y,
-                                                               const at::Tensor& ln_weight,
-                                                               const at::Tensor& ln_bias, double eps) {
+// The (X^T Y)^T [k, D] and S [F, k] of one sample as `products` stores them: one fp32 row per sample.
+inline int64_t products_row(const FmDims& d) { return d.k * d.D + d.F * d.k; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
+    const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+    bool save_products) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}, {&ln_bias, "ln_bias"}})
     check_float_cpu(*t, name, x);
   GK_CHECK_DIM(x, 3);
@@ -365,7 +371,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(const at::Tensor&
   auto out = at::empty({d.B, n}, x.options());
   auto mean = at::empty({d.B}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({d.B}, x.options().dtype(at::kFloat));
-  if (d.B == 0) return {out, mean, rstd};
+  auto products = at::empty({save_products ? d.B : 0, products_row(d)}, x.options().dtype(at::kFloat));
+  if (d.B == 0) return {out, mean, rstd, products};
   auto yt = at::zeros({d.kp, d.F}, x.options().dtype(at::kFloat));
   yt.narrow(0, 0, d.k).copy_(y.t());
   auto w32 = ln_weight.to(at::kFloat), b32 = ln_bias.to(at::kFloat);
@@ -374,10 +381,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(const at::Tensor&
     const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
     float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+    float* pp = save_products ? products.data_ptr<float>() : nullptr;
     at::parallel_for(0, d.B, grain_for(4 * d.F * d.D * d.k), [&](int64_t begin, int64_t end) {
       FmScratch w(d, d.kp);
       for (int64_t b = begin; b < end; ++b) {
         fm_sample(d, xp + b * d.F * d.D, ytp, w);
+        if (pp) {
+          float* pb = pp + b * products_row(d);
+          for (int64_t j = 0; j < d.k; ++j) std::copy_n(w.at.data() + j * d.Dp, d.D, pb + j * d.D);
+          for (int64_t f = 0; f < d.F; ++f) std::copy_n(w.s.data() + f * d.kq, d.k, pb + d.k * d.D + f * d.k);
+        }
         float sum = 0.f;
         for (int64_t f = 0; f < d.F; ++f)
           _Pragma("omp simd reduction(+ : sum)")
@@ -403,12 +416,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(const at::Tensor&
       }
     });
   });
-  return {out, mean, rstd};
+  return {out, mean, rstd, products};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
-    const at::Tensor& mean, const at::Tensor& rstd) {
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& products) {
   for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
     check_float_cpu(*t, name, x);
   GK_CHECK_DIM(x, 3);
@@ -419,6 +432,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   const FmDims d = fm_dims(x, y);
   const int64_t n = d.F * d.k;
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == d.B && grad_out.size(1) == n, "grad_out must be [B, F*k]");
+  const bool saved = products.numel() > 0;
+  TORCH_CHECK(!saved || (products.scalar_type() == at::kFloat && products.is_contiguous() && products.dim() == 2 &&
+                         products.size(0) == d.B && products.size(1) == products_row(d)),
+              "products must be empty or contiguous fp32 [B, k*D + F*k]");
   auto grad_x = at::empty_like(x);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(d.B, at::get_num_threads()));
   // Per-chunk fp32 partials of grad_y [Fp, kq], grad_w [n], grad_b [n].
@@ -434,6 +451,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
       const scalar_t* gp = grad_out.data_ptr<scalar_t>();
       const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>();
       const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+      const float* pp = saved ? products.data_ptr<float>() : nullptr;
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
       at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
         FmScratch w(d, 2 * d.kp);
@@ -448,7 +466,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
           float* gw = part_wb.data_ptr<float>() + c * 2 * n;
           float* gb = gw + n;
           for (int64_t b = c * d.B / chunks; b < (c + 1) * d.B / chunks; ++b) {
-            fm_sample(d, xp + b * d.F * d.D, ytp, w);
+            if (saved) {
+              // The forward's (X^T Y)^T and S: only X is reloaded (4*F*D*k FLOPs saved per sample).
+              const float* pb = pp + b * products_row(d);
+              load_padded(xp + b * d.F * d.D, d.F, d.D, w.xs.data(), d.Fp, d.Dp);
+              for (int64_t j = 0; j < d.k; ++j) std::copy_n(pb + j * d.D, d.D, w.at.data() + j * d.Dp);
+              for (int64_t f = 0; f < d.F; ++f) std::copy_n(pb + d.k * d.D + f * d.k, d.k, w.s.data() + f * d.kq);
+            } else {
+              fm_sample(d, xp + b * d.F * d.D, ytp, w);
+            }
             const scalar_t* g = gp + b * n;
             const float mu = mp[b], rs = rp[b];
             float c1 = 0.f, c2 = 0.f;

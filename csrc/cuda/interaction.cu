@@ -389,9 +389,12 @@ __global__ void fm_compress_bwd_kernel(const scalar_t* __restrict__ grad_out, co
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(const at::Tensor& x, const at::Tensor& y,
-                                                                const at::Tensor& ln_weight,
-                                                                const at::Tensor& ln_bias, double eps) {
+// `save_products` is ignored: the backward recomputes X^T Y and S (returned `products` is empty),
+// since this kernel is memory bound and saving them (4*(D + F)*k bytes per sample) costs more
+// traffic than their 4*F*D*k FLOPs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(
+    const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+    bool /*save_products*/) {
   for (auto [t, name] : {std::pair{&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}, {&ln_bias, "ln_bias"}})
     check_cuda_float(*t, name, x);
   GK_CHECK_DIM(x, 3);
@@ -402,7 +405,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(const at::Tensor
   auto out = at::empty({B, F * k}, x.options());
   auto mean = at::empty({B}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({B}, x.options().dtype(at::kFloat));
-  if (B == 0) return {out, mean, rstd};
+  auto products = at::empty({0, k * D + F * k}, x.options().dtype(at::kFloat));
+  if (B == 0) return {out, mean, rstd, products};
   const size_t smem = static_cast<size_t>(D * k + F * k) * sizeof(float);
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_cuda", [&] {
@@ -414,12 +418,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(const at::Tensor
                                           F, D, k, static_cast<float>(eps));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {out, mean, rstd};
+  return {out, mean, rstd, products};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
-    const at::Tensor& mean, const at::Tensor& rstd) {
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& /*products: always empty here*/) {
   for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
     check_cuda_float(*t, name, x);
   GK_CHECK_DIM(x, 3);

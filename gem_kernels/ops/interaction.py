@@ -113,44 +113,61 @@ def _cross_layer_backward(ctx, grad_out, _grad_z, _grad_p):
 cross_layer_op.register_autograd(_cross_layer_backward, setup_context=_cross_layer_setup)
 
 
+def products_shape(x: torch.Tensor, y: torch.Tensor, saved: bool) -> tuple[int, int]:
+    """Shape of fm_compress's `products`: fp32 [B, k*D + F*k], each row a sample's (X^T Y)^T [k, D]
+    then S = X X^T Y [F, k]; 0 rows when the backend does not keep them (the backward recomputes)."""
+    B, F, D = x.shape
+    k = y.shape[1]
+    return (B if saved else 0, k * D + F * k)
+
+
+# Backends whose fm_compress keeps X^T Y and S for the backward: the CPU kernels are compute bound,
+# so reading 4*(D + F)*k bytes per sample back beats recomputing their 4*F*D*k FLOPs. The GPU
+# kernels are memory bound (that traffic would cost more than the FLOPs) and the reference stays the
+# plain formulation: they recompute.
+SAVES_PRODUCTS = ("cpu",)
+
+
 @torch.library.custom_op("gem_kernels::fm_compress", mutates_args=())
 def fm_compress_op(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [B, F*k], mean [B] fp32, rstd [B] fp32): the LayerNorm statistics the backward reuses."""
-    return kernel(FAMILY, "fm_compress", backend)(x, y, ln_weight, ln_bias, eps)
+                   save_products: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [B, F*k], mean [B] fp32, rstd [B] fp32, products): the LayerNorm statistics and (when
+    save_products and the backend is in SAVES_PRODUCTS) the products the backward reuses."""
+    return kernel(FAMILY, "fm_compress", backend)(x, y, ln_weight, ln_bias, eps, save_products)
 
 
 @fm_compress_op.register_fake
-def _(x, y, ln_weight, ln_bias, eps, backend):
+def _(x, y, ln_weight, ln_bias, eps, save_products, backend):
     B = x.shape[0]
+    saved = save_products and backend in SAVES_PRODUCTS
     return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
-            x.new_empty((B,), dtype=torch.float32))
+            x.new_empty((B,), dtype=torch.float32), x.new_empty(products_shape(x, y, saved), dtype=torch.float32))
 
 
 @torch.library.custom_op("gem_kernels::fm_compress_backward", mutates_args=())
 def fm_compress_backward_op(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor,
-                            mean: torch.Tensor, rstd: torch.Tensor, backend: str
+                            mean: torch.Tensor, rstd: torch.Tensor, products: torch.Tensor, backend: str
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return kernel(FAMILY, "fm_compress_backward", backend)(grad_out, x, y, ln_weight, mean, rstd)
+    return kernel(FAMILY, "fm_compress_backward", backend)(grad_out, x, y, ln_weight, mean, rstd, products)
 
 
 @fm_compress_backward_op.register_fake
-def _(grad_out, x, y, ln_weight, mean, rstd, backend):
+def _(grad_out, x, y, ln_weight, mean, rstd, products, backend):
     return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
 
 
 def _fm_compress_setup(ctx, inputs, output):
-    x, y, ln_weight, _ln_bias, _eps, backend = inputs
-    _out, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.save_for_backward(x, y, ln_weight, mean, rstd)
+    x, y, ln_weight, _ln_bias, _eps, _save_products, backend = inputs
+    _out, mean, rstd, products = output
+    ctx.mark_non_differentiable(mean, rstd, products)
+    ctx.save_for_backward(x, y, ln_weight, mean, rstd, products)
     ctx.backend = backend
 
 
-def _fm_compress_backward(ctx, grad_out, _grad_mean, _grad_rstd):
-    x, y, ln_weight, mean, rstd = ctx.saved_tensors
-    grads = fm_compress_backward_op(grad_out.contiguous(), x, y, ln_weight, mean, rstd, ctx.backend)
-    return (*grads, None, None)
+def _fm_compress_backward(ctx, grad_out, _grad_mean, _grad_rstd, _grad_products):
+    x, y, ln_weight, mean, rstd, products = ctx.saved_tensors
+    grads = fm_compress_backward_op(grad_out.contiguous(), x, y, ln_weight, mean, rstd, products, ctx.backend)
+    return (*grads, None, None, None)
 
 
 fm_compress_op.register_autograd(_fm_compress_backward, setup_context=_fm_compress_setup)
@@ -178,13 +195,14 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
                 xl.new_empty((xl.shape[1],)))
 
     @torch.library.register_fake("gem_kernels::fm_compress_native")
-    def _(x, y, ln_weight, ln_bias, eps):
+    def _(x, y, ln_weight, ln_bias, eps, save_products):
         B = x.shape[0]
+        saved = save_products and x.device.type == "cpu"  # the CPU kernel keeps them, the CUDA one does not
         return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
-                x.new_empty((B,), dtype=torch.float32))
+                x.new_empty((B,), dtype=torch.float32), x.new_empty(products_shape(x, y, saved), dtype=torch.float32))
 
     @torch.library.register_fake("gem_kernels::fm_compress_backward_native")
-    def _(grad_out, x, y, ln_weight, mean, rstd):
+    def _(grad_out, x, y, ln_weight, mean, rstd, products):
         return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
 
 
@@ -314,6 +332,8 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a float > 0, got {eps!r}")
     name = resolve_backend(backend, x.device, IMPLEMENTED)
-    out, _mean, _rstd = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
-                                       ln_bias.contiguous(), float(eps), name)
+    # Keep the products only when a backward will run (inference skips their writes).
+    save_products = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, ln_weight, ln_bias))
+    out, _mean, _rstd, _products = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
+                                                  ln_bias.contiguous(), float(eps), save_products, name)
     return out

@@ -73,20 +73,23 @@ def cross_layer_backward(grad_out: torch.Tensor, x0: torch.Tensor, xl: torch.Ten
 
 
 def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, mean, rstd): s = flatten(x (x^T y)) [B, F*k], out = (s - mean) * rstd * w + b per row."""
+                eps: float, save_products: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, mean, rstd, products): s = flatten(x (x^T y)) [B, F*k], out = (s - mean) * rstd * w + b
+    per row; products is always empty [0, k*D + F*k] (the backward recomputes, see SAVES_PRODUCTS)."""
     xf = x.float()
     s = torch.bmm(xf, torch.matmul(xf.transpose(1, 2), y.float())).flatten(1)
     mean = s.mean(1)
     rstd = torch.rsqrt((s - mean[:, None]).square().mean(1) + eps)
     out = (s - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
-    return out.to(x.dtype), mean, rstd
+    products = xf.new_empty((0, y.shape[1] * (x.shape[2] + x.shape[1])))
+    return out.to(x.dtype), mean, rstd, products
 
 
 def fm_compress_backward(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor,
-                         mean: torch.Tensor, rstd: torch.Tensor
+                         mean: torch.Tensor, rstd: torch.Tensor, products: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_x, grad_y, grad_ln_weight, grad_ln_bias); recomputes x^T y and s from x and y."""
+    """(grad_x, grad_y, grad_ln_weight, grad_ln_bias); recomputes x^T y and s from x and y
+    (`products` is the forward's, always empty here)."""
     B, F, _ = x.shape
     k = y.shape[1]
     xf, yf, g = x.float(), y.float(), grad_out.float()

@@ -247,7 +247,9 @@ def _fm_blocks(F: int, D: int, k: int) -> dict:
     return dict(BLOCK_F=_pow2(F), BLOCK_K=_pow2(k), BLOCK_D=_block_d(D))
 
 
-def fm_compress(x, y, ln_weight, ln_bias, eps):
+def fm_compress(x, y, ln_weight, ln_bias, eps, save_products):
+    """`products` is always empty [0, k*D + F*k]: these memory-bound kernels recompute X^T Y and S in
+    the backward rather than write and read them back (see ops.interaction.SAVES_PRODUCTS)."""
     B, F, D = x.shape
     k = y.shape[1]
     out = x.new_empty((B, F * k))
@@ -255,10 +257,10 @@ def fm_compress(x, y, ln_weight, ln_bias, eps):
     rstd = x.new_empty((B,), dtype=torch.float32)
     if B:
         _fm_compress_fwd_kernel[(B,)](x, y, ln_weight, ln_bias, out, mean, rstd, F, D, k, eps, **_fm_blocks(F, D, k))
-    return out, mean, rstd
+    return out, mean, rstd, x.new_empty((0, k * (D + F)), dtype=torch.float32)
 
 
-def fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd):
+def fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd, products):
     B, F, D = x.shape
     k = y.shape[1]
     grad_x = torch.empty_like(x)
