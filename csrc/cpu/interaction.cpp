@@ -61,8 +61,9 @@ void load_padded(const scalar_t* src, int64_t rows, int64_t cols, float* dst, in
   std::fill(dst + rows * cols_p, dst + rows_p * cols_p, 0.f);
 }
 
-// C[m, :] (+)= sum_{k < K} A[m * lda + k] * Bm[k, :] for m < M (a multiple of 4); Bm and C have
-// row stride ld (a multiple of 16). A small GEMM with 4x16 register tiles: broadcast A, FMA rows of
+// C[m, :] (+)= sum_{k < K} A[m * lda + k * acs] * Bm[k, :] for m < M (a multiple of 4); Bm and C
+// have row stride ld (a multiple of 16). A is only ever broadcast, so any strides work: acs = lda'
+// with lda = 1 multiplies by the transpose of a row-major [K, lda'] matrix without copying it. A small GEMM with 4x16 register tiles: broadcast A, FMA rows of
 // Bm, no horizontal reductions. `upper` skips the 16-column blocks wholly left of each 4-row block's
 // diagonal (their C stays unwritten), for the upper triangle of a gram matrix.
 #if defined(__AVX2__) && defined(__FMA__)
@@ -71,7 +72,7 @@ void load_padded(const scalar_t* src, int64_t rows, int64_t cols, float* dst, in
 // eight ymm accumulators held in registers, two B loads and four broadcasts per eight FMAs, run
 // these L1-resident products at ~70-90 GFLOP/s per core (Zen 3; the FMA latency x 2 pipes is 8).
 void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda, const float* __restrict__ Bm,
-                  int64_t ld, float* __restrict__ C, bool accumulate, bool upper = false) {
+                  int64_t ld, float* __restrict__ C, bool accumulate, bool upper = false, int64_t acs = 1) {
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const float* a = A + m0 * lda;
     for (int64_t d0 = upper ? m0 / kCols * kCols : 0; d0 < ld; d0 += kCols) {
@@ -85,7 +86,7 @@ void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda
       for (int64_t k = 0; k < K; ++k, bk += ld) {
         const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
         for (int r = 0; r < kRows; ++r) {
-          const __m256 g = _mm256_broadcast_ss(a + r * lda + k);
+          const __m256 g = _mm256_broadcast_ss(a + r * lda + k * acs);
           acc[r][0] = _mm256_fmadd_ps(g, b0, acc[r][0]);
           acc[r][1] = _mm256_fmadd_ps(g, b1, acc[r][1]);
         }
@@ -100,7 +101,7 @@ void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda
 #else
 // Portable build (no AVX2/FMA target): the same tile for the compiler to vectorise.
 void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda, const float* __restrict__ Bm,
-                  int64_t ld, float* __restrict__ C, bool accumulate, bool upper = false) {
+                  int64_t ld, float* __restrict__ C, bool accumulate, bool upper = false, int64_t acs = 1) {
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const float* a = A + m0 * lda;
     for (int64_t d0 = upper ? m0 / kCols * kCols : 0; d0 < ld; d0 += kCols) {
@@ -109,7 +110,8 @@ void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda
         for (int c = 0; c < kCols; ++c) acc[r][c] = accumulate ? C[(m0 + r) * ld + d0 + c] : 0.f;
       for (int64_t k = 0; k < K; ++k) {
         const float* bk = Bm + k * ld + d0;
-        const float g0 = a[k], g1 = a[lda + k], g2 = a[2 * lda + k], g3 = a[3 * lda + k];
+        const float* ak = a + k * acs;
+        const float g0 = ak[0], g1 = ak[lda], g2 = ak[2 * lda], g3 = ak[3 * lda];
 #pragma omp simd
         for (int c = 0; c < kCols; ++c) {
           acc[0][c] += g0 * bk[c];
@@ -124,6 +126,15 @@ void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda
   }
 }
 #endif
+
+// Ask for the next sample's rows while this one computes: X streams from memory exactly once, and
+// one sample's products are too short for the hardware prefetcher to run far enough ahead (the
+// fm_compress forward spent half its non-GEMM time stalled in the copy of X).
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, 2);
+}
 
 template <typename scalar_t>
 void store_rows(const float* src, int64_t rows, int64_t cols, int64_t ld, scalar_t* dst) {
@@ -168,6 +179,7 @@ at::Tensor dot_interaction_cpu(const at::Tensor& x, bool self_interaction) {
       std::vector<float> xs(Fp * D, 0.f), xt(D * Fq, 0.f), gram(Fp * Fq);
       for (int64_t b = begin; b < end; ++b) {
         const scalar_t* xb = xp + b * F * D;
+        if (b + 1 < end) prefetch_rows(xb + F * D, F * D);
         for (int64_t f = 0; f < F; ++f)
           for (int64_t d = 0; d < D; ++d) {
             const float v = static_cast<float>(xb[f * D + d]);
@@ -204,6 +216,10 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
       std::vector<float> xs(Fp * Dp), acc(Fp * Dp);
       std::vector<float> sym(Fp * F, 0.f);  // sym(G) = G + G^T, rows padded to Fp with zeros
       for (int64_t b = begin; b < end; ++b) {
+        if (b + 1 < end) {
+          prefetch_rows(xp + (b + 1) * F * D, F * D);
+          prefetch_rows(gp + (b + 1) * P, P);
+        }
         load_padded(xp + b * F * D, F, D, xs.data(), Fp, Dp);
         const scalar_t* gb = gp + b * P;
         int64_t p = 0;
@@ -334,10 +350,12 @@ struct FmScratch {
       : xs(d.Fp * d.Dp), at(at_rows * d.Dp, 0.f), a(d.D * d.kq, 0.f), s(d.Fp * d.kq) {}
 };
 
-// dst [D, kq] = src[:k, :D]^T for src [kp, Dp] (columns k..kq of dst stay zero).
+// dst [D, kq] = src[:k, :D]^T for src [kp, Dp] (columns k..kq of dst stay zero). Written row by
+// row of dst: strided loads from the L1-resident src are cheap, strided stores were not (this
+// transpose was a fifth of the backward's non-GEMM time the other way round).
 void transpose_into(const float* src, int64_t k, int64_t D, int64_t Dp, float* dst, int64_t kq) {
-  for (int64_t j = 0; j < k; ++j)
-    for (int64_t dd = 0; dd < D; ++dd) dst[dd * kq + j] = src[j * Dp + dd];
+  for (int64_t dd = 0; dd < D; ++dd)
+    for (int64_t j = 0; j < k; ++j) dst[dd * kq + j] = src[j * Dp + dd];
 }
 
 // Fill scratch.xs, .at and .s for one sample; yt is Y^T fp32 [kp, F] (zero rows past k).
@@ -385,6 +403,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
     at::parallel_for(0, d.B, grain_for(4 * d.F * d.D * d.k), [&](int64_t begin, int64_t end) {
       FmScratch w(d, d.kp);
       for (int64_t b = begin; b < end; ++b) {
+        if (b + 1 < end) prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
         fm_sample(d, xp + b * d.F * d.D, ytp, w);
         if (pp) {
           float* pb = pp + b * products_row(d);
@@ -457,15 +476,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
         FmScratch w(d, 2 * d.kp);
         float* dat = w.at.data() + d.kp * d.Dp;  // grad_A^T [kp, Dp]
         // [grad_S | Y] [Fp, 2 kp]: the grad_S half is rewritten per sample, Y is fixed.
-        std::vector<float> xhat(n), gh(n), dsy(d.Fp * 2 * d.kp, 0.f), dst(d.kp * d.F, 0.f), dx(d.Fp * d.Dp),
-            da(d.D * d.kq, 0.f);
+        std::vector<float> xhat(n), gh(n), dsy(d.Fp * 2 * d.kp, 0.f), dx(d.Fp * d.Dp), da(d.D * d.kq, 0.f);
         for (int64_t f = 0; f < d.F; ++f)
           for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
         for (int64_t c = cb; c < ce; ++c) {
           float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
           float* gw = part_wb.data_ptr<float>() + c * 2 * n;
           float* gb = gw + n;
-          for (int64_t b = c * d.B / chunks; b < (c + 1) * d.B / chunks; ++b) {
+          const int64_t last = (c + 1) * d.B / chunks;
+          for (int64_t b = c * d.B / chunks; b < last; ++b) {
+            if (b + 1 < last) {
+              prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
+              prefetch_rows(gp + (b + 1) * n, n);
+              if (saved) prefetch_rows(pp + (b + 1) * products_row(d), products_row(d));
+            }
             if (saved) {
               // The forward's (X^T Y)^T and S: only X is reloaded (4*F*D*k FLOPs saved per sample).
               const float* pb = pp + b * products_row(d);
@@ -496,12 +520,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
             for (int64_t f = 0; f < d.F; ++f)
               for (int64_t j = 0; j < d.k; ++j) {
                 const int64_t e = f * d.k + j;
-                const float v = rs * (gh[e] - c1 - xhat[e] * c2);
-                dsy[f * 2 * d.kp + j] = v;
-                dst[j * d.F + f] = v;
+                dsy[f * 2 * d.kp + j] = rs * (gh[e] - c1 - xhat[e] * c2);
               }
             // grad_A^T = (X^T dS)^T [kp, Dp]; grad_X = dS A^T + Y grad_A^T; grad_Y += X grad_A.
-            combine_rows(dst.data(), d.kp, d.F, d.F, w.xs.data(), d.Dp, dat, false);
+            // grad_A^T = grad_S^T X: grad_S read transposed in place (columns k..kp of its half are 0).
+            combine_rows(dsy.data(), d.kp, d.F, 1, w.xs.data(), d.Dp, dat, false, false, 2 * d.kp);
             combine_rows(dsy.data(), d.Fp, 2 * d.kp, 2 * d.kp, w.at.data(), d.Dp, dx.data(), false);
             store_rows(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D);
             transpose_into(dat, d.k, d.D, d.Dp, da.data(), d.kq);
