@@ -227,6 +227,25 @@ def test_fm_compress_cpu_saved_products(shape):
         torch.testing.assert_close(a, e, **FP32_SUM_TOL, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
+def test_fm_compress_saves_products_only_for_a_backward(monkeypatch):
+    """Inference skips writing the products; a call a backward will follow keeps them."""
+    import gem_kernels.ops.interaction as ops_interaction
+
+    seen = []
+
+    def recording(*args):
+        seen.append(args[5])  # save_products
+        return fm_compress_op(*args)
+
+    monkeypatch.setattr(ops_interaction, "fm_compress_op", recording)
+    x, y = randn_nonzero(2, 3, 8), randn_nonzero(3, 2)
+    gk.fm_compress(x, y, backend="cpu")
+    with torch.no_grad():
+        gk.fm_compress(x.requires_grad_(True), y, backend="cpu")
+    out = gk.fm_compress(x, y, backend="cpu")
+    assert seen == [False, False, True] and out.requires_grad
+
+
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
 def test_fm_compress_default_layernorm_params(device, backend):
     x = randn_nonzero(3, 4, 8, device=device)

@@ -23,8 +23,8 @@
 //   cross_layer fwd: 2*B*N*N (+3*B*N) FLOPs, bytes (3*B*N + N*N + N)*s; low rank 4*B*N*r.
 //   fm_compress fwd: 4*B*F*D*k (+ ~8*B*F*k LayerNorm) FLOPs, bytes (B*F*D + B*F*k + F*k*3)*s, plus
 //   4*B*(D + F)*k bytes of `products` when the backward will run. bwd with the products: 8*B*F*D*k
-//   FLOPs (grad_A, grad_X twice, grad_Y) instead of 12 (recomputing X^T Y and S): on this
-//   compute-bound CPU reading the fp32 products back costs far less than those FLOPs.
+//   FLOPs (grad_A, grad_X twice, grad_Y) instead of 12 (recomputing X^T Y and S), for the
+//   products' 8*B*(D + F)*k bytes written and read back (see SAVES_PRODUCTS in ops/interaction.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

@@ -121,10 +121,12 @@ def products_shape(x: torch.Tensor, y: torch.Tensor, saved: bool) -> tuple[int, 
     return (B if saved else 0, k * D + F * k)
 
 
-# Backends whose fm_compress keeps X^T Y and S for the backward: the CPU kernels are compute bound,
-# so reading 4*(D + F)*k bytes per sample back beats recomputing their 4*F*D*k FLOPs. The GPU
-# kernels are memory bound (that traffic would cost more than the FLOPs) and the reference stays the
-# plain formulation: they recompute.
+# Backends whose fm_compress keeps X^T Y and S for the backward, trading 4*F*D*k of its 12*F*D*k
+# FLOPs for 4*(D + F)*k bytes per sample written and read back. On the CPU kernels (compute bound)
+# that pays where F is large against k (F = 128, D = 64, k = 16: the products are a third of X's
+# bytes) and is about even at F = 27, where X^T Y alone is as large as X. The GPU kernels are memory
+# bound (the traffic would cost more than the FLOPs) and the reference stays the plain
+# formulation: they recompute.
 SAVES_PRODUCTS = ("cpu",)
 
 
