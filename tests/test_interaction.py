@@ -103,16 +103,7 @@ def test_pair_order_is_triu_indices():
 # Every backend against the reference.
 # ------------------------------------------------------------------------------------------------
 
-DOT_SHAPES = [(0, 3, 8), (3, 1, 8), (5, 3, 36), (4, 27, 8), (2, 27, 200), (2, 127, 36)]
-
-
-@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
-@pytest.mark.parametrize("shape", DOT_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("self_interaction", [False, True])
-def test_dot_interaction(device, backend, shape, dtype, self_interaction):
-    _skip_big_for_interpreter(backend, device, math.prod(shape))
-    B, F, D = shape
+def _check_dot_interaction(B, F, D, dtype, self_interaction, device, backend):
     x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
     P = num_pairs(F, self_interaction)
     poison_allocator(B * max(P, F * D) * 4, device)
@@ -124,22 +115,42 @@ def test_dot_interaction(device, backend, shape, dtype, self_interaction):
     _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), dtype, ["x"])
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params(("cuda",)))
+DOT_SHAPES = [(0, 3, 8), (3, 1, 8), (5, 3, 36), (4, 27, 8), (2, 27, 200), (2, 127, 36)]
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("shape", DOT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction(device, backend, shape, dtype, self_interaction):
+    _skip_big_for_interpreter(backend, device, math.prod(shape))
+    _check_dot_interaction(*shape, dtype, self_interaction, device, backend)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(("cuda", "triton")))
 @pytest.mark.parametrize("num_features", [256, 300])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("self_interaction", [False, True])
 def test_dot_interaction_large_num_features(device, backend, num_features, dtype, self_interaction):
-    """F past one block's shared memory for an F x F tile (the bench's F = 256 and above): the CUDA
-    backward tiles sym(G); 300 and D = 40 leave partial 32-row and 32-column tiles."""
-    B, F, D = 3, num_features, 40
-    x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
-    P = num_pairs(F, self_interaction)
-    poison_allocator(B * max(P, F * D) * 4, device)
-    out = gk.dot_interaction(x, self_interaction, backend=backend)
-    expected = gk.dot_interaction(x, self_interaction, backend="reference")
-    g = randn_nonzero(B, P, dtype=dtype, device=device)
-    poison_allocator(B * F * D * 4, device)
-    _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), dtype, ["x"])
+    """F past one block's shared memory / one program's registers for an F x F tile (the bench's
+    F = 256 and above): the CUDA backward tiles sym(G), the Triton kernels tile both directions in
+    64-row tiles; 300 and D = 40 leave partial row and column tiles."""
+    _check_dot_interaction(3, num_features, 40, dtype, self_interaction, device, backend)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
+@pytest.mark.parametrize("num_features", [1, 17, 40, 59])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction_triton_tiles(monkeypatch, device, backend, num_features, dtype, self_interaction):
+    """The Triton tiling at small F: 16-row feature tiles and 16-column D chunks, so F = 17..59 spans
+    2..4 tiles (partial last tile, off-diagonal tile pairs) and D = 37 three chunks; F = 1 stays one
+    tile."""
+    import gem_kernels.triton.interaction as triton_interaction
+
+    monkeypatch.setattr(triton_interaction, "MAX_BLOCK_F", 16)
+    monkeypatch.setattr(triton_interaction, "MAX_BLOCK_D", 16)
+    _check_dot_interaction(2, num_features, 37, dtype, self_interaction, device, backend)
 
 
 CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16)]
@@ -184,15 +195,7 @@ def test_cross_layer(device, backend, shape, dtype):
         assert_close_vs_eager(a, e, ea, dtype, f"grad {name}", factor)
 
 
-FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2)]
-
-
-@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
-@pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_fm_compress(device, backend, shape, dtype):
-    B, F, D, k = shape
-    _skip_big_for_interpreter(backend, device, B * F * D)
+def _check_fm_compress(B, F, D, k, dtype, device, backend):
     x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
     y = randn_nonzero(F, k, dtype=dtype, device=device).requires_grad_(True)
     lw = randn_nonzero(F * k, dtype=dtype, device=device).requires_grad_(True)
@@ -204,6 +207,30 @@ def test_fm_compress(device, backend, shape, dtype):
     inputs = (x, y, lw, lb)
     _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype,
                ["x", "y", "ln_weight", "ln_bias"])
+
+
+FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2)]
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_fm_compress(device, backend, shape, dtype):
+    _skip_big_for_interpreter(backend, device, math.prod(shape[:3]))
+    _check_fm_compress(*shape, dtype, device, backend)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
+@pytest.mark.parametrize("shape", [(5, 27, 36, 3), (5, 130, 40, 2)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_fm_compress_triton_samples_per_program(monkeypatch, device, backend, shape, dtype):
+    """The Triton backward with two programs for B = 5: one owns samples 0..2, the other 3..4, each
+    accumulating grad_y and grad ln_weight over its samples. F = 130 (BLOCK_F = 256) also runs the
+    narrowest D chunk (16 columns, three chunks of D = 40)."""
+    import gem_kernels.triton.interaction as triton_interaction
+
+    monkeypatch.setattr(triton_interaction, "FM_BWD_MAX_PROGRAMS", 2)
+    _check_fm_compress(*shape, dtype, device, backend)
 
 
 @pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -1,23 +1,43 @@
 """Triton kernels of the interaction family: dot interaction, the cross layer's epilogues, fm_compress.
 
 Work decomposition:
-- dot_interaction: one program per sample. It walks D in BLOCK_D chunks, accumulating the gram
-  X X^T [BLOCK_F, BLOCK_F] in registers with tl.dot (fp32), then stores only the upper triangle
-  at its packed index p(i, j) = i (F - off) - i (i - 1) / 2 + j - i - off. The backward rebuilds
-  sym(G) [BLOCK_F, BLOCK_F] in registers from the packed gradient and computes grad_x = sym(G) X
-  chunk by chunk: no [B, F, F] tensor exists in either direction.
+- dot_interaction: the F features of a sample are cut into T = cdiv(F, BLOCK_T) tiles of BLOCK_T =
+  min(pow2(F), MAX_BLOCK_F) rows, so no program holds more than a [BLOCK_T, BLOCK_T] fp32 tile
+  whatever F is (F = 256 as one tile would be 256 KiB of registers).
+  Forward: grid (B, T (T + 1) / 2), one program per sample and upper-triangle tile pair ti <= tj.
+  It walks D in BLOCK_D chunks, accumulating X[ti] X[tj]^T [BLOCK_T, BLOCK_T] with tl.dot (fp32),
+  and stores the pairs j >= i + off of its tile at the packed index
+  p(i, j) = i (F - off) - i (i - 1) / 2 + j - i - off.
+  Backward: grid (B, T), one program per sample and row tile ti. Per D chunk it accumulates
+  grad_x[ti, chunk] = sum_tj sym(G)[ti, tj] X[tj, chunk] in a [BLOCK_T, BLOCK_D] fp32 tile, each
+  sym(G) tile rebuilt from the packed gradient (diagonal doubled). No [B, F, F] tensor exists in
+  either direction. When F fits one tile (pow2(F) <= MAX_BLOCK_F) a program owns the whole
+  sample as before: the forward loads each X chunk once and the backward builds sym(G) once.
 - cross_layer: the matmuls are torch.addmm/mm (cuBLAS); the fused epilogue out = x0 * z + xl, and
   in the backward grad_z = g * x0, grad_x0 = g * z, are one elementwise kernel each (BLOCK
   elements per program).
-- fm_compress: one program per sample. S = X (X^T Y) = sum over D chunks of X_c (X_c^T Y), so X is
-  read once, chunk by chunk; the LayerNorm over the F*k values of S runs in registers and the
-  program writes the normalised row, its mean and rstd. The backward recomputes S, applies the
+- fm_compress: the forward runs one program per sample. S = X (X^T Y) = sum over D chunks of
+  X_c (X_c^T Y), so X is read once, chunk by chunk; the LayerNorm over the F*k values of S runs in
+  registers and the program writes the normalised row, its mean and rstd. The backward runs
+  min(B, FM_BWD_MAX_PROGRAMS) programs, each owning a contiguous range of samples (a fixed
+  partition for a given B, so the sums are deterministic). Per sample it recomputes S, applies the
   LayerNorm backward in registers, then per D chunk forms grad_A_c = X_c^T grad_S and writes
-  grad_X_c = grad_S A_c^T + Y grad_A_c^T; per-sample grad_Y and LayerNorm-parameter partials are
-  summed over the batch by torch.
+  grad_X_c = grad_S A_c^T + Y grad_A_c^T; grad_Y and grad of the LayerNorm weight accumulate in
+  [BLOCK_F, BLOCK_K] fp32 registers over the program's samples and are written once per program,
+  [programs, F, k] each, summed by torch. grad of the LayerNorm bias is grad_out summed over the
+  batch (torch). The X chunk [BLOCK_F, BLOCK_D] is bounded by FM_TILE_ELEMS (BLOCK_D is 16 from
+  F = 33 up); S, Y, grad_S and the accumulators are [pow2(F), pow2(k) >= 16] each, which at
+  F = 256 still spills ~100-300 bytes per thread (ptxas, sm_90a, 8 warps).
 
-Roofline: dot_interaction fwd 2*B*P*D FLOPs, B*(F*D + P)*s bytes; fm_compress fwd 4*B*F*D*k FLOPs,
-(B*F*D + B*F*k)*s bytes (see gem_kernels.flops). Both are memory bound for D <= ~128 on an H100/H200.
+Roofline (s = element bytes, P pairs, T tiles): dot_interaction fwd 2*B*P*D FLOPs,
+B*(F*D + P)*s bytes; bwd 4*B*P*D FLOPs, B*(P + 2*F*D)*s bytes. With T > 1 the forward reads each
+X tile once per tile pair it is in (T + 1 times) and the backward reads all of a sample's X and
+sym(G) once per row tile and D chunk (X T times, G 2T times per D chunk): re-reads of one sample's
+F*D + P elements that L2 serves, not DRAM traffic. fm_compress fwd 4*B*F*D*k FLOPs,
+(B*F*D + B*F*k)*s bytes; bwd 8*B*F*D*k FLOPs plus the recomputed 4*B*F*D*k, B*(F*k + 2*F*D)*s
+bytes plus 2*programs*F*k*4 bytes of fp32 partials, independent of B (per-sample partials were
+3*B*F*k*4 bytes written and read back, more than X itself at small D). See gem_kernels.flops.
+Both ops are memory bound for D <= ~128 on an H100/H200.
 
 tl.dot operands are upcast to fp32 (exact for fp16/bf16 inputs; the CPU interpreter also needs it).
 """
@@ -26,8 +46,21 @@ import torch
 import triton
 import triton.language as tl
 
-# D chunk per tl.dot: 64 fp32 columns x up to 128 rows keeps the X tile at 32 KiB of registers.
+# D chunk per tl.dot: 64 fp32 columns.
 MAX_BLOCK_D = 64
+# Feature rows per dot_interaction tile: a [64, 64] fp32 gram / sym(G) tile is 16 KiB of registers,
+# past that a GPU program spills. Tests lower it to exercise tiling at small F.
+MAX_BLOCK_F = 64
+# Bounds on a [rows, BLOCK_D] X chunk: BLOCK_D shrinks as the row block grows. Set from ptxas
+# (sm_90a, compiled without a GPU): the dot_interaction backward holds the chunk, the sym(G) tile and
+# the grad_x accumulator, and at 64 x 64 with 4 warps spills 1.3 KB (fp32); 64 x 32 with 8 warps
+# does not. The fm_compress backward also holds S, Y, W, grad_S, x_hat and two accumulators of
+# [BLOCK_F, BLOCK_K]: at F = 27 a 32 x 64 chunk spills, 32 x 32 does not.
+DOT_TILE_ELEMS = 2048
+FM_TILE_ELEMS = 1024
+# Programs of the fm_compress backward: 4 per SM of an H100/H200 (132 SMs) keeps every SM busy
+# while the per-program partials stay [528, F, k] whatever B is.
+FM_BWD_MAX_PROGRAMS = 4 * 132
 # Elements per program of the cross-layer epilogues.
 EPILOGUE_BLOCK = 1024
 
@@ -35,6 +68,17 @@ EPILOGUE_BLOCK = 1024
 def _pow2(n: int, floor: int = 16) -> int:
     """tl.dot needs every dimension >= 16."""
     return max(floor, triton.next_power_of_2(max(n, 1)))
+
+
+def _block_d(D: int, block_rows: int, tile_elems: int) -> int:
+    """D chunk for a [block_rows, BLOCK_D] tile: at most MAX_BLOCK_D and tile_elems / block_rows
+    columns, at least 16 (tl.dot)."""
+    return max(16, min(MAX_BLOCK_D, _pow2(D), tile_elems // block_rows))
+
+
+def _num_warps(block_rows: int) -> int:
+    """8 warps from 64 rows up: the [64, 64] fp32 tiles need the registers of 256 threads."""
+    return 8 if block_rows >= 64 else 4
 
 
 @triton.jit
@@ -45,49 +89,88 @@ def _pair_index(i, j, F, off):
 @triton.jit
 def _dot_interaction_fwd_kernel(
     X_ptr, Out_ptr, F, D, P, off,
-    BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # feature rows per tile: min(pow2(F), MAX_BLOCK_F)
+    BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_T, BLOCK_D] bounded by DOT_TILE_ELEMS (see _block_d)
+    SINGLE_TILE: tl.constexpr,  # F fits one tile: X[ti] is X[tj], load it once
 ):
     b = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK_F)
+    # Tile pairs are numbered column by column: t = tj (tj + 1) / 2 + ti, 0 <= ti <= tj. The fp32
+    # sqrt (exact inputs, t < 2^20) can land one below an exact root only: one step up fixes it.
+    t = tl.program_id(1)
+    tj = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    tj += ((tj + 1) * (tj + 2) // 2 <= t).to(tl.int32)
+    ti = t - tj * (tj + 1) // 2
+    rows_i = ti * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_j = tj * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     x_base = X_ptr + b * F * D
-    gram = tl.zeros((BLOCK_F, BLOCK_F), dtype=tl.float32)
+    gram = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        mask = (rows[:, None] < F) & (d0 + cols[None, :] < D)
-        x = tl.load(x_base + rows[:, None] * D + d0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gram += tl.dot(x, tl.trans(x))
-    i = rows[:, None]
-    j = rows[None, :]
+        in_d = d0 + cols[None, :] < D
+        xi = tl.load(x_base + rows_i[:, None] * D + d0 + cols[None, :], mask=(rows_i[:, None] < F) & in_d,
+                     other=0.0).to(tl.float32)
+        if SINGLE_TILE:
+            xj = xi
+        else:
+            xj = tl.load(x_base + rows_j[:, None] * D + d0 + cols[None, :], mask=(rows_j[:, None] < F) & in_d,
+                         other=0.0).to(tl.float32)
+        gram += tl.dot(xi, tl.trans(xj))
+    i = rows_i[:, None]
+    j = rows_j[None, :]
     keep = (j >= i + off) & (j < F)
-    p = _pair_index(i, j, F, off)
-    tl.store(Out_ptr + b * P + p, gram.to(Out_ptr.dtype.element_ty), mask=keep)
+    tl.store(Out_ptr + b * P + _pair_index(i, j, F, off), gram.to(Out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _sym_grad_tile(g_base, rows_i, rows_j, F, off):
+    """sym(G)[rows_i, rows_j] in fp32 from the packed gradient; d<x_i, x_i>/dx_i = 2 x_i doubles the
+    diagonal."""
+    i = rows_i[:, None]
+    j = rows_j[None, :]
+    lo = tl.minimum(i, j)
+    hi = tl.maximum(i, j)
+    valid = (hi >= lo + off) & (hi < F)
+    g = tl.load(g_base + _pair_index(lo, hi, F, off), mask=valid, other=0.0).to(tl.float32)
+    return tl.where(i == j, 2.0 * g, g)
 
 
 @triton.jit
 def _dot_interaction_bwd_kernel(
-    G_ptr, X_ptr, DX_ptr, F, D, P, off,
-    BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+    G_ptr, X_ptr, DX_ptr, F, D, P, off, num_tiles,
+    BLOCK_T: tl.constexpr,  # feature rows per tile: min(pow2(F), MAX_BLOCK_F)
+    BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_T, BLOCK_D] bounded by DOT_TILE_ELEMS (see _block_d)
+    SINGLE_TILE: tl.constexpr,  # F fits one tile: build sym(G) once, not per D chunk
 ):
     b = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK_F)
+    rows_i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
-    i = rows[:, None]
-    j = rows[None, :]
-    lo = tl.minimum(i, j)
-    hi = tl.maximum(i, j)
-    valid = (hi >= lo + off) & (hi < F)
-    g = tl.load(G_ptr + b * P + _pair_index(lo, hi, F, off), mask=valid, other=0.0).to(tl.float32)
-    sym = tl.where(i == j, 2.0 * g, g)  # d<x_i, x_i>/dx_i = 2 x_i
+    g_base = G_ptr + b * P
+    x_base = X_ptr + b * F * D
+    if SINGLE_TILE:
+        sym = _sym_grad_tile(g_base, rows_i, rows_i, F, off)
     for d0 in range(0, D, BLOCK_D):
-        mask = (rows[:, None] < F) & (d0 + cols[None, :] < D)
-        offs = b * F * D + rows[:, None] * D + d0 + cols[None, :]
-        x = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dx = tl.dot(sym, x)
-        tl.store(DX_ptr + offs, dx.to(DX_ptr.dtype.element_ty), mask=mask)
+        in_d = d0 + cols[None, :] < D
+        if SINGLE_TILE:
+            x = tl.load(x_base + rows_i[:, None] * D + d0 + cols[None, :], mask=(rows_i[:, None] < F) & in_d,
+                        other=0.0).to(tl.float32)
+            dx = tl.dot(sym, x)
+        else:
+            dx = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            for tj in range(0, num_tiles):
+                rows_j = tj * BLOCK_T + tl.arange(0, BLOCK_T)
+                x = tl.load(x_base + rows_j[:, None] * D + d0 + cols[None, :], mask=(rows_j[:, None] < F) & in_d,
+                            other=0.0).to(tl.float32)
+                dx += tl.dot(_sym_grad_tile(g_base, rows_i, rows_j, F, off), x)
+        offs = rows_i[:, None] * D + d0 + cols[None, :]
+        tl.store(DX_ptr + b * F * D + offs, dx.to(DX_ptr.dtype.element_ty), mask=(rows_i[:, None] < F) & in_d)
 
 
-def _block_d(D: int) -> int:
-    return min(MAX_BLOCK_D, _pow2(D))
+def _dot_blocks(F: int, D: int) -> tuple[int, dict]:
+    """(number of feature tiles, the kernels' block constexprs)."""
+    block_t = min(_pow2(F), MAX_BLOCK_F)
+    num_tiles = triton.cdiv(F, block_t)
+    return num_tiles, dict(BLOCK_T=block_t, BLOCK_D=_block_d(D, block_t, DOT_TILE_ELEMS),
+                           SINGLE_TILE=num_tiles == 1, num_warps=_num_warps(block_t))
 
 
 def dot_interaction(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
@@ -97,7 +180,9 @@ def dot_interaction(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
     out = x.new_empty((B, P))
     if out.numel() == 0:
         return out
-    _dot_interaction_fwd_kernel[(B,)](x, out, F, D, P, off, BLOCK_F=_pow2(F), BLOCK_D=_block_d(D))
+    num_tiles, blocks = _dot_blocks(F, D)
+    grid = (B, num_tiles * (num_tiles + 1) // 2)
+    _dot_interaction_fwd_kernel[grid](x, out, F, D, P, off, **blocks)
     return out
 
 
@@ -109,8 +194,9 @@ def dot_interaction_backward(grad_out: torch.Tensor, x: torch.Tensor, self_inter
         return grad_x
     if grad_out.shape[1] == 0:
         return grad_x.zero_()
-    _dot_interaction_bwd_kernel[(B,)](grad_out, x, grad_x, F, D, grad_out.shape[1], off,
-                                      BLOCK_F=_pow2(F), BLOCK_D=_block_d(D))
+    num_tiles, blocks = _dot_blocks(F, D)
+    _dot_interaction_bwd_kernel[(B, num_tiles)](grad_out, x, grad_x, F, D, grad_out.shape[1], off, num_tiles,
+                                                **blocks)
     return grad_x
 
 
@@ -167,38 +253,46 @@ def cross_layer_backward(grad_out, x0, xl, u, v, z, p):
 
 
 @triton.jit
-def _fm_products(x_base, Y_ptr, F, D, k, rows, kcols, dcols,
-                 BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(S = X (X^T Y) [BLOCK_F, BLOCK_K] in fp32, Y [BLOCK_F, BLOCK_K] in fp32)."""
-    y = tl.load(Y_ptr + rows[:, None] * k + kcols[None, :], mask=(rows[:, None] < F) & (kcols[None, :] < k),
-                other=0.0).to(tl.float32)
+def _load_fk(ptr, rows, kcols, F, k):
+    """A row-major [F, k] operand (Y, the LayerNorm parameters) as a [BLOCK_F, BLOCK_K] fp32 tile."""
+    return tl.load(ptr + rows[:, None] * k + kcols[None, :], mask=(rows[:, None] < F) & (kcols[None, :] < k),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fm_products(x_base, y, F, D, rows, dcols, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """S = X (X^T Y) [BLOCK_F, BLOCK_K] in fp32, y the fp32 [BLOCK_F, BLOCK_K] tile of Y."""
     s = tl.zeros((BLOCK_F, BLOCK_K), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         mask = (rows[:, None] < F) & (d0 + dcols[None, :] < D)
         x = tl.load(x_base + rows[:, None] * D + d0 + dcols[None, :], mask=mask, other=0.0).to(tl.float32)
         a = tl.dot(tl.trans(x), y)  # [BLOCK_D, BLOCK_K]: this chunk's rows of X^T Y
         s += tl.dot(x, a)
-    return s, y
+    return s
 
 
 @triton.jit
 def _fm_compress_fwd_kernel(
     X_ptr, Y_ptr, W_ptr, Bias_ptr, Out_ptr, Mean_ptr, Rstd_ptr, F, D, k, eps,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_F: tl.constexpr,  # pow2(F): the LayerNorm spans all F*k values of a sample
+    BLOCK_K: tl.constexpr,  # pow2(k)
+    BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_F, BLOCK_D] bounded by FM_TILE_ELEMS (see _block_d)
 ):
     b = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_F)
     kcols = tl.arange(0, BLOCK_K)
     dcols = tl.arange(0, BLOCK_D)
-    s, _y = _fm_products(X_ptr + b * F * D, Y_ptr, F, D, k, rows, kcols, dcols, BLOCK_F, BLOCK_K, BLOCK_D)
+    y = _load_fk(Y_ptr, rows, kcols, F, k)
+    s = _fm_products(X_ptr + b * F * D, y, F, D, rows, dcols, BLOCK_F, BLOCK_K, BLOCK_D)
     valid = (rows[:, None] < F) & (kcols[None, :] < k)
     n = F * k
     mean = tl.sum(tl.sum(tl.where(valid, s, 0.0), 1), 0) / n
     centred = tl.where(valid, s - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(centred * centred, 1), 0) / n + eps)
+    w = _load_fk(W_ptr, rows, kcols, F, k)
+    bias = _load_fk(Bias_ptr, rows, kcols, F, k)
     e = rows[:, None] * k + kcols[None, :]
-    w = tl.load(W_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    bias = tl.load(Bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
     tl.store(Out_ptr + b * n + e, (centred * rstd * w + bias).to(Out_ptr.dtype.element_ty), mask=valid)
     tl.store(Mean_ptr + b, mean)
     tl.store(Rstd_ptr + b, rstd)
@@ -206,45 +300,53 @@ def _fm_compress_fwd_kernel(
 
 @triton.jit
 def _fm_compress_bwd_kernel(
-    G_ptr, X_ptr, Y_ptr, W_ptr, Mean_ptr, Rstd_ptr, DX_ptr, DYp_ptr, DWp_ptr, DBp_ptr, F, D, k,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    G_ptr, X_ptr, Y_ptr, W_ptr, Mean_ptr, Rstd_ptr, DX_ptr, DYp_ptr, DWp_ptr, B, F, D, k, samples_per_program,
+    BLOCK_F: tl.constexpr,  # pow2(F): the LayerNorm spans all F*k values of a sample
+    BLOCK_K: tl.constexpr,  # pow2(k)
+    BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_F, BLOCK_D] bounded by FM_TILE_ELEMS (see _block_d)
 ):
-    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    first = pid.to(tl.int64) * samples_per_program
+    last = tl.minimum(first + samples_per_program, B)
     rows = tl.arange(0, BLOCK_F)
     kcols = tl.arange(0, BLOCK_K)
     dcols = tl.arange(0, BLOCK_D)
-    x_base = X_ptr + b * F * D
-    s, y = _fm_products(x_base, Y_ptr, F, D, k, rows, kcols, dcols, BLOCK_F, BLOCK_K, BLOCK_D)
     valid = (rows[:, None] < F) & (kcols[None, :] < k)
     n = F * k
     e = rows[:, None] * k + kcols[None, :]
-    mean = tl.load(Mean_ptr + b)
-    rstd = tl.load(Rstd_ptr + b)
-    xhat = tl.where(valid, (s - mean) * rstd, 0.0)
-    g = tl.load(G_ptr + b * n + e, mask=valid, other=0.0).to(tl.float32)
-    w = tl.load(W_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    tl.store(DWp_ptr + b * n + e, g * xhat, mask=valid)
-    tl.store(DBp_ptr + b * n + e, g, mask=valid)
-    gh = g * w
-    c1 = tl.sum(tl.sum(gh, 1), 0) / n
-    c2 = tl.sum(tl.sum(gh * xhat, 1), 0) / n
-    ds = tl.where(valid, rstd * (gh - c1 - xhat * c2), 0.0)  # grad of S [BLOCK_F, BLOCK_K]
-    dy = tl.zeros((BLOCK_F, BLOCK_K), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        mask = (rows[:, None] < F) & (d0 + dcols[None, :] < D)
-        offs = rows[:, None] * D + d0 + dcols[None, :]
-        x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
-        xt = tl.trans(x)
-        a = tl.dot(xt, y)    # A_c = X_c^T Y       [BLOCK_D, BLOCK_K]
-        da = tl.dot(xt, ds)  # grad A_c = X_c^T dS [BLOCK_D, BLOCK_K]
-        dx = tl.dot(ds, tl.trans(a)) + tl.dot(y, tl.trans(da))
-        tl.store(DX_ptr + b * F * D + offs, dx.to(DX_ptr.dtype.element_ty), mask=mask)
-        dy += tl.dot(x, da)
-    tl.store(DYp_ptr + b * n + e, dy, mask=valid)
+    y = _load_fk(Y_ptr, rows, kcols, F, k)
+    w = _load_fk(W_ptr, rows, kcols, F, k)
+    dy = tl.zeros((BLOCK_F, BLOCK_K), dtype=tl.float32)  # sum over this program's samples
+    dw = tl.zeros((BLOCK_F, BLOCK_K), dtype=tl.float32)
+    for b in range(first, last):
+        x_base = X_ptr + b * F * D
+        s = _fm_products(x_base, y, F, D, rows, dcols, BLOCK_F, BLOCK_K, BLOCK_D)
+        rstd = tl.load(Rstd_ptr + b)
+        xhat = tl.where(valid, (s - tl.load(Mean_ptr + b)) * rstd, 0.0)
+        g = tl.load(G_ptr + b * n + e, mask=valid, other=0.0).to(tl.float32)
+        dw += g * xhat
+        gh = g * w
+        c1 = tl.sum(tl.sum(gh, 1), 0) / n
+        c2 = tl.sum(tl.sum(gh * xhat, 1), 0) / n
+        ds = tl.where(valid, rstd * (gh - c1 - xhat * c2), 0.0)  # grad of S [BLOCK_F, BLOCK_K]
+        for d0 in range(0, D, BLOCK_D):
+            mask = (rows[:, None] < F) & (d0 + dcols[None, :] < D)
+            offs = rows[:, None] * D + d0 + dcols[None, :]
+            x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
+            xt = tl.trans(x)
+            a = tl.dot(xt, y)    # A_c = X_c^T Y       [BLOCK_D, BLOCK_K]
+            da = tl.dot(xt, ds)  # grad A_c = X_c^T dS [BLOCK_D, BLOCK_K]
+            dx = tl.dot(ds, tl.trans(a)) + tl.dot(y, tl.trans(da))
+            tl.store(DX_ptr + b * F * D + offs, dx.to(DX_ptr.dtype.element_ty), mask=mask)
+            dy += tl.dot(x, da)
+    tl.store(DYp_ptr + pid * n + e, dy, mask=valid)
+    tl.store(DWp_ptr + pid * n + e, dw, mask=valid)
 
 
 def _fm_blocks(F: int, D: int, k: int) -> dict:
-    return dict(BLOCK_F=_pow2(F), BLOCK_K=_pow2(k), BLOCK_D=_block_d(D))
+    block_f = _pow2(F)
+    return dict(BLOCK_F=block_f, BLOCK_K=_pow2(k), BLOCK_D=_block_d(D, block_f, FM_TILE_ELEMS),
+                num_warps=_num_warps(block_f))
 
 
 def fm_compress(x, y, ln_weight, ln_bias, eps, save_products):
@@ -263,13 +365,17 @@ def fm_compress(x, y, ln_weight, ln_bias, eps, save_products):
 def fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd, products):
     B, F, D = x.shape
     k = y.shape[1]
-    grad_x = torch.empty_like(x)
-    # Per-sample fp32 partials, summed over the batch below.
-    partial_y = x.new_empty((B, F, k), dtype=torch.float32)
-    partial_w = x.new_empty((B, F * k), dtype=torch.float32)
-    partial_b = x.new_empty((B, F * k), dtype=torch.float32)
-    if B:
-        _fm_compress_bwd_kernel[(B,)](grad_out, x, y, ln_weight, mean, rstd, grad_x, partial_y, partial_w, partial_b,
-                                      F, D, k, **_fm_blocks(F, D, k))
     dt = x.dtype
-    return grad_x, partial_y.sum(0).to(dt), partial_w.sum(0).to(dt), partial_b.sum(0).to(dt)
+    grad_x = torch.empty_like(x)
+    if B == 0:
+        return grad_x, torch.zeros_like(y), torch.zeros_like(ln_weight), torch.zeros_like(ln_weight)
+    # Each program owns samples_per_program consecutive samples (the last one fewer) and writes one
+    # fp32 partial of grad_Y and grad_W; the split depends on B only, so the sums are deterministic.
+    samples_per_program = triton.cdiv(B, min(B, FM_BWD_MAX_PROGRAMS))
+    programs = triton.cdiv(B, samples_per_program)
+    partial_y = x.new_empty((programs, F, k), dtype=torch.float32)
+    partial_w = x.new_empty((programs, F * k), dtype=torch.float32)
+    _fm_compress_bwd_kernel[(programs,)](grad_out, x, y, ln_weight, mean, rstd, grad_x, partial_y, partial_w,
+                                         B, F, D, k, samples_per_program, **_fm_blocks(F, D, k))
+    grad_b = grad_out.float().sum(0)
+    return grad_x, partial_y.sum(0).to(dt), partial_w.sum(0).to(dt), grad_b.to(dt)
