@@ -36,9 +36,12 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_stream.h"
 
 namespace gem_kernels {
 namespace {
@@ -142,6 +145,70 @@ void store_rows(const float* src, int64_t rows, int64_t cols, int64_t ld, scalar
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = static_cast<scalar_t>(src[r * ld + c]);
   }
+}
+
+// Eight-wide pieces of the per-sample epilogues (LayerNorm, transposes): GCC left the LayerNorm
+// loops scalar despite `omp simd` (a quarter of the fm_compress backward's time), so they are
+// written out. Each loop below runs its full 8-lanes with these and the rest with the same scalar
+// formula, which is also the whole loop in a build without AVX2.
+#if defined(__AVX2__) && defined(__FMA__)
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // bf16 -> fp32 is a 16-bit shift
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  } else {  // double: not a dtype these kernels take beyond the dispatch macro; convert lane by lane
+    alignas(32) float v[8];
+    for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+    return _mm256_load_ps(v);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// dst[c * ldd + r] = src[r * lds + c] for an 8 x 8 block.
+inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#endif
+
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: 8 x 8 register blocks, scalar edges.
+// Strided scalar copies of this kind were a fifth of the fm_compress backward.
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
+  int64_t r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; r0 + 8 <= rows; r0 += 8) {
+    int64_t c0 = 0;
+    for (; c0 + 8 <= cols; c0 += 8) transpose8x8(src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
+    for (int64_t c = c0; c < cols; ++c)
+      for (int64_t r = r0; r < r0 + 8; ++r) dst[c * ldd + r] = src[r * lds + c];
+  }
+#endif
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = r0; r < rows; ++r) dst[c * ldd + r] = src[r * lds + c];
 }
 
 // Start of row i of the packed upper triangle (pairs j >= i + off, off = 0 or 1).
@@ -341,30 +408,129 @@ struct FmDims {
   int64_t B, F, D, k, Fp, Dp, kp, kq;
 };
 
-// Per-sample scratch: X [Fp, Dp], At = (X^T Y)^T [kp, Dp], its transpose A [D, kq], S = X A [Fp, kq].
+// Per-sample scratch: X [Fp, Dp], At = (X^T Y)^T [kp, Dp], its transpose A [D, kq], S = X A [Fp, kq]
+// and S compacted to the flat [F*k] row that the LayerNorm (and `products`) use.
 // The backward keeps grad_A^T [kp, Dp] right below At (`at_rows` = 2 kp), so that
 // grad_X = [grad_S | Y] [At ; grad_A^T] is one product.
 struct FmScratch {
-  std::vector<float> xs, at, a, s;
+  std::vector<float> xs, at, a, s, sf;
   FmScratch(const FmDims& d, int64_t at_rows)
-      : xs(d.Fp * d.Dp), at(at_rows * d.Dp, 0.f), a(d.D * d.kq, 0.f), s(d.Fp * d.kq) {}
+      : xs(d.Fp * d.Dp), at(at_rows * d.Dp, 0.f), a(d.D * d.kq, 0.f), s(d.Fp * d.kq), sf(d.F * d.k) {}
 };
 
-// dst [D, kq] = src[:k, :D]^T for src [kp, Dp] (columns k..kq of dst stay zero). Written row by
-// row of dst: strided loads from the L1-resident src are cheap, strided stores were not (this
-// transpose was a fifth of the backward's non-GEMM time the other way round).
-void transpose_into(const float* src, int64_t k, int64_t D, int64_t Dp, float* dst, int64_t kq) {
-  for (int64_t dd = 0; dd < D; ++dd)
-    for (int64_t j = 0; j < k; ++j) dst[dd * kq + j] = src[j * Dp + dd];
-}
-
-// Fill scratch.xs, .at and .s for one sample; yt is Y^T fp32 [kp, F] (zero rows past k).
+// Fill scratch.xs, .at, .s and .sf for one sample; yt is Y^T fp32 [kp, F] (zero rows past k).
 template <typename scalar_t>
 void fm_sample(const FmDims& d, const scalar_t* xb, const float* yt, FmScratch& w) {
   load_padded(xb, d.F, d.D, w.xs.data(), d.Fp, d.Dp);
   combine_rows(yt, d.kp, d.F, d.F, w.xs.data(), d.Dp, w.at.data(), false);
-  transpose_into(w.at.data(), d.k, d.D, d.Dp, w.a.data(), d.kq);
+  transpose(w.at.data(), d.k, d.D, d.Dp, w.a.data(), d.kq);  // columns k..kq of A stay zero
   combine_rows(w.xs.data(), d.Fp, d.D, d.Dp, w.a.data(), d.kq, w.s.data(), false);
+  for (int64_t f = 0; f < d.F; ++f) std::copy_n(w.s.data() + f * d.kq, d.k, w.sf.data() + f * d.k);
+}
+
+// LayerNorm of one flat row s [n]: out = (s - mean) * rstd * w + bias. Returns {mean, rstd}.
+template <typename scalar_t>
+std::pair<float, float> layer_norm_row(const float* s, int64_t n, const float* w, const float* bias, float eps,
+                                       scalar_t* out) {
+  float sum = 0.f, sq = 0.f;
+  int64_t e = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; e + 8 <= n; e += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + e));
+  sum = hsum8(acc);
+#endif
+  for (; e < n; ++e) sum += s[e];
+  const float mu = sum / n;
+  e = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  acc = _mm256_setzero_ps();
+  for (; e + 8 <= n; e += 8) {
+    const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(s + e), _mm256_set1_ps(mu));
+    acc = _mm256_fmadd_ps(c, c, acc);
+  }
+  sq = hsum8(acc);
+#endif
+  for (; e < n; ++e) sq += (s[e] - mu) * (s[e] - mu);
+  const float rs = 1.f / std::sqrt(sq / n + eps);
+  e = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const __m256 vmu = _mm256_set1_ps(mu), vrs = _mm256_set1_ps(rs);
+    for (; e + 8 <= n; e += 8) {
+      const __m256 xh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + e), vmu), vrs);
+      _mm256_storeu_ps(out + e, _mm256_fmadd_ps(xh, _mm256_loadu_ps(w + e), _mm256_loadu_ps(bias + e)));
+    }
+  }
+#endif
+  for (; e < n; ++e) out[e] = static_cast<scalar_t>((s[e] - mu) * rs * w[e] + bias[e]);
+  return {mu, rs};
+}
+
+// LayerNorm backward of one flat row s [n] with its forward's mean and rstd: with xhat = (s - mean)
+// rstd and gh = g w, grad_s = rstd (gh - mean(gh) - xhat mean(gh xhat)); grad_w += g xhat and
+// grad_b += g accumulate over the rows a task owns. xhat and gh are [n] scratch.
+template <typename scalar_t>
+void layer_norm_row_backward(const float* s, const scalar_t* g, const float* w, float mu, float rs, int64_t n,
+                             float* xhat, float* gh, float* grad_w, float* grad_b, float* grad_s) {
+  float c1 = 0.f, c2 = 0.f;
+  int64_t e = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  {
+    const __m256 vmu = _mm256_set1_ps(mu), vrs = _mm256_set1_ps(rs);
+    __m256 a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+    for (; e + 8 <= n; e += 8) {
+      const __m256 gv = load8(g + e);
+      const __m256 xh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + e), vmu), vrs);
+      const __m256 hv = _mm256_mul_ps(gv, _mm256_loadu_ps(w + e));
+      _mm256_storeu_ps(xhat + e, xh);
+      _mm256_storeu_ps(gh + e, hv);
+      _mm256_storeu_ps(grad_w + e, _mm256_fmadd_ps(gv, xh, _mm256_loadu_ps(grad_w + e)));
+      _mm256_storeu_ps(grad_b + e, _mm256_add_ps(_mm256_loadu_ps(grad_b + e), gv));
+      a1 = _mm256_add_ps(a1, hv);
+      a2 = _mm256_fmadd_ps(hv, xh, a2);
+    }
+    c1 = hsum8(a1);
+    c2 = hsum8(a2);
+  }
+#endif
+  for (; e < n; ++e) {
+    const float gv = static_cast<float>(g[e]);
+    xhat[e] = (s[e] - mu) * rs;
+    gh[e] = gv * w[e];
+    grad_w[e] += gv * xhat[e];
+    grad_b[e] += gv;
+    c1 += gh[e];
+    c2 += gh[e] * xhat[e];
+  }
+  c1 /= n;
+  c2 /= n;
+  e = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  {
+    const __m256 vrs = _mm256_set1_ps(rs), vc1 = _mm256_set1_ps(c1), vc2 = _mm256_set1_ps(c2);
+    for (; e + 8 <= n; e += 8) {
+      const __m256 t = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(gh + e), vc1),
+                                     _mm256_mul_ps(_mm256_loadu_ps(xhat + e), vc2));
+      _mm256_storeu_ps(grad_s + e, _mm256_mul_ps(vrs, t));
+    }
+  }
+#endif
+  for (; e < n; ++e) grad_s[e] = rs * (gh[e] - c1 - xhat[e] * c2);
+}
+
+// One sample's [F, D] rows from a [Fp, ld] fp32 tile into dst (row stride D). fp32 output goes out
+// with copy_bytes, streaming when `stream` (an output the cache cannot keep anyway).
+template <typename scalar_t>
+void store_sample(const float* src, int64_t F, int64_t D, int64_t ld, scalar_t* dst, bool stream) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (D == ld) {
+      copy_bytes(dst, src, F * D * sizeof(float), stream);
+    } else {
+      for (int64_t r = 0; r < F; ++r) copy_bytes(dst + r * D, src + r * ld, D * sizeof(float), stream);
+    }
+  } else {
+    store_rows(src, F, D, ld, dst);
+  }
 }
 
 FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
@@ -408,30 +574,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
         if (pp) {
           float* pb = pp + b * products_row(d);
           for (int64_t j = 0; j < d.k; ++j) std::copy_n(w.at.data() + j * d.Dp, d.D, pb + j * d.D);
-          for (int64_t f = 0; f < d.F; ++f) std::copy_n(w.s.data() + f * d.kq, d.k, pb + d.k * d.D + f * d.k);
+          std::copy_n(w.sf.data(), n, pb + d.k * d.D);
         }
-        float sum = 0.f;
-        for (int64_t f = 0; f < d.F; ++f)
-          _Pragma("omp simd reduction(+ : sum)")
-          for (int64_t j = 0; j < d.k; ++j) sum += w.s[f * d.kq + j];
-        const float mu = sum / n;
-        float sq = 0.f;
-        for (int64_t f = 0; f < d.F; ++f)
-          _Pragma("omp simd reduction(+ : sq)")
-          for (int64_t j = 0; j < d.k; ++j) {
-            const float c = w.s[f * d.kq + j] - mu;
-            sq += c * c;
-          }
-        const float rs = 1.f / std::sqrt(sq / n + static_cast<float>(eps));
-        mp[b] = mu;
-        rp[b] = rs;
-        scalar_t* ob = op + b * n;
-        for (int64_t f = 0; f < d.F; ++f)
-          _Pragma("omp simd")
-          for (int64_t j = 0; j < d.k; ++j) {
-            const int64_t e = f * d.k + j;
-            ob[e] = static_cast<scalar_t>((w.s[f * d.kq + j] - mu) * rs * wp[e] + bp[e]);
-          }
+        std::tie(mp[b], rp[b]) = layer_norm_row(w.sf.data(), n, wp, bp, static_cast<float>(eps), op + b * n);
       }
     });
   });
@@ -456,6 +601,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
                          products.size(0) == d.B && products.size(1) == products_row(d)),
               "products must be empty or contiguous fp32 [B, k*D + F*k]");
   auto grad_x = at::empty_like(x);
+  // grad_x goes out while X, grad_out and the products come in: past the cache's size none of it
+  // is still there for the next op, so grad_x skips the read-for-ownership of normal stores.
+  const bool stream = use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + products.nbytes());
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(d.B, at::get_num_threads()));
   // Per-chunk fp32 partials of grad_y [Fp, kq], grad_w [n], grad_b [n].
   auto part_y = at::zeros({chunks, d.Fp, d.kq}, x.options().dtype(at::kFloat));
@@ -476,13 +624,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
         FmScratch w(d, 2 * d.kp);
         float* dat = w.at.data() + d.kp * d.Dp;  // grad_A^T [kp, Dp]
         // [grad_S | Y] [Fp, 2 kp]: the grad_S half is rewritten per sample, Y is fixed.
-        std::vector<float> xhat(n), gh(n), dsy(d.Fp * 2 * d.kp, 0.f), dx(d.Fp * d.Dp), da(d.D * d.kq, 0.f);
+        std::vector<float> xhat(n), gh(n), ds(n), dsy(d.Fp * 2 * d.kp, 0.f), dx(d.Fp * d.Dp), da(d.D * d.kq, 0.f);
         for (int64_t f = 0; f < d.F; ++f)
           for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
         for (int64_t c = cb; c < ce; ++c) {
           float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
           float* gw = part_wb.data_ptr<float>() + c * 2 * n;
-          float* gb = gw + n;
           const int64_t last = (c + 1) * d.B / chunks;
           for (int64_t b = c * d.B / chunks; b < last; ++b) {
             if (b + 1 < last) {
@@ -490,47 +637,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
               prefetch_rows(gp + (b + 1) * n, n);
               if (saved) prefetch_rows(pp + (b + 1) * products_row(d), products_row(d));
             }
+            const float* s = w.sf.data();
             if (saved) {
               // The forward's (X^T Y)^T and S: only X is reloaded (4*F*D*k FLOPs saved per sample).
               const float* pb = pp + b * products_row(d);
               load_padded(xp + b * d.F * d.D, d.F, d.D, w.xs.data(), d.Fp, d.Dp);
               for (int64_t j = 0; j < d.k; ++j) std::copy_n(pb + j * d.D, d.D, w.at.data() + j * d.Dp);
-              for (int64_t f = 0; f < d.F; ++f) std::copy_n(pb + d.k * d.D + f * d.k, d.k, w.s.data() + f * d.kq);
+              s = pb + d.k * d.D;
             } else {
               fm_sample(d, xp + b * d.F * d.D, ytp, w);
             }
-            const scalar_t* g = gp + b * n;
-            const float mu = mp[b], rs = rp[b];
-            float c1 = 0.f, c2 = 0.f;
-            for (int64_t f = 0; f < d.F; ++f)
-              _Pragma("omp simd reduction(+ : c1, c2)")
-              for (int64_t j = 0; j < d.k; ++j) {
-                const int64_t e = f * d.k + j;
-                const float gv = static_cast<float>(g[e]);
-                const float xh = (w.s[f * d.kq + j] - mu) * rs;
-                xhat[e] = xh;
-                gh[e] = gv * wp[e];
-                gw[e] += gv * xh;
-                gb[e] += gv;
-                c1 += gh[e];
-                c2 += gh[e] * xh;
-              }
-            c1 /= n;
-            c2 /= n;
-            for (int64_t f = 0; f < d.F; ++f)
-              for (int64_t j = 0; j < d.k; ++j) {
-                const int64_t e = f * d.k + j;
-                dsy[f * 2 * d.kp + j] = rs * (gh[e] - c1 - xhat[e] * c2);
-              }
+            layer_norm_row_backward(s, gp + b * n, wp, mp[b], rp[b], n, xhat.data(), gh.data(), gw, gw + n,
+                                    ds.data());
+            for (int64_t f = 0; f < d.F; ++f) std::copy_n(ds.data() + f * d.k, d.k, dsy.data() + f * 2 * d.kp);
             // grad_A^T = (X^T dS)^T [kp, Dp]; grad_X = dS A^T + Y grad_A^T; grad_Y += X grad_A.
             // grad_A^T = grad_S^T X: grad_S read transposed in place (columns k..kp of its half are 0).
             combine_rows(dsy.data(), d.kp, d.F, 1, w.xs.data(), d.Dp, dat, false, false, 2 * d.kp);
             combine_rows(dsy.data(), d.Fp, 2 * d.kp, 2 * d.kp, w.at.data(), d.Dp, dx.data(), false);
-            store_rows(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D);
-            transpose_into(dat, d.k, d.D, d.Dp, da.data(), d.kq);
+            store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
+            transpose(dat, d.k, d.D, d.Dp, da.data(), d.kq);
             combine_rows(w.xs.data(), d.Fp, d.D, d.Dp, da.data(), d.kq, gy, true);
           }
         }
+        streaming_store_fence();
       });
     });
   }
