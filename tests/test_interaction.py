@@ -153,7 +153,8 @@ def test_dot_interaction_triton_tiles(monkeypatch, device, backend, num_features
     _check_dot_interaction(2, num_features, 37, dtype, self_interaction, device, backend)
 
 
-CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16)]
+# B = 3000: the cpu's batch sum for grad_bias runs over many fixed chunks.
+CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16), (3000, 16, None)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
@@ -209,7 +210,9 @@ def _check_fm_compress(B, F, D, k, dtype, device, backend):
                ["x", "y", "ln_weight", "ln_bias"])
 
 
-FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2)]
+# k = 11 and 16 run the cpu's 8 x 8 register transposes (with a partial block at k = 11, D = 20).
+FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2),
+             (3, 27, 36, 16), (2, 5, 20, 11)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
@@ -231,6 +234,42 @@ def test_fm_compress_triton_samples_per_program(monkeypatch, device, backend, sh
 
     monkeypatch.setattr(triton_interaction, "FM_BWD_MAX_PROGRAMS", 2)
     _check_fm_compress(*shape, dtype, device, backend)
+
+
+@pytest.mark.parametrize("D", [64, 60])
+def test_fm_compress_cpu_streams_large_grad_x(D):
+    """Past the cache size (x, grad_x, grad_out and the products over 32 MiB) the cpu backward writes
+    grad_x with streaming stores: whole samples at once when D is a multiple of 16, row by row
+    otherwise."""
+    B, F, k = 2048, 27, 16
+    assert 4 * B * (2 * F * D + F * k + k * D + F * k) > 32 << 20
+    x = randn_nonzero(B, F, D).requires_grad_(True)
+    y, lw, lb = randn_nonzero(F, k), randn_nonzero(F * k), randn_nonzero(F * k)
+    g = randn_nonzero(B, F * k)
+    poison_allocator(B * F * D * 4, "cpu")
+    (grad_x,) = torch.autograd.grad(gk.fm_compress(x, y, lw, lb, backend="cpu"), x, g)
+    (expected,) = torch.autograd.grad(gk.fm_compress(x, y, lw, lb, backend="reference"), x, g)
+    # grad_x sums only within a sample; the batch sums are test_fm_compress_cpu_batch_sums_accurate's.
+    assert_close(grad_x, expected, torch.float32)
+
+
+def test_fm_compress_cpu_batch_sums_accurate():
+    """grad_y and the LayerNorm grads sum 2048 samples: within 2x of eager fp32's error against fp64
+    (a running fp32 sum per thread was 20x eager's error on grad_y)."""
+    B, F, D, k = 2048, 27, 64, 16
+    inputs = [randn_nonzero(B, F, D), randn_nonzero(F, k), randn_nonzero(F * k), randn_nonzero(F * k)]
+    g = randn_nonzero(B, F * k)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype, copy=True).requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, g.to(dtype))]
+
+    exact = run(ref.eager_fm_compress, torch.float64)
+    eager = run(ref.eager_fm_compress, torch.float32)
+    actual = run(lambda *a: gk.fm_compress(*a, backend="cpu"), torch.float32)
+    for name, a, e, ea in zip(["out", "x", "y", "ln_weight", "ln_bias"], actual, exact, eager):
+        assert_close_vs_eager(a, e, ea, torch.float32, name)
 
 
 @pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))
