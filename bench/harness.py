@@ -327,8 +327,12 @@ def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtyp
         if bad.any():
             diff = (g64 - w64).abs()
             diff[diff.isnan()] = float("inf")
+            # Which rows (first index) hold the bad elements: one sample's worth points at a race or
+            # a per-sample indexing bug, all of them at a tolerance or formula problem.
+            rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist() if bad.dim() else []
+            where = f"; rows {rows[:8]}{' ...' if len(rows) > 8 else ''} ({len(rows)} of {bad.shape[0]})" if rows else ""
             return (f"output {i}: {int(bad.sum())} of {g.numel()} elements differ "
-                    f"(max abs err {float(diff.max()):.3g}, atol={tol['atol']}, rtol={tol['rtol']})")
+                    f"(max abs err {float(diff.max()):.3g}, atol={tol['atol']}, rtol={tol['rtol']}){where}")
     return None
 
 

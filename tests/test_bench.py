@@ -122,6 +122,7 @@ def test_compare_reports_mismatches():
     b = a.clone()
     b[1, 2] += 1e-3
     assert "1 of 6 elements differ" in harness.compare(b, a, dict(atol=0, rtol=0), torch.float32)
+    assert "rows [1] (1 of 2)" in harness.compare(b, a, dict(atol=0, rtol=0), torch.float32)
     assert harness.compare(b, a, dict(atol=1e-2, rtol=0), torch.float32) is None
     assert "shape" in harness.compare(a[:1], a, None, torch.float32)
     assert harness.compare((a, 2.0), (a, 2.0), None, torch.float32) is None
