@@ -377,5 +377,5 @@ def fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd, products):
     partial_w = x.new_empty((programs, F * k), dtype=torch.float32)
     _fm_compress_bwd_kernel[(programs,)](grad_out, x, y, ln_weight, mean, rstd, grad_x, partial_y, partial_w,
                                          B, F, D, k, samples_per_program, **_fm_blocks(F, D, k))
-    grad_b = grad_out.float().sum(0)
+    grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of grad_out
     return grad_x, partial_y.sum(0).to(dt), partial_w.sum(0).to(dt), grad_b.to(dt)
