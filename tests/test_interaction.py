@@ -212,7 +212,9 @@ def _check_fm_compress(B, F, D, k, dtype, device, backend):
 
 # k = 11 and 16 run the cpu's 8 x 8 register transposes (with a partial block at k = 11, D = 20).
 FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2),
-             (3, 27, 36, 16), (2, 5, 20, 11)]
+             (3, 27, 36, 16), (2, 5, 20, 11),
+             # D a multiple of 16: the CPU kernel reads fp32 X in place (F = 27, 5: a short last row tile)
+             (3, 27, 64, 16), (2, 5, 32, 3)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
@@ -270,6 +272,35 @@ def test_fm_compress_cpu_batch_sums_accurate():
     actual = run(lambda *a: gk.fm_compress(*a, backend="cpu"), torch.float32)
     for name, a, e, ea in zip(["out", "x", "y", "ln_weight", "ln_bias"], actual, exact, eager):
         assert_close_vs_eager(a, e, ea, torch.float32, name)
+
+
+def test_cpu_batch_sums_do_not_depend_on_the_schedule():
+    """The cpu kernels hand samples to threads dynamically (whichever thread is free), and the
+    batch sums (fm_compress grad_y and LayerNorm grads, cross_layer grad_bias) go to partials per
+    fixed chunk: every run, on one thread or on all of them, gives the same bits."""
+    B, F, D, k = 1000, 27, 64, 16
+    x, y, lw, lb = (randn_nonzero(B, F, D), randn_nonzero(F, k), randn_nonzero(F * k), randn_nonzero(F * k))
+    g = randn_nonzero(B, F * k)
+    x0, xl, w, bias, gc = randn_nonzero(B, 48), randn_nonzero(B, 48), randn_nonzero(48, 48), randn_nonzero(48), \
+        randn_nonzero(B, 48)
+
+    def grads():
+        leaves = [t.clone().requires_grad_(True) for t in (x, y, lw, lb)]
+        fm = torch.autograd.grad(gk.fm_compress(*leaves, backend="cpu"), leaves, g)
+        leaves = [t.clone().requires_grad_(True) for t in (x0, xl, w, bias)]
+        grad_x0, _grad_xl, _grad_w, grad_bias = torch.autograd.grad(gk.cross_layer(*leaves, backend="cpu"), leaves, gc)
+        return [*fm, grad_x0, grad_bias]  # grad_xl and grad_w come from MKL's sgemm: not ours to pin
+
+    threads = torch.get_num_threads()
+    try:
+        runs = [grads() for _ in range(3)]
+        torch.set_num_threads(1)
+        runs.append(grads())
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))

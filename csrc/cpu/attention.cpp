@@ -23,7 +23,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -32,6 +31,7 @@
 
 #include "gem_kernels/attention.h"
 #include "gem_kernels/checks.h"
+#include "gem_kernels/parallel.h"
 
 // Fortran BLAS sgemm, exported by libtorch_cpu (MKL or OpenBLAS, whichever torch was built with).
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -235,22 +235,17 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn) {
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t x, int64_t y) { return seqs[x / p.H].len > seqs[y / p.H].len; });
-  std::atomic<int64_t> next{0};
   // Small batches run on fewer threads: a parallel region costs a wake-up of every thread (and, on a
   // loaded machine, waiting for a descheduled one), worth it only past ~2^24 FLOPs per thread.
   double flops = 0.0;
   for (const auto& s : seqs) flops += 2.0 * static_cast<double>(s.len) * s.len * p.H * (p.D + p.Dv);
   const int64_t by_work = static_cast<int64_t>(flops / static_cast<double>(1 << 24)) + 1;
-  const int64_t threads = at::get_num_threads();
-  const int64_t workers = std::max<int64_t>(1, std::min({threads, num_items, by_work}));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  parallel_ranges(num_items, 1, by_work, [&](auto& claim) {
     // Each worker already owns a core: a BLAS call that forked threads of its own would oversubscribe
     // them (measured: 1.6x slower fwd+bwd on 2 cores).
     const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
-    for (int64_t w = begin; w < end; ++w) {
-      Workspace ws(p.D, p.Dv);
-      for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1)) fn(order[idx], ws);
-    }
+    Workspace ws(p.D, p.Dv);
+    for (int64_t idx, end; claim(idx, end);) fn(order[idx], ws);
     if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
   });
 }

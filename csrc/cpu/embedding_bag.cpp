@@ -49,6 +49,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_alloc.h"
+#include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
 namespace {
@@ -76,23 +77,6 @@ template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t D) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte);
-}
-
-// Runs body(item) for item in [0, total) on every thread (one when `work` is small), items handed out in order from a shared
-// counter (dynamic scheduling). On a shared host a static split waits for its slowest thread; here
-// a stalled thread just takes fewer items. Exceptions propagate as from at::parallel_for.
-// Below this many element operations one thread is faster than waking the others (which on a
-// busy host can take milliseconds).
-constexpr int64_t kMinParallelWork = int64_t(1) << 18;
-
-template <typename Body>
-void parallel_dynamic(int64_t total, int64_t work, const Body& body) {
-  std::atomic<int64_t> next{0};
-  const int64_t workers =
-      work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t item = next.fetch_add(1); item < total; item = next.fetch_add(1)) body(item);
-  });
 }
 
 // acc[0:D] += scale * row[0:D], row converted to fp32.

@@ -1,8 +1,10 @@
 // CPU kernels of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress.
 //
-// Work decomposition. dot_interaction and fm_compress: at::parallel_for over samples; a task owns
-// whole samples and keeps one sample's working set (X as fp32 [F, D], the gram tiles, X^T Y) in a
-// per-task scratch that lives in L1/L2, so nothing [B, F, F]- or [B, D, k]-sized is ever written.
+// Work decomposition. dot_interaction and fm_compress: workers claim runs of consecutive samples
+// from a shared counter (parallel_ranges, gem_kernels/parallel.h: a thread slowed by a busy host
+// just takes fewer); a worker owns whole samples and keeps one sample's working set (X as fp32
+// [F, D], the gram tiles, X^T Y) in a per-worker scratch that lives in L1/L2, so nothing
+// [B, F, F]- or [B, D, k]-sized is ever written.
 // Sample-independent sums (grad_y, LayerNorm grad_weight/grad_bias, cross layer grad_bias) go to
 // per-chunk fp32 partials over fixed chunks of kSumChunk samples, summed at the end: accurate, and
 // deterministic whatever the thread count. cross_layer: its matmuls are one at::addmm/at::mm each (MKL / oneDNN);
@@ -42,6 +44,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_stream.h"
+#include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
 namespace {
@@ -240,8 +243,19 @@ inline int64_t sum_chunks(int64_t rows) {
   return std::clamp<int64_t>((rows + kSumChunk - 1) / kSumChunk, 1, kMaxSumChunks);
 }
 
-int64_t grain_for(int64_t flops_per_item) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, flops_per_item));
+// Threads worth waking for `items` of `flops_per_item` each: one per 2^16 FLOPs.
+int64_t workers_for(int64_t items, int64_t flops_per_item) {
+  return std::max<int64_t>(1, items * std::max<int64_t>(1, flops_per_item) >> 16);
+}
+
+// Samples a worker claims at a time (parallel_ranges). Long runs of consecutive samples keep each
+// thread's reads sequential for the hardware prefetcher: claims of one 16-sample chunk made the
+// fm_compress backward 8% slower than a static split (B = 4096, F = 27, D = 64, k = 16, measured
+// interleaved in one process), claims of 128 samples ran within 1.5% of it.
+// Small batches claim less, so that every thread still gets a share.
+constexpr int64_t kClaimSamples = 128;
+int64_t claim_size(int64_t items, int64_t most) {
+  return std::clamp<int64_t>(items / (4 * at::get_num_threads()), 1, most);
 }
 
 void check_float_cpu(const at::Tensor& t, const char* name, const at::Tensor& like) {
@@ -268,8 +282,9 @@ at::Tensor dot_interaction_cpu(const at::Tensor& x, bool self_interaction) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_cpu", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B, grain_for(P * D), [&](int64_t begin, int64_t end) {
+    parallel_ranges(B, claim_size(B, kClaimSamples), workers_for(B, P * D), [&](auto& claim) {
       std::vector<float> xs(Fp * D, 0.f), xt(D * Fq, 0.f), gram(Fp * Fq);
+      for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
         const scalar_t* xb = xp + b * F * D;
         if (b + 1 < end) prefetch_rows(xb + F * D, F * D);
@@ -305,9 +320,10 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = grad_out.data_ptr<scalar_t>();
     scalar_t* dxp = grad_x.data_ptr<scalar_t>();
-    at::parallel_for(0, B, grain_for(2 * P * D), [&](int64_t begin, int64_t end) {
+    parallel_ranges(B, claim_size(B, kClaimSamples), workers_for(B, 2 * P * D), [&](auto& claim) {
       std::vector<float> xs(Fp * Dp), acc(Fp * Dp);
       std::vector<float> sym(Fp * F, 0.f);  // sym(G) = G + G^T, rows padded to Fp with zeros
+      for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
         if (b + 1 < end) {
           prefetch_rows(xp + (b + 1) * F * D, F * D);
@@ -592,8 +608,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
     scalar_t* op = out.data_ptr<scalar_t>();
     float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
     float* pp = save_products ? products.data_ptr<float>() : nullptr;
-    at::parallel_for(0, d.B, grain_for(4 * d.F * d.D * d.k), [&](int64_t begin, int64_t end) {
+    parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 4 * d.F * d.D * d.k), [&](auto& claim) {
       FmScratch w(d, d.kp);
+      for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
         if (b + 1 < end) prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
         fm_sample(d, xp + b * d.F * d.D, ytp, w);
@@ -646,13 +663,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
       const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
       const float* pp = saved ? products.data_ptr<float>() : nullptr;
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
-      at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      parallel_ranges(chunks, claim_size(chunks, kClaimSamples / kSumChunk), workers_for(d.B, 8 * d.F * d.D * d.k), [&](auto& claim) {
         FmScratch w(d, 2 * d.kp);
         float* dat = w.at.data() + d.kp * d.Dp;  // grad_A^T [kp, Dp]
         // [grad_S | Y] [Fp, 2 kp]: the grad_S half is rewritten per sample, Y is fixed.
         std::vector<float> xhat(n), gh(n), ds(n), dsy(d.Fp * 2 * d.kp, 0.f), dx(d.Fp * d.Dp), da(d.D * d.kq, 0.f);
         for (int64_t f = 0; f < d.F; ++f)
           for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
+        for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
           float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
           float* gw = part_wb.data_ptr<float>() + c * 2 * n;
