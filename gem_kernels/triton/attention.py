@@ -37,6 +37,15 @@ BLOCK_N = 64
 assert BLOCK_M == BLOCK_N
 
 
+def _num_warps(block_d: int, block_dv: int) -> int:
+    """8 warps once a head dim reaches 128: compiled for sm_90a without a GPU
+    (scripts/triton_compile_check.py, triton 3.8, bf16), the 4-warp forward already sits at 255
+    registers and spills 0.4-1.5 KB per thread with biases and the backward 0.06-1.6 KB; 8 warps
+    bring the plain forward to 206 registers without spills and cut the backward's spills to
+    32-300 B. Chosen from register counts, not timed: a GPU run should confirm it."""
+    return 8 if max(block_d, block_dv) >= 128 else 4
+
+
 @triton.jit
 def _ids(pos, L, max_id, contextual_len):
     """generative-recommenders' position ids: context -> 0, p >= c -> p - c + 1, targets -> max_id."""
@@ -402,7 +411,8 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
     args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
                    pos_bias, time_bias, timestamps)
     grid = (triton.cdiv(max_seq_len, BLOCK_M), num_seqs * H)
-    _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
+    _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args,
+                                       num_warps=_num_warps(args["BLOCK_D"], args["BLOCK_DV"]))
     return out, lse
 
 
@@ -450,7 +460,8 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
             grid = (triton.cdiv(max_seq_len, BLOCK_N if kv_pass else BLOCK_M), num_seqs * H)
             _jagged_attention_bwd_kernel[grid](*common, key_blocks=key_blocks, KV_PASS=kv_pass,
                                                DETERMINISTIC=deterministic,
-                                               TB=triton.next_power_of_2(num_buckets + 1), **args)
+                                               TB=triton.next_power_of_2(num_buckets + 1), **args,
+                                               num_warps=_num_warps(args["BLOCK_D"], args["BLOCK_DV"]))
         if deterministic and pos_bias is not None:
             _pos_bias_grad_reduce_kernel[(pos_bias.shape[0], 2 * key_blocks)](
                 pos_out, pos_bases, seq_offsets, dpos, num_seqs, H, max_seq_len, pos_bias.shape[0],
