@@ -3,6 +3,11 @@
 #   builds gem_kernels._C for sm_90a, runs the CUDA and Triton tests, runs the GPU bench, and writes
 #   everything under $OUT (default ./gpu_out). Uses the machine's own python3 (no network there).
 # Usage (device tool):  bash scripts/gpu_check.sh            (timeout_s ~ 540)
+# The machine's python3 had torch 2.11.0+cu130, triton 3.6.0, numpy 2.5 (KINDS.md, 2026-11). Checked
+# on the CPU against those versions (2026-12-03): the CPU + CUDA (sm_80, sm_90a) build links; the
+# suite gave 1508 passed, 6 failed, all 6 in Triton 3.6's *interpreter* (not used on a GPU), whose
+# int() of a 1-element numpy array is a TypeError with numpy >= 2.4 and a DeprecationWarning with
+# 2.2; and every Triton kernel compiles for sm_90a with 3.6 (scripts/triton_compile_check.py).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -38,12 +38,14 @@ assert BLOCK_M == BLOCK_N
 
 
 def _num_warps(block_d: int, block_dv: int) -> int:
-    """8 warps once a head dim reaches 128: compiled for sm_90a without a GPU
-    (scripts/triton_compile_check.py, triton 3.8, bf16), the 4-warp forward already sits at 255
-    registers and spills 0.4-1.5 KB per thread with biases and the backward 0.06-1.6 KB; 8 warps
-    bring the plain forward to 206 registers without spills and cut the backward's spills to
-    32-300 B. Chosen from register counts, not timed: a GPU run should confirm it."""
-    return 8 if max(block_d, block_dv) >= 128 else 4
+    """8 warps once a head dim reaches 64. Compiled for sm_90a without a GPU
+    (scripts/triton_compile_check.py, triton 3.8, bf16; bench/results/triton-compile-sm90.md): at 4
+    warps every 64 x 64 tile program sits at 255 registers, and most forwards and backwards spill
+    (medians 230-260 B per thread, up to 1.5 KB with biases); at 8 warps the D = 128 forward takes
+    206 registers, and 7 of 8 D = 128 forwards, 14 of 16 D = 64 forwards and 22 of 32 D = 64
+    backwards fit without spills (worst left: 316 B). Chosen from register counts, not timed: a GPU
+    run should confirm it."""
+    return 8 if max(block_d, block_dv) >= 64 else 4
 
 
 @triton.jit
