@@ -397,6 +397,26 @@ def test_triton_interpreter_matches_reference(kind, lengths, input_options, opti
     _check_against_reference(inputs, "triton", torch.float32, kind=kind, **options)
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("block,kind", [(16, "softmax"), (16, "hstu"), (32, "softmax")])
+def test_triton_interpreter_tile_sizes(monkeypatch, block, kind):
+    """The interpreter runs 64 x 64 tiles for every dtype; a GPU runs fp32 on 16 x 16 (_launch_config).
+    Those tiles here: multi-tile sequences (L = 40), every option, both bias-gradient paths (the
+    deterministic scratch is laid out in tiles), max_seq_len past the longest sequence."""
+    if "triton" not in gk.available_backends() or torch.cuda.is_available():
+        pytest.skip("runs the Triton interpreter on machines without a GPU (the GPU runs fp32 on these tiles)")
+    from gem_kernels.triton import attention as triton_attention
+
+    monkeypatch.setattr(triton_attention, "_launch_config", lambda dtype, block_d, block_dv: (block, 4))
+    inputs = make_inputs([9, 40, 3, 0, 1], targets=[3, 10, 1, 0, 1], pos_heads=2, time_heads=1, M=50)
+    for deterministic in (False, True):
+        _check_against_reference(inputs, "triton", torch.float32, kind=kind, contextual_len=2, max_attn_len=20,
+                                 deterministic=deterministic)
+    first, second = (run(inputs, "triton", kind=kind, contextual_len=2, deterministic=True) for _ in range(2))
+    for a, b in zip([first[0], *first[1]], [second[0], *second[1]]):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: a ValueError naming the argument (validation runs before any backend)
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ Work decomposition (FlashAttention-2 on a jagged batch, one sequence per program
   before them. The bias gradients come from the KV pass: with deterministic=False it adds them with
   fp32 atomics (fast, order-dependent bits); with deterministic=True each KV program writes its
   partial sums to scratch (pos_bias: the diagonal sums of dS over its key block, one store per
-  64-wide block of relative positions; time_bias: its num_buckets+1 bucket sums), reduced afterwards
+  tile-wide block of relative positions; time_bias: its num_buckets+1 bucket sums), reduced afterwards
   in a fixed order (`_pos_bias_grad_reduce_kernel`, torch.sum): bit-identical run to run.
 Roofline: FLOPs 4 * sum(visible pairs) * H * D forward (2 products), 2.5x backward (5 products, one
 recomputed); minimum bytes N*H*(2*Dqk + 2*Dv)*s forward.
@@ -29,23 +29,26 @@ import triton.language as tl
 from .._backend import triton_interpret
 from ..reference.attention import time_buckets
 
-# 64 x 64 tiles: two [64, D<=128] operand tiles and the fp32 score tile fit the registers/shared
-# memory of every SM80+ part at 4 warps; the interpreter also stays quick on the tiny test shapes.
-BLOCK_M = 64
-BLOCK_N = 64
-# The deterministic pos_bias gradient walks query blocks in steps of one key block (see _diagonal_sums).
-assert BLOCK_M == BLOCK_N
 
-
-def _num_warps(block_d: int, block_dv: int) -> int:
-    """8 warps once a head dim reaches 64. Compiled for sm_90a without a GPU
-    (scripts/triton_compile_check.py, triton 3.8, bf16; bench/results/triton-compile-sm90.md): at 4
-    warps every 64 x 64 tile program sits at 255 registers, and most forwards and backwards spill
-    (medians 230-260 B per thread, up to 1.5 KB with biases); at 8 warps the D = 128 forward takes
-    206 registers, and 7 of 8 D = 128 forwards, 14 of 16 D = 64 forwards and 22 of 32 D = 64
-    backwards fit without spills (worst left: 316 B). Chosen from register counts, not timed: a GPU
-    run should confirm it."""
-    return 8 if max(block_d, block_dv) >= 64 else 4
+def _launch_config(dtype: torch.dtype, block_d: int, block_dv: int) -> tuple[int, int]:
+    """(BLOCK, num_warps): square BLOCK x BLOCK tiles (the deterministic pos_bias gradient walks query
+    blocks in steps of one key block, see _diagonal_sums). Chosen from register counts, compiled for
+    sm_90a without a GPU (scripts/triton_compile_check.py, triton 3.8; not timed: a GPU run should
+    confirm them):
+    - fp16/bf16 (tensor-core tl.dot): 64 x 64, 8 warps once a head dim reaches 64. At 4 warps every
+      program sat at 255 registers and most spilled (medians 230-260 B per thread, up to 1.5 KB with
+      biases); at 8 warps the D = 128 forward takes 206 registers, and 7 of 8 D = 128 forwards, 14 of 16
+      D = 64 forwards and 22 of 32 D = 64 backwards fit without spills (worst left: 316 B).
+    - fp32 (PRECISION "ieee": exact products on the FMA units, whose dot holds operand rows per thread):
+      16 x 16; 4 warps up to head dim 64, 8 above. Of the 120 fp32 specialisations, none fit at
+      64 x 64 / 8 warps (spills up to 19 KB per thread forward, 30 KB backward, at D = 128); 75 at
+      32 x 32 / 8 warps (D = 128 still spills 476-716 B); at this choice 115, the rest spilling <= 20 B.
+    The interpreter (CPU) runs 64 x 64 for every dtype: its cost grows with the number of tiles, and
+    test_triton_interpreter_tile_sizes runs the fp32 tiles there."""
+    widest = max(block_d, block_dv)
+    if dtype == torch.float32 and not triton_interpret():
+        return 16, (8 if widest > 64 else 4)
+    return 64, (8 if widest >= 64 else 4)
 
 
 @triton.jit
@@ -377,6 +380,8 @@ def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, co
     Dv = v.shape[2]
     dummy = q.new_empty((1,), dtype=torch.float32)
     num_buckets = time_bias.shape[1] - 1 if time_bias is not None else 0
+    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    block, num_warps = _launch_config(q.dtype, block_d, block_dv)
     args = dict(
         offsets_ptr=seq_offsets,
         targets_ptr=num_targets if num_targets is not None else seq_offsets,
@@ -396,8 +401,7 @@ def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, co
         UPCAST=triton_interpret() or q.dtype == torch.float32,
         # fp32 operands: exact fp32 products (no TF32), so fp32 matches the reference to 1e-5.
         PRECISION="ieee" if (triton_interpret() or q.dtype == torch.float32) else "tf32",
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=num_warps,
     )
     return args
 
@@ -412,20 +416,19 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
         return out, lse
     args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
                    pos_bias, time_bias, timestamps)
-    grid = (triton.cdiv(max_seq_len, BLOCK_M), num_seqs * H)
-    _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args,
-                                       num_warps=_num_warps(args["BLOCK_D"], args["BLOCK_DV"]))
+    grid = (triton.cdiv(max_seq_len, args["BLOCK_M"]), num_seqs * H)
+    _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
     return out, lse
 
 
-def _pos_scratch_bases(seq_offsets, num_heads: int) -> tuple[torch.Tensor, int]:
+def _pos_scratch_bases(seq_offsets, num_heads: int, block: int) -> tuple[torch.Tensor, int]:
     """(int64 [B] start of sequence b's block in the deterministic pos scratch, its total floats).
 
-    Sequence b (nt = cdiv(L_b, BLOCK_N) key blocks) takes H * nt * (nt + 1) * BLOCK_N floats: the
-    scratch is 4 * H * sum_b nt_b (nt_b + 1) * BLOCK_N bytes, about H * sum_b L_b^2 / 16 bytes (jagged:
+    Sequence b (nt = cdiv(L_b, block) key blocks) takes H * nt * (nt + 1) * block floats: the
+    scratch is 4 * H * sum_b nt_b (nt_b + 1) * block bytes, about 4 * H * sum_b L_b^2 / block bytes (jagged:
     no padding to max_seq_len). One host sync reads the total to allocate it."""
-    key_blocks = (seq_offsets.long().diff() + BLOCK_N - 1) // BLOCK_N
-    sizes = num_heads * key_blocks * (key_blocks + 1) * BLOCK_N
+    key_blocks = (seq_offsets.long().diff() + block - 1) // block
+    sizes = num_heads * key_blocks * (key_blocks + 1) * block
     bases = torch.cumsum(sizes, 0) - sizes
     return bases.contiguous(), int(sizes.sum()) if sizes.numel() else 0
 
@@ -444,13 +447,14 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
             delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [N, H]
         else:
             lse = delta = q.new_zeros((1,), dtype=torch.float32)
-        key_blocks = triton.cdiv(max_seq_len, BLOCK_N)
+        block = args["BLOCK_N"]
+        key_blocks = triton.cdiv(max_seq_len, block)
         pos_out, time_out, pos_bases = dpos, dtime, seq_offsets
         if deterministic and pos_bias is not None:
-            pos_bases, pos_floats = _pos_scratch_bases(seq_offsets, H)
+            pos_bases, pos_floats = _pos_scratch_bases(seq_offsets, H, block)
             pos_out = torch.empty((pos_floats,), dtype=torch.float32, device=q.device)  # every float is stored
         if deterministic and time_bias is not None:
-            # [B*H, key_blocks, num_buckets+1]: 4 * B * H * cdiv(max_seq_len, 64) * (num_buckets+1) bytes
+            # [B*H, key_blocks, num_buckets+1]: 4 * B * H * cdiv(max_seq_len, block) * (num_buckets+1) bytes
             # (linear in max_seq_len: ~0.5 MiB at B=32, H=4, max_seq_len=4096, 32 buckets). Zeroed: programs
             # past their sequence's end store nothing.
             time_out = torch.zeros((num_seqs * H, key_blocks, time_bias.shape[1]), dtype=torch.float32,
@@ -459,15 +463,14 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
                   pos_out if pos_out is not None else delta, time_out if time_out is not None else delta, pos_bases)
         num_buckets = args["num_buckets"]
         for kv_pass in (True, False):
-            grid = (triton.cdiv(max_seq_len, BLOCK_N if kv_pass else BLOCK_M), num_seqs * H)
+            grid = (key_blocks, num_seqs * H)
             _jagged_attention_bwd_kernel[grid](*common, key_blocks=key_blocks, KV_PASS=kv_pass,
                                                DETERMINISTIC=deterministic,
-                                               TB=triton.next_power_of_2(num_buckets + 1), **args,
-                                               num_warps=_num_warps(args["BLOCK_D"], args["BLOCK_DV"]))
+                                               TB=triton.next_power_of_2(num_buckets + 1), **args)
         if deterministic and pos_bias is not None:
             _pos_bias_grad_reduce_kernel[(pos_bias.shape[0], 2 * key_blocks)](
                 pos_out, pos_bases, seq_offsets, dpos, num_seqs, H, max_seq_len, pos_bias.shape[0],
-                pos_bias.shape[1], key_blocks, BLOCK=BLOCK_N)
+                pos_bias.shape[1], key_blocks, BLOCK=block)
         if deterministic and time_bias is not None:
             # torch.sum reduces in a fixed order for a given shape: deterministic.
             per_head = time_out.view(num_seqs, H, key_blocks, -1).sum(dim=(0, 2))
