@@ -168,10 +168,11 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
                                               causal=causal, backward=backward)
     wrap = (lambda fn, leaves: _fwd_bwd(fn, leaves)) if backward else (lambda fn, leaves: _fwd(fn))
 
-    def ours(backend):
+    def ours(backend, deterministic=False):
         def make(args):
             leaves = [t for n, t in args.items() if n in ("q", "k", "v", "pos_bias", "time_bias")]
-            return wrap(lambda: gk.jagged_attention(**args, kind=kind, causal=causal, backend=backend), leaves)
+            return wrap(lambda: gk.jagged_attention(**args, kind=kind, causal=causal, backend=backend,
+                                                    deterministic=deterministic), leaves)
         return _cycle([make(a) for a in sets])
 
     impls, notes = {}, []
@@ -181,7 +182,12 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
         impls["triton"] = ours("triton")
         impls["cuda"] = ours("cuda")
         if with_bias and backward:
-            notes.append("triton and cuda bias gradients use fp32 atomics (deterministic=False)")
+            # Which bias-gradient path is faster on a GPU is open: one fp32 atomic per visible pair
+            # (same-address contention: a 64 x 64 tile adds 4096 values into 127 pos_bias and
+            # num_buckets + 1 time_bias entries) against per-tile sums written once and reduced after.
+            impls["triton-det"] = ours("triton", deterministic=True)
+            notes.append("triton and cuda bias gradients use fp32 atomics (deterministic=False); "
+                         "triton-det: deterministic=True (per-tile sums to scratch, fixed-order reduce)")
     # The padded eager twin is the HSTU baseline; for softmax (where SDPA is the baseline) it runs at
     # the short length only: at 1024 it takes seconds per call and says nothing new.
     if kind == "hstu" or max_seq_len <= 256:
