@@ -36,6 +36,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="minimum timed repeats per impl (default 10, quick 5; the per-impl time cap still applies)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"wall-clock budget in seconds of the timed part of the run (default {RUN_BUDGET[False]:.0f}, "
+                             f"quick {RUN_BUDGET[True]:.0f}); each family gets at most an even share of what is left. "
+                             "SIGINT stops the run early and still writes what was measured")
     parser.add_argument("--no-thp", action="store_true",
                         help="CPU: keep PyTorch's default allocation (by default the bench sets THP_MEM_ALLOC_ENABLE=1 "
                              "unless it is already set, backing large tensors with transparent huge pages so that a "
@@ -44,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; choose from {list(FAMILIES)}")
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be > 0 seconds, got {args.budget}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
@@ -131,8 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             families.append(harness.FamilyResult(name, "failed", errors=[why]))
         else:
             modules[name] = module
+    run_budget = RUN_BUDGET[args.quick] if args.budget is None else args.budget
+    interrupted = False
     for i, (name, module) in enumerate(modules.items()):
-        left = RUN_BUDGET[args.quick] - (time.perf_counter() - run_start)
+        if interrupted:
+            families.append(harness.FamilyResult(name, "skipped", notes=["skipped: the run was interrupted"]))
+            continue
+        left = run_budget - (time.perf_counter() - run_start)
         budget = harness.Budget(max(0.0, min(FAMILY_BUDGET[args.quick], left / (len(modules) - i))))
         harness.log(f"[{name}] start (budget {budget.seconds:.0f} s)")
         try:
@@ -144,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         fam = harness.run_family(name, cases, device, settings, budget, peaks, sha, timestamp)
         harness.log(f"[{name}] {fam.status}: {len(fam.rows)} rows in {fam.seconds:.1f} s")
         families.append(fam)
+        interrupted = fam.status == "interrupted"
         if device.type == "cuda":
             torch.cuda.empty_cache()
     families.sort(key=lambda f: names.index(f.name))
@@ -178,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in mismatches:
             print(f"!!!   {m}", file=sys.stderr)
         return 1
+    if interrupted:
+        print("!!! interrupted: the results above and in the files are partial", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -412,7 +412,7 @@ class Budget:
 @dataclass
 class FamilyResult:
     name: str
-    status: str  # "ok" | "skipped" | "failed" | "partial"
+    status: str  # "ok" | "skipped" | "failed" | "partial" | "interrupted"
     rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -464,6 +464,12 @@ def run_family(name: str, cases: Iterator[Case], device: torch.device, settings:
         result.status = "failed" if not result.rows else "partial"
         result.errors.append(f"{name}: cases() raised {type(exc).__name__}: {exc}")
         log(f"[{name}] ERROR: cases() raised {type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        # SIGINT (Ctrl-C, or `timeout -s INT` in scripts/gpu_check.sh): keep the rows measured so far;
+        # the caller stops the run and still writes them.
+        result.status = "interrupted"
+        result.errors.append(f"{name}: interrupted in case {case_no}: its rows and any after it are missing")
+        log(f"[{name}] interrupted in case {case_no}")
     finally:
         close = getattr(cases, "close", None)
         if close is not None:

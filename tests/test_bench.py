@@ -264,3 +264,35 @@ def test_quick_jagged_run_writes_results(tmp_path):
     assert checked >= 2
     assert not [m for f in result["families"] for m in f["mismatches"]]
     assert "| jagged | jagged_to_padded |" in proc.stdout
+
+
+def test_interrupted_run_still_writes_what_it_measured(tmp_path, monkeypatch):
+    """SIGINT (`timeout -s INT` in scripts/gpu_check.sh) mid-family: the rows measured so far are
+    written, the family is marked interrupted, later families are skipped, and the exit status is 130."""
+    import bench.__main__ as bench_main
+
+    (tmp_path / "gk_fake_families.py").write_text(
+        "import os, signal, torch\n"
+        "from bench import harness\n"
+        "def case(impl):\n"
+        "    return harness.Case(op='copy', shape='n=8', dtype=torch.float32, flops=0, bytes=64,\n"
+        "                        impls={'eager': impl}, baseline='eager', reference='eager',\n"
+        "                        tolerance=dict(atol=0, rtol=0))\n"
+        "def interrupt():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return torch.zeros(8)\n"
+        "class done:\n"
+        "    cases = staticmethod(lambda quick, device: iter([case(lambda: torch.zeros(8))]))\n"
+        "class interrupted:\n"
+        "    cases = staticmethod(lambda quick, device: iter([case(lambda: torch.zeros(8)), case(interrupt)]))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake = __import__("gk_fake_families")
+    monkeypatch.setattr(bench_main, "FAMILIES", {"done": "x", "interrupted": "x", "after": "x"})
+    monkeypatch.setattr(bench_main, "load_family",
+                        lambda name: (getattr(fake, name, fake.done), None))
+    assert bench_main.main(["--quick", "--no-thp", "--out", str(tmp_path)]) == 130
+    (path,) = tmp_path.glob("cpu-*.json")
+    result = json.loads(path.read_text())
+    status = {f["name"]: f["status"] for f in result["families"]}
+    assert status == {"done": "ok", "interrupted": "interrupted", "after": "skipped"}
+    assert len(result["rows"]) == 2  # done's case and interrupted's first case
