@@ -3,7 +3,8 @@
 #   builds gem_kernels._C for sm_90a, runs the CUDA and Triton tests, runs the GPU bench, and writes
 #   everything under $OUT (default ./gpu_out). Uses the machine's own python3 (no network there).
 # Usage (device tool):  bash scripts/gpu_check.sh            (timeout_s 600: the steps' own timeouts,
-#   build 240 s, tests 150 s, bench 180 s, add up to 570 s; a build that finishes early leaves slack)
+#   build 240 s, tests 140 s, bench 170 s, attention tiles 40 s, add up to 590 s; a build that
+#   finishes early leaves slack)
 # The machine's python3 had torch 2.11.0+cu130, triton 3.6.0, numpy 2.5 (KINDS.md, 2026-11). Checked
 # on the CPU against those versions (2026-12-03): the CPU + CUDA (sm_80, sm_90a) build links; the
 # suite gave 1508 passed, 6 failed, all 6 in Triton 3.6's *interpreter* (not used on a GPU), whose
@@ -38,7 +39,7 @@ log "tests: CUDA and Triton backends on the GPU"
 start=$(date +%s)
 XDIST=()
 "$PY" -c "import xdist" 2> /dev/null && XDIST=(-n 8)
-timeout -s INT -k 20 150 "$PY" -m pytest tests -q --maxfail=30 -m "gpu or triton" -p no:cacheprovider "${XDIST[@]}" \
+timeout -s INT -k 20 140 "$PY" -m pytest tests -q --maxfail=30 -m "gpu or triton" -p no:cacheprovider "${XDIST[@]}" \
   > "$OUT/tests.log" 2>&1
 rc=$?
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -n 1)
@@ -48,8 +49,13 @@ log "bench (GPU)"
 start=$(date +%s)
 # Families in the order of what the open issues still need from a GPU (the foundation's jagged last);
 # each gets at most an even share of what is left of the budget.
-timeout -s INT -k 15 180 "$PY" -m bench attention embedding_bag interaction model jagged --device cuda --budget 160 \
+timeout -s INT -k 15 170 "$PY" -m bench attention embedding_bag interaction model jagged --device cuda --budget 150 \
   --out "$OUT" > "$OUT/bench.log" 2>&1
 log "bench rc=$? in $(( $(date +%s) - start ))s"
+
+# Attention tile shapes, timed (the shipped ones were chosen from register counts): into the summary.
+log "attention tiles"
+timeout -s INT -k 5 40 "$PY" scripts/attention_tiles.py --budget 30 >> "$OUT/summary.txt" 2>&1
+log "attention tiles rc=$?"
 rm -f "$OUT"/latest-*  # duplicates of the timestamped results
 ls "$OUT" >> "$OUT/summary.txt"
