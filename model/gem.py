@@ -87,11 +87,17 @@ class GemModel(nn.Module):
         return 3 * forward
 
 
-def train_step(model: GemModel, batch: Batch, optimizer: torch.optim.Optimizer) -> float:
-    """One optimisation step: forward, backward, optimizer.step(). Returns the loss (a host sync)."""
+def train_step(model: GemModel, batch: Batch, optimizer: torch.optim.Optimizer,
+               autocast_dtype: torch.dtype | None = None) -> float:
+    """One optimisation step: forward, backward, optimizer.step(). Returns the loss (a host sync).
+
+    autocast_dtype (e.g. torch.bfloat16): the forward runs under torch.autocast on the batch's
+    device (mixed precision: fp32 parameters, lower-precision products); the backward outside it."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss = model.loss(batch)
+    device_type = batch.labels.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        loss = model.loss(batch)
     loss.backward()
     optimizer.step()
     return float(loss.detach())

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     parser.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
+    parser.add_argument("--amp", choices=("none", "bf16"), default="none",
+                        help="bf16: the forward under torch.autocast (fp32 parameters, bf16 products); fp16 would "
+                             "also need loss scaling, which this loop does not do")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -53,8 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = GemModel(cfg, kernels=args.kernels, seed=args.seed).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     batches = [make_batch(cfg, args.batch_size, device=device, seed=step) for step in range(args.steps)]
-    print(f"config={args.config} interaction={cfg.interaction} kernels={args.kernels} device={device} batch_size={args.batch_size} "
-          f"steps={args.steps} params={sum(p.numel() for p in model.parameters()):,}")
+    print(f"config={args.config} interaction={cfg.interaction} kernels={args.kernels} amp={args.amp} device={device} "
+          f"batch_size={args.batch_size} steps={args.steps} params={sum(p.numel() for p in model.parameters()):,}")
 
     flops = sum(model.flops_per_step(batch) for batch in batches[1:])  # outside the clock: it syncs
     losses = []
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
         if step == 1:  # step 0 is the warm-up
             _synchronize(device)
             start = time.perf_counter()
-        losses.append(train_step(model, batch, optimizer))
+        losses.append(train_step(model, batch, optimizer, autocast_dtype=torch.bfloat16 if args.amp == "bf16" else None))
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"step {step:5d}  loss {losses[-1]:.4f}")
     _synchronize(device)

@@ -331,9 +331,10 @@ def test_flops_per_step():
     assert 0 < model.flops_per_step(empty) < model.flops_per_step(small)
 
 
-def test_train_cli_runs():
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_train_cli_runs(amp):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-m", "model.train", "--steps", "3", "--batch-size", "8"],
+    result = subprocess.run([sys.executable, "-m", "model.train", "--steps", "3", "--batch-size", "8", "--amp", amp],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "loss" in result.stdout and "examples/s" in result.stdout
+    assert "loss" in result.stdout and "examples/s" in result.stdout and f"amp={amp}" in result.stdout

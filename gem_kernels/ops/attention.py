@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import get_backend, kernel, resolve_backend, unavailable_reason
 from .._validate import (
     FLOAT_DTYPES,
@@ -125,6 +126,7 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 jagged_attention_fwd_op.register_autograd(_backward, setup_context=_setup)
+run_kernels_without_autocast(jagged_attention_fwd_op, jagged_attention_bwd_op)
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
 if hasattr(torch.ops.gem_kernels, "jagged_attention_fwd_native"):
@@ -197,8 +199,11 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
 
     Returns:
         out [N, H, Dv] in q's dtype, differentiable w.r.t. q, k, v, pos_bias and time_bias. Softmax
-        statistics and all accumulations are fp32.
+        statistics and all accumulations are fp32. Under ``torch.autocast`` q, k and v are cast to the
+        autocast dtype first, like SDPA's (gem_kernels/_autocast.py); the biases keep theirs (they
+        are added in fp32).
     """
+    q, k, v = autocast_operands(q, k, v)
     check_tensor("q", q, dtypes=FLOAT_DTYPES, dims=(3,))
     check_tensor("k", k, dtypes=FLOAT_DTYPES, dims=(3,))
     check_tensor("v", v, dtypes=FLOAT_DTYPES, dims=(3,))

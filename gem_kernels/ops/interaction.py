@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import kernel, resolve_backend
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 
@@ -173,6 +174,8 @@ def _fm_compress_backward(ctx, grad_out, _grad_mean, _grad_rstd, _grad_products)
 
 
 fm_compress_op.register_autograd(_fm_compress_backward, setup_context=_fm_compress_setup)
+run_kernels_without_autocast(dot_interaction_op, dot_interaction_backward_op, cross_layer_op, cross_layer_backward_op,
+                             fm_compress_op, fm_compress_backward_op)
 
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
@@ -245,7 +248,10 @@ def dot_interaction(x: torch.Tensor, self_interaction: bool = False, *, backend:
     Returns:
         [B, P] in x's dtype, P = F (F - 1) / 2 (F (F + 1) / 2 with self_interaction). Differentiable
         w.r.t. x: ``grad_x = (G + G^T) x`` with G the upper triangle scattered from grad_out.
+
+    Under ``torch.autocast`` x is cast to the autocast dtype first (gem_kernels/_autocast.py).
     """
+    (x,) = autocast_operands(x)
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
     _check_bool("self_interaction", self_interaction)
     name = resolve_backend(backend, x.device, IMPLEMENTED)
@@ -270,7 +276,10 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
 
     Returns:
         [B, N] in x0's dtype; differentiable w.r.t. x0, xl, weight (u, v) and bias.
+
+    Under ``torch.autocast`` every operand is cast to the autocast dtype first (like nn.Linear).
     """
+    x0, xl, weight, bias = autocast_operands(x0, xl, weight, bias)
     check_tensor("x0", x0, dtypes=FLOAT_DTYPES, dims=(2,))
     _check_like("xl", xl, "x0", x0, tuple(x0.shape))
     N = x0.shape[1]
@@ -315,7 +324,11 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
 
     Returns:
         [B, F*k] in x's dtype; differentiable w.r.t. x, y, ln_weight and ln_bias.
+
+    Under ``torch.autocast`` every operand is cast to the autocast dtype first (the LayerNorm
+    statistics stay fp32 inside).
     """
+    x, y, ln_weight, ln_bias = autocast_operands(x, y, ln_weight, ln_bias)
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
     F = x.shape[1]
     check_tensor("y", y, dims=(2,))
