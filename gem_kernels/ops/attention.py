@@ -191,7 +191,8 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         deterministic: make the backward bit-identical run to run. The cpu and reference backends
             always are. triton never uses atomics for dq/dk/dv; its bias gradients use fp32 atomics
             when False, and per-program partial sums in scratch reduced in a fixed order when True
-            (slower: a reduction kernel, scratch of ~H * sum L^2 / 16 bytes for pos_bias). cuda: dq, dk,
+            (slower: a reduction kernel, scratch of ~H * sum L^2 / 16 bytes for pos_bias; / 4 with fp32
+            inputs on a GPU, whose tiles are 16 wide). cuda: dq, dk,
             dv never use atomics; bias gradients likewise atomics when False, scratch + fixed-order
             reduction when True (~H * sum L^2 / 8 bytes for pos_bias).
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
