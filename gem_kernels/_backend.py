@@ -151,6 +151,19 @@ def resolve_backend(backend: str | None, device: torch.device, implemented: tupl
     return name
 
 
+# The kernels behind the native schemas on CPU tensors: gem_kernels._C's C++ kernels ("cpu"), or
+# the CUDA kernels ("cuda") once tests/cuda_emu has compiled them for its CPU emulation of CUDA and
+# registered them in their place (GK_CUDA_EMU=1). Python code whose behaviour depends on which
+# native kernel runs (what it checks before the call, what a fake returns) asks native_kernels().
+_native_cpu_kernels = "cpu"
+
+
+def native_kernels(backend: str) -> str:
+    """Which kernel set a native backend runs: "cpu" or "cuda" ("cuda" for backend "cpu" under the
+    CUDA emulation)."""
+    return _native_cpu_kernels if backend == "cpu" else backend
+
+
 def kernel(family: str, op: str, backend: str):
     """The function that runs `op` of `family` on a concrete backend.
 

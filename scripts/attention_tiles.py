@@ -74,7 +74,7 @@ def main() -> int:
         launch.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
         if stages is not None:
             launch["num_stages"] = stages
-        grid = (triton.cdiv(max_len, bm), num_seqs * H)
+        grid = (triton.cdiv(max_len, bm) * num_seqs * H,)
         tri._jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **launch)
         return out, lse
 

@@ -12,3 +12,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.manual_seed(0)
+
+if os.environ.get("GK_CUDA_EMU") == "1":
+    # Run the CUDA kernels' code on CPU tensors (tests/cuda_emu): it replaces gem_kernels._C's CPU
+    # kernels for this process, so the `cpu` backend's tests test the CUDA kernels.
+    import gem_kernels  # noqa: F401  (loads gem_kernels._C first, whose CPU kernels are replaced)
+    from tests.cuda_emu import build as _cuda_emu
+
+    _cuda_emu.load()

@@ -13,7 +13,15 @@ from gem_kernels.ops import attention as attention_ops
 from gem_kernels.ops.attention import IMPLEMENTED, jagged_attention_bwd_op, jagged_attention_fwd_op
 from gem_kernels.reference import attention as ref
 
-from .utils import TOLERANCES, assert_close, device_backend_params, offsets_from_lengths, poison_allocator
+from .utils import (
+    TOLERANCES,
+    assert_close,
+    cpu_kernel_only,
+    cuda_kernel_params,
+    device_backend_params,
+    offsets_from_lengths,
+    poison_allocator,
+)
 
 # Every backend has forward and backward; each is tested against the reference.
 BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference")
@@ -289,6 +297,33 @@ def test_head_dims(device, backend, D, Dv):
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+def test_zero_heads(device, backend):
+    """q, k, v of [N, 0, D]: valid, an empty output and empty gradients (a zero-size CUDA grid is a
+    launch error, so the native kernels must return before launching)."""
+    inputs = make_inputs([5, 0, 3], H=0, device=device, pos_heads=1, time_heads=1)
+    for kind in ("softmax", "hstu"):
+        for deterministic in (False, True):
+            out, grads = run(inputs, backend, kind=kind, deterministic=deterministic)
+            assert out.shape == (8, 0, 8)
+            assert [g.shape for g in grads] == [t.shape for t in leaves(inputs)]
+            assert float(grads[3].abs().sum()) == 0 and float(grads[4].abs().sum()) == 0  # no pair, no bias grad
+
+
+@pytest.mark.parametrize("device,backend", cuda_kernel_params())
+def test_cuda_kernels_refuse_head_dims_beyond_shared_memory(device, backend):
+    """The CUDA attention keeps its tiles' rows in shared memory: head dims past the GPU's opt-in
+    limit raise a ValueError naming them (not a bare launch error); the triton backend takes them."""
+    inputs = make_inputs([3], D=2048, device=device)
+    with pytest.raises(ValueError, match="head dims Dqk = 2048, Dv = 2048 need .* use the triton backend"):
+        gk.jagged_attention(**inputs, backend=backend)
+    # D = 400: the forward's 152 KiB fit (with the opt-in past 48 KiB), the backward's 254 KiB do not.
+    inputs = make_inputs([3], D=400, device=device)
+    out = gk.jagged_attention(**inputs, backend=backend)
+    with pytest.raises(ValueError, match="jagged_attention backward: head dims Dqk = 400"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 @pytest.mark.parametrize("kind", ["softmax", "hstu"])
 @pytest.mark.parametrize("pos_heads,time_heads,extra_len", [(1, 2, None), (2, 1, 80)])
 def test_deterministic_backward_is_bit_identical(device, backend, kind, pos_heads, time_heads, extra_len):
@@ -310,6 +345,7 @@ def test_deterministic_backward_is_bit_identical(device, backend, kind, pos_head
         assert torch.equal(unreachable, torch.zeros_like(unreachable))
 
 
+@cpu_kernel_only
 def test_cpu_backward_is_independent_of_thread_count():
     """Per-item bias partials reduced in item order: 1 and 2 threads give the same bits."""
     # ~7e7 FLOPs: enough work that the kernel does use a second thread (it stays on one below ~2^24 a thread).

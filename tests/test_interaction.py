@@ -25,6 +25,7 @@ from .utils import (
     FLOAT_DTYPES,
     assert_close,
     assert_close_vs_eager,
+    cpu_kernel_only,
     interpreter_rounding_factor,
     device_backend_params,
     poison_allocator,
@@ -238,6 +239,7 @@ def test_fm_compress_triton_samples_per_program(monkeypatch, device, backend, sh
     _check_fm_compress(*shape, dtype, device, backend)
 
 
+@cpu_kernel_only
 @pytest.mark.parametrize("D", [64, 60])
 def test_fm_compress_cpu_streams_large_grad_x(D):
     """Past the cache size (x, grad_x, grad_out and the products over 32 MiB) the cpu backward writes
@@ -255,6 +257,7 @@ def test_fm_compress_cpu_streams_large_grad_x(D):
     assert_close(grad_x, expected, torch.float32)
 
 
+@cpu_kernel_only
 def test_fm_compress_cpu_batch_sums_accurate():
     """grad_y and the LayerNorm grads sum 2048 samples: within 2x of eager fp32's error against fp64
     (a running fp32 sum per thread was 20x eager's error on grad_y)."""
@@ -274,6 +277,7 @@ def test_fm_compress_cpu_batch_sums_accurate():
         assert_close_vs_eager(a, e, ea, torch.float32, name)
 
 
+@cpu_kernel_only
 def test_cpu_batch_sums_do_not_depend_on_the_schedule():
     """The cpu kernels hand samples to threads dynamically (whichever thread is free), and the
     batch sums (fm_compress grad_y and LayerNorm grads, cross_layer grad_bias) go to partials per
@@ -303,6 +307,7 @@ def test_cpu_batch_sums_do_not_depend_on_the_schedule():
             assert torch.equal(a, b)
 
 
+@cpu_kernel_only
 @pytest.mark.parametrize("shape", FM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_fm_compress_cpu_saved_products(shape):
     """The cpu forward keeps (X^T Y)^T and S exactly as the backward would recompute them, and the

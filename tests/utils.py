@@ -3,6 +3,8 @@ jagged input makers and allocator poisoning."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,12 @@ TOLERANCES = {
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 DEVICES = ("cpu", "cuda")
+
+# GK_CUDA_EMU=1 (tests/cuda_emu): the `cpu` backend runs the CUDA kernels in a CPU emulation of
+# CUDA. A test of something only the C++ CPU kernel does is skipped then, with this mark.
+CUDA_EMULATION = os.environ.get("GK_CUDA_EMU") == "1"
+cpu_kernel_only = pytest.mark.skipif(CUDA_EMULATION, reason="tests the C++ CPU kernel, which GK_CUDA_EMU=1 replaces "
+                                                             "with the emulated CUDA kernel")
 
 
 def _skip_reason(device: str, backend: str) -> str | None:
@@ -46,6 +54,16 @@ def device_backend_params(backends=_backend.BACKENDS):
                 marks.append(pytest.mark.gpu)
             params.append(pytest.param(device, backend, marks=marks, id=f"{device}-{backend}"))
     return params
+
+
+def cuda_kernel_params():
+    """pytest params (device, backend) that run the CUDA kernels: ("cuda", "cuda") on a GPU, and
+    ("cpu", "cpu") under GK_CUDA_EMU=1, where the cpu backend runs them in the CPU emulation."""
+    if CUDA_EMULATION:
+        return [pytest.param("cpu", "cpu", id="cpu-cuda_emulated")]
+    reason = _skip_reason("cuda", "cuda")
+    marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
+    return [pytest.param("cuda", "cuda", marks=marks, id="cuda-cuda")]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, **kw) -> None:

@@ -39,6 +39,7 @@
 
 #include "gem_kernels/attention.h"
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cuda_smem.h"
 
 namespace gem_kernels {
 namespace {
@@ -512,6 +513,8 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq
   p.offsets = seq_offsets.to(at::kLong).contiguous();
   a.offsets = p.offsets.data_ptr<int64_t>();
   if (num_targets.has_value() && num_targets->defined()) {
+    GK_CHECK_CUDA((*num_targets));
+    TORCH_CHECK(num_targets->numel() == seq_offsets.numel() - 1, "num_targets must be [B]");
     p.targets = num_targets->to(at::kLong).contiguous();
     a.targets = p.targets.data_ptr<int64_t>();
   }
@@ -553,11 +556,14 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq
   return p;
 }
 
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t smem) {
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
+std::string head_dims(int64_t D, int64_t Dv) {
+  return "head dims Dqk = " + std::to_string(D) + ", Dv = " + std::to_string(Dv);
+}
+
+// Grid axis y holds the query or key tiles of a sequence: CUDA stops it at 65535.
+void check_tiles(int64_t max_seq_len, int64_t tile) {
+  TORCH_CHECK_VALUE((max_seq_len + tile - 1) / tile <= 65535, "jagged_attention: max_seq_len ", max_seq_len,
+                    " is above the cuda backend's limit of ", 65535 * tile, "; use the triton backend");
 }
 
 std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
@@ -573,7 +579,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
   auto out = at::empty({N, H, Dv}, q.options());
   const std::vector<int64_t> lse_shape = softmax ? std::vector<int64_t>{N, H} : std::vector<int64_t>{0};
   auto lse = at::empty(lse_shape, q.options().dtype(at::kFloat));
-  if (N == 0 || B == 0) return {out, lse};
+  if (N == 0 || B == 0 || H == 0) return {out, lse};
+  check_tiles(max_seq_len, kBlockM);
   const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
                              max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
 
@@ -582,7 +589,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
   if (grid.y == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_fwd_cuda", [&] {
     auto kernel = jagged_attention_fwd_kernel<scalar_t>;
-    allow_smem(kernel, smem);
+    prepare_dynamic_smem(kernel, smem, "jagged_attention", head_dims(D, Dv));
     kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         softmax ? lse.data_ptr<float>() : nullptr, p.a);
@@ -616,12 +623,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     return {dq, dk, dv, has_pos ? dpos.to(pos_bias_in->scalar_type()) : dpos,
             has_time ? dtime.to(time_bias_in->scalar_type()) : dtime};
   };
-  if (N == 0 || B == 0 || max_seq_len == 0) return finish();
+  if (N == 0 || B == 0 || H == 0 || max_seq_len == 0) return finish();
+  check_tiles(max_seq_len, kBlockM);
   const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
                              max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
   at::Tensor lse, delta;
   if (softmax) {
     GK_CHECK_CUDA(out_in);
+    GK_CHECK_CUDA(lse_in);
     TORCH_CHECK(out_in.sizes() == v.sizes() && lse_in.numel() == N * H && lse_in.scalar_type() == at::kFloat,
                 "softmax backward needs out [N, H, Dv] and fp32 lse [N, H]");
     lse = lse_in.contiguous();
@@ -668,13 +677,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   const float* delta_ptr = softmax ? delta.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_bwd_cuda", [&] {
     auto kv_kernel = jagged_attention_bwd_kv_kernel<scalar_t>;
-    allow_smem(kv_kernel, smem_kv);
+    prepare_dynamic_smem(kv_kernel, smem_kv, "jagged_attention backward", head_dims(D, Dv));
     kv_kernel<<<grid_kv, kThreads, smem_kv, stream>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse_ptr,
         delta_ptr, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), p.a, g);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto q_kernel = jagged_attention_bwd_q_kernel<scalar_t>;
-    allow_smem(q_kernel, smem_q);
+    prepare_dynamic_smem(q_kernel, smem_q, "jagged_attention backward", head_dims(D, Dv));
     q_kernel<<<grid_q, kThreads, smem_q, stream>>>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
                                                    v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse_ptr,
                                                    delta_ptr, dq.data_ptr<scalar_t>(), p.a);

@@ -197,7 +197,11 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
   }
 }
 
-int64_t num_tables(const at::Tensor& weights_offsets) { return weights_offsets.numel(); }
+int64_t num_tables(const at::Tensor& weights_offsets) {
+  const int64_t T = weights_offsets.numel();
+  TORCH_CHECK(T >= 1, "weights_offsets must describe at least one table");
+  return T;
+}
 
 void check_cuda_args(const at::Tensor& weights, const at::Tensor& indices, const at::Tensor& offsets,
                      const at::Tensor& per_sample_weights) {

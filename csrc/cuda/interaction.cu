@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cuda_smem.h"
 
 namespace gem_kernels {
 namespace {
@@ -135,10 +136,8 @@ dot_interaction_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_t
   }
 }
 
-void set_smem(const void* kernel, size_t bytes) {
-  if (bytes > kDefaultSmem) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  }
+std::string fm_sizes(int64_t F, int64_t D, int64_t k) {
+  return "F = " + std::to_string(F) + ", D = " + std::to_string(D) + ", fm_rank k = " + std::to_string(k);
 }
 
 void check_cuda_float(const at::Tensor& t, const char* name, const at::Tensor& like) {
@@ -230,6 +229,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cuda(const at::Tensor
     check_cuda_float(*t, name, x0);
   GK_CHECK_DIM(x0, 2);
   TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == x0.size(1), "bias must be [in_features]");
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == x0.size(1), "u must be [in_features, rank or in_features]");
+  TORCH_CHECK(v.numel() == 0 || (v.dim() == 2 && v.size(0) == u.size(1) && v.size(1) == x0.size(1)),
+              "v must be empty or [rank, in_features]");
   const c10::cuda::CUDAGuard guard(x0.device());
   const bool low_rank = v.numel() > 0;
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
@@ -252,6 +255,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"},
                          {&z, "z"}, {&p, "p"}})
     check_cuda_float(*t, name, x0);
+  GK_CHECK_DIM(x0, 2);
+  TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
+              "grad_out, xl and z must have x0's shape");
   const c10::cuda::CUDAGuard guard(x0.device());
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
@@ -411,7 +417,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_cuda", [&] {
     auto kernel = fm_compress_fwd_kernel<scalar_t>;
-    set_smem(reinterpret_cast<const void*>(kernel), smem);
+    prepare_dynamic_smem(kernel, smem, "fm_compress", fm_sizes(F, D, k));
     kernel<<<B, kThreads, smem, stream>>>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(),
                                           ln_weight.data_ptr<scalar_t>(), ln_bias.data_ptr<scalar_t>(),
                                           out.data_ptr<scalar_t>(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
@@ -427,6 +433,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
     check_cuda_float(*t, name, x);
   GK_CHECK_DIM(x, 3);
+  GK_CHECK_CUDA(mean);
+  GK_CHECK_CUDA(rstd);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0) && grad_out.size(1) == x.size(1) * y.size(1) &&
+                  ln_weight.numel() == x.size(1) * y.size(1),
+              "grad_out must be [B, F*k] and ln_weight [F*k]");
   TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
                   rstd.is_contiguous() && mean.numel() == x.size(0) && rstd.numel() == x.size(0),
               "mean and rstd must be contiguous fp32 [B]");
@@ -441,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_backward_cuda", [&] {
       auto kernel = fm_compress_bwd_kernel<scalar_t>;
-      set_smem(reinterpret_cast<const void*>(kernel), smem);
+      prepare_dynamic_smem(kernel, smem, "fm_compress backward", fm_sizes(F, D, k));
       kernel<<<B, kThreads, smem, stream>>>(grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
                                             y.data_ptr<scalar_t>(), ln_weight.data_ptr<scalar_t>(),
                                             mean.data_ptr<float>(), rstd.data_ptr<float>(),

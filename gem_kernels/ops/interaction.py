@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
-from .._backend import kernel, resolve_backend
+from .._backend import kernel, native_kernels, resolve_backend
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 
 FAMILY = "interaction"
@@ -142,7 +142,7 @@ def fm_compress_op(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln
 @fm_compress_op.register_fake
 def _(x, y, ln_weight, ln_bias, eps, save_products, backend):
     B = x.shape[0]
-    saved = save_products and backend in SAVES_PRODUCTS
+    saved = save_products and native_kernels(backend) in SAVES_PRODUCTS
     return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
             x.new_empty((B,), dtype=torch.float32), x.new_empty(products_shape(x, y, saved), dtype=torch.float32))
 
@@ -202,7 +202,8 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
     @torch.library.register_fake("gem_kernels::fm_compress_native")
     def _(x, y, ln_weight, ln_bias, eps, save_products):
         B = x.shape[0]
-        saved = save_products and x.device.type == "cpu"  # the CPU kernel keeps them, the CUDA one does not
+        # The CPU kernel keeps them, the CUDA one does not.
+        saved = save_products and native_kernels(x.device.type) in SAVES_PRODUCTS
         return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
                 x.new_empty((B,), dtype=torch.float32), x.new_empty(products_shape(x, y, saved), dtype=torch.float32))
 

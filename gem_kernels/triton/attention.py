@@ -1,7 +1,9 @@
 """Triton kernels of the attention family: jagged attention (softmax and HSTU), forward and backward.
 
 Work decomposition (FlashAttention-2 on a jagged batch, one sequence per program row of the grid):
-- forward: grid (cdiv(max_seq_len, BLOCK_M), B * H). Program (m, b*H+h) owns BLOCK_M query rows of
+- forward: a 1-D grid of cdiv(max_seq_len, BLOCK_M) * B * H programs, m fastest (the query blocks of
+  one sequence and head run side by side and share its K, V in L2; grid axes 1 and 2 stop at 65535,
+  which B * H passes at B = 16384, H = 4). Program (m, b*H+h) owns BLOCK_M query rows of
   sequence b, head h, and walks the key blocks of that sequence only, with the online softmax in
   fp32 (softmax) or a plain fp32 accumulator (HSTU). The visibility mask is computed from the (i, j)
   ids in-tile; a key block with no visible pair is skipped before any load; the biases are gathered
@@ -112,8 +114,9 @@ def _jagged_attention_fwd_kernel(
     HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m
+    bh = tl.program_id(0) // num_m
     b = bh // H
     h = bh % H
     start = tl.load(offsets_ptr + b).to(tl.int64)
@@ -231,8 +234,8 @@ def _jagged_attention_bwd_kernel(
     and nt - qt - 1 (c - r <= 0), which query block qt + 1 touches next: the walk keeps the second in
     `carry` and stores each block once, complete. DTime_ptr is the time scratch [B*H, key_blocks, num_buckets+1].
     """
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid = tl.program_id(0) % key_blocks  # 1-D grid, block fastest (as in the forward)
+    bh = tl.program_id(0) // key_blocks
     b = bh // H
     h = bh % H
     start = tl.load(offsets_ptr + b).to(tl.int64)
@@ -341,12 +344,12 @@ def _jagged_attention_bwd_kernel(
 @triton.jit
 def _pos_bias_grad_reduce_kernel(Scratch_ptr, pos_base_ptr, offsets_ptr, DPos_ptr, num_seqs, H, M, pos_heads,
                                  stride_pb, key_blocks, BLOCK: tl.constexpr):
-    """Program (hp, m): block m of relative positions j - i in (BLOCK*m, BLOCK*(m+1)], m in [-key_blocks,
+    """Program (m + key_blocks, hp): block m of relative positions j - i in (BLOCK*m, BLOCK*(m+1)], m in [-key_blocks,
     key_blocks), of dpos[hp]: the sum over sequences b, heads h of group hp (every h when pos_heads == 1)
     and key blocks kt of the KV programs' scratch blocks (layout in _jagged_attention_bwd_kernel), in
     that fixed order. FLOPs: one add per scratch float; bytes: the scratch read once, dpos written once."""
-    hp = tl.program_id(0)
-    m = tl.program_id(1) - key_blocks
+    m = tl.program_id(0) - key_blocks
+    hp = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
     h_lo = tl.where(pos_heads == 1, 0, hp)
@@ -413,11 +416,11 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
     out = torch.empty((N, H, v.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.empty((N, H) if kind == "softmax" else (0,), dtype=torch.float32, device=q.device)
     num_seqs = seq_offsets.numel() - 1
-    if N == 0 or num_seqs == 0:
+    if N == 0 or num_seqs == 0 or H == 0:
         return out, lse
     args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
                    pos_bias, time_bias, timestamps)
-    grid = (triton.cdiv(max_seq_len, args["BLOCK_M"]), num_seqs * H)
+    grid = (triton.cdiv(max_seq_len, args["BLOCK_M"]) * num_seqs * H,)
     _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
     return out, lse
 
@@ -441,7 +444,7 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
     dpos = torch.zeros(pos_bias.shape, dtype=torch.float32, device=q.device) if pos_bias is not None else None
     dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device) if time_bias is not None else None
     num_seqs = seq_offsets.numel() - 1
-    if N > 0 and num_seqs > 0:
+    if N > 0 and num_seqs > 0 and H > 0:
         args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
                        max_attn_len, pos_bias, time_bias, timestamps)
         if kind == "softmax":
@@ -464,12 +467,12 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
                   pos_out if pos_out is not None else delta, time_out if time_out is not None else delta, pos_bases)
         num_buckets = args["num_buckets"]
         for kv_pass in (True, False):
-            grid = (key_blocks, num_seqs * H)
+            grid = (key_blocks * num_seqs * H,)
             _jagged_attention_bwd_kernel[grid](*common, key_blocks=key_blocks, KV_PASS=kv_pass,
                                                DETERMINISTIC=deterministic,
                                                TB=triton.next_power_of_2(num_buckets + 1), **args)
         if deterministic and pos_bias is not None:
-            _pos_bias_grad_reduce_kernel[(pos_bias.shape[0], 2 * key_blocks)](
+            _pos_bias_grad_reduce_kernel[(2 * key_blocks, pos_bias.shape[0])](
                 pos_out, pos_bases, seq_offsets, dpos, num_seqs, H, max_seq_len, pos_bias.shape[0],
                 pos_bias.shape[1], key_blocks, BLOCK=block)
         if deterministic and time_bias is not None:
