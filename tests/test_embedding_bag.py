@@ -345,7 +345,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("make,error,match", BAD)
 def test_rejects_bad_input(backend, make, error, match):
     if backend not in gk.available_backends():
@@ -355,6 +355,51 @@ def test_rejects_bad_input(backend, make, error, match):
     indices, offsets = make(indices, offsets)
     with pytest.raises(error, match=match):
         module(indices, offsets)
+
+
+def _meta(module):
+    return dict(weights=module.weights.detach(), weights_offsets=module.weights_offsets, D_offsets=module.D_offsets,
+                rows_offsets=module.rows_offsets, output_dim=module.output_dim, pooling=module.pooling)
+
+
+def _long(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+# The table metadata of gk.embedding_bag (MIXED[:2]: 10 x 4 and 7 x 36 at elements 0 and 40) made wrong.
+BAD_TABLES = [
+    (dict(output_dim=41), r"output_dim must equal D_offsets\[-1\] = 40 for pooled output, got 41"),
+    (dict(output_dim=36), r"output_dim must equal D_offsets\[-1\] = 40"),
+    (dict(pooling="none", output_dim=4),
+     r"pooling 'none' needs every table's D equal to output_dim 4, got D \[4, 36\]"),
+    (dict(weights_offsets=_long([0, 20])), r"tables 0 and 1 overlap in weights \(weights_offsets 0 and 20\)"),
+    (dict(weights_offsets=_long([0, 41])),
+     r"table 1 \(7 x 36 at weights_offsets\[1\] = 41\) does not fit in weights of 292"),
+    (dict(weights_offsets=_long([-1, 40])), r"table 0 \(10 x 4 at weights_offsets\[0\] = -1\) does not fit"),
+    (dict(D_offsets=_long([0, 4, 4]), output_dim=4), r"table 1 must have D >= 1 and rows >= 1, got D = 0"),
+    (dict(rows_offsets=_long([1, 11, 18])), r"rows_offsets\[0\] must be 0, got 0 and 1"),
+    (dict(weights=torch.zeros(584)[::2]), r"weights must be contiguous, got stride \(2,\)"),
+    (dict(optimizer=gk.optim.ExactRowwiseAdagrad(lr=0.1), momentum1=torch.zeros(16),
+          step=torch.zeros((), dtype=torch.int64)),
+     r"momentum1 must have rows_offsets\[-1\] = 17 elements for rowwise_adagrad, got 16"),
+    (dict(optimizer=gk.optim.ExactAdam(lr=0.1), momentum1=torch.zeros(584)[::2], momentum2=torch.zeros(292),
+          step=torch.zeros((), dtype=torch.int64)), r"momentum1 must be contiguous"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("change,match", BAD_TABLES)
+def test_rejects_bad_table_metadata(backend, change, match):
+    """Metadata the module always gets right, a caller of gk.embedding_bag may not: a ValueError naming
+    the table and the values on every backend, never a read or write outside weights."""
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    module = gk.FusedEmbeddingBag(MIXED[:2])
+    indices, offsets = make_batch(MIXED[:2], 4)
+    args = dict(_meta(module), **change)
+    with pytest.raises(ValueError, match=match):
+        gk.embedding_bag(args.pop("weights"), args.pop("weights_offsets"), args.pop("D_offsets"),
+                         args.pop("rows_offsets"), indices, offsets, backend=backend, **args)
 
 
 def test_rejects_bad_arguments():

@@ -11,6 +11,7 @@ from gem_kernels.ops.jagged import jagged_to_padded_op, padded_to_jagged_op
 from .utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    cpu_kernel_only,
     device_backend_params,
     offsets_from_lengths,
     poison_allocator,
@@ -156,6 +157,27 @@ def test_fuzz_triton_against_reference(lengths, max_len, dim):
                                gk.padded_to_jagged(dense, offsets, backend="reference"), rtol=0, atol=0)
 
 
+
+@pytest.mark.triton
+def test_triton_position_blocks_grid_stride(monkeypatch):
+    """With grid axis 1 capped (CUDA stops it at 65535 blocks) the programs stride over the rest of
+    the positions: every element is still written, in both directions."""
+    if "triton" not in gk.available_backends():
+        pytest.skip("triton backend unavailable here")
+    import gem_kernels.triton.jagged as tri
+
+    monkeypatch.setattr(tri, "MAX_POSITION_BLOCKS", 2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = [70, 0, 5, 101]  # up to 7 blocks of 16 positions on 2 programs per sequence
+    values, offsets = _inputs(lengths, (3,), torch.float32, torch.int64, device)
+    for max_len in (101, 40):  # 40: sequences past max_len, whose rows padded_to_jagged zero-fills
+        torch.testing.assert_close(gk.jagged_to_padded(values, offsets, max_len, 1.5, backend="triton"),
+                                   gk.jagged_to_padded(values, offsets, max_len, 1.5, backend="reference"),
+                                   rtol=0, atol=0)
+        dense = randn_nonzero(len(lengths), max_len, 3, device=device)
+        torch.testing.assert_close(gk.padded_to_jagged(dense, offsets, backend="triton"),
+                                   gk.padded_to_jagged(dense, offsets, backend="reference"), rtol=0, atol=0)
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: a ValueError naming the argument, on every backend (validation runs before dispatch).
 # ------------------------------------------------------------------------------------------------
@@ -267,6 +289,7 @@ def test_torch_compile_inductor_data_dependent_size():
     torch.testing.assert_close(compiled(padded, offsets), fn(padded, offsets))
 
 
+@cpu_kernel_only
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 256), (torch.float16, 259), (torch.bfloat16, 513)])
 def test_cpu_large_outputs_use_streaming_path(dtype, dim):
     """Outputs over 32 MiB take the streaming-store + huge-page path of the C++ kernels; odd dims

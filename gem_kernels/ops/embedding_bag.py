@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import kernel, resolve_backend
+from .._backend import kernel, native_kernels, resolve_backend
 from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_offsets_values, check_same_device, check_tensor
 from ..reference.embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
     OPT_NONE,
+    OPT_ROWWISE_ADAGRAD,
     OPTIMIZER_CODES,
     POOLING_CODES,
     SKIP,
@@ -44,6 +45,45 @@ def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets:
     return ((offsets.shape[0] - 1) // num_tables if num_tables else 0, output_dim)
 
 
+def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
+                 rows_offsets: torch.Tensor, output_dim: int, pooling: int, momentum1: torch.Tensor,
+                 optimizer: int) -> None:
+    """Data checks of the table metadata (ValueError naming the table and the values): every table
+    has D_t >= 1 and rows_t >= 1 and lies inside ``weights`` without overlapping another (a GPU
+    kernel updates each row from one program, so aliased tables would race); output_dim matches
+    D_offsets; row-wise Adagrad's momentum1 has rows_offsets[-1] elements.
+
+    Reads T-element tensors (a device sync on GPU, beside offsets' own): called inside the ops' real
+    kernels only, never while tracing."""
+    w_off, d_off, r_off = weights_offsets.tolist(), D_offsets.tolist(), rows_offsets.tolist()
+    if d_off[0] != 0 or r_off[0] != 0:
+        raise ValueError(f"D_offsets[0] and rows_offsets[0] must be 0, got {d_off[0]} and {r_off[0]}")
+    extents = []
+    for t, start in enumerate(w_off):
+        dim, rows = d_off[t + 1] - d_off[t], r_off[t + 1] - r_off[t]
+        if dim < 1 or rows < 1:
+            raise ValueError(f"table {t} must have D >= 1 and rows >= 1, got D = {dim} (D_offsets) and rows = {rows} "
+                             f"(rows_offsets)")
+        if start < 0 or start + rows * dim > weights.numel():
+            raise ValueError(f"table {t} ({rows} x {dim} at weights_offsets[{t}] = {start}) does not fit in weights "
+                             f"of {weights.numel()} elements")
+        extents.append((start, start + rows * dim, t))
+    extents.sort()
+    for (_, end, t), (start, _, u) in zip(extents, extents[1:]):
+        if start < end:
+            raise ValueError(f"tables {t} and {u} overlap in weights (weights_offsets {w_off[t]} and {w_off[u]})")
+    if pooling == NONE:
+        dims = {d_off[t + 1] - d_off[t] for t in range(len(w_off))}
+        if dims != {output_dim}:
+            raise ValueError(f"pooling 'none' needs every table's D equal to output_dim {output_dim}, got D "
+                             f"{sorted(dims)}")
+    elif d_off[-1] != output_dim:
+        raise ValueError(f"output_dim must equal D_offsets[-1] = {d_off[-1]} for pooled output, got {output_dim}")
+    if optimizer == OPT_ROWWISE_ADAGRAD and momentum1.numel() != r_off[-1]:
+        raise ValueError(f"momentum1 must have rows_offsets[-1] = {r_off[-1]} elements for rowwise_adagrad, got "
+                         f"{momentum1.numel()}")
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.library ops. `backend` is a concrete backend name, resolved by the public function below.
 # Codes: pooling sum=0 mean=1 none=2; bounds_check fatal=0 warn=1 skip=2; optimizer none=0 sgd=1
@@ -58,9 +98,11 @@ def embedding_bag_op(weights: torch.Tensor, momentum1: torch.Tensor, momentum2: 
                      pooling: int, bounds_check: int, optimizer: int, lr: float, eps: float, beta1: float,
                      beta2: float, weight_decay: float, backend: str) -> torch.Tensor:
     """Forward. The optimizer state and scalars are inputs only so that the backward can reach them."""
-    if backend != "cpu":  # the C++ kernel checks them itself, same messages, without the ATen-op overhead
+    check_tables(weights, weights_offsets, D_offsets, rows_offsets, output_dim, pooling, momentum1, optimizer)
+    native = native_kernels(backend)
+    if native != "cpu":  # the C++ kernel checks them itself, same messages, without the ATen-op overhead
         check_offsets_values("offsets", offsets, indices.shape[0])
-    if backend == "cuda" and bounds_check != SKIP:  # the CUDA kernel only drops bad indices: raise/warn here
+    if native == "cuda" and bounds_check != SKIP:  # the CUDA kernel only drops bad indices: raise/warn here
         kept_mask(rows_offsets, indices, offsets, bounds_check)
     return kernel(FAMILY, "embedding_bag_forward", backend)(
         weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, output_dim,
@@ -238,6 +280,8 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         [B, output_dim] (sum/mean) or [N, output_dim] (none), weights' dtype.
     """
     check_tensor("weights", weights, dtypes=FLOAT_DTYPES, dims=(1,))
+    if not weights.is_contiguous():  # the kernels update it in place, so it cannot be copied
+        raise ValueError(f"weights must be contiguous, got stride {weights.stride()}")
     for name, meta in (("weights_offsets", weights_offsets), ("D_offsets", D_offsets), ("rows_offsets", rows_offsets)):
         check_tensor(name, meta, dtypes=(torch.int64,), dims=(1,))
     num_tables = weights_offsets.shape[0]
@@ -283,7 +327,9 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         check_tensor("step", step, dtypes=(torch.int64,), dims=(0,))
         for name, state in (("momentum1", momentum1), ("momentum2", momentum2)):
             check_tensor(name, state, dtypes=(torch.float32,), dims=(1,))
-        # Row-wise Adagrad's state length (rows_offsets[-1]) is data; the kernels check it.
+            if not state.is_contiguous():  # updated in place, so it cannot be copied
+                raise ValueError(f"{name} must be contiguous, got stride {state.stride()}")
+        # Row-wise Adagrad's state length (rows_offsets[-1]) is data: check_tables checks it.
         need1 = {"sgd": 0, "rowwise_adagrad": None, "adam": weights.shape[0]}[optimizer.name]
         need2 = weights.shape[0] if optimizer.name == "adam" else 0
         if need1 is not None and momentum1.shape[0] != need1:

@@ -40,6 +40,14 @@ bytes plus 2*programs*F*k*4 bytes of fp32 partials, independent of B (per-sample
 Both ops are memory bound for D <= ~128 on an H100/H200.
 
 tl.dot operands are upcast to fp32 (exact for fp16/bf16 inputs; the CPU interpreter also needs it).
+Every tl.dot names its input precision: Triton's NVIDIA default for fp32 operands is one-pass TF32
+(10 mantissa bits, ~1e-3 relative error), while the interpreter multiplies exactly, so the default
+would pass the CPU tests and fail the GPU's fp32 tolerances. fp32 inputs take "tf32x3" (3xTF32:
+about fp32's accuracy, still on the tensor cores). fp16/bf16 inputs keep one-pass "tf32": their values
+are exact in TF32, and fm_compress's fp32 intermediates (X^T Y, grad S) lose no more in TF32's 10
+mantissa bits than eager fp16/bf16, which rounds them to 10 or 7. (ptxas, sm_90a: tf32x3 raises the
+fp32 fm_compress kernels' spills at F >= 128, to 596 B forward and 2.9 KB backward per thread at
+F = 256; fp32 there is for checking, bf16 for speed.)
 """
 
 import torch
@@ -63,6 +71,11 @@ FM_TILE_ELEMS = 1024
 FM_BWD_MAX_PROGRAMS = 4 * 132
 # Elements per program of the cross-layer epilogues.
 EPILOGUE_BLOCK = 1024
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision for inputs of `dtype` (see the module docstring)."""
+    return "tf32" if dtype in (torch.float16, torch.bfloat16) else "tf32x3"
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -92,6 +105,7 @@ def _dot_interaction_fwd_kernel(
     BLOCK_T: tl.constexpr,  # feature rows per tile: min(pow2(F), MAX_BLOCK_F)
     BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_T, BLOCK_D] bounded by DOT_TILE_ELEMS (see _block_d)
     SINGLE_TILE: tl.constexpr,  # F fits one tile: X[ti] is X[tj], load it once
+    PRECISION: tl.constexpr,  # tl.dot input precision, _dot_precision(dtype)
 ):
     b = tl.program_id(0).to(tl.int64)
     # Tile pairs are numbered column by column: t = tj (tj + 1) / 2 + ti, 0 <= ti <= tj. The fp32
@@ -114,7 +128,7 @@ def _dot_interaction_fwd_kernel(
         else:
             xj = tl.load(x_base + rows_j[:, None] * D + d0 + cols[None, :], mask=(rows_j[:, None] < F) & in_d,
                          other=0.0).to(tl.float32)
-        gram += tl.dot(xi, tl.trans(xj))
+        gram += tl.dot(xi, tl.trans(xj), input_precision=PRECISION)
     i = rows_i[:, None]
     j = rows_j[None, :]
     keep = (j >= i + off) & (j < F)
@@ -140,6 +154,7 @@ def _dot_interaction_bwd_kernel(
     BLOCK_T: tl.constexpr,  # feature rows per tile: min(pow2(F), MAX_BLOCK_F)
     BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_T, BLOCK_D] bounded by DOT_TILE_ELEMS (see _block_d)
     SINGLE_TILE: tl.constexpr,  # F fits one tile: build sym(G) once, not per D chunk
+    PRECISION: tl.constexpr,  # tl.dot input precision, _dot_precision(dtype)
 ):
     b = tl.program_id(0).to(tl.int64)
     rows_i = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -153,24 +168,25 @@ def _dot_interaction_bwd_kernel(
         if SINGLE_TILE:
             x = tl.load(x_base + rows_i[:, None] * D + d0 + cols[None, :], mask=(rows_i[:, None] < F) & in_d,
                         other=0.0).to(tl.float32)
-            dx = tl.dot(sym, x)
+            dx = tl.dot(sym, x, input_precision=PRECISION)
         else:
             dx = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
             for tj in range(0, num_tiles):
                 rows_j = tj * BLOCK_T + tl.arange(0, BLOCK_T)
                 x = tl.load(x_base + rows_j[:, None] * D + d0 + cols[None, :], mask=(rows_j[:, None] < F) & in_d,
                             other=0.0).to(tl.float32)
-                dx += tl.dot(_sym_grad_tile(g_base, rows_i, rows_j, F, off), x)
+                dx += tl.dot(_sym_grad_tile(g_base, rows_i, rows_j, F, off), x, input_precision=PRECISION)
         offs = rows_i[:, None] * D + d0 + cols[None, :]
         tl.store(DX_ptr + b * F * D + offs, dx.to(DX_ptr.dtype.element_ty), mask=(rows_i[:, None] < F) & in_d)
 
 
-def _dot_blocks(F: int, D: int) -> tuple[int, dict]:
-    """(number of feature tiles, the kernels' block constexprs)."""
+def _dot_blocks(F: int, D: int, dtype: torch.dtype) -> tuple[int, dict]:
+    """(number of feature tiles, the kernels' constexprs)."""
     block_t = min(_pow2(F), MAX_BLOCK_F)
     num_tiles = triton.cdiv(F, block_t)
     return num_tiles, dict(BLOCK_T=block_t, BLOCK_D=_block_d(D, block_t, DOT_TILE_ELEMS),
-                           SINGLE_TILE=num_tiles == 1, num_warps=_num_warps(block_t))
+                           SINGLE_TILE=num_tiles == 1, PRECISION=_dot_precision(dtype),
+                           num_warps=_num_warps(block_t))
 
 
 def dot_interaction(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
@@ -180,7 +196,7 @@ def dot_interaction(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
     out = x.new_empty((B, P))
     if out.numel() == 0:
         return out
-    num_tiles, blocks = _dot_blocks(F, D)
+    num_tiles, blocks = _dot_blocks(F, D, x.dtype)
     grid = (B, num_tiles * (num_tiles + 1) // 2)
     _dot_interaction_fwd_kernel[grid](x, out, F, D, P, off, **blocks)
     return out
@@ -194,7 +210,7 @@ def dot_interaction_backward(grad_out: torch.Tensor, x: torch.Tensor, self_inter
         return grad_x
     if grad_out.shape[1] == 0:
         return grad_x.zero_()
-    num_tiles, blocks = _dot_blocks(F, D)
+    num_tiles, blocks = _dot_blocks(F, D, x.dtype)
     _dot_interaction_bwd_kernel[(B, num_tiles)](grad_out, x, grad_x, F, D, grad_out.shape[1], off, num_tiles,
                                                 **blocks)
     return grad_x
@@ -261,14 +277,14 @@ def _load_fk(ptr, rows, kcols, F, k):
 
 @triton.jit
 def _fm_products(x_base, y, F, D, rows, dcols, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """S = X (X^T Y) [BLOCK_F, BLOCK_K] in fp32, y the fp32 [BLOCK_F, BLOCK_K] tile of Y."""
     s = tl.zeros((BLOCK_F, BLOCK_K), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         mask = (rows[:, None] < F) & (d0 + dcols[None, :] < D)
         x = tl.load(x_base + rows[:, None] * D + d0 + dcols[None, :], mask=mask, other=0.0).to(tl.float32)
-        a = tl.dot(tl.trans(x), y)  # [BLOCK_D, BLOCK_K]: this chunk's rows of X^T Y
-        s += tl.dot(x, a)
+        a = tl.dot(tl.trans(x), y, input_precision=PRECISION)  # [BLOCK_D, BLOCK_K]: the chunk's rows of X^T Y
+        s += tl.dot(x, a, input_precision=PRECISION)
     return s
 
 
@@ -278,13 +294,14 @@ def _fm_compress_fwd_kernel(
     BLOCK_F: tl.constexpr,  # pow2(F): the LayerNorm spans all F*k values of a sample
     BLOCK_K: tl.constexpr,  # pow2(k)
     BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_F, BLOCK_D] bounded by FM_TILE_ELEMS (see _block_d)
+    PRECISION: tl.constexpr,  # tl.dot input precision, _dot_precision(dtype)
 ):
     b = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_F)
     kcols = tl.arange(0, BLOCK_K)
     dcols = tl.arange(0, BLOCK_D)
     y = _load_fk(Y_ptr, rows, kcols, F, k)
-    s = _fm_products(X_ptr + b * F * D, y, F, D, rows, dcols, BLOCK_F, BLOCK_K, BLOCK_D)
+    s = _fm_products(X_ptr + b * F * D, y, F, D, rows, dcols, BLOCK_F, BLOCK_K, BLOCK_D, PRECISION)
     valid = (rows[:, None] < F) & (kcols[None, :] < k)
     n = F * k
     mean = tl.sum(tl.sum(tl.where(valid, s, 0.0), 1), 0) / n
@@ -304,6 +321,7 @@ def _fm_compress_bwd_kernel(
     BLOCK_F: tl.constexpr,  # pow2(F): the LayerNorm spans all F*k values of a sample
     BLOCK_K: tl.constexpr,  # pow2(k)
     BLOCK_D: tl.constexpr,  # D chunk, [BLOCK_F, BLOCK_D] bounded by FM_TILE_ELEMS (see _block_d)
+    PRECISION: tl.constexpr,  # tl.dot input precision, _dot_precision(dtype)
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * samples_per_program
@@ -320,7 +338,7 @@ def _fm_compress_bwd_kernel(
     dw = tl.zeros((BLOCK_F, BLOCK_K), dtype=tl.float32)
     for b in range(first, last):
         x_base = X_ptr + b * F * D
-        s = _fm_products(x_base, y, F, D, rows, dcols, BLOCK_F, BLOCK_K, BLOCK_D)
+        s = _fm_products(x_base, y, F, D, rows, dcols, BLOCK_F, BLOCK_K, BLOCK_D, PRECISION)
         rstd = tl.load(Rstd_ptr + b)
         xhat = tl.where(valid, (s - tl.load(Mean_ptr + b)) * rstd, 0.0)
         g = tl.load(G_ptr + b * n + e, mask=valid, other=0.0).to(tl.float32)
@@ -334,19 +352,20 @@ def _fm_compress_bwd_kernel(
             offs = rows[:, None] * D + d0 + dcols[None, :]
             x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
             xt = tl.trans(x)
-            a = tl.dot(xt, y)    # A_c = X_c^T Y       [BLOCK_D, BLOCK_K]
-            da = tl.dot(xt, ds)  # grad A_c = X_c^T dS [BLOCK_D, BLOCK_K]
-            dx = tl.dot(ds, tl.trans(a)) + tl.dot(y, tl.trans(da))
+            a = tl.dot(xt, y, input_precision=PRECISION)    # A_c = X_c^T Y       [BLOCK_D, BLOCK_K]
+            da = tl.dot(xt, ds, input_precision=PRECISION)  # grad A_c = X_c^T dS [BLOCK_D, BLOCK_K]
+            dx = (tl.dot(ds, tl.trans(a), input_precision=PRECISION)
+                  + tl.dot(y, tl.trans(da), input_precision=PRECISION))
             tl.store(DX_ptr + b * F * D + offs, dx.to(DX_ptr.dtype.element_ty), mask=mask)
-            dy += tl.dot(x, da)
+            dy += tl.dot(x, da, input_precision=PRECISION)
     tl.store(DYp_ptr + pid * n + e, dy, mask=valid)
     tl.store(DWp_ptr + pid * n + e, dw, mask=valid)
 
 
-def _fm_blocks(F: int, D: int, k: int) -> dict:
+def _fm_blocks(F: int, D: int, k: int, dtype: torch.dtype) -> dict:
     block_f = _pow2(F)
     return dict(BLOCK_F=block_f, BLOCK_K=_pow2(k), BLOCK_D=_block_d(D, block_f, FM_TILE_ELEMS),
-                num_warps=_num_warps(block_f))
+                PRECISION=_dot_precision(dtype), num_warps=_num_warps(block_f))
 
 
 def fm_compress(x, y, ln_weight, ln_bias, eps, save_products):
@@ -358,7 +377,8 @@ def fm_compress(x, y, ln_weight, ln_bias, eps, save_products):
     mean = x.new_empty((B,), dtype=torch.float32)
     rstd = x.new_empty((B,), dtype=torch.float32)
     if B:
-        _fm_compress_fwd_kernel[(B,)](x, y, ln_weight, ln_bias, out, mean, rstd, F, D, k, eps, **_fm_blocks(F, D, k))
+        _fm_compress_fwd_kernel[(B,)](x, y, ln_weight, ln_bias, out, mean, rstd, F, D, k, eps,
+                                      **_fm_blocks(F, D, k, x.dtype))
     return out, mean, rstd, x.new_empty((0, k * (D + F)), dtype=torch.float32)
 
 
@@ -376,6 +396,6 @@ def fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd, products):
     partial_y = x.new_empty((programs, F, k), dtype=torch.float32)
     partial_w = x.new_empty((programs, F * k), dtype=torch.float32)
     _fm_compress_bwd_kernel[(programs,)](grad_out, x, y, ln_weight, mean, rstd, grad_x, partial_y, partial_w,
-                                         B, F, D, k, samples_per_program, **_fm_blocks(F, D, k))
+                                         B, F, D, k, samples_per_program, **_fm_blocks(F, D, k, x.dtype))
     grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of grad_out
     return grad_x, partial_y.sum(0).to(dt), partial_w.sum(0).to(dt), grad_b.to(dt)
