@@ -2,6 +2,10 @@
 
 `load()` rewrites each .cu file into a build folder (kernel launches, dynamic shared memory, device
 checks), compiles them with torch.utils.cpp_extension into `gem_kernels_cuda_emu`, and loads it.
+With GK_CUDA_EMU_ASAN=1 it builds them with AddressSanitizer (a separate build), so that a kernel's
+read or write outside any allocation is reported; the process must then start with the ASan runtime:
+  LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+  GK_CUDA_EMU=1 GK_CUDA_EMU_ASAN=1 python -m pytest tests -k "cpu and not triton"
 Its `TORCH_LIBRARY_IMPL(gem_kernels, CPU, m)` blocks take over the CPU kernels of
 `gem_kernels._C` for the rest of the process: every test of the `cpu` backend then runs the CUDA
 kernels' code. tests/conftest.py does this when GK_CUDA_EMU=1.
@@ -38,7 +42,9 @@ def load(verbose: bool = False):
     """Compile (cached by torch.utils.cpp_extension) and load the emulated CUDA kernels."""
     from torch.utils import cpp_extension
 
-    build = Path(os.environ.get("GK_CUDA_EMU_BUILD", ROOT / "build" / "cuda_emu"))
+    asan = os.environ.get("GK_CUDA_EMU_ASAN") == "1"
+    default = ROOT / "build" / ("cuda_emu_asan" if asan else "cuda_emu")
+    build = Path(os.environ.get("GK_CUDA_EMU_BUILD", default))
     (build / "src").mkdir(parents=True, exist_ok=True)
     (build / "include" / "gem_kernels").mkdir(parents=True, exist_ok=True)
     sources = []
@@ -55,10 +61,12 @@ def load(verbose: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" for each op
         library = cpp_extension.load(
-            name="gem_kernels_cuda_emu",
+            name="gem_kernels_cuda_emu_asan" if asan else "gem_kernels_cuda_emu",
             sources=sources,
             extra_include_paths=[str(build / "include"), str(HERE)],
-            extra_cflags=["-O1", "-g0", "-include", str(HERE / "cuda_emu.h"), "-Wno-unused-variable"],
+            extra_cflags=["-O1", "-g0", "-include", str(HERE / "cuda_emu.h"), "-Wno-unused-variable"]
+            + (["-fsanitize=address", "-fno-omit-frame-pointer", "-g"] if asan else []),
+            extra_ldflags=["-fsanitize=address"] if asan else [],
             build_directory=str(build),
             is_python_module=False,
             verbose=verbose,
