@@ -5,8 +5,9 @@
 // in fp32, the [L, L] matrix never exists). Every tile's visibility is computed from the (i, j) ids
 // in-tile and a tile with no visible pair is skipped (__syncthreads_or) before its K/V loads;
 // position and time biases are gathered in-tile. Q, K, V tiles, the score tile and the fp32 output
-// accumulator live in shared memory; the products run on the CUDA cores in fp32 (a plain, portable
-// kernel: no tensor cores yet). Blocks past a sequence's end exit at once.
+// accumulator live in shared memory (K and V rows at an odd pitch, kv_pitch: no bank conflicts where
+// a warp's lanes read one column of 32 key rows); the products run on the CUDA cores in fp32 (a plain,
+// portable kernel: no tensor cores yet). Blocks past a sequence's end exit at once.
 //
 // Backward (FlashAttention-2 order, scores recomputed from q, k and the forward's lse; delta_i =
 // <dO_i, O_i> is one ATen reduction before the kernels), the CPU kernel's semantics:
@@ -113,15 +114,20 @@ __device__ __forceinline__ float biased_score(const float* qr, const float* kc, 
   return s;
 }
 
-// dst[rows][width] <- rows row0.. of head h of a packed [N, H, width] tensor in fp32, zero past `valid`.
+// dst[rows][pitch] <- rows row0.. of head h of a packed [N, H, width] tensor in fp32, zero past `valid`.
 template <typename scalar_t>
 __device__ __forceinline__ void load_rows(float* dst, const scalar_t* src, int64_t row0, int64_t rows, int64_t valid,
-                                          int64_t H, int64_t h, int64_t width) {
+                                          int64_t H, int64_t h, int64_t width, int64_t pitch) {
   for (int64_t idx = threadIdx.x; idx < rows * width; idx += blockDim.x) {
     const int64_t r = idx / width, d = idx % width;
-    dst[idx] = r < valid ? static_cast<float>(src[((row0 + r) * H + h) * width + d]) : 0.0f;
+    dst[r * pitch + d] = r < valid ? static_cast<float>(src[((row0 + r) * H + h) * width + d]) : 0.0f;
   }
 }
+
+// Row pitch of the K and V tiles in shared memory: odd, so that the 32 lanes of a warp, which read
+// column d of 32 different rows in the score loops (lane = key c), hit 32 different banks (a pitch
+// of D = 128 put all 32 in one bank: a 32-way conflict on every load of the inner loop).
+__host__ __device__ __forceinline__ int64_t kv_pitch(int64_t width) { return width | 1; }
 
 // Whether any pair of the (i0.., j0..) tile is visible; a barrier for the whole block.
 __device__ __forceinline__ bool tile_visible(int64_t i0, int64_t bm, int64_t j0, int64_t bn, int64_t max_id,
@@ -140,10 +146,11 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
                                             float* __restrict__ lse, AttnArgs a) {
   extern __shared__ float smem[];
   const int64_t D = a.D, Dv = a.Dv, H = a.H;
+  const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
   float* sq = smem;                        // [kBlockM][D]
-  float* sk = sq + kBlockM * D;            // [kBlockN][D]
-  float* sv = sk + kBlockN * D;            // [kBlockN][Dv]
-  float* ss = sv + kBlockN * Dv;           // [kBlockM][kBlockN]
+  float* sk = sq + kBlockM * D;            // [kBlockN][kp]
+  float* sv = sk + kBlockN * kp;           // [kBlockN][vp]
+  float* ss = sv + kBlockN * vp;           // [kBlockM][kBlockN]
   float* sacc = ss + kBlockM * kBlockN;    // [kBlockM][Dv]
   __shared__ float row_max[kBlockM], row_sum[kBlockM], row_alpha[kBlockM];
 
@@ -159,7 +166,7 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   const float neg_inf = -INFINITY;
   const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
 
-  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D);
+  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D, D);
   for (int64_t idx = threadIdx.x; idx < kBlockM * Dv; idx += blockDim.x) sacc[idx] = 0.0f;
   if (threadIdx.x < kBlockM) {
     row_max[threadIdx.x] = neg_inf;
@@ -170,15 +177,15 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
     const int64_t bn = min(static_cast<int64_t>(kBlockN), L - j0);
     if (!tile_visible(i0, bm, j0, bn, max_id, a)) continue;  // fully masked tile: no loads, no maths
-    load_rows(sk, k, start + j0, kBlockN, bn, H, h, D);
-    load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv);
+    load_rows(sk, k, start + j0, kBlockN, bn, H, h, D, kp);
+    load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv, vp);
     __syncthreads();
     for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
       const int r = idx / kBlockN, c = idx % kBlockN;
       const int64_t i = i0 + r, j = j0 + c;
       const bool on = r < bm && c < bn && visible(i, j, max_id, a);
       int bucket = 0;
-      const float s = on ? biased_score(sq + r * D, sk + c * D, i, j, start, hp, ht, a, &bucket) : 0.0f;
+      const float s = on ? biased_score(sq + r * D, sk + c * kp, i, j, start, hp, ht, a, &bucket) : 0.0f;
       if (a.softmax) {
         ss[idx] = on ? s : neg_inf;
       } else {
@@ -211,7 +218,7 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
       float acc = sacc[idx];
       if (a.softmax) acc *= row_alpha[r];
       const float* p = ss + r * kBlockN;
-      for (int64_t c = 0; c < bn; ++c) acc += p[c] * sv[c * Dv + d];
+      for (int64_t c = 0; c < bn; ++c) acc += p[c] * sv[c * vp + d];
       sacc[idx] = acc;
     }
     __syncthreads();
@@ -243,9 +250,9 @@ __device__ __forceinline__ void grad_tile(const float* sq, const float* sk, cons
     float p = 0.0f, ds = 0.0f;
     int bucket = 0;
     if (r < bm && c < bn && visible(i, j, max_id, a)) {
-      const float s = biased_score(sq + r * a.D, sk + c * a.D, i, j, start, hp, ht, a, &bucket);
+      const float s = biased_score(sq + r * a.D, sk + c * kv_pitch(a.D), i, j, start, hp, ht, a, &bucket);
       const float* dor = sdo + r * a.Dv;
-      const float* vc = sv + c * a.Dv;
+      const float* vc = sv + c * kv_pitch(a.Dv);
       float dp = 0.0f;
       for (int64_t d = 0; d < a.Dv; ++d) dp += dor[d] * vc[d];
       if (a.softmax) {
@@ -283,9 +290,10 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
   const int64_t D = a.D, Dv = a.Dv, H = a.H;
   const bool has_time = a.time_bias != nullptr;
   const int64_t time_width = has_time ? a.num_buckets + 1 : 0;
-  float* sk = smem;                      // [kBlockN][D]
-  float* sv = sk + kBlockN * D;          // [kBlockN][Dv]
-  float* sdk = sv + kBlockN * Dv;        // [kBlockN][D]
+  const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
+  float* sk = smem;                      // [kBlockN][kp]
+  float* sv = sk + kBlockN * kp;         // [kBlockN][vp]
+  float* sdk = sv + kBlockN * vp;        // [kBlockN][D]
   float* sdv = sdk + kBlockN * D;        // [kBlockN][Dv]
   float* sq = sdv + kBlockN * Dv;        // [kBlockM][D]
   float* sdo = sq + kBlockM * D;         // [kBlockM][Dv]
@@ -313,8 +321,8 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
     pos_window = g.pos_scratch + g.pos_bases[b] + (h * key_tiles + blockIdx.y) * pos_width;
   }
 
-  load_rows(sk, k, start + j0, kBlockN, bn, H, h, D);
-  load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv);
+  load_rows(sk, k, start + j0, kBlockN, bn, H, h, D, kp);
+  load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv, vp);
   for (int64_t idx = threadIdx.x; idx < kBlockN * D; idx += blockDim.x) sdk[idx] = 0.0f;
   for (int64_t idx = threadIdx.x; idx < kBlockN * Dv; idx += blockDim.x) sdv[idx] = 0.0f;
   for (int64_t idx = threadIdx.x; idx < time_width; idx += blockDim.x) stime[idx] = 0.0f;
@@ -324,8 +332,8 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
     const int64_t bm = min(static_cast<int64_t>(kBlockM), L - i0);
     // Also the barrier that orders this tile's pos-window updates after the previous tile's.
     if (!tile_visible(i0, bm, j0, bn, max_id, a)) continue;
-    load_rows(sq, q, start + i0, kBlockM, bm, H, h, D);
-    load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv);
+    load_rows(sq, q, start + i0, kBlockM, bm, H, h, D, D);
+    load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv, Dv);
     if (a.softmax) load_row_stats(row_lse, row_delta, lse, delta, start + i0, bm, H, h);
     __syncthreads();
     grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, has_time ? sbucket : nullptr, i0, bm, j0, bn, start, hp,
@@ -400,9 +408,10 @@ __global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, co
   float* sq = smem;                      // [kBlockM][D]
   float* sdo = sq + kBlockM * D;         // [kBlockM][Dv]
   float* sdq = sdo + kBlockM * Dv;       // [kBlockM][D]
-  float* sk = sdq + kBlockM * D;         // [kBlockN][D]
-  float* sv = sk + kBlockN * D;          // [kBlockN][Dv]
-  float* sp = sv + kBlockN * Dv;         // [kBlockM][kBlockN]
+  const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
+  float* sk = sdq + kBlockM * D;         // [kBlockN][kp]
+  float* sv = sk + kBlockN * kp;         // [kBlockN][vp]
+  float* sp = sv + kBlockN * vp;         // [kBlockM][kBlockN]
   float* sds = sp + kBlockM * kBlockN;   // [kBlockM][kBlockN]
   __shared__ float row_lse[kBlockM], row_delta[kBlockM];
 
@@ -417,8 +426,8 @@ __global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, co
   const int64_t bm = min(static_cast<int64_t>(kBlockM), L - i0);
   const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
 
-  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D);
-  load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv);
+  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D, D);
+  load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv, Dv);
   if (a.softmax) load_row_stats(row_lse, row_delta, lse, delta, start + i0, bm, H, h);
   for (int64_t idx = threadIdx.x; idx < kBlockM * D; idx += blockDim.x) sdq[idx] = 0.0f;
   __syncthreads();
@@ -426,15 +435,15 @@ __global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, co
   for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
     const int64_t bn = min(static_cast<int64_t>(kBlockN), L - j0);
     if (!tile_visible(i0, bm, j0, bn, max_id, a)) continue;
-    load_rows(sk, k, start + j0, kBlockN, bn, H, h, D);
-    load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv);
+    load_rows(sk, k, start + j0, kBlockN, bn, H, h, D, kp);
+    load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv, vp);
     __syncthreads();
     grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, nullptr, i0, bm, j0, bn, start, hp, ht, max_id, a);
     __syncthreads();
     for (int64_t idx = threadIdx.x; idx < kBlockM * D; idx += blockDim.x) {
       const int64_t r = idx / D, d = idx % D;
       float acc = 0.0f;
-      for (int64_t c = 0; c < bn; ++c) acc += sds[r * kBlockN + c] * sk[c * D + d];
+      for (int64_t c = 0; c < bn; ++c) acc += sds[r * kBlockN + c] * sk[c * kp + d];
       sdq[idx] += a.scale * acc;
     }
     __syncthreads();  // the next tile overwrites sk, sv, sp, sds
@@ -584,7 +593,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
   const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
                              max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
 
-  const size_t smem = sizeof(float) * (kBlockM * D + kBlockN * D + kBlockN * Dv + kBlockM * kBlockN + kBlockM * Dv);
+  const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
+  const size_t smem = sizeof(float) * (kBlockM * D + kBlockN * kp + kBlockN * vp + kBlockM * kBlockN + kBlockM * Dv);
   const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((max_seq_len + kBlockM - 1) / kBlockM));
   if (grid.y == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_fwd_cuda", [&] {
@@ -665,10 +675,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     g.time_scratch = time_scratch.data_ptr<float>();
   }
 
-  const size_t smem_kv = sizeof(float) * (2 * kBlockN * D + 2 * kBlockN * Dv + kBlockM * D + kBlockM * Dv +
+  const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
+  const size_t smem_kv = sizeof(float) * (kBlockN * (kp + D) + kBlockN * (vp + Dv) + kBlockM * D + kBlockM * Dv +
                                           2 * kBlockM * kBlockN + time_width) +
                          (has_time ? sizeof(int) * kBlockM * kBlockN : 0);
-  const size_t smem_q = sizeof(float) * (2 * kBlockM * D + kBlockM * Dv + kBlockN * D + kBlockN * Dv +
+  const size_t smem_q = sizeof(float) * (2 * kBlockM * D + kBlockM * Dv + kBlockN * kp + kBlockN * vp +
                                          2 * kBlockM * kBlockN);
   const dim3 grid_kv(static_cast<unsigned>(B * H), static_cast<unsigned>(key_blocks));
   const dim3 grid_q(static_cast<unsigned>(B * H), static_cast<unsigned>((max_seq_len + kBlockM - 1) / kBlockM));
