@@ -6,9 +6,10 @@
 // run on CPU tensors, with CUDA's semantics where they matter for correctness:
 // - every thread of a block is a fiber (ucontext) on one OS thread; a fiber runs until it reaches a
 //   barrier (__syncthreads, __syncthreads_or, __syncwarp, a warp shuffle) or returns;
-// - the fibers waiting at a barrier resume in a random order (fixed seed), and the blocks of a
-//   grid run in a random order: code that reads shared or global memory another thread writes
-//   without a barrier in between sees a stale value in about half the interleavings;
+// - the fibers waiting at a barrier resume in a random order (fixed seed; GK_CUDA_EMU_SEED picks
+//   another), and the blocks of a grid run in a random order: code that reads shared or global
+//   memory another thread writes without a barrier in between sees a stale value in about half the
+//   interleavings;
 // - dynamic shared memory is filled with NaN before every block, so reading what no thread of
 //   this block wrote gives NaN;
 // - launches check CUDA's limits: no zero or oversized grid/block dimension, at most 1024 threads,
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -262,6 +264,15 @@ cudaError_t cudaFuncSetAttribute(Kernel kernel, cudaFuncAttribute attr, int valu
 
 namespace emu {
 
+// GK_CUDA_EMU_SEED (default 0) picks another set of interleavings: rerun with a few seeds to try more.
+inline uint64_t seed() {
+  static const uint64_t value = [] {
+    const char* env = std::getenv("GK_CUDA_EMU_SEED");
+    return env != nullptr ? std::strtoull(env, nullptr, 10) : 0ull;
+  }();
+  return value;
+}
+
 inline uint64_t launch_count() {
   static uint64_t count = 0;
   return count++;
@@ -282,7 +293,7 @@ class Launcher {
     const int64_t blocks = static_cast<int64_t>(grid_.x) * grid_.y * grid_.z;
     std::vector<int64_t> order(blocks);
     for (int64_t i = 0; i < blocks; ++i) order[i] = i;
-    std::mt19937_64 rng(0x9E3779B97F4A7C15ull ^ launch_count());
+    std::mt19937_64 rng((0x9E3779B97F4A7C15ull ^ launch_count()) + 0xD1B54A32D192ED03ull * seed());
     std::shuffle(order.begin(), order.end(), rng);
     for (int64_t linear : order) {
       dim3 bid(static_cast<unsigned>(linear % grid_.x), static_cast<unsigned>((linear / grid_.x) % grid_.y),
