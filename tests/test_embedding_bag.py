@@ -162,6 +162,21 @@ def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batc
 
 
 @pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_long_bags_with_dropped_indices(device, backend, pooling):
+    """Bags of up to 45 indices, longer than one gather step (Triton's BLOCK_P rows, the CUDA
+    forward's kRowsInFlight) and not a multiple of it, with out-of-range indices dropped inside them."""
+    module = gk.FusedEmbeddingBag(MIXED, pooling=pooling, bounds_check="skip", device=device, backend=backend)
+    indices, offsets = make_batch(MIXED, 3, device=device, max_len=45, seed=3)
+    indices[::7] = -1
+    indices[3::11] = 10_000
+    psw = randn_nonzero(indices.numel(), device=device) if pooling == "sum" else None
+    out = module(indices, offsets, psw)
+    expected = functional(module, indices, offsets, psw, backend="reference", bounds_check="skip")
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("device,backend", _params())
 def test_all_bags_empty_and_zero_batch(device, backend):
     module = gk.FusedEmbeddingBag(MIXED, pooling="mean", device=device, backend=backend)
     offsets = torch.zeros(len(MIXED) * 3 + 1, dtype=torch.int64, device=device)
