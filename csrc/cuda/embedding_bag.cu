@@ -155,17 +155,30 @@ struct OptimizerArgs {
   float lr, eps, beta1, beta2, weight_decay, step_size, inv_bias2_sqrt;
 };
 
-// The summed gradient of column d of unique row u (pooling decides which grad_output row and column).
+// The summed gradient of columns d0 + lane + 32 j (j < kPerLane; 0 past D) of a unique row, whose
+// lookups are order[first:last] (pooling decides which grad_output row src_rows[p] and columns from
+// column0 they read). Each lookup's order -> src_rows, scale chain is loaded once per chunk, then
+// its kPerLane columns together (a chain per column, as before, left one load in flight behind it).
 template <typename scalar_t>
-__device__ __forceinline__ float segment_grad(const scalar_t* __restrict__ grad, int64_t grad_stride, int64_t column,
-                                              const int64_t* __restrict__ order, const int64_t* __restrict__ src_rows,
-                                              const float* __restrict__ scale, int64_t first, int64_t last) {
-  float g = 0.f;
+__device__ __forceinline__ void segment_grad(float (&g)[kPerLane], const scalar_t* __restrict__ grad,
+                                             int64_t grad_stride, int64_t column0, int64_t d0, int64_t D, int lane,
+                                             const int64_t* __restrict__ order, const int64_t* __restrict__ src_rows,
+                                             const float* __restrict__ scale, int64_t first, int64_t last) {
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) g[j] = 0.f;
   for (int64_t i = first; i < last; ++i) {
     const int64_t p = order[i];
-    g += static_cast<float>(grad[src_rows[p] * grad_stride + column]) * scale[p];
+    const scalar_t* row = grad + src_rows[p] * grad_stride + column0;
+    const float s = scale[p];
+    float v[kPerLane];
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = d0 + lane + 32 * j;
+      v[j] = d < D ? static_cast<float>(row[d]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) g[j] += v[j] * s;
   }
-  return g;
 }
 
 template <typename scalar_t>
@@ -188,12 +201,18 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
   const int64_t first = seg[u];
   const int64_t last = seg[u + 1];
   float multiplier = 0.f;
+  float g[kPerLane];
   if (o.kind == kOptRowwiseAdagrad) {  // first pass: sum of g^2 over the row, reduced across the warp
     float sum_sq = 0.f;
-    for (int64_t d = lane; d < D; d += 32) {
-      float g = segment_grad(grad, grad_stride, column0 + d, order, src_rows, scale, first, last);
-      g += o.weight_decay * static_cast<float>(weights[element + d]);
-      sum_sq += g * g;
+    for (int64_t d0 = 0; d0 < D; d0 += 32 * kPerLane) {
+      segment_grad(g, grad, grad_stride, column0, d0, D, lane, order, src_rows, scale, first, last);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int64_t d = d0 + lane + 32 * j;
+        if (d >= D) continue;
+        const float gd = g[j] + o.weight_decay * static_cast<float>(weights[element + d]);
+        sum_sq += gd * gd;
+      }
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
@@ -202,26 +221,31 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
     if (lane == 0) m1[global_row] = state;
     multiplier = o.lr / (sqrtf(state) + o.eps);
   }
-  for (int64_t d = lane; d < D; d += 32) {
-    float g = segment_grad(grad, grad_stride, column0 + d, order, src_rows, scale, first, last);
-    if (o.kind == kOptNone) {
-      weights[element + d] = static_cast<scalar_t>(g);
-      continue;
+  for (int64_t d0 = 0; d0 < D; d0 += 32 * kPerLane) {
+    segment_grad(g, grad, grad_stride, column0, d0, D, lane, order, src_rows, scale, first, last);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int64_t d = d0 + lane + 32 * j;
+      if (d >= D) continue;
+      if (o.kind == kOptNone) {
+        weights[element + d] = static_cast<scalar_t>(g[j]);
+        continue;
+      }
+      float w = static_cast<float>(weights[element + d]);
+      const float gd = g[j] + o.weight_decay * w;
+      if (o.kind == kOptSgd) {
+        w -= o.lr * gd;
+      } else if (o.kind == kOptRowwiseAdagrad) {
+        w -= multiplier * gd;
+      } else {
+        const float a = o.beta1 * m1[element + d] + (1.f - o.beta1) * gd;
+        const float v = o.beta2 * m2[element + d] + (1.f - o.beta2) * gd * gd;
+        m1[element + d] = a;
+        m2[element + d] = v;
+        w -= o.step_size * a / (sqrtf(v) * o.inv_bias2_sqrt + o.eps);
+      }
+      weights[element + d] = static_cast<scalar_t>(w);
     }
-    float w = static_cast<float>(weights[element + d]);
-    g += o.weight_decay * w;
-    if (o.kind == kOptSgd) {
-      w -= o.lr * g;
-    } else if (o.kind == kOptRowwiseAdagrad) {
-      w -= multiplier * g;
-    } else {
-      const float a = o.beta1 * m1[element + d] + (1.f - o.beta1) * g;
-      const float v = o.beta2 * m2[element + d] + (1.f - o.beta2) * g * g;
-      m1[element + d] = a;
-      m2[element + d] = v;
-      w -= o.step_size * a / (sqrtf(v) * o.inv_bias2_sqrt + o.eps);
-    }
-    weights[element + d] = static_cast<scalar_t>(w);
   }
 }
 
