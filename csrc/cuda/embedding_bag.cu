@@ -200,20 +200,25 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
   const int64_t column0 = pooling == kNone ? 0 : d_off[t];
   const int64_t first = seg[u];
   const int64_t last = seg[u + 1];
-  float multiplier = 0.f;
-  float g[kPerLane];
-  if (o.kind == kOptRowwiseAdagrad) {  // first pass: sum of g^2 over the row, reduced across the warp
-    float sum_sq = 0.f;
+  // f(d, g) for every column d < D of the row this lane owns, g its summed gradient.
+  const auto for_each_column = [&](auto&& f) {
+    float g[kPerLane];
     for (int64_t d0 = 0; d0 < D; d0 += 32 * kPerLane) {
       segment_grad(g, grad, grad_stride, column0, d0, D, lane, order, src_rows, scale, first, last);
 #pragma unroll
       for (int j = 0; j < kPerLane; ++j) {
         const int64_t d = d0 + lane + 32 * j;
-        if (d >= D) continue;
-        const float gd = g[j] + o.weight_decay * static_cast<float>(weights[element + d]);
-        sum_sq += gd * gd;
+        if (d < D) f(d, g[j]);
       }
     }
+  };
+  float multiplier = 0.f;
+  if (o.kind == kOptRowwiseAdagrad) {  // first pass: sum of g^2 over the row, reduced across the warp
+    float sum_sq = 0.f;
+    for_each_column([&](int64_t d, float g) {
+      const float gd = g + o.weight_decay * static_cast<float>(weights[element + d]);
+      sum_sq += gd * gd;
+    });
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
     const float state = m1[global_row] + sum_sq / static_cast<float>(D);
@@ -221,32 +226,26 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
     if (lane == 0) m1[global_row] = state;
     multiplier = o.lr / (sqrtf(state) + o.eps);
   }
-  for (int64_t d0 = 0; d0 < D; d0 += 32 * kPerLane) {
-    segment_grad(g, grad, grad_stride, column0, d0, D, lane, order, src_rows, scale, first, last);
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int64_t d = d0 + lane + 32 * j;
-      if (d >= D) continue;
-      if (o.kind == kOptNone) {
-        weights[element + d] = static_cast<scalar_t>(g[j]);
-        continue;
-      }
-      float w = static_cast<float>(weights[element + d]);
-      const float gd = g[j] + o.weight_decay * w;
-      if (o.kind == kOptSgd) {
-        w -= o.lr * gd;
-      } else if (o.kind == kOptRowwiseAdagrad) {
-        w -= multiplier * gd;
-      } else {
-        const float a = o.beta1 * m1[element + d] + (1.f - o.beta1) * gd;
-        const float v = o.beta2 * m2[element + d] + (1.f - o.beta2) * gd * gd;
-        m1[element + d] = a;
-        m2[element + d] = v;
-        w -= o.step_size * a / (sqrtf(v) * o.inv_bias2_sqrt + o.eps);
-      }
-      weights[element + d] = static_cast<scalar_t>(w);
+  for_each_column([&](int64_t d, float g) {
+    if (o.kind == kOptNone) {
+      weights[element + d] = static_cast<scalar_t>(g);
+      return;
     }
-  }
+    float w = static_cast<float>(weights[element + d]);
+    g += o.weight_decay * w;
+    if (o.kind == kOptSgd) {
+      w -= o.lr * g;
+    } else if (o.kind == kOptRowwiseAdagrad) {
+      w -= multiplier * g;
+    } else {
+      const float a = o.beta1 * m1[element + d] + (1.f - o.beta1) * g;
+      const float v = o.beta2 * m2[element + d] + (1.f - o.beta2) * g * g;
+      m1[element + d] = a;
+      m2[element + d] = v;
+      w -= o.step_size * a / (sqrtf(v) * o.inv_bias2_sqrt + o.eps);
+    }
+    weights[element + d] = static_cast<scalar_t>(w);
+  });
 }
 
 int64_t num_tables(const at::Tensor& weights_offsets) {
