@@ -53,9 +53,11 @@ def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets
     kernel updates each row from one program, so aliased tables would race); output_dim matches
     D_offsets; row-wise Adagrad's momentum1 has rows_offsets[-1] elements.
 
-    Reads T-element tensors (a device sync on GPU, beside offsets' own): called inside the ops' real
-    kernels only, never while tracing."""
-    w_off, d_off, r_off = weights_offsets.tolist(), D_offsets.tolist(), rows_offsets.tolist()
+    Reads the 3T+2 metadata values in one copy (one device sync on GPU, beside offsets' own): called
+    inside the ops' real kernels only, never while tracing."""
+    num_tables = weights_offsets.numel()
+    meta = torch.cat([weights_offsets, D_offsets, rows_offsets]).tolist()
+    w_off, d_off, r_off = meta[:num_tables], meta[num_tables:2 * num_tables + 1], meta[2 * num_tables + 1:]
     if d_off[0] != 0 or r_off[0] != 0:
         raise ValueError(f"D_offsets[0] and rows_offsets[0] must be 0, got {d_off[0]} and {r_off[0]}")
     extents = []
