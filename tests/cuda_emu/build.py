@@ -3,9 +3,11 @@
 `load()` rewrites each .cu file into a build folder (kernel launches, dynamic shared memory, device
 checks), compiles them with torch.utils.cpp_extension into `gem_kernels_cuda_emu`, and loads it.
 With GK_CUDA_EMU_ASAN=1 it builds them with AddressSanitizer (a separate build), so that a kernel's
-read or write outside any allocation is reported; the process must then start with the ASan runtime:
-  LD_PRELOAD=$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
-  GK_CUDA_EMU=1 GK_CUDA_EMU_ASAN=1 python -m pytest tests -k "cpu and not triton"
+read or write outside any allocation is reported. The process must then start with the ASan
+runtime, and libstdc++ before it (else importing Triton aborts in ASan's __cxa_throw interceptor):
+  LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)"
+  ASAN_OPTIONS=detect_leaks=0 GK_CUDA_EMU=1 GK_CUDA_EMU_ASAN=1 python -m pytest tests -k "cpu and not triton"
+(one command line).
 Its `TORCH_LIBRARY_IMPL(gem_kernels, CPU, m)` blocks take over the CPU kernels of
 `gem_kernels._C` for the rest of the process: every test of the `cpu` backend then runs the CUDA
 kernels' code. tests/conftest.py does this when GK_CUDA_EMU=1.
