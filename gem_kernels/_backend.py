@@ -10,6 +10,7 @@ Backends:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -174,4 +175,24 @@ def kernel(family: str, op: str, backend: str):
     if backend in ("cpu", "cuda"):
         return getattr(torch.ops.gem_kernels, f"{op}_native")
     module = importlib.import_module(f"gem_kernels.{backend}.{family}")
-    return getattr(module, op)
+    fn = getattr(module, op)
+    return _on_device_of_inputs(fn) if backend == "triton" else fn
+
+
+@functools.cache
+def _on_device_of_inputs(fn):
+    """`fn` run with its first CUDA tensor argument's device current.
+
+    A Triton launch goes to the current device and its current stream, whatever device the pointers
+    live on; with tensors on cuda:1 and cuda:0 current it would run on the wrong GPU (an illegal
+    address without peer access). The CUDA kernels carry a CUDAGuard for the same reason."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+                with torch.cuda.device(a.device):
+                    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run

@@ -107,3 +107,51 @@ def test_import_without_extension_keeps_reference_and_says_why():
     assert out.returncode == 0, out.stderr
     assert "gem_kernels._C failed to import" in out.stdout
     assert "refused: backend 'cpu' is not available" in out.stdout
+
+
+def test_triton_kernels_run_on_their_inputs_device(monkeypatch):
+    """A Triton launch goes to the *current* device: the triton backend makes its first CUDA input's
+    device current for the call (what a CUDAGuard does for the CUDA kernels). Checked with a fake
+    cuda:1 tensor and a recording torch.cuda.device, so it runs without a GPU."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import gem_kernels.triton.interaction as triton_interaction
+
+    entered, seen = [], []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    guarded = _backend._on_device_of_inputs(lambda *args, **kwargs: seen.append(list(entered)) or "ran")
+    with FakeTensorMode():
+        x1 = torch.empty(2, 3, device="cuda:1")
+    assert guarded(3, x1, flag=True) == "ran" and seen[-1] == [torch.device("cuda:1")]
+    assert entered == [torch.device("cuda:1"), "exit"]
+    assert guarded(1, y=x1) == "ran" and seen[-1][-1] == torch.device("cuda:1")  # keyword tensors count
+    entered.clear()
+    assert guarded(torch.ones(2), 5) == "ran" and seen[-1] == [] and entered == []  # no CUDA input: no guard
+
+    wrapped = _backend.kernel("interaction", "dot_interaction", "triton")
+    assert wrapped.__wrapped__ is triton_interaction.dot_interaction
+    assert _backend.kernel("interaction", "dot_interaction", "reference") is not wrapped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two GPUs")
+def test_triton_kernels_on_a_second_gpu():
+    if _backend.unavailable_reason("triton") is not None:
+        pytest.skip(_backend.unavailable_reason("triton"))
+    x = torch.randn(4, 5, 8, device="cuda:1")
+    with torch.cuda.device(0):
+        out = gk.dot_interaction(x, backend="triton")
+    assert out.device == x.device
+    torch.testing.assert_close(out, gk.dot_interaction(x, backend="reference"))
