@@ -352,14 +352,7 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
     seconds = timing.median_ms / 1e3
     tflops = case.flops / seconds / 1e12 if case.flops and seconds > 0 else None
     gbps = case.bytes / seconds / 1e9 if case.bytes and seconds > 0 else None
-    pct = None
-    if case.peak == "bandwidth" and gbps is not None and peaks.get("copy_gbps"):
-        pct = 100 * gbps / peaks["copy_gbps"]
-    elif case.peak == "matmul" and tflops is not None:
-        peak = peaks.get("matmul_tflops", {}).get(dtype_name(case.dtype))
-        if peak:
-            pct = 100 * tflops / peak
-    return {
+    row = {
         "family": family,
         "op": case.op,
         "shape": case.shape,
@@ -377,12 +370,26 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         "tflops": tflops,
         "gbps": gbps,
         "peak": case.peak,
-        "pct_peak": pct,
+        "pct_peak": None,
         "speedup_vs_baseline": None,
         "baseline": case.baseline,
         "git_sha": git_sha,
         "timestamp": timestamp,
     }
+    row["pct_peak"] = pct_of_peak(row, peaks)
+    return row
+
+
+def pct_of_peak(row: dict, peaks: dict) -> float | None:
+    """A row's % of the measured peak of its kind: copy GB/s ("bandwidth") or its dtype's matmul
+    TFLOP/s ("matmul"); None without a figure or without a measured peak of that kind."""
+    if row["peak"] == "bandwidth" and row["gbps"] is not None and peaks.get("copy_gbps"):
+        return 100 * row["gbps"] / peaks["copy_gbps"]
+    if row["peak"] == "matmul" and row["tflops"] is not None:
+        peak = peaks.get("matmul_tflops", {}).get(row["dtype"])
+        if peak:
+            return 100 * row["tflops"] / peak
+    return None
 
 
 def fill_speedups(rows: list[dict]) -> None:

@@ -103,6 +103,35 @@ def table_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _measurements(peaks: dict) -> str:
+    if "measurements" not in peaks:
+        return ""
+    each = "; ".join(
+        ", ".join(f"{k} {v:.3f}" for k, v in m["matmul_tflops"].items()) + f" TFLOP/s, {m['copy_gbps']:.1f} GB/s"
+        for m in peaks["measurements"])
+    return f"; the better of the measurements before and after the kernels ({each})"
+
+
+def _load_warning(load: dict, cores) -> str:
+    if cores and max(load["start"], load["end"]) > cores:
+        return " (above the core count: other processes compete for the CPU and the timings are noisy)"
+    return ""
+
+
+def _above_peak(rows: list[dict]) -> list[str]:
+    """A line explaining rows above 100 % of their roof, if any: they are not errors of the op's count."""
+    above = [r for r in rows if r["pct_peak"] is not None and r["pct_peak"] > 100]
+    if not above:
+        return []
+    kinds = sorted({r["peak"] for r in above})
+    why = {"bandwidth": "bandwidth rows: the op's minimum bytes count every lookup or element once from memory, "
+                        "and caches serve what repeats (hot embedding rows, a working set that fits in L2/L3)",
+           "matmul": "matmul rows: the matmul roof was measured low (load from other processes during both "
+                     "measurements), or the op's matmuls are shaped better for the BLAS than the square one"}
+    return [f"- {len(above)} rows are above 100 % of their measured peak; "
+            + "; ".join(why[k] for k in kinds)]
+
+
 def markdown(result: dict) -> str:
     m, p = result["machine"], result["peaks"]
     mm = ", ".join(f"{k} {v:.3f}" for k, v in p.get("matmul_tflops", {}).items())
@@ -113,10 +142,11 @@ def markdown(result: dict) -> str:
         f"- torch {m['torch']} (cuda {m['torch_cuda']}), triton {m['triton']}, fbgemm_gpu {m['fbgemm_gpu']}, "
         f"gem_kernels {m['gem_kernels']} (backends {m['gem_kernels_backends']})",
         f"- measured peaks: matmul TFLOP/s {mm} (n={p['sizes']['matmul_n']}); copy {p['copy_gbps']:.1f} GB/s "
-        f"({p['sizes']['copy_mib']} MiB, read+write counted)",
-        f"- 1-min load average {result['loadavg_1min']['start']:.1f} at start, {result['loadavg_1min']['end']:.1f} at end "
-        f"(above the core count: other processes compete for the CPU and the timings are noisy); "
+        f"({p['sizes']['copy_mib']} MiB, read+write counted){_measurements(p)}",
+        f"- 1-min load average {result['loadavg_1min']['start']:.1f} at start, {result['loadavg_1min']['end']:.1f} at end"
+        f"{_load_warning(result['loadavg_1min'], m['cpu_cores'])}; "
         f"THP_MEM_ALLOC_ENABLE={int(result.get('thp_mem_alloc', False))}",
+        *_above_peak(result["rows"]),
         f"- mode: {'quick' if result['quick'] else 'full'}; families: "
         + ", ".join(f"{f['name']} {f['status']} ({f['seconds']:.1f} s)" for f in result["families"]),
         "",

@@ -241,7 +241,16 @@ def test_quick_jagged_run_writes_results(tmp_path):
         assert stem.with_suffix(f".{ext}").stat().st_size > 0
         assert (tmp_path / f"latest-cpu.{ext}").exists()
     result = json.loads(jsons[0].read_text())
-    assert result["peaks"]["copy_gbps"] > 0 and result["peaks"]["matmul_tflops"]["float32"] > 0
+    peaks = result["peaks"]
+    assert peaks["copy_gbps"] > 0 and peaks["matmul_tflops"]["float32"] > 0
+    # Measured before and after the kernels; the roof is the better of the two, and every row's % of
+    # peak is relative to that roof.
+    before, after = peaks["measurements"]
+    assert peaks["copy_gbps"] == max(before["copy_gbps"], after["copy_gbps"])
+    assert peaks["matmul_tflops"]["float32"] == max(before["matmul_tflops"]["float32"],
+                                                    after["matmul_tflops"]["float32"])
+    for row in result["rows"]:
+        assert row["pct_peak"] == pytest.approx(100 * row["gbps"] / peaks["copy_gbps"])
     assert result["machine"]["cpu_cores"] >= 1 and result["git_sha"]
     rows = result["rows"]
     assert rows
@@ -296,3 +305,13 @@ def test_interrupted_run_still_writes_what_it_measured(tmp_path, monkeypatch):
     status = {f["name"]: f["status"] for f in result["families"]}
     assert status == {"done": "ok", "interrupted": "interrupted", "after": "skipped"}
     assert len(result["rows"]) == 2  # done's case and interrupted's first case
+
+
+def test_rows_above_their_peak_are_explained():
+    from bench import report
+
+    row = {"peak": "bandwidth", "pct_peak": 250.0}
+    assert report._above_peak([dict(row, pct_peak=99.0)]) == []
+    (line,) = report._above_peak([row, dict(row, peak="matmul", pct_peak=140.0)])
+    assert line.startswith("- 2 rows are above 100 % of their measured peak")
+    assert "caches serve" in line and "measured low" in line
