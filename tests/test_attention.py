@@ -312,15 +312,54 @@ def test_zero_heads(device, backend):
 @pytest.mark.parametrize("device,backend", cuda_kernel_params())
 def test_cuda_kernels_refuse_head_dims_beyond_shared_memory(device, backend):
     """The CUDA attention keeps its tiles' rows in shared memory: head dims past the GPU's opt-in
-    limit raise a ValueError naming them (not a bare launch error); the triton backend takes them."""
+    limit raise a ValueError naming them (not a bare launch error) and the backends that take them."""
     inputs = make_inputs([3], D=2048, device=device)
-    with pytest.raises(ValueError, match="head dims Dqk = 2048, Dv = 2048 need .* use the triton backend"):
+    with pytest.raises(ValueError, match="head dims Dqk = 2048, Dv = 2048 need .* the triton backend takes head "
+                                         "dims up to 1024 in fp16/bf16 and 512 in fp32, the reference backend any"):
         gk.jagged_attention(**inputs, backend=backend)
     # D = 400: the forward's 152 KiB fit (with the opt-in past 48 KiB), the backward's 254 KiB do not.
     inputs = make_inputs([3], D=400, device=device)
     out = gk.jagged_attention(**inputs, backend=backend)
     with pytest.raises(ValueError, match="jagged_attention backward: head dims Dqk = 400"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
+def test_triton_refuses_head_dims_beyond_shared_memory(device, backend):
+    """The triton backend's smallest tiles fit head dims up to 512 (fp32) and 1024 (fp16/bf16) in a GPU
+    block's shared memory: above, a ValueError naming them, before anything launches, forward and
+    backward alike (empty batches too); at the limit it runs."""
+    from gem_kernels.triton.attention import MAX_HEAD_DIM, jagged_attention_bwd
+
+    assert MAX_HEAD_DIM == {torch.float16: 1024, torch.bfloat16: 1024, torch.float32: 512}
+    for lengths in ([3], []):
+        inputs = make_inputs(lengths, D=513, Dv=8, device=device)
+        with pytest.raises(ValueError, match="head dims Dqk = 513, Dv = 8 are above the triton backend's limit of "
+                                             "512 for float32"):
+            gk.jagged_attention(**inputs, backend=backend)
+    q = torch.ones(2, 1, 4, device=device)
+    v = torch.ones(2, 1, 1025, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Dqk = 4, Dv = 1025 are above the triton backend's limit of 1024 for bfloat16"):
+        jagged_attention_bwd(v, q.bfloat16(), q.bfloat16(), v, v, None, torch.tensor([0, 2], device=device), 2,
+                             "hstu", True, 0.5, None, 0, 0, None, None, None, False)
+    inputs = make_inputs([3, 2], D=512, device=device)
+    _check_against_reference(inputs, backend, torch.float32, kind="softmax")
+
+
+def test_triton_tiles_narrow_as_head_dims_grow(monkeypatch):
+    """The GPU tile choice (compiled for sm_90a: see _launch_config): 64 x 64 up to head dim 128 in
+    fp16/bf16, then 32 and 16; fp32 on 16 x 16 throughout; the interpreter 64 x 64 for all."""
+    pytest.importorskip("triton")
+    from gem_kernels.triton import attention as triton_attention
+
+    monkeypatch.setattr(triton_attention, "triton_interpret", lambda: False)
+    config = triton_attention._launch_config
+    assert [config(torch.bfloat16, d, 16) for d in (16, 64, 128, 256, 512, 1024)] == [
+        (64, 4), (64, 8), (64, 8), (32, 8), (16, 8), (16, 8)]
+    assert config(torch.float16, 16, 256) == (32, 8)
+    assert [config(torch.float32, d, d) for d in (32, 64, 128, 512)] == [(16, 4), (16, 4), (16, 8), (16, 8)]
+    monkeypatch.setattr(triton_attention, "triton_interpret", lambda: True)
+    assert config(torch.float32, 512, 512) == (64, 8) and config(torch.bfloat16, 256, 16) == (64, 8)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))

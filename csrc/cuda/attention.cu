@@ -565,6 +565,10 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq
   return p;
 }
 
+// Where head dims past the cuda backend's shared memory can go (gem_kernels/triton/attention.py MAX_HEAD_DIM).
+constexpr const char* kOtherBackends =
+    "the triton backend takes head dims up to 1024 in fp16/bf16 and 512 in fp32, the reference backend any";
+
 std::string head_dims(int64_t D, int64_t Dv) {
   return "head dims Dqk = " + std::to_string(D) + ", Dv = " + std::to_string(Dv);
 }
@@ -599,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
   if (grid.y == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_fwd_cuda", [&] {
     auto kernel = jagged_attention_fwd_kernel<scalar_t>;
-    prepare_dynamic_smem(kernel, smem, "jagged_attention", head_dims(D, Dv));
+    prepare_dynamic_smem(kernel, smem, "jagged_attention", head_dims(D, Dv), kOtherBackends);
     kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         softmax ? lse.data_ptr<float>() : nullptr, p.a);
@@ -688,13 +692,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   const float* delta_ptr = softmax ? delta.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "jagged_attention_bwd_cuda", [&] {
     auto kv_kernel = jagged_attention_bwd_kv_kernel<scalar_t>;
-    prepare_dynamic_smem(kv_kernel, smem_kv, "jagged_attention backward", head_dims(D, Dv));
+    prepare_dynamic_smem(kv_kernel, smem_kv, "jagged_attention backward", head_dims(D, Dv), kOtherBackends);
     kv_kernel<<<grid_kv, kThreads, smem_kv, stream>>>(
         q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse_ptr,
         delta_ptr, dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), p.a, g);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto q_kernel = jagged_attention_bwd_q_kernel<scalar_t>;
-    prepare_dynamic_smem(q_kernel, smem_q, "jagged_attention backward", head_dims(D, Dv));
+    prepare_dynamic_smem(q_kernel, smem_q, "jagged_attention backward", head_dims(D, Dv), kOtherBackends);
     q_kernel<<<grid_q, kThreads, smem_q, stream>>>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
                                                    v.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), lse_ptr,
                                                    delta_ptr, dq.data_ptr<scalar_t>(), p.a);

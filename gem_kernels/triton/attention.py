@@ -32,25 +32,51 @@ from .._backend import triton_interpret
 from ..reference.attention import time_buckets
 
 
+# The widest head dim (padded to a power of two) whose smallest tile fits a GPU block's shared memory:
+# the backward's query pass holds about 8 B (fp16/bf16) or 16 B (fp32) per BLOCK x padded-head-dim
+# element, against 227 KiB on H100/H200 and 163 KiB on A100. At 16 x 16 tiles, 1024 fits in fp16/bf16
+# (128 KiB) and 512 in fp32 (130 KiB); fp32 at 1024 needs 256 KiB (compiled for sm_90a, triton 3.8).
+MAX_HEAD_DIM = {torch.float16: 1024, torch.bfloat16: 1024, torch.float32: 512}
+
+
+def check_head_dims(dtype: torch.dtype, D: int, Dv: int) -> None:
+    """ValueError naming the head dims when the triton backend's tiles cannot hold them."""
+    limit = MAX_HEAD_DIM[dtype]
+    if max(D, Dv) > limit:
+        raise ValueError(f"jagged_attention: head dims Dqk = {D}, Dv = {Dv} are above the triton backend's limit of "
+                         f"{limit} for {str(dtype).removeprefix('torch.')} (its smallest tiles would not fit a GPU "
+                         f"block's shared memory); split the heads, or use the reference backend")
+
+
 def _launch_config(dtype: torch.dtype, block_d: int, block_dv: int) -> tuple[int, int]:
     """(BLOCK, num_warps): square BLOCK x BLOCK tiles (the deterministic pos_bias gradient walks query
-    blocks in steps of one key block, see _diagonal_sums). Chosen from register counts, compiled for
-    sm_90a without a GPU (scripts/triton_compile_check.py, triton 3.8; not timed: a GPU run should
-    confirm them):
+    blocks in steps of one key block, see _diagonal_sums). Chosen from register counts and shared
+    memory, compiled for sm_90a without a GPU (scripts/triton_compile_check.py, triton 3.8; not timed: a
+    GPU run should confirm them):
     - fp16/bf16 (tensor-core tl.dot): 64 x 64, 8 warps once a head dim reaches 64. At 4 warps every
       program sat at 255 registers and most spilled (medians 230-260 B per thread, up to 1.5 KB with
       biases); at 8 warps the D = 128 forward takes 206 registers, and 7 of 8 D = 128 forwards, 14 of 16
       D = 64 forwards and 22 of 32 D = 64 backwards fit without spills (worst left: 316 B).
+      Wider heads take narrower tiles, 8 warps (softmax with both biases, deterministic):
+      | padded head dim | tile | shared memory (fwd / bwd) | spills (fwd / kv pass / q pass) |
+      | 256  | 32 x 32 (64 x 64: 96 / 144 KiB, spills 384 / 840 / 76 B) | 36 / 64 KiB | 0 / 20 / 0 B |
+      | 512  | 16 x 16 (32 x 32: spills 24 / 1684 / 12 B)               | 33 / 64 KiB | 0 / 120 / 0 B |
+      | 1024 | 16 x 16                                                  | 65 / 128 KiB | 120 / 5080 / 80 B |
     - fp32 (PRECISION "ieee": exact products on the FMA units, whose dot holds operand rows per thread):
       16 x 16; 4 warps up to head dim 64, 8 above. Of the 120 fp32 specialisations, none fit at
       64 x 64 / 8 warps (spills up to 19 KB per thread forward, 30 KB backward, at D = 128); 75 at
       32 x 32 / 8 warps (D = 128 still spills 476-716 B); at this choice 115, the rest spilling <= 20 B.
+      At 256 and 512 the spills reach 300 B and 2 KB; 1024 needs 256 KiB (MAX_HEAD_DIM).
     The interpreter (CPU) runs 64 x 64 for every dtype: its cost grows with the number of tiles, and
     test_triton_interpreter_tile_sizes runs the fp32 tiles there."""
     widest = max(block_d, block_dv)
-    if dtype == torch.float32 and not triton_interpret():
+    if triton_interpret():
+        return 64, (8 if widest >= 64 else 4)
+    if dtype == torch.float32:
         return 16, (8 if widest > 64 else 4)
-    return 64, (8 if widest >= 64 else 4)
+    if widest <= 128:
+        return 64, (8 if widest >= 64 else 4)
+    return (32 if widest == 256 else 16), 8
 
 
 @triton.jit
@@ -413,6 +439,7 @@ def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, co
 def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
                          max_attn_len, pos_bias, time_bias, timestamps):
     N, H, _ = q.shape
+    check_head_dims(q.dtype, q.shape[2], v.shape[2])
     out = torch.empty((N, H, v.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.empty((N, H) if kind == "softmax" else (0,), dtype=torch.float32, device=q.device)
     num_seqs = seq_offsets.numel() - 1
@@ -440,6 +467,7 @@ def _pos_scratch_bases(seq_offsets, num_heads: int, block: int) -> tuple[torch.T
 def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
                          contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic):
     N, H, D = q.shape
+    check_head_dims(q.dtype, D, v.shape[2])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dpos = torch.zeros(pos_bias.shape, dtype=torch.float32, device=q.device) if pos_bias is not None else None
     dtime = torch.zeros(time_bias.shape, dtype=torch.float32, device=q.device) if time_bias is not None else None
