@@ -1,5 +1,6 @@
-"""Bench of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress and
-a whole WukongLayer, forward and forward+backward.
+"""Bench of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress,
+feature_mix_norm (the Wukong layer's LCB + residual + LayerNorm) and a whole WukongLayer, forward
+and forward+backward.
 
 Impls: every gem_kernels backend for the device (cpu on the CPU; cuda and triton on a GPU), the
 eager baseline ("eager": TorchRec-style bmm + triu gather, nn.functional.linear cross layer, eager
@@ -136,6 +137,21 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                              flops.fm_compress(B, F, D, k, elem), flops.fm_compress(B, F, D, k, elem, backward=True),
                              impls, x_sets, grads, (y, ln_w, ln_b))
 
+    def mix(B, F, D, O, Ofm, dtype, elem):
+        """The Wukong layer's output op alone: eager is a broadcast matmul, a pad, an add and a LayerNorm."""
+        weight = randn(O, F, dtype=dtype, scale=F ** -0.5).requires_grad_(True)
+        ln_w = (1 + randn(D, dtype=dtype, scale=0.1)).requires_grad_(True)
+        ln_b = randn(D, dtype=dtype, scale=0.1).requires_grad_(True)
+        sets = [(randn(B, F, D, dtype=dtype).requires_grad_(True), randn(B, Ofm, D, dtype=dtype).requires_grad_(True))
+                for _ in range(num_sets)]
+        grads = [randn(B, O, D, dtype=dtype) for _ in range(num_sets)]
+        impls = _impls(device, lambda b: (lambda x, fm: gk.feature_mix_norm(x, weight, fm, ln_w, ln_b, backend=b)),
+                       lambda x, fm: eager_ref.eager_feature_mix_norm(x, weight, fm, ln_w, ln_b), quick)
+        yield from _cases_of("feature_mix_norm", f"B={B} F={F} D={D} O={O} O_fm={Ofm}", dtype,
+                             flops.feature_mix_norm(B, F, O, Ofm, D, elem),
+                             flops.feature_mix_norm(B, F, O, Ofm, D, elem, backward=True), impls, sets, grads,
+                             (weight, ln_w, ln_b))
+
     def wukong(B, num_in, fm_out, lcb_out, dim, rank, hidden, dtype, elem):
         """A whole Wukong layer, forward + backward (the unit a model trains)."""
         layer = gk.nn.WukongLayer(num_in, fm_out, lcb_out, dim, rank, hidden, device=device, dtype=dtype)
@@ -162,10 +178,10 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     # Each op's headline shape first, then the larger ones, so a tight budget still covers every op.
     if quick:
         plan = [(dot, (batch, 27, 64)), (cross, (batch, 64, None)), (fm, (batch, 27, 64, 8)),
-                (wukong, (batch, 27, 8, 8, 32, 4, [64])), (cross, (batch, 128, 16))]
+                (mix, (batch, 27, 32, 16, 8)), (wukong, (batch, 27, 8, 8, 32, 4, [64])), (cross, (batch, 128, 16))]
     else:
         plan = [(dot, (batch, 27, 64)), (cross, (batch, 512, None)), (fm, (batch, 27, 64, 16)),
-                (wukong, (batch, 27, 16, 16, 64, 8, [256])), (cross, (batch, 1024, 64)),
+                (mix, (batch, 27, 64, 32, 16)), (wukong, (batch, 27, 16, 16, 64, 8, [256])), (cross, (batch, 1024, 64)),
                 (dot, (big_batch, 128, 64)), (fm, (big_batch, 128, 64, 16)), (dot, (batch, 27, 128))]
     for dtype in dtypes:
         elem = torch.empty((), dtype=dtype).element_size()

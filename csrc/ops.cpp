@@ -47,6 +47,13 @@ TORCH_LIBRARY(gem_kernels, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fm_compress_backward_native(Tensor grad_out, Tensor x, Tensor y, Tensor ln_weight, Tensor mean, "
         "Tensor rstd, Tensor products) -> (Tensor, Tensor, Tensor, Tensor)");
+  // feature_mix_norm: x [B, F, D], mix [O, F], fm [B, O_fm, D] (O_fm <= O), ln_weight/ln_bias [D]
+  // -> (out [B, O, D], mean [B, O] fp32, rstd [B, O] fp32); backward -> (grad_x, grad_mix, grad_fm,
+  // grad_ln_weight, grad_ln_bias)
+  m.def("feature_mix_norm_native(Tensor x, Tensor mix, Tensor fm, Tensor ln_weight, Tensor ln_bias, float eps) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("feature_mix_norm_backward_native(Tensor grad_out, Tensor x, Tensor mix, Tensor fm, Tensor ln_weight, "
+        "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

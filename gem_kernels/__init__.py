@@ -15,7 +15,7 @@ from ._backend import (
 )
 from .ops.attention import jagged_attention
 from .ops.embedding_bag import embedding_bag
-from .ops.interaction import cross_layer, dot_interaction, fm_compress
+from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 from . import nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
@@ -34,6 +34,7 @@ __all__ = [
     "dot_interaction",
     "cross_layer",
     "fm_compress",
+    "feature_mix_norm",
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",

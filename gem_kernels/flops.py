@@ -119,6 +119,23 @@ def fm_compress(batch: int, num_features: int, dim: int, rank: int, elem_bytes: 
     return flops_, bytes_
 
 
+def feature_mix_norm(batch: int, num_in: int, num_out: int, num_fm: int, dim: int, elem_bytes: int,
+                     backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of LayerNorm_D(M X + concat(fm, 0)), X [B, F, D], M [O, F], fm [B, O_fm, D].
+    Forward: 2*B*O*F*D plus ~8*B*O*D for the add and the LayerNorm; read X, fm, M and the LayerNorm
+    parameters, write [B, O, D]. Backward: 4*B*O*F*D (grad X = M^T grad S, grad M = grad S X^T) plus
+    ~12*B*O*D; read grad, X, fm (S recomputed), write grad X and grad fm (recomputing S adds
+    2*B*O*F*D FLOPs the minimum does not count)."""
+    x_elems, out_elems, fm_elems = batch * num_in * dim, batch * num_out * dim, batch * num_fm * dim
+    params = num_out * num_in + 2 * dim
+    flops_ = 2 * out_elems * num_in + 8 * out_elems
+    bytes_ = (x_elems + fm_elems + out_elems + params) * elem_bytes
+    if backward:
+        flops_ += 4 * out_elems * num_in + 12 * out_elems
+        bytes_ += (out_elems + 2 * x_elems + 2 * fm_elems + 2 * params) * elem_bytes
+    return flops_, bytes_
+
+
 def wukong_layer(batch: int, num_in: int, num_fm_out: int, num_lcb_out: int, dim: int, fm_rank: int,
                  mlp_hidden: list[int], elem_bytes: int, backward: bool = False) -> tuple[int, int]:
     """(flops, bytes) of one WukongLayer: fm_compress, the FMB MLP, the LCB and residual
@@ -128,7 +145,9 @@ def wukong_layer(batch: int, num_in: int, num_fm_out: int, num_lcb_out: int, dim
     fm_flops, _ = fm_compress(batch, num_in, dim, fm_rank, elem_bytes)
     sizes = [num_in * fm_rank, *mlp_hidden, num_fm_out * dim]
     mlp_params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
-    proj_rows = num_lcb_out + (num_out if num_out != num_in else 0)
+    # LCB and the residual projection are one [num_out, num_in] matrix over the feature axis (the
+    # identity residual is an add: then only the LCB rows multiply).
+    proj_rows = num_out if num_out != num_in else num_lcb_out
     matmul = 2 * batch * mlp_params + 2 * batch * proj_rows * num_in * dim
     out_elems = batch * num_out * dim
     params = mlp_params + proj_rows * num_in + num_in * fm_rank * 3 + 2 * dim

@@ -123,6 +123,13 @@ def _workload() -> None:
             w = torch.randn(F * k, dtype=dtype, requires_grad=True)
             b = torch.randn(F * k, dtype=dtype, requires_grad=True)
             backward(gk.fm_compress(x, y, w, b), [x, y, w, b])
+        for F, D, O, Ofm in ((27, 64, 32, 16), (27, 128, 48, 24), (13, 200, 70, 33), (6, 256, 6, 0)):
+            x = torch.randn(2, F, D, dtype=dtype, requires_grad=True)
+            mix = torch.randn(O, F, dtype=dtype, requires_grad=True)
+            fm = torch.randn(2, Ofm, D, dtype=dtype, requires_grad=True)
+            w = torch.randn(D, dtype=dtype, requires_grad=True)
+            b = torch.randn(D, dtype=dtype, requires_grad=True)
+            backward(gk.feature_mix_norm(x, mix, fm, w, b), [x, mix, fm, w, b])
         for N, rank in ((64, None), (96, 16)):
             x0, xl = (torch.randn(4, N, dtype=dtype, requires_grad=True) for _ in range(2))
             bias = torch.randn(N, dtype=dtype, requires_grad=True)

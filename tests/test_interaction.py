@@ -1,5 +1,5 @@
-"""Interaction family (dot_interaction, cross_layer, fm_compress, their modules): every backend
-against the reference, forward and every gradient; the reference against eager autograd."""
+"""Interaction family (dot_interaction, cross_layer, fm_compress, feature_mix_norm, their modules):
+every backend against the reference, forward and every gradient; the reference against eager autograd."""
 
 import math
 
@@ -15,6 +15,8 @@ from gem_kernels.ops.interaction import (
     cross_layer_op,
     dot_interaction_backward_op,
     dot_interaction_op,
+    feature_mix_norm_backward_op,
+    feature_mix_norm_op,
     fm_compress_backward_op,
     fm_compress_op,
     num_pairs,
@@ -89,6 +91,15 @@ def test_reference_matches_eager_autograd():
     g = randn_nonzero(*out.shape)
     _check_all(out, eager, _grads(out, (x, y, lw, lb), g), _grads(eager, (x, y, lw, lb), g), torch.float32,
                ["x", "y", "ln_weight", "ln_bias"], )
+
+    x, mix, fm = randn_nonzero(3, 5, 8), randn_nonzero(4, 5), randn_nonzero(3, 2, 8)
+    lw, lb = randn_nonzero(8), randn_nonzero(8)
+    inputs = [t.requires_grad_(True) for t in (x, mix, fm, lw, lb)]
+    out = gk.feature_mix_norm(*inputs, eps=1e-3, backend="reference")
+    eager = ref.eager_feature_mix_norm(*inputs, eps=1e-3)
+    g = randn_nonzero(*out.shape)
+    _check_all(out, eager, _grads(out, inputs, g), _grads(eager, inputs, g), torch.float32,
+               ["x", "mix", "fm", "ln_weight", "ln_bias"])
 
 
 def test_pair_order_is_triu_indices():
@@ -224,6 +235,47 @@ FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 
 def test_fm_compress(device, backend, shape, dtype):
     _skip_big_for_interpreter(backend, device, math.prod(shape[:3]))
     _check_fm_compress(*shape, dtype, device, backend)
+
+
+def _check_feature_mix_norm(B, F, D, O, Ofm, dtype, device, backend):
+    x = randn_nonzero(B, F, D, dtype=dtype, device=device)
+    mix = randn_nonzero(O, F, dtype=dtype, device=device) / math.sqrt(F)
+    fm = randn_nonzero(B, Ofm, D, dtype=dtype, device=device)
+    lw, lb = randn_nonzero(D, dtype=dtype, device=device), randn_nonzero(D, dtype=dtype, device=device)
+    inputs = [t.requires_grad_(True) for t in (x, mix, fm, lw, lb)]
+    poison_allocator(B * max(O, F) * D * 4, device)
+    out = gk.feature_mix_norm(*inputs, backend=backend)
+    expected = gk.feature_mix_norm(*inputs, backend="reference")
+    assert out.shape == (B, O, D)
+    g = randn_nonzero(B, O, D, dtype=dtype, device=device)
+    poison_allocator(B * max(O, F) * D * 4, device)
+    _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype,
+               ["x", "mix", "fm", "ln_weight", "ln_bias"])
+
+
+# (B, F, D, O, O_fm): no fm rows, all rows fm, F = 1, D = 1 (the LayerNorm of one value is its bias),
+# odd D (the cpu's column padding, the triton/cuda column masks), O past one triton row block (64 at
+# D = 64), the Wukong bench's shape.
+MIX_SHAPES = [(0, 3, 8, 2, 1), (3, 1, 8, 4, 0), (4, 5, 8, 5, 5), (2, 3, 1, 2, 1), (3, 27, 36, 7, 3),
+              (2, 6, 200, 9, 4), (2, 13, 64, 70, 33), (3, 27, 64, 32, 16)]
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("shape", MIX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_feature_mix_norm(device, backend, shape, dtype):
+    B, F, D, O, _ = shape
+    _skip_big_for_interpreter(backend, device, B * max(F, O) * D)
+    _check_feature_mix_norm(*shape, dtype, device, backend)
+
+
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+def test_feature_mix_norm_defaults(device, backend):
+    """fm, ln_weight and ln_bias default to none, 1 and 0: torch's LayerNorm of mix @ x."""
+    x, mix = randn_nonzero(3, 4, 8, device=device), randn_nonzero(5, 4, device=device)
+    out = gk.feature_mix_norm(x, mix, backend=backend)
+    expected = torch.nn.functional.layer_norm(torch.matmul(mix, x), (8,))
+    assert_close(out, expected, torch.float32, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
@@ -431,6 +483,30 @@ def test_fm_compress_rejects_bad_input():
         gk.fm_compress(torch.ones(3, 4), y)
 
 
+def test_feature_mix_norm_rejects_bad_input():
+    x, mix = torch.ones(2, 3, 4), torch.ones(5, 3)
+    with pytest.raises(ValueError, match=r"mix must have shape \(5, 3\), got \(5, 2\)"):
+        gk.feature_mix_norm(x, torch.ones(5, 2))
+    with pytest.raises(ValueError, match="mix must have shape .* with O >= 1"):
+        gk.feature_mix_norm(x, torch.ones(0, 3))
+    with pytest.raises(ValueError, match=r"fm must have shape \(2, O_fm, 4\) with O_fm <= 5"):
+        gk.feature_mix_norm(x, mix, torch.ones(2, 6, 4))
+    with pytest.raises(ValueError, match=r"fm must have shape \(2, 1, 4\), got \(3, 1, 4\)"):
+        gk.feature_mix_norm(x, mix, torch.ones(3, 1, 4))
+    with pytest.raises(ValueError, match="fm must have the dtype of x"):
+        gk.feature_mix_norm(x, mix, torch.ones(2, 1, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"ln_weight must have shape \(4,\), got \(5,\)"):
+        gk.feature_mix_norm(x, mix, None, torch.ones(5))
+    with pytest.raises(ValueError, match="ln_bias is on meta but x is on cpu"):
+        gk.feature_mix_norm(x, mix, None, None, torch.ones(4, device="meta"))
+    with pytest.raises(ValueError, match="eps must be a float > 0"):
+        gk.feature_mix_norm(x, mix, eps=-1.0)
+    with pytest.raises(ValueError, match=r"x must have shape \(B, F, D\) with F >= 1 and D >= 1"):
+        gk.feature_mix_norm(torch.ones(2, 3, 0), mix)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        gk.feature_mix_norm(x.double(), mix.double())
+
+
 # ------------------------------------------------------------------------------------------------
 # torch.library registration: opcheck and torch.compile.
 # ------------------------------------------------------------------------------------------------
@@ -460,6 +536,12 @@ def test_opcheck(backend):
                                                  save_products, backend)
         torch.library.opcheck(fm_compress_backward_op,
                               (randn_nonzero(3, 15), x.detach(), y.detach(), lw.detach(), mean, rstd, products, backend))
+    mix, fm, w7, b7 = (randn_nonzero(*shape).requires_grad_(True) for shape in ((4, 5), (3, 2, 7), (7,), (7,)))
+    torch.library.opcheck(feature_mix_norm_op, (x, mix, fm, w7, b7, 1e-5, backend))
+    _, mean, rstd = feature_mix_norm_op(x.detach(), mix.detach(), fm.detach(), w7.detach(), b7.detach(), 1e-5, backend)
+    torch.library.opcheck(feature_mix_norm_backward_op,
+                          (randn_nonzero(3, 4, 7), x.detach(), mix.detach(), fm.detach(), w7.detach(), mean, rstd,
+                           backend))
 
 
 def test_opcheck_native_ops():
@@ -478,6 +560,11 @@ def test_opcheck_native_ops():
         _, mean, rstd, products = ops.fm_compress_native(x, y, lw, lb, 1e-5, save_products)
         torch.library.opcheck(ops.fm_compress_backward_native.default,
                               (randn_nonzero(3, 15), x, y, lw, mean, rstd, products))
+    mix, fm, w7, b7 = randn_nonzero(4, 5), randn_nonzero(3, 2, 7), randn_nonzero(7), randn_nonzero(7)
+    torch.library.opcheck(ops.feature_mix_norm_native.default, (x, mix, fm, w7, b7, 1e-5))
+    _, mean, rstd = ops.feature_mix_norm_native(x, mix, fm, w7, b7, 1e-5)
+    torch.library.opcheck(ops.feature_mix_norm_backward_native.default,
+                          (randn_nonzero(3, 4, 7), x, mix, fm, w7, mean, rstd))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
@@ -489,7 +576,8 @@ def test_torch_compile_fullgraph(backend):
         crossed = gk.cross_layer(flat, flat, w, b, backend=backend)
         crossed = gk.cross_layer(flat, crossed, (u, v), b, backend=backend)
         pairs = gk.dot_interaction(crossed.view_as(x), backend=backend)
-        return pairs.sum(1) + gk.fm_compress(x, y, backend=backend).sum(1)
+        mixed = gk.feature_mix_norm(x, w[:4, :3], x[:, :2], backend=backend)
+        return pairs.sum(1) + gk.fm_compress(x, y, backend=backend).sum(1) + mixed.square().sum((1, 2))
 
     compiled = torch.compile(fn, fullgraph=True)
     args = [randn_nonzero(4, 3, 5), randn_nonzero(3, 2), randn_nonzero(15, 15) / 4, randn_nonzero(15),

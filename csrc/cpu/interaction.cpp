@@ -713,6 +713,168 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   return {grad_x, grad_y, grad_w, grad_b};
 }
 
+// ------------------------------------------------------------------------------------------------
+// feature_mix_norm: S = M X_b [O, D] per sample, fm_b added to its first O_fm rows, then each row
+// layer-normed over D. Eager runs a broadcast bmm (whose backward is two more, with a [B, O, F]
+// intermediate summed over the batch), a pad, an add and a LayerNorm; here one sample's X, S and
+// grad_S stay in L1/L2 and X, fm and grad_out stream through once per pass.
+// FLOPs: forward 2*B*O*F*D (+ ~8*B*O*D LayerNorm); backward 6*B*O*F*D (S again, grad_X = M^T grad_S,
+// grad_M += grad_S X^T). Bytes: forward (B*F*D + B*O_fm*D + B*O*D)*s; backward twice the inputs'.
+// ------------------------------------------------------------------------------------------------
+
+struct MixDims {
+  int64_t B, F, D, O, Ofm, Op, Dp, Fp, Fq;
+};
+
+MixDims mix_dims(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm) {
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0);
+  return {B, F, D, O, fm.size(1), round_up(O, kRows), round_up(std::max<int64_t>(D, 1), kCols), round_up(F, kRows),
+          round_up(F, kCols)};
+}
+
+void check_mix_inputs(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm, const at::Tensor& ln_weight) {
+  GK_CHECK_DIM(x, 3);
+  TORCH_CHECK(mix.dim() == 2 && mix.size(1) == x.size(1) && mix.size(0) >= 1, "mix must be [O, F] with O >= 1");
+  TORCH_CHECK(fm.dim() == 3 && fm.size(0) == x.size(0) && fm.size(1) <= mix.size(0) && fm.size(2) == x.size(2),
+              "fm must be [B, O_fm, D] with O_fm <= O");
+  TORCH_CHECK(ln_weight.dim() == 1 && ln_weight.size(0) == x.size(2), "ln_weight must be [D]");
+}
+
+// S [Op, Dp] = M X_b plus fm_b on rows < O_fm; returns X_b as the fp32 [F, Dp] rows the products read
+// (fp32 X with D a multiple of 16 in place, else converted into xs). mp is M fp32 [Op, F].
+template <typename scalar_t>
+const float* mix_sample(const MixDims& d, const scalar_t* xb, const scalar_t* fmb, const float* mp, float* xs,
+                        float* s) {
+  const float* xr = xs;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (d.D == d.Dp) xr = xb;
+  }
+  if (xr == xs) load_padded(xb, d.F, d.D, xs, d.F, d.Dp);
+  combine_rows(mp, d.Op, d.F, d.F, xr, d.Dp, s, false);
+  for (int64_t o = 0; o < d.Ofm; ++o) {
+    float* row = s + o * d.Dp;
+    const scalar_t* f = fmb + o * d.D;
+#pragma omp simd
+    for (int64_t c = 0; c < d.D; ++c) row[c] += static_cast<float>(f[c]);
+  }
+  return xr;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Tensor& x, const at::Tensor& mix,
+                                                                    const at::Tensor& fm, const at::Tensor& ln_weight,
+                                                                    const at::Tensor& ln_bias, double eps) {
+  for (auto [t, name] : {std::pair{&x, "x"}, {&mix, "mix"}, {&fm, "fm"}, {&ln_weight, "ln_weight"},
+                         {&ln_bias, "ln_bias"}})
+    check_float_cpu(*t, name, x);
+  check_mix_inputs(x, mix, fm, ln_weight);
+  TORCH_CHECK(ln_bias.sizes() == ln_weight.sizes(), "ln_bias must be [D]");
+  const MixDims d = mix_dims(x, mix, fm);
+  auto out = at::empty({d.B, d.O, d.D}, x.options());
+  auto mean = at::empty({d.B, d.O}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({d.B, d.O}, x.options().dtype(at::kFloat));
+  if (d.B == 0) return {out, mean, rstd};
+  auto m32 = at::zeros({d.Op, d.F}, x.options().dtype(at::kFloat));
+  m32.narrow(0, 0, d.O).copy_(mix);
+  auto w32 = ln_weight.to(at::kFloat), b32 = ln_bias.to(at::kFloat);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "feature_mix_norm_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* fp = d.Ofm ? fm.data_ptr<scalar_t>() : nullptr;
+    const float *mp = m32.data_ptr<float>(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
+    parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 2 * d.O * d.F * d.D), [&](auto& claim) {
+      std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp);
+      for (int64_t begin, end; claim(begin, end);)
+      for (int64_t b = begin; b < end; ++b) {
+        if (b + 1 < end) {
+          prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
+          if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
+        }
+        mix_sample(d, xp + b * d.F * d.D, fp ? fp + b * d.Ofm * d.D : fp, mp, xs.data(), s.data());
+        for (int64_t o = 0; o < d.O; ++o)
+          std::tie(meanp[b * d.O + o], rstdp[b * d.O + o]) =
+              layer_norm_row(s.data() + o * d.Dp, d.D, wp, bp, static_cast<float>(eps), op + (b * d.O + o) * d.D);
+      }
+    });
+  });
+  return {out, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm,
+    const at::Tensor& ln_weight, const at::Tensor& mean, const at::Tensor& rstd) {
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&mix, "mix"}, {&fm, "fm"},
+                         {&ln_weight, "ln_weight"}})
+    check_float_cpu(*t, name, x);
+  check_mix_inputs(x, mix, fm, ln_weight);
+  const MixDims d = mix_dims(x, mix, fm);
+  TORCH_CHECK(grad_out.dim() == 3 && grad_out.size(0) == d.B && grad_out.size(1) == d.O && grad_out.size(2) == d.D,
+              "grad_out must be [B, O, D]");
+  for (auto [t, name] : {std::pair{&mean, "mean"}, {&rstd, "rstd"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == d.B &&
+                    t->size(1) == d.O,
+                name, " must be contiguous fp32 [B, O]");
+  auto grad_x = at::empty_like(x);
+  auto grad_fm = at::empty_like(fm);
+  const bool stream = use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + fm.nbytes());
+  const int64_t chunks = sum_chunks(d.B);
+  // Per-chunk fp32 partials of grad_M [Op, Fq], grad_w [D] and grad_b [D].
+  auto part_m = at::zeros({chunks, d.Op, d.Fq}, x.options().dtype(at::kFloat));
+  auto part_wb = at::zeros({chunks, 2, d.D}, x.options().dtype(at::kFloat));
+  if (d.B > 0) {
+    auto m32 = at::zeros({d.Op, d.F}, x.options().dtype(at::kFloat));
+    m32.narrow(0, 0, d.O).copy_(mix);
+    auto mt32 = at::zeros({d.Fp, d.O}, x.options().dtype(at::kFloat));  // M^T, zero rows past F
+    mt32.narrow(0, 0, d.F).copy_(mix.t());
+    auto w32 = ln_weight.to(at::kFloat);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "feature_mix_norm_backward_cpu", [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      const scalar_t* fp = d.Ofm ? fm.data_ptr<scalar_t>() : nullptr;
+      const scalar_t* gp = grad_out.data_ptr<scalar_t>();
+      const float *mp = m32.data_ptr<float>(), *mtp = mt32.data_ptr<float>(), *wp = w32.data_ptr<float>();
+      const float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
+      scalar_t* dxp = grad_x.data_ptr<scalar_t>();
+      scalar_t* dfp = d.Ofm ? grad_fm.data_ptr<scalar_t>() : nullptr;
+      parallel_ranges(chunks, claim_size(chunks, kClaimSamples / kSumChunk),
+                      workers_for(d.B, 6 * d.O * d.F * d.D), [&](auto& claim) {
+        // grad_S [Op, Dp] and X^T [D, Fq] keep zero padding (rows past O, columns past F).
+        std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp), ds(d.Op * d.Dp, 0.f), dx(d.Fp * d.Dp),
+            xt(d.D * d.Fq, 0.f), xhat(d.D), gh(d.D);
+        for (int64_t cb, ce; claim(cb, ce);)
+        for (int64_t c = cb; c < ce; ++c) {
+          float* gm = part_m.data_ptr<float>() + c * d.Op * d.Fq;
+          float* gw = part_wb.data_ptr<float>() + c * 2 * d.D;
+          const int64_t last = (c + 1) * d.B / chunks;
+          for (int64_t b = c * d.B / chunks; b < last; ++b) {
+            if (b + 1 < last) {
+              prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
+              prefetch_rows(gp + (b + 1) * d.O * d.D, d.O * d.D);
+              if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
+            }
+            const float* xr = mix_sample(d, xp + b * d.F * d.D, fp ? fp + b * d.Ofm * d.D : fp, mp, xs.data(),
+                                         s.data());
+            for (int64_t o = 0; o < d.O; ++o)
+              layer_norm_row_backward(s.data() + o * d.Dp, gp + (b * d.O + o) * d.D, wp, meanp[b * d.O + o],
+                                      rstdp[b * d.O + o], d.D, xhat.data(), gh.data(), gw, gw + d.D,
+                                      ds.data() + o * d.Dp);
+            if (dfp) store_rows(ds.data(), d.Ofm, d.D, d.Dp, dfp + b * d.Ofm * d.D);
+            // grad_X = M^T grad_S [Fp, Dp]; grad_M += grad_S X^T [Op, Fq].
+            combine_rows(mtp, d.Fp, d.O, d.O, ds.data(), d.Dp, dx.data(), false);
+            store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
+            transpose(xr, d.F, d.D, d.Dp, xt.data(), d.Fq);
+            combine_rows(ds.data(), d.Op, d.D, d.Dp, xt.data(), d.Fq, gm, true);
+          }
+        }
+        streaming_store_fence();
+      });
+    });
+  }
+  auto grad_mix = part_m.sum(0).narrow(0, 0, d.O).narrow(1, 0, d.F).to(x.scalar_type()).contiguous();
+  auto grad_w = part_wb.select(1, 0).sum(0).to(x.scalar_type());
+  auto grad_b = part_wb.select(1, 1).sum(0).to(x.scalar_type());
+  return {grad_x, grad_mix, grad_fm, grad_w, grad_b};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
@@ -722,6 +884,8 @@ TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
   m.impl("cross_layer_backward_native", &cross_layer_backward_cpu);
   m.impl("fm_compress_native", &fm_compress_cpu);
   m.impl("fm_compress_backward_native", &fm_compress_backward_cpu);
+  m.impl("feature_mix_norm_native", &feature_mix_norm_cpu);
+  m.impl("feature_mix_norm_backward_native", &feature_mix_norm_backward_cpu);
 }
 
 }  // namespace gem_kernels

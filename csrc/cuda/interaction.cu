@@ -17,6 +17,13 @@
 //   grad_X = grad_S A^T + Y grad_A^T and per-sample fp32 partials of grad_Y and the LayerNorm
 //   parameter gradients, which at::sum reduces over the batch.
 //
+// - feature_mix_norm: a warp per output row (b, o), kMixWarps rows per block: lanes stride over D,
+//   s[c] = fm + sum_f M[o, f] X[b, f, c] (X and M through L1: the block's warps share a sample),
+//   the row kept in shared memory, the LayerNorm statistics by warp shuffles. bwd recomputes the
+//   row, writes grad_S (fp32 [B, O, D]), grad_fm and per-block fp32 partials of the LayerNorm
+//   parameter gradients (a block reduction over its warps' rows); grad_X = M^T grad_S and
+//   grad_M = sum_b grad_S X_b^T are at::matmul / at::einsum (cuBLAS).
+//
 // Roofline (s = element size): dot_interaction fwd 2*B*P*D FLOPs, B*(F*D + P)*s bytes;
 // fm_compress fwd 4*B*F*D*k FLOPs, (B*F*D + B*F*k)*s bytes; both memory bound at D <= ~128 on an
 // H100/H200 (see gem_kernels/flops.py). Index math over the batch is 64-bit.
@@ -466,6 +473,199 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   return {grad_x, part_y.sum(0).to(dt), part_w.sum(0).to(dt), part_b.sum(0).to(dt)};
 }
 
+// ------------------------------------------------------------------------------------------------
+// feature_mix_norm
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kMixWarps = 8;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+// s[c] (c = lane, lane + 32, ... < D) = fm[b, o, c] (o < O_fm) + sum_f M[o, f] X[b, f, c]; returns the
+// lane's part of the row sum. Each lane reads back only the columns it wrote.
+template <typename scalar_t>
+__device__ float mix_row(const scalar_t* __restrict__ x, const scalar_t* __restrict__ mix,
+                         const scalar_t* __restrict__ fm, int64_t b, int64_t o, int64_t F, int64_t D, int64_t Ofm,
+                         float* s) {
+  const int lane = threadIdx.x & 31;
+  const scalar_t* xb = x + b * F * D;
+  const scalar_t* m = mix + o * F;
+  float sum = 0.f;
+  for (int64_t c = lane; c < D; c += 32) {
+    float acc = o < Ofm ? static_cast<float>(fm[(b * Ofm + o) * D + c]) : 0.f;
+    for (int64_t f = 0; f < F; ++f) acc += static_cast<float>(m[f]) * static_cast<float>(xb[f * D + c]);
+    s[c] = acc;
+    sum += acc;
+  }
+  return sum;
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMixWarps * 32)
+feature_mix_norm_fwd_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ mix,
+                            const scalar_t* __restrict__ fm, const scalar_t* __restrict__ w,
+                            const scalar_t* __restrict__ bias, scalar_t* __restrict__ out,
+                            float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows, int64_t F,
+                            int64_t D, int64_t O, int64_t Ofm, float eps) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMixWarps + warp;
+  if (row >= rows) return;  // a whole warp: no block barrier below
+  const int64_t b = row / O, o = row % O;
+  float* s = smem + warp * D;
+  const float mean = warp_sum(mix_row(x, mix, fm, b, o, F, D, Ofm, s)) / D;
+  float sq = 0.f;
+  for (int64_t c = lane; c < D; c += 32) sq += (s[c] - mean) * (s[c] - mean);
+  const float rstd = rsqrtf(warp_sum(sq) / D + eps);
+  for (int64_t c = lane; c < D; c += 32)
+    out[row * D + c] =
+        static_cast<scalar_t>((s[c] - mean) * rstd * static_cast<float>(w[c]) + static_cast<float>(bias[c]));
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// Shared memory: the warps' rows s [kMixWarps, D], then g * x_hat and g [kMixWarps, D] each for the
+// block's partial of the LayerNorm parameter gradients.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMixWarps * 32)
+feature_mix_norm_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_t* __restrict__ x,
+                            const scalar_t* __restrict__ mix, const scalar_t* __restrict__ fm,
+                            const scalar_t* __restrict__ w, const float* __restrict__ mean_in,
+                            const float* __restrict__ rstd_in, float* __restrict__ grad_s,
+                            scalar_t* __restrict__ grad_fm, float* __restrict__ part, int64_t rows, int64_t F,
+                            int64_t D, int64_t O, int64_t Ofm) {
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMixWarps + warp;
+  float* s = smem + warp * D;
+  float* gx = smem + (kMixWarps + warp) * D;
+  float* gg = smem + (2 * kMixWarps + warp) * D;
+  if (row < rows) {  // every warp reaches the barrier below
+    const int64_t b = row / O, o = row % O;
+    mix_row(x, mix, fm, b, o, F, D, Ofm, s);
+    const float mean = mean_in[row], rstd = rstd_in[row];
+    const scalar_t* g = grad_out + row * D;
+    float c1 = 0.f, c2 = 0.f;
+    for (int64_t c = lane; c < D; c += 32) {
+      const float gv = static_cast<float>(g[c]);
+      const float xhat = (s[c] - mean) * rstd;
+      const float gh = gv * static_cast<float>(w[c]);
+      gx[c] = gv * xhat;
+      gg[c] = gv;
+      c1 += gh;
+      c2 += gh * xhat;
+    }
+    c1 = warp_sum(c1) / D;
+    c2 = warp_sum(c2) / D;
+    for (int64_t c = lane; c < D; c += 32) {
+      const float xhat = (s[c] - mean) * rstd;
+      const float gh = static_cast<float>(g[c]) * static_cast<float>(w[c]);
+      const float ds = rstd * (gh - c1 - xhat * c2);
+      grad_s[row * D + c] = ds;
+      if (o < Ofm) grad_fm[(b * Ofm + o) * D + c] = static_cast<scalar_t>(ds);
+    }
+  } else {
+    for (int64_t c = lane; c < D; c += 32) gx[c] = gg[c] = 0.f;
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+    float pw = 0.f, pb = 0.f;
+    for (int r = 0; r < kMixWarps; ++r) {
+      pw += smem[(kMixWarps + r) * D + c];
+      pb += smem[(2 * kMixWarps + r) * D + c];
+    }
+    part[static_cast<int64_t>(blockIdx.x) * 2 * D + c] = pw;
+    part[(static_cast<int64_t>(blockIdx.x) * 2 + 1) * D + c] = pb;
+  }
+}
+
+std::string mix_sizes(int64_t D) { return "embedding dim D = " + std::to_string(D); }
+
+void check_mix_cuda(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm, const at::Tensor& ln_weight) {
+  GK_CHECK_DIM(x, 3);
+  TORCH_CHECK(mix.dim() == 2 && mix.size(1) == x.size(1) && mix.size(0) >= 1, "mix must be [O, F] with O >= 1");
+  TORCH_CHECK(fm.dim() == 3 && fm.size(0) == x.size(0) && fm.size(1) <= mix.size(0) && fm.size(2) == x.size(2),
+              "fm must be [B, O_fm, D] with O_fm <= O");
+  TORCH_CHECK(ln_weight.dim() == 1 && ln_weight.size(0) == x.size(2), "ln_weight must be [D]");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cuda(const at::Tensor& x, const at::Tensor& mix,
+                                                                     const at::Tensor& fm, const at::Tensor& ln_weight,
+                                                                     const at::Tensor& ln_bias, double eps) {
+  for (auto [t, name] : {std::pair{&x, "x"}, {&mix, "mix"}, {&fm, "fm"}, {&ln_weight, "ln_weight"},
+                         {&ln_bias, "ln_bias"}})
+    check_cuda_float(*t, name, x);
+  check_mix_cuda(x, mix, fm, ln_weight);
+  TORCH_CHECK(ln_bias.sizes() == ln_weight.sizes(), "ln_bias must be [D]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0), Ofm = fm.size(1);
+  auto out = at::empty({B, O, D}, x.options());
+  auto mean = at::empty({B, O}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({B, O}, x.options().dtype(at::kFloat));
+  const int64_t rows = B * O;
+  if (rows == 0) return {out, mean, rstd};
+  const int64_t blocks = (rows + kMixWarps - 1) / kMixWarps;
+  const size_t smem = static_cast<size_t>(kMixWarps * D) * sizeof(float);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "feature_mix_norm_cuda", [&] {
+    auto kernel = feature_mix_norm_fwd_kernel<scalar_t>;
+    prepare_dynamic_smem(kernel, smem, "feature_mix_norm", mix_sizes(D));
+    kernel<<<blocks, kMixWarps * 32, smem, stream>>>(
+        x.data_ptr<scalar_t>(), mix.data_ptr<scalar_t>(), Ofm ? fm.data_ptr<scalar_t>() : nullptr,
+        ln_weight.data_ptr<scalar_t>(), ln_bias.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+        mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, F, D, O, Ofm, static_cast<float>(eps));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm,
+    const at::Tensor& ln_weight, const at::Tensor& mean, const at::Tensor& rstd) {
+  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&mix, "mix"}, {&fm, "fm"},
+                         {&ln_weight, "ln_weight"}})
+    check_cuda_float(*t, name, x);
+  check_mix_cuda(x, mix, fm, ln_weight);
+  GK_CHECK_CUDA(mean);
+  GK_CHECK_CUDA(rstd);
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0), Ofm = fm.size(1);
+  TORCH_CHECK(grad_out.dim() == 3 && grad_out.size(0) == B && grad_out.size(1) == O && grad_out.size(2) == D,
+              "grad_out must be [B, O, D]");
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
+                  rstd.is_contiguous() && mean.numel() == B * O && rstd.numel() == B * O,
+              "mean and rstd must be contiguous fp32 [B, O]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto dt = x.scalar_type();
+  auto grad_fm = at::empty_like(fm);
+  const int64_t rows = B * O;
+  if (rows == 0)
+    return {at::zeros_like(x), at::zeros_like(mix), grad_fm, at::zeros_like(ln_weight), at::zeros_like(ln_weight)};
+  const int64_t blocks = (rows + kMixWarps - 1) / kMixWarps;
+  auto grad_s = at::empty({B, O, D}, x.options().dtype(at::kFloat));
+  auto part = at::empty({blocks, 2, D}, x.options().dtype(at::kFloat));
+  const size_t smem = static_cast<size_t>(3 * kMixWarps * D) * sizeof(float);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "feature_mix_norm_backward_cuda", [&] {
+    auto kernel = feature_mix_norm_bwd_kernel<scalar_t>;
+    prepare_dynamic_smem(kernel, smem, "feature_mix_norm backward", mix_sizes(D));
+    kernel<<<blocks, kMixWarps * 32, smem, stream>>>(
+        grad_out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), mix.data_ptr<scalar_t>(),
+        Ofm ? fm.data_ptr<scalar_t>() : nullptr, ln_weight.data_ptr<scalar_t>(), mean.data_ptr<float>(),
+        rstd.data_ptr<float>(), grad_s.data_ptr<float>(), Ofm ? grad_fm.data_ptr<scalar_t>() : nullptr,
+        part.data_ptr<float>(), rows, F, D, O, Ofm);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  auto grad_x = at::matmul(mix.to(at::kFloat).t(), grad_s).to(dt);
+  auto grad_mix = at::einsum("bod,bfd->of", {grad_s, x.to(at::kFloat)}).to(dt);
+  auto sums = part.sum(0);
+  return {grad_x, grad_mix, grad_fm, sums[0].to(dt).clone(), sums[1].to(dt).clone()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m) {
@@ -475,6 +675,8 @@ TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m) {
   m.impl("cross_layer_backward_native", &cross_layer_backward_cuda);
   m.impl("fm_compress_native", &fm_compress_cuda);
   m.impl("fm_compress_backward_native", &fm_compress_backward_cuda);
+  m.impl("feature_mix_norm_native", &feature_mix_norm_cuda);
+  m.impl("feature_mix_norm_backward_native", &feature_mix_norm_backward_cuda);
 }
 
 }  // namespace gem_kernels

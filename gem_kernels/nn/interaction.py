@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..ops.interaction import cross_layer, dot_interaction, fm_compress
+from ..ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 
 
 class DotInteraction(nn.Module):
@@ -136,13 +136,12 @@ class WukongLayer(nn.Module):
         return torch.cat([residual[:self.num_fm_out], residual[self.num_fm_out:] + self.lcb_weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One batched matmul for LCB + residual (bmm of the broadcast M: the eager matmul(W, x)
-        # over the middle axis copies x into a transposed layout, twice per layer, and once more
-        # for each gradient), then the FMB rows are added in place of the eager concat.
-        mixed = torch.bmm(self.feature_mix().expand(x.shape[0], -1, -1), x)
-        if self.num_fm_out:
-            mixed = mixed + nn.functional.pad(self.fm_block(x), (0, 0, 0, self.num_lcb_out))
-        return self.norm(mixed)
+        # LCB + residual as one matrix over the feature axis, the FMB rows added in place of the
+        # eager concat, and the LayerNorm: one fused op (feature_mix_norm), where eager runs a
+        # transposing matmul, a concat, an add and a LayerNorm, each a pass over [B, num_out, dim].
+        fm = self.fm_block(x) if self.num_fm_out else None
+        return feature_mix_norm(x, self.feature_mix(), fm, self.norm.weight, self.norm.bias, self.norm.eps,
+                                backend=self.backend)
 
 
 class WukongStack(nn.Module):

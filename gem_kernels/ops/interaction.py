@@ -1,10 +1,11 @@
 """Feature-interaction layers: the front door (validation, torch.library ops, fake kernels, autograd).
 
-Three fused ops, each with its backward as a registered op:
+Four fused ops, each with its backward as a registered op:
 
 - ``dot_interaction``: DLRM / TorchRec ``InteractionArch`` pairwise dot products of F embeddings.
 - ``cross_layer``: one DCNv2 cross layer ``x0 * (W xl + b) + xl`` (full or low rank W = U V).
 - ``fm_compress``: Wukong's optimised factorization machine ``flatten(X (X^T Y))`` with its LayerNorm.
+- ``feature_mix_norm``: the rest of a Wukong layer, ``LayerNorm_D(M X + concat(FMB, 0))``.
 
 Every tensor argument of an op has the dtype of the activations (fp32/fp16/bf16); kernels
 accumulate in fp32.
@@ -174,8 +175,58 @@ def _fm_compress_backward(ctx, grad_out, _grad_mean, _grad_rstd, _grad_products)
 
 
 fm_compress_op.register_autograd(_fm_compress_backward, setup_context=_fm_compress_setup)
+
+
+@torch.library.custom_op("gem_kernels::feature_mix_norm", mutates_args=())
+def feature_mix_norm_op(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor, ln_weight: torch.Tensor,
+                        ln_bias: torch.Tensor, eps: float, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [B, O, D], mean [B, O] fp32, rstd [B, O] fp32)."""
+    return kernel(FAMILY, "feature_mix_norm", backend)(x, mix, fm, ln_weight, ln_bias, eps)
+
+
+def _feature_mix_norm_fake(x, mix, fm, ln_weight, ln_bias, eps, backend=None):
+    B, O = x.shape[0], mix.shape[0]
+    return (x.new_empty((B, O, x.shape[2])), x.new_empty((B, O), dtype=torch.float32),
+            x.new_empty((B, O), dtype=torch.float32))
+
+
+feature_mix_norm_op.register_fake(_feature_mix_norm_fake)
+
+
+@torch.library.custom_op("gem_kernels::feature_mix_norm_backward", mutates_args=())
+def feature_mix_norm_backward_op(grad_out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor,
+                                 ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, backend: str
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return kernel(FAMILY, "feature_mix_norm_backward", backend)(grad_out, x, mix, fm, ln_weight, mean, rstd)
+
+
+def _feature_mix_norm_backward_fake(grad_out, x, mix, fm, ln_weight, mean, rstd, backend=None):
+    return (torch.empty_like(x), torch.empty_like(mix), torch.empty_like(fm), torch.empty_like(ln_weight),
+            torch.empty_like(ln_weight))
+
+
+feature_mix_norm_backward_op.register_fake(_feature_mix_norm_backward_fake)
+
+
+def _feature_mix_norm_setup(ctx, inputs, output):
+    x, mix, fm, ln_weight, _ln_bias, _eps, backend = inputs
+    _out, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, mix, fm, ln_weight, mean, rstd)
+    ctx.backend = backend
+
+
+def _feature_mix_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
+    x, mix, fm, ln_weight, mean, rstd = ctx.saved_tensors
+    grads = feature_mix_norm_backward_op(grad_out.contiguous(), x, mix, fm, ln_weight, mean, rstd, ctx.backend)
+    return (*grads, None, None)
+
+
+feature_mix_norm_op.register_autograd(_feature_mix_norm_backward, setup_context=_feature_mix_norm_setup)
 run_kernels_without_autocast(dot_interaction_op, dot_interaction_backward_op, cross_layer_op, cross_layer_backward_op,
-                             fm_compress_op, fm_compress_backward_op)
+                             fm_compress_op, fm_compress_backward_op, feature_mix_norm_op,
+                             feature_mix_norm_backward_op)
 
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
@@ -210,6 +261,9 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
     @torch.library.register_fake("gem_kernels::fm_compress_backward_native")
     def _(grad_out, x, y, ln_weight, mean, rstd, products):
         return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
+
+    torch.library.register_fake("gem_kernels::feature_mix_norm_native")(_feature_mix_norm_fake)
+    torch.library.register_fake("gem_kernels::feature_mix_norm_backward_native")(_feature_mix_norm_backward_fake)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,4 +406,66 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
     save_products = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, ln_weight, ln_bias))
     out, _mean, _rstd, _products = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
                                                   ln_bias.contiguous(), float(eps), save_products, name)
+    return out
+
+
+def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None = None,
+                     ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None, eps: float = 1e-5,
+                     *, backend: str | None = None) -> torch.Tensor:
+    """The output of a Wukong layer: ``LayerNorm_D(mix @ X + concat(fm, 0))``, in one pass.
+
+    Per sample, ``s = mix @ x[b]`` [O, D] mixes the F input embeddings (Wukong's linear compress
+    block and the residual projection, stacked as one [O, F] matrix: see WukongLayer.feature_mix);
+    ``fm[b]`` (the factorization-machine block's O_fm output embeddings) is added to its first O_fm
+    rows (the concat); then each of the O rows is layer-normed over the embedding dim D:
+    ``out = (s - mean(s)) / sqrt(var(s) + eps) * ln_weight + ln_bias`` (biased variance, like
+    torch.nn.LayerNorm(D)). Eager PyTorch runs this as a broadcast bmm, a pad, an add and a
+    LayerNorm, each a pass over [B, O, D]; the fused backends read X and fm once and write the
+    output once (and the backward recomputes s rather than keeping it). Matmuls and statistics in fp32.
+
+    Args:
+        x: [B, F, D] float32/float16/bfloat16. B = 0 and F = 1 are valid.
+        mix: [O, F], x's dtype and device, O >= 1.
+        fm: [B, O_fm, D] with 0 <= O_fm <= O, x's dtype and device; None means O_fm = 0.
+        ln_weight: [D] LayerNorm scale, x's dtype and device; None means 1.
+        ln_bias: [D] LayerNorm shift; None means 0.
+        eps: LayerNorm epsilon, > 0.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
+
+    Returns:
+        [B, O, D] in x's dtype; differentiable w.r.t. x, mix, fm, ln_weight and ln_bias.
+
+    Under ``torch.autocast`` every operand is cast to the autocast dtype first.
+    """
+    x, mix, fm, ln_weight, ln_bias = autocast_operands(x, mix, fm, ln_weight, ln_bias)
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
+    B, F, D = x.shape
+    if F < 1 or D < 1:
+        raise ValueError(f"x must have shape (B, F, D) with F >= 1 and D >= 1, got {tuple(x.shape)}")
+    check_tensor("mix", mix, dims=(2,))
+    if mix.shape[0] < 1:
+        raise ValueError(f"mix must have shape (O, {F}) with O >= 1, got {tuple(mix.shape)}")
+    _check_like("mix", mix, "x", x, (mix.shape[0], F))
+    O = mix.shape[0]
+    if fm is None:
+        fm = x.new_empty((B, 0, D))
+    else:
+        check_tensor("fm", fm, dims=(3,))
+        if not 0 <= fm.shape[1] <= O:
+            raise ValueError(f"fm must have shape ({B}, O_fm, {D}) with O_fm <= {O} (mix's rows), "
+                             f"got {tuple(fm.shape)}")
+        _check_like("fm", fm, "x", x, (B, fm.shape[1], D))
+    if ln_weight is None:
+        ln_weight = x.new_ones(D)
+    else:
+        _check_like("ln_weight", ln_weight, "x", x, (D,))
+    if ln_bias is None:
+        ln_bias = x.new_zeros(D)
+    else:
+        _check_like("ln_bias", ln_bias, "x", x, (D,))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    out, _mean, _rstd = feature_mix_norm_op(x.contiguous(), mix.contiguous(), fm.contiguous(),
+                                            ln_weight.contiguous(), ln_bias.contiguous(), float(eps), name)
     return out

@@ -11,6 +11,9 @@ like any other backend. The formulations are the published ones:
   ``W = U V`` in the low-rank case.
 - fm_compress: Wukong's optimised factorization machine ``flatten(X (X^T Y))`` followed by its
   LayerNorm over the flattened ``F * k`` features.
+- feature_mix_norm: the rest of a Wukong layer, ``LayerNorm_D(M X + concat(FMB(X), 0))``: the
+  linear compress block and the residual projection as one matrix M over the feature axis, the
+  FMB rows added, then the LayerNorm over the embedding dim.
 """
 
 from __future__ import annotations
@@ -107,6 +110,39 @@ def fm_compress_backward(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tenso
     return grad_x.to(x.dtype), grad_y.to(x.dtype), grad_w.to(x.dtype), grad_b.to(x.dtype)
 
 
+def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor, ln_weight: torch.Tensor,
+                     ln_bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, mean, rstd): s = mix @ x[b] [B, O, D] with fm [B, O_fm, D] added to its first O_fm rows,
+    out = (s - mean) * rstd * w + b over D; mean and rstd fp32 [B, O]."""
+    s = torch.matmul(mix.float(), x.float())
+    if fm.shape[1]:
+        s[:, :fm.shape[1]] += fm.float()
+    mean = s.mean(-1)
+    rstd = torch.rsqrt((s - mean[..., None]).square().mean(-1) + eps)
+    out = (s - mean[..., None]) * rstd[..., None] * ln_weight.float() + ln_bias.float()
+    return out.to(x.dtype), mean, rstd
+
+
+def feature_mix_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor,
+                              ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_mix, grad_fm, grad_ln_weight, grad_ln_bias); recomputes s from x, mix and fm."""
+    xf, g = x.float(), grad_out.float()
+    s = torch.matmul(mix.float(), xf)
+    if fm.shape[1]:
+        s[:, :fm.shape[1]] += fm.float()
+    xhat = (s - mean[..., None]) * rstd[..., None]
+    grad_w = (g * xhat).sum((0, 1))
+    grad_b = g.sum((0, 1))
+    gh = g * ln_weight.float()
+    grad_s = rstd[..., None] * (gh - gh.mean(-1, keepdim=True) - xhat * (gh * xhat).mean(-1, keepdim=True))
+    grad_x = torch.matmul(mix.float().t(), grad_s)
+    grad_mix = torch.einsum("bod,bfd->of", grad_s, xf)
+    grad_fm = grad_s[:, :fm.shape[1]].contiguous()
+    return (grad_x.to(x.dtype), grad_mix.to(x.dtype), grad_fm.to(x.dtype), grad_w.to(x.dtype),
+            grad_b.to(x.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Eager formulations differentiated by autograd (TorchRec / paper style, in the input dtype): the
 # bench's "eager" baseline and the tests' oracle for the hand-written backward twins above.
@@ -134,3 +170,14 @@ def eager_fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor 
     """Wukong FMB's optimised FM and LayerNorm: layer_norm(flatten(bmm(x, x^T y)))."""
     s = torch.bmm(x, torch.matmul(x.transpose(1, 2), y)).flatten(1)
     return torch.nn.functional.layer_norm(s, (s.shape[1],), ln_weight, ln_bias, eps)
+
+
+def eager_feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None = None,
+                           ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None,
+                           eps: float = 1e-5) -> torch.Tensor:
+    """Wukong's layer output: layer_norm(mix @ x + concat(fm, 0)) over the embedding dim (the
+    concat of FMB and LCB plus the residual, with LCB and residual one matmul over the features)."""
+    s = torch.matmul(mix, x)
+    if fm is not None and fm.shape[1]:
+        s = s + torch.nn.functional.pad(fm, (0, 0, 0, mix.shape[0] - fm.shape[1]))
+    return torch.nn.functional.layer_norm(s, (x.shape[2],), ln_weight, ln_bias, eps)

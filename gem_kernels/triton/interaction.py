@@ -29,6 +29,14 @@ Work decomposition:
   F = 33 up); S, Y, grad_S and the accumulators are [pow2(F), pow2(k) >= 16] each, which at
   F = 256 still spills ~100-300 bytes per thread (ptxas, sm_90a, 8 warps).
 
+- feature_mix_norm: one program per (sample, BLOCK_O rows of the O outputs), BLOCK_D = pow2(D)
+  columns (the LayerNorm spans a whole row): S = M X_b accumulates over F in BLOCK_F chunks with
+  tl.dot, the fm rows are added, the rows are layer-normed in registers. The backward recomputes
+  the tile, applies the LayerNorm backward in registers and writes grad_S (fp32 [B, O, D]), grad_fm
+  (its first O_fm rows) and per-program fp32 partials of the LayerNorm parameter gradients; then
+  grad_X = M^T grad_S and grad_M = sum_b grad_S X_b^T are torch matmuls (cuBLAS). That costs
+  grad_S's 4*B*O*D bytes written and read twice more than a fully fused backward.
+
 Roofline (s = element bytes, P pairs, T tiles): dot_interaction fwd 2*B*P*D FLOPs,
 B*(F*D + P)*s bytes; bwd 4*B*P*D FLOPs, B*(P + 2*F*D)*s bytes. With T > 1 the forward reads each
 X tile once per tile pair it is in (T + 1 times) and the backward reads all of a sample's X and
@@ -399,3 +407,120 @@ def fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd, products):
                                          B, F, D, k, samples_per_program, **_fm_blocks(F, D, k, x.dtype))
     grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 accumulation without an fp32 copy of grad_out
     return grad_x, partial_y.sum(0).to(dt), partial_w.sum(0).to(dt), grad_b.to(dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# feature_mix_norm
+# ---------------------------------------------------------------------------------------------
+
+# Bound on a program's [BLOCK_O, BLOCK_D] fp32 tile: BLOCK_O shrinks as D grows (down to tl.dot's 16).
+MIX_TILE_ELEMS = 4096
+MIX_BLOCK_F = 16
+
+
+@triton.jit
+def _mix_tile(X_ptr, M_ptr, FM_ptr, b, rows, cols, F, D, O, Ofm, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr,
+              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """S [BLOCK_O, BLOCK_D] fp32 = M[rows] X_b, plus fm_b on rows < O_fm (zero outside O x D)."""
+    fo = tl.arange(0, BLOCK_F)
+    acc = tl.zeros((BLOCK_O, BLOCK_D), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        fs = f0 + fo
+        m = tl.load(M_ptr + rows[:, None] * F + fs[None, :], mask=(rows[:, None] < O) & (fs[None, :] < F),
+                    other=0.0).to(tl.float32)
+        x = tl.load(X_ptr + b * F * D + fs[:, None] * D + cols[None, :], mask=(fs[:, None] < F) & (cols[None, :] < D),
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(m, x, input_precision=PRECISION)
+    fm_mask = (rows[:, None] < Ofm) & (cols[None, :] < D)
+    acc += tl.load(FM_ptr + (b * Ofm + rows[:, None]) * D + cols[None, :], mask=fm_mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _feature_mix_norm_fwd_kernel(X_ptr, M_ptr, FM_ptr, W_ptr, Bias_ptr, Out_ptr, Mean_ptr, Rstd_ptr, F, D, O, Ofm,
+                                 row_blocks, eps, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // row_blocks).to(tl.int64)
+    rows = (pid % row_blocks) * BLOCK_O + tl.arange(0, BLOCK_O)
+    cols = tl.arange(0, BLOCK_D)
+    s = _mix_tile(X_ptr, M_ptr, FM_ptr, b, rows, cols, F, D, O, Ofm, BLOCK_O, BLOCK_F, BLOCK_D, PRECISION)
+    valid = (rows[:, None] < O) & (cols[None, :] < D)
+    mean = tl.sum(tl.where(valid, s, 0.0), 1) / D
+    centred = tl.where(valid, s - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, 1) / D + eps)
+    w = tl.load(W_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    bias = tl.load(Bias_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    out = centred * rstd[:, None] * w[None, :] + bias[None, :]
+    tl.store(Out_ptr + (b * O + rows[:, None]) * D + cols[None, :], out.to(Out_ptr.dtype.element_ty), mask=valid)
+    tl.store(Mean_ptr + b * O + rows, mean, mask=rows < O)
+    tl.store(Rstd_ptr + b * O + rows, rstd, mask=rows < O)
+
+
+@triton.jit
+def _feature_mix_norm_bwd_kernel(G_ptr, X_ptr, M_ptr, FM_ptr, W_ptr, Mean_ptr, Rstd_ptr, DS_ptr, DFM_ptr, Part_ptr,
+                                 F, D, O, Ofm, row_blocks, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // row_blocks).to(tl.int64)
+    rows = (pid % row_blocks) * BLOCK_O + tl.arange(0, BLOCK_O)
+    cols = tl.arange(0, BLOCK_D)
+    s = _mix_tile(X_ptr, M_ptr, FM_ptr, b, rows, cols, F, D, O, Ofm, BLOCK_O, BLOCK_F, BLOCK_D, PRECISION)
+    valid = (rows[:, None] < O) & (cols[None, :] < D)
+    mean = tl.load(Mean_ptr + b * O + rows, mask=rows < O, other=0.0)
+    rstd = tl.load(Rstd_ptr + b * O + rows, mask=rows < O, other=0.0)
+    xhat = tl.where(valid, (s - mean[:, None]) * rstd[:, None], 0.0)
+    offs = (b * O + rows[:, None]) * D + cols[None, :]
+    g = tl.load(G_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(W_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    gh = g * w[None, :]
+    c1 = tl.sum(gh, 1) / D
+    c2 = tl.sum(gh * xhat, 1) / D
+    ds = tl.where(valid, rstd[:, None] * (gh - c1[:, None] - xhat * c2[:, None]), 0.0)
+    tl.store(DS_ptr + offs, ds, mask=valid)
+    fm_mask = (rows[:, None] < Ofm) & (cols[None, :] < D)
+    tl.store(DFM_ptr + (b * Ofm + rows[:, None]) * D + cols[None, :], ds.to(DFM_ptr.dtype.element_ty), mask=fm_mask)
+    part = Part_ptr + pid.to(tl.int64) * 2 * D + cols
+    tl.store(part, tl.sum(g * xhat, 0), mask=cols < D)
+    tl.store(part + D, tl.sum(g, 0), mask=cols < D)
+
+
+def _mix_blocks(O: int, D: int, dtype: torch.dtype) -> dict:
+    block_d = _pow2(D)
+    block_o = max(16, min(_pow2(O), MIX_TILE_ELEMS // block_d))
+    return dict(BLOCK_O=block_o, BLOCK_F=MIX_BLOCK_F, BLOCK_D=block_d, PRECISION=_dot_precision(dtype),
+                num_warps=4 if block_o * block_d <= 2048 else 8)
+
+
+def feature_mix_norm(x, mix, fm, ln_weight, ln_bias, eps):
+    B, F, D = x.shape
+    O, Ofm = mix.shape[0], fm.shape[1]
+    out = x.new_empty((B, O, D))
+    mean = x.new_empty((B, O), dtype=torch.float32)
+    rstd = x.new_empty((B, O), dtype=torch.float32)
+    if B:
+        blocks = _mix_blocks(O, D, x.dtype)
+        row_blocks = triton.cdiv(O, blocks["BLOCK_O"])
+        _feature_mix_norm_fwd_kernel[(B * row_blocks,)](x, mix, fm, ln_weight, ln_bias, out, mean, rstd, F, D, O, Ofm,
+                                                        row_blocks, eps, **blocks)
+    return out, mean, rstd
+
+
+def feature_mix_norm_backward(grad_out, x, mix, fm, ln_weight, mean, rstd):
+    B, F, D = x.shape
+    O, Ofm = mix.shape[0], fm.shape[1]
+    dt = x.dtype
+    grad_fm = torch.empty_like(fm)
+    if B == 0:
+        return (torch.empty_like(x), torch.zeros_like(mix), grad_fm, torch.zeros_like(ln_weight),
+                torch.zeros_like(ln_weight))
+    blocks = _mix_blocks(O, D, dt)
+    row_blocks = triton.cdiv(O, blocks["BLOCK_O"])
+    programs = B * row_blocks
+    grad_s = x.new_empty((B, O, D), dtype=torch.float32)
+    part = x.new_empty((programs, 2, D), dtype=torch.float32)
+    _feature_mix_norm_bwd_kernel[(programs,)](grad_out, x, mix, fm, ln_weight, mean, rstd, grad_s, grad_fm, part,
+                                              F, D, O, Ofm, row_blocks, **blocks)
+    grad_x = torch.matmul(mix.float().t(), grad_s).to(dt)
+    grad_mix = torch.einsum("bod,bfd->of", grad_s, x.float()).to(dt)
+    return grad_x, grad_mix, grad_fm, part[:, 0].sum(0).to(dt), part[:, 1].sum(0).to(dt)
