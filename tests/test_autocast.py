@@ -43,6 +43,10 @@ def _cases(device):
         "fm_compress": (lambda x, y, w, b, backend: gk.fm_compress(x, y, w, b, backend=backend),
                         [_leaf(3, 5, 8, device=device), _leaf(5, 2, device=device, scale=0.5),
                          _leaf(10, device=device, scale=0.1, seed=1), _leaf(10, device=device, scale=0.1)], ()),
+        "feature_mix_norm": (lambda x, mix, fm, w, b, backend: gk.feature_mix_norm(x, mix, fm, w, b, backend=backend),
+                             [_leaf(3, 5, 8, device=device), _leaf(4, 5, device=device, scale=0.5),
+                              _leaf(3, 2, 8, device=device, seed=1), _leaf(8, device=device, scale=0.1, seed=1),
+                              _leaf(8, device=device, scale=0.1)], ()),
         "jagged_attention": (attention,
                              [_leaf(14, 2, 8, device=device), _leaf(14, 2, 8, device=device, seed=1),
                               _leaf(14, 2, 8, device=device, seed=2), _leaf(2, 17, device=device, scale=0.5),
@@ -58,7 +62,7 @@ AMP_PARAMS += [pytest.param(d, b, torch.float16, marks=p.marks, id=f"{p.id}-fp16
 
 @pytest.mark.parametrize("device,backend,amp_dtype", AMP_PARAMS)
 @pytest.mark.parametrize("name", ["dot_interaction", "cross_layer", "cross_layer low rank", "fm_compress",
-                                  "jagged_attention"])
+                                  "feature_mix_norm", "jagged_attention"])
 def test_autocast_casts_operands(device, backend, amp_dtype, name):
     fn, leaves, kept = _cases(device)[name]
     with torch.autocast(device, dtype=amp_dtype):
