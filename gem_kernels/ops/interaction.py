@@ -281,6 +281,22 @@ def _check_like(name: str, t, ref_name: str, ref: torch.Tensor, shape: tuple) ->
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def _layer_norm_params(x: torch.Tensor, width: int, ln_weight, ln_bias, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LayerNorm's (weight, bias) over `width` features, checked against x (None: 1 and 0), and
+    eps checked > 0."""
+    if ln_weight is None:
+        ln_weight = x.new_ones(width)
+    else:
+        _check_like("ln_weight", ln_weight, "x", x, (width,))
+    if ln_bias is None:
+        ln_bias = x.new_zeros(width)
+    else:
+        _check_like("ln_bias", ln_bias, "x", x, (width,))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    return ln_weight, ln_bias
+
+
 def _check_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
@@ -390,17 +406,7 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
     if y.shape[1] < 1:
         raise ValueError(f"y must have shape ({F}, k) with k >= 1, got {tuple(y.shape)}")
     _check_like("y", y, "x", x, (F, y.shape[1]))
-    width = F * y.shape[1]
-    if ln_weight is None:
-        ln_weight = x.new_ones(width)
-    else:
-        _check_like("ln_weight", ln_weight, "x", x, (width,))
-    if ln_bias is None:
-        ln_bias = x.new_zeros(width)
-    else:
-        _check_like("ln_bias", ln_bias, "x", x, (width,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    ln_weight, ln_bias = _layer_norm_params(x, F * y.shape[1], ln_weight, ln_bias, eps)
     name = resolve_backend(backend, x.device, IMPLEMENTED)
     # Keep the products only when a backward will run (inference skips their writes).
     save_products = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, ln_weight, ln_bias))
@@ -455,16 +461,7 @@ def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None
             raise ValueError(f"fm must have shape ({B}, O_fm, {D}) with O_fm <= {O} (mix's rows), "
                              f"got {tuple(fm.shape)}")
         _check_like("fm", fm, "x", x, (B, fm.shape[1], D))
-    if ln_weight is None:
-        ln_weight = x.new_ones(D)
-    else:
-        _check_like("ln_weight", ln_weight, "x", x, (D,))
-    if ln_bias is None:
-        ln_bias = x.new_zeros(D)
-    else:
-        _check_like("ln_bias", ln_bias, "x", x, (D,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    ln_weight, ln_bias = _layer_norm_params(x, D, ln_weight, ln_bias, eps)
     name = resolve_backend(backend, x.device, IMPLEMENTED)
     out, _mean, _rstd = feature_mix_norm_op(x.contiguous(), mix.contiguous(), fm.contiguous(),
                                             ln_weight.contiguous(), ln_bias.contiguous(), float(eps), name)
