@@ -1,0 +1,1 @@
+"""TorchRec integration: sharders (branch dist); the collections come from branch torchrec."""
