@@ -464,3 +464,46 @@ class FusedEmbeddingCollectionSharder(_GemSharderMixin, EmbeddingCollectionShard
     @property
     def sharded_module_type(self):
         return ShardedFusedEmbeddingCollection
+
+
+PLANS = ("table_wise", "column_wise", "auto")
+
+
+def sharding_plan(model: nn.Module, sharders: List[Any], plan: str = "auto", world_size: Optional[int] = None,
+                  compute_device: str = "cpu", pg: Optional[dist.ProcessGroup] = None):
+    """A TorchRec ``ShardingPlan`` for every module of ``model`` that one of ``sharders`` shards.
+
+    plan: ``table_wise`` (table i on rank i mod world_size), ``column_wise`` (every table split
+    into world_size column blocks, one per rank) or ``auto`` (TorchRec's ``EmbeddingShardingPlanner``
+    over a ``Topology(world_size, compute_device)``, told the FUSED kernel and the sharding types
+    our sharders list; it picks among table-, column- and table-column-wise on the CPU, adds
+    row-wise ones on GPUs). ``auto`` is collective: every rank of ``pg`` must call it.
+    """
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+    world_size = world_size or dist.get_world_size(pg)
+    if plan == "auto":
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device=compute_device))
+        if pg is None and not dist.is_initialized():
+            return planner.plan(model, sharders)
+        return planner.collective_plan(model, sharders, pg or dist.GroupMember.WORLD)
+    fused = EmbeddingComputeKernel.FUSED.value
+    plans, table_index = {}, 0
+    for fqn, module in model.named_modules():
+        sharder = next((s for s in sharders if type(module) is s.module_type), None)
+        if sharder is None:
+            continue
+        per_table = {}
+        for name in sharder.shardable_parameters(module):
+            if plan == "table_wise":
+                per_table[name] = table_wise(rank=table_index % world_size, compute_kernel=fused)
+            else:
+                per_table[name] = column_wise(ranks=list(range(world_size)), compute_kernel=fused)
+            table_index += 1
+        plans[fqn] = construct_module_sharding_plan(module, per_table, sharder=sharder, local_size=world_size,
+                                                    world_size=world_size, device_type=compute_device)
+    return ShardingPlan(plans)
