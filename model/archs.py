@@ -77,7 +77,9 @@ class RowwiseAdagrad(torch.optim.Optimizer):
                     state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
                 grad = p.grad.float()
                 state["sum"].add_(grad.square().mean(1))
-                p.addcdiv_(grad, (state["sum"].sqrt() + group["eps"]).unsqueeze(1).to(p.dtype), value=-group["lr"])
+                # A row with sum 0 has had only zero gradients: it stays (no 0/0 when eps = 0).
+                denom = (state["sum"].sqrt() + group["eps"]).masked_fill_(state["sum"] == 0, 1.0)
+                p.addcdiv_(grad, denom.unsqueeze(1).to(p.dtype), value=-group["lr"])
 
 
 def _own_rng():

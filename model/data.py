@@ -14,6 +14,7 @@ A batch of B users (TorchRec / FBGEMM vocabulary, every index tensor int64):
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, fields
 
@@ -184,7 +185,9 @@ class SyntheticBatches:
     def _make(self, index: int, held_out: bool) -> Batch:
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"index must be an int >= 0, got {index!r}")
-        generator = torch.Generator().manual_seed((self.seed * 2**31 + index) * 2 + int(held_out))
+        # The CPU generator keeps 32 bits of its seed: mix (seed, stream, index) into 32 bits.
+        key = hashlib.blake2b(f"{self.seed}/{int(held_out)}/{index}".encode(), digest_size=4).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
         return make_batch(self.config, self.batch_size, generator)
 
 
