@@ -19,6 +19,10 @@ from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 from . import nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
+from .swap import SwapReport, SwapSkip, register, swap
+
+# `gem_kernels.swap` is the function; its module's names stay reachable through it too.
+swap.register, swap.SwapSkip, swap.SwapReport = register, SwapSkip, SwapReport
 
 __version__ = "0.1.0"
 
@@ -38,6 +42,10 @@ __all__ = [
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",
+    "swap",
+    "SwapReport",
+    "SwapSkip",
+    "register",
     "nn",
     "optim",
     "__version__",
