@@ -195,7 +195,8 @@ class _SparseGradEmbeddingBag(torch.autograd.Function):
             rows = rows * scale.unsqueeze(1)
         grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_weight = torch.sparse_coo_tensor(indices.long().unsqueeze(0), rows.to(weight.dtype), weight.shape)
+            grad_weight = torch.sparse_coo_tensor(indices.long().unsqueeze(0), rows.to(weight.dtype), weight.shape,
+                                                  check_invariants=False)
         return grad_weight, None, None, grad_psw, None
 
 
