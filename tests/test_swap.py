@@ -423,7 +423,7 @@ def _train(model, optimizer, batches, steps):
     losses = []
     for _, batch in zip(range(steps), batches):
         logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
         if optimizer is not None:
             optimizer.zero_grad()
         loss.backward()
