@@ -16,8 +16,10 @@ What is swapped (exact types; a subclass is skipped with a reason, since its for
 - ``torch.nn.EmbeddingBag`` (mode sum/mean) -> ``gem_kernels.nn.EmbeddingBag``;
 - ``torch.nn.MultiheadAttention`` -> ``gem_kernels.nn.MultiheadAttention`` (self-attention calls with
   an end-padding key_padding_mask and/or a causal mask run on the jagged rows, any other call runs
-  the original computation and counts in ``report.fallbacks``); this includes ``self_attn`` of
-  ``nn.TransformerEncoderLayer``;
+  the original computation and counts in ``report.fallbacks``);
+- ``torch.nn.TransformerEncoderLayer`` -> ``gem_kernels.nn.TransformerEncoderLayer``: under the same
+  masks (and no active dropout) the whole layer (attention, LayerNorms, feed-forward) runs on the
+  valid rows only; its ``self_attn`` is swapped as above for the calls it hands on to torch;
 - TorchRec (only when ``torchrec`` is already imported): ``EmbeddingBagCollection`` and
   ``EmbeddingCollection`` -> ``gem_kernels.torchrec.FusedEmbeddingBagCollection`` /
   ``FusedEmbeddingCollection``; DLRM's ``InteractionArch`` -> the fused dot interaction;
@@ -209,6 +211,7 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             parent._modules[name] = new
             done[id(child)] = new
             report.replaced.append((path, type(child).__name__, _public_name(type(new))))
+            visit(new, path)  # e.g. the self_attn of a swapped TransformerEncoderLayer
 
     if _converter(model)[1] is not None and not _is_swapped(model):
         report.skipped.append(("", type(model).__name__, "the root module cannot be replaced in place: "
@@ -277,14 +280,28 @@ def _convert_multihead_attention(module: nn.MultiheadAttention, *, optimizer, ba
     return MultiheadAttention.from_torch(module, backend=backend)
 
 
+def _convert_transformer_encoder_layer(module: nn.TransformerEncoderLayer, *, optimizer, backend) -> nn.Module:
+    from .nn.attention import TransformerEncoderLayer
+
+    attn = module.self_attn
+    if type(attn) is nn.MultiheadAttention:
+        try:
+            _convert_multihead_attention(attn, optimizer=optimizer, backend=backend)
+        except SwapSkip as exc:
+            raise SwapSkip(f"its self_attn: {exc}") from exc
+    return TransformerEncoderLayer.from_torch(module, backend=backend)
+
+
 def _register_builtin() -> None:
-    from .nn.attention import MultiheadAttention
+    from .nn.attention import MultiheadAttention, TransformerEncoderLayer
     from .nn.embedding_bag import EmbeddingBag
 
     _mark(EmbeddingBag)
     _mark(MultiheadAttention)
+    _mark(TransformerEncoderLayer)
     register(nn.EmbeddingBag, _convert_embedding_bag)
     register(nn.MultiheadAttention, _convert_multihead_attention)
+    register(nn.TransformerEncoderLayer, _convert_transformer_encoder_layer)
 
 
 _register_builtin()

@@ -320,7 +320,7 @@ def test_transformer_encoder_layer_self_attn(norm_first):
     swapped = copy.deepcopy(eager)
     keys = list(swapped.state_dict())
     report = gk.swap(swapped)
-    assert [p for p, _, _ in report.replaced] == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert [p for p, _, _ in report.replaced] == ["layers.0", "layers.0.self_attn", "layers.1", "layers.1.self_attn"]
     assert list(swapped.state_dict()) == keys
     x, pad = _padded_batch([7, 2, 4], seed=3)
     valid = (~pad).unsqueeze(-1).float()
@@ -328,7 +328,9 @@ def test_transformer_encoder_layer_self_attn(norm_first):
     want = eager(x, mask=mask, src_key_padding_mask=pad, is_causal=True)
     got = swapped(x, mask=mask, src_key_padding_mask=pad, is_causal=True)
     assert report.fallbacks == 0, report.fallback_reasons
+    assert [layer.layer_fallbacks for layer in swapped.layers] == [0, 0]
     torch.testing.assert_close(got * valid, want * valid, atol=1e-5, rtol=1e-4)
+    assert torch.equal(got * (1 - valid), torch.zeros_like(got))
     ((want * valid).square().sum()).backward()
     ((got * valid).square().sum()).backward()
     _assert_same_grads(swapped, eager, atol=1e-4, rtol=1e-4)
@@ -337,6 +339,27 @@ def test_transformer_encoder_layer_self_attn(norm_first):
     with torch.no_grad():
         torch.testing.assert_close(swapped(x, src_key_padding_mask=pad) * valid,
                                    eager(x, src_key_padding_mask=pad) * valid, atol=1e-5, rtol=1e-4)
+
+
+def test_transformer_encoder_layer_falls_back():
+    """Left padding or dropout in training: torch's layer runs (its swapped self_attn fuses what it can)."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True))
+    swapped = copy.deepcopy(eager)
+    report = gk.swap(swapped)
+    x, pad = _padded_batch([7, 2, 4], left=True)
+    torch.testing.assert_close(swapped[0](x, src_key_padding_mask=pad), eager[0](x, src_key_padding_mask=pad),
+                               atol=0, rtol=0)
+    assert swapped[0].layer_fallback_reasons == {"key_padding_mask does not pad only at the end of each row": 1}
+    assert report.fallbacks == 1  # the self_attn call it handed on fell back too
+    dropout = nn.Sequential(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.1, batch_first=True))
+    gk.swap(dropout)
+    dropout[0](x)
+    assert dropout[0].layer_fallback_reasons == {"dropout > 0 in training mode": 1}
+    seq_first = nn.Sequential(nn.TransformerEncoderLayer(8, 2))
+    report = gk.swap(seq_first)
+    assert report.skipped == [("0", "TransformerEncoderLayer", "its self_attn: batch_first=False"),
+                              ("0.self_attn", "MultiheadAttention", "batch_first=False")]
 
 
 # ---------------------------------------------------------------------------------------------

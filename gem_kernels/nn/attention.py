@@ -208,17 +208,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False):
         why = self._why_not_fused(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
-        batch, length = (query.shape[0], query.shape[1]) if why is None else (0, 0)
-        causal = False
-        if why is None and attn_mask is not None:
-            causal = _is_causal_mask(attn_mask, length)
-            if not causal:
-                why = "attn_mask is not the causal mask"
-        lengths = None
-        if why is None and key_padding_mask is not None:
-            lengths = _end_padding_lengths(key_padding_mask, batch, length)
-            if lengths is None:
-                why = "key_padding_mask does not pad only at the end of each row"
+        if why is None:
+            why, lengths, causal = _jagged_masks(query, key_padding_mask, attn_mask)
         if why is not None:
             self.fallbacks += 1
             self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
@@ -228,19 +219,115 @@ class MultiheadAttention(nn.MultiheadAttention):
         return self._jagged_forward(query, lengths, causal), None
 
     def _jagged_forward(self, x: torch.Tensor, lengths: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        batch, length, embed_dim = x.shape
-        heads, head_dim = self.num_heads, self.head_dim
+        rows, seq_offsets = _pack(x, lengths, self.backend)
+        out = _attention_rows(self, rows, seq_offsets, x.shape[1], causal, self.backend)
+        return _unpack(out, x, lengths, seq_offsets, self.backend)
+
+
+def _pack(x: torch.Tensor, lengths: torch.Tensor | None, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid rows [N, E] of x [B, L, E] (end padding; lengths None = no padding) and seq_offsets [B+1]."""
+    batch, length, embed_dim = x.shape
+    if lengths is None:
+        seq_offsets = torch.arange(0, (batch + 1) * length, max(length, 1), device=x.device)[:batch + 1]
+        return x.reshape(batch * length, embed_dim), seq_offsets
+    seq_offsets = F.pad(lengths.cumsum(0), (1, 0))
+    return padded_to_jagged(x, seq_offsets, int(seq_offsets[-1]), backend=backend), seq_offsets
+
+
+def _unpack(rows: torch.Tensor, like: torch.Tensor, lengths: torch.Tensor | None, seq_offsets: torch.Tensor,
+            backend) -> torch.Tensor:
+    batch, length, _ = like.shape
+    if lengths is None:
+        return rows.view(batch, length, rows.shape[-1])
+    return jagged_to_padded(rows, seq_offsets, length, backend=backend)
+
+
+def _attention_rows(mha: nn.MultiheadAttention, rows: torch.Tensor, seq_offsets: torch.Tensor, max_len: int,
+                    causal: bool, backend) -> torch.Tensor:
+    """``mha``'s self-attention (in_proj, softmax attention per sequence, out_proj) on jagged rows [N, E]."""
+    total, embed_dim = rows.shape
+    q, k, v = F.linear(rows, mha.in_proj_weight, mha.in_proj_bias).view(total, 3, mha.num_heads,
+                                                                         mha.head_dim).unbind(1)
+    attn = jagged_attention(q, k, v, seq_offsets, max_len, kind="softmax", causal=causal, backend=backend)
+    return F.linear(attn.reshape(total, embed_dim), mha.out_proj.weight, mha.out_proj.bias)
+
+
+def _jagged_masks(x: torch.Tensor, key_padding_mask, attn_mask) -> tuple[str | None, torch.Tensor | None, bool]:
+    """(why not, lengths or None, causal) for self-attention over x [B, L, E] with these masks."""
+    causal = False
+    if attn_mask is not None:
+        causal = _is_causal_mask(attn_mask, x.shape[1])
+        if not causal:
+            return "attn_mask is not the causal mask", None, False
+    lengths = None
+    if key_padding_mask is not None:
+        lengths = _end_padding_lengths(key_padding_mask, x.shape[0], x.shape[1])
         if lengths is None:
-            seq_offsets = torch.arange(0, (batch + 1) * length, max(length, 1), device=x.device)[:batch + 1]
-            rows = x.reshape(batch * length, embed_dim)
-            total = batch * length
+            return "key_padding_mask does not pad only at the end of each row", None, False
+    return None, lengths, causal
+
+
+class TransformerEncoderLayer(nn.TransformerEncoderLayer):
+    """``torch.nn.TransformerEncoderLayer`` that runs the whole layer on the valid rows of end-padded input.
+
+    When the call's ``src_key_padding_mask`` pads only at the end of each row (or is None), ``src_mask``
+    is None or the causal mask, the input is batch_first 3-D and no dropout is active (p = 0 or eval
+    mode), the valid rows are packed once and the self-attention (``gem_kernels.jagged_attention``
+    between the same in/out projections), both LayerNorms and the feed-forward block run on them
+    only; padded positions come out as zeros (torch computes values there that no valid position
+    reads). Any other call runs ``nn.TransformerEncoderLayer.forward`` (whose ``self_attn``, when
+    swapped, still fuses what it can). Same parameters and ``state_dict()`` keys (it is one); build it
+    with ``TransformerEncoderLayer.from_torch(layer)``, which shares ``layer``'s submodules.
+    """
+
+    backend: str | None = None
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, backend: str | None = None) -> "TransformerEncoderLayer":
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)
+        for name, value in layer.__dict__.items():
+            if isinstance(value, (dict, set)):
+                new.__dict__[name] = type(value)(value)
+        new.backend = backend
+        new.layer_fallbacks = 0
+        new.layer_fallback_reasons = {}
+        return new
+
+    def _why_not_jagged(self, src: torch.Tensor) -> str | None:
+        attn = self.self_attn
+        if src.dim() != 3 or src.is_nested:
+            return "input is not a batched 3-D dense tensor"
+        if not attn.batch_first:
+            return "batch_first=False"
+        if attn.in_proj_weight is None or attn.bias_k is not None or attn.add_zero_attn:
+            return "separate q/k/v projections, add_bias_kv or add_zero_attn"
+        if self.training and any(p > 0 for p in (self.dropout.p, self.dropout1.p, self.dropout2.p, attn.dropout)):
+            return "dropout > 0 in training mode"
+        if src.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"dtype {src.dtype}"
+        return None
+
+    def forward(self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
+                src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        why = self._why_not_jagged(src)
+        if why is None:
+            why, lengths, causal = _jagged_masks(src, src_key_padding_mask, src_mask)
+        if why is not None:
+            self.layer_fallbacks += 1
+            self.layer_fallback_reasons[why] = self.layer_fallback_reasons.get(why, 0) + 1
+            return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                                   is_causal=is_causal)
+        x, seq_offsets = _pack(src, lengths, self.backend)
+        max_len = src.shape[1]
+
+        def sa(rows):
+            return self.dropout1(_attention_rows(self.self_attn, rows, seq_offsets, max_len, causal, self.backend))
+
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            x = x + self._ff_block(self.norm2(x))
         else:
-            seq_offsets = F.pad(lengths.cumsum(0), (1, 0))
-            total = int(seq_offsets[-1])
-            rows = padded_to_jagged(x, seq_offsets, total, backend=self.backend)
-        q, k, v = F.linear(rows, self.in_proj_weight, self.in_proj_bias).view(total, 3, heads, head_dim).unbind(1)
-        attn = jagged_attention(q, k, v, seq_offsets, length, kind="softmax", causal=causal, backend=self.backend)
-        out = F.linear(attn.reshape(total, embed_dim), self.out_proj.weight, self.out_proj.bias)
-        if lengths is None:
-            return out.view(batch, length, embed_dim)
-        return jagged_to_padded(out, seq_offsets, length, backend=self.backend)
+            x = self.norm1(x + sa(x))
+            x = self.norm2(x + self._ff_block(x))
+        return _unpack(x, src, lengths, seq_offsets, self.backend)
