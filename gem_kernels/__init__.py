@@ -26,6 +26,17 @@ swap.register, swap.SwapSkip, swap.SwapReport = register, SwapSkip, SwapReport
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # gk.torchrec is imported on first touch only, so `import gem_kernels` never needs TorchRec;
+    # without it, the ImportError says how to install it.
+    if name == "torchrec":
+        import importlib
+
+        return importlib.import_module(".torchrec", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",

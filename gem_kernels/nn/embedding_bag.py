@@ -57,7 +57,7 @@ class FusedEmbeddingBag(nn.Module):
     ``out = ebc(indices, offsets, per_sample_weights=None)``: indices [N] int32/int64 local to their
     table; offsets [T*B+1] (feature-major: bag b of table t is ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``).
     Output [B, sum_t D_t] (tables concatenated in order) for pooling "sum"/"mean", [N, D] for "none"
-    (every table of dim D); ``per_sample_weights`` [N] (sum/none pooling) receive a gradient when they
+    (every table of dim D); ``per_sample_weights`` [N] (any pooling; mean = weighted sum / length) receive a gradient when they
     require one. See ``gem_kernels.ops.embedding_bag.embedding_bag`` for the exact semantics.
 
     ``optimizer=None``: ``self.weights`` is an ``nn.Parameter`` that receives a dense gradient, so any
