@@ -253,7 +253,7 @@ def _dlrm(rank: int, world: int) -> list:
         loss.backward()
         opt.step()
         losses.append(float(loss))
-    return [kernels, losses]
+    return [kernels, losses, module_type.__name__]
 
 
 def _run_jobs(rank: int, world: int, jobs: list) -> dict:
@@ -382,6 +382,9 @@ def test_bad_id_fails_on_every_rank_cpu(runs):
 
 
 def test_torchrec_dlrm_trains_under_dmp_cpu(runs):
-    for kernels, losses in _get(runs["two"], "dlrm"):
+    import gem_kernels as gk
+
+    for kernels, losses, sharded_type in _get(runs["two"], "dlrm"):
         assert kernels and set(kernels) == {"GemBatchedFusedEmbeddingBag"}, kernels
+        assert sharded_type == ("FusedEmbeddingBagCollection" if hasattr(gk, "swap") else "EmbeddingBagCollection")
         assert losses[-1] < losses[0], losses

@@ -322,8 +322,8 @@ class ShardedFusedEmbeddingBagCollection(_BoundsAgreement, ShardedEmbeddingBagCo
     def __init__(self, module, table_name_to_parameter_sharding, env, fused_params=None, device=None,
                  qcomm_codecs_registry=None, module_fqn=None, options: Optional[_GemOptions] = None, **kwargs):
         object.__setattr__(self, "_gem_options", options)
-        super().__init__(module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device,
-                         qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn, **kwargs)
+        super().__init__(_UnshardedView(module), table_name_to_parameter_sharding, env, fused_params=fused_params,
+                         device=device, qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn, **kwargs)
         self._setup_bounds(module.embedding_bag_configs(), options.bounds_check, env)
         _copy_unsharded_weights(self, module)
 
@@ -349,8 +349,8 @@ class ShardedFusedEmbeddingCollection(_BoundsAgreement, ShardedEmbeddingCollecti
     def __init__(self, module, table_name_to_parameter_sharding, env, fused_params=None, device=None,
                  qcomm_codecs_registry=None, module_fqn=None, options: Optional[_GemOptions] = None, **kwargs):
         object.__setattr__(self, "_gem_options", options)
-        super().__init__(module, table_name_to_parameter_sharding, env, fused_params=fused_params, device=device,
-                         qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn, **kwargs)
+        super().__init__(_UnshardedView(module), table_name_to_parameter_sharding, env, fused_params=fused_params,
+                         device=device, qcomm_codecs_registry=qcomm_codecs_registry, module_fqn=module_fqn, **kwargs)
         self._setup_bounds(module.embedding_configs(), options.bounds_check, env)
         _copy_unsharded_weights(self, module)
 
@@ -366,6 +366,19 @@ class ShardedFusedEmbeddingCollection(_BoundsAgreement, ShardedEmbeddingCollecti
     def input_dist(self, ctx, features):
         self._agree_on_ids(features)
         return super().input_dist(ctx, features)
+
+
+class _UnshardedView:
+    """The unsharded collection as TorchRec's sharded-module constructors read it: they ask for
+    ``module.device``, which gem_kernels' collections (one packed buffer) do not define."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+        tensors = list(module.state_dict().values())
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
 
 
 def _copy_unsharded_weights(sharded: nn.Module, module: nn.Module) -> None:
