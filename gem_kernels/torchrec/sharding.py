@@ -377,8 +377,17 @@ class _UnshardedView:
         tensors = list(module.state_dict().values())
         self.device = tensors[0].device if tensors else torch.device("cpu")
 
+    # TorchRec EmbeddingCollection options gem_kernels' collection does not have: their defaults
+    _DEFAULTS = {"use_gather_select": lambda: False, "use_gather_select_per_sharding": lambda: None,
+                 "use_sorted_select": lambda: False}
+
     def __getattr__(self, name: str):
-        return getattr(self._module, name)
+        try:
+            return getattr(self._module, name)
+        except AttributeError:
+            if name in self._DEFAULTS:
+                return self._DEFAULTS[name]
+            raise
 
 
 def _copy_unsharded_weights(sharded: nn.Module, module: nn.Module) -> None:
