@@ -97,7 +97,12 @@ def list_families(names: list[str], quick: bool, device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["distributed"]:  # gloo processes, not in-process cases: its own driver
+        from bench import distributed
+
+        return distributed.main(argv[1:])
+    args = parse_args(argv)
     run_start = time.perf_counter()
     if not args.no_thp:
         # Read by PyTorch's CPU allocator once, at its first allocation: so before importing torch. A
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": timestamp,
         "git_sha": sha,
         "quick": args.quick,
-        "argv": sys.argv[1:] if argv is None else argv,
+        "argv": argv,
         "machine": report.machine_info(device),
         "peaks": peaks,
         "settings": vars(settings),
