@@ -167,6 +167,62 @@ def _train(plan: str, pooling: str, rank: int, world: int) -> dict:
     return {"losses": losses, "state": _local_state(model), "initial": initial, "unsharded_loss": unsharded_loss}
 
 
+class _Sequence(torch.nn.Module):
+    """An EmbeddingCollection (pooling none, the sequence twin) + a linear head on every token."""
+
+    def __init__(self):
+        super().__init__()
+        from torchrec import EmbeddingCollection, EmbeddingConfig
+
+        tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"f{i}"])
+                  for i, rows in enumerate((59, 97, 31))]
+        self.ec = EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+        for table in self.ec.embeddings.values():
+            torch.nn.init.normal_(table.weight)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, features, scale: float):
+        tokens = torch.cat([jt.values() for _, jt in sorted(self.ec(features).items())])
+        return (self.head(tokens) ** 2).sum() * scale
+
+
+def _train_sequence(rank: int, world: int) -> dict:
+    """FusedEmbeddingCollectionSharder, table-wise: the loss is the global mean over tokens (each
+    rank's token sum scaled by W / global tokens, DDP averages), so W = 1 and W = 2 agree."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import gem_kernels as gk
+    from gem_kernels.torchrec.sharding import FusedEmbeddingCollectionSharder, sharding_plan
+
+    torch.manual_seed(0)
+    unsharded = _Sequence()
+    _, lengths, _, _ = _global_batch(0)
+    _, kjt, _ = _local_batch(0, 0, 1)
+    unsharded_loss = float(unsharded(kjt, 1.0 / int(lengths.sum())))
+    torch.manual_seed(0)
+    model = _Sequence()
+    sharder = FusedEmbeddingCollectionSharder(optimizer=gk.optim.ExactSGD(lr=0.5), module_type=EmbeddingCollection)
+    model = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                                     device=torch.device("cpu"), sharders=[sharder],
+                                     plan=sharding_plan(model, [sharder], "table_wise", compute_device="cpu"))
+    opt = _optimizers(model, lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        _, lengths, _, _ = _global_batch(step)
+        _, kjt, _ = _local_batch(step, rank, world)
+        opt.zero_grad()
+        loss = model(kjt, world / int(lengths.sum()))
+        loss.backward()
+        opt.step()
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        losses.append(float(reduced) / world)
+    return {"losses": losses, "state": _local_state(model), "unsharded_loss": unsharded_loss}
+
+
 def _checkpoint_model():
     """Table-wise, row-wise Adagrad on the tables and Adagrad on the dense part: both have state."""
     import gem_kernels as gk
@@ -326,6 +382,7 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dist"))
     ckpt1, ckpt2 = os.path.join(root, "ckpt_world1"), os.path.join(root, "ckpt_world2")
     train = [(f"train/{p}/{q}", "_train", (p, q)) for p, q in CASES]
+    train.append(("train/sequence", "_train_sequence", ()))
     one = _run_here(train + [("save", "_save_checkpoint", (ckpt1,))])
     two = _run_spawned(2, train + [("save", "_save_checkpoint", (ckpt2,)), ("load", "_load_checkpoint", (ckpt1,)),
                                    ("bad_id", "_bad_id", ()), ("dlrm", "_dlrm", ())], os.path.join(root, "w2"))
@@ -365,6 +422,15 @@ def test_two_ranks_equal_one_rank_cpu(runs, plan, pooling):
         for table in ("t0", "t1", "t2"):
             key = f"model.ebc.embedding_bags.{table}.weight"
             assert not torch.equal(state[key], initial[key]), key
+
+
+def test_sequence_two_ranks_equal_one_rank_cpu(runs):
+    """FusedEmbeddingCollectionSharder (pooling none): losses, tables and head after 2 steps."""
+    one, two = _get(runs["one"], "train/sequence"), _get(runs["two"], "train/sequence")
+    torch.testing.assert_close(one[0]["losses"][0], one[0]["unsharded_loss"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(two[0]["losses"], one[0]["losses"], atol=1e-5, rtol=1e-5)
+    _assert_states_equal(_assemble([r["state"] for r in two]), _assemble([r["state"] for r in one]),
+                         atol=1e-5, rtol=1e-5)
 
 
 def test_checkpoint_reshards_one_to_two_cpu(runs):
