@@ -179,11 +179,15 @@ def shard(model: nn.Module, plan: str, device: torch.device):
 
 
 def save(directory, gem: DistributedGem, optimizers, step: int, losses: list) -> None:
+    """DCP checkpoint; the losses saved are the mean over ranks (DCP keeps one copy of a replicated
+    tensor, so every rank must hold the same one)."""
     import torch.distributed.checkpoint as dcp
 
+    mean_losses = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean_losses)
+    mean_losses /= dist.get_world_size()
     dcp.save({"model": gem.dmp.state_dict(), "optim": optimizers[0].state_dict(),
-              "meta": {"step": torch.tensor(step), "losses": torch.tensor(losses, dtype=torch.float64)}},
-             checkpoint_id=str(directory))
+              "meta": {"step": torch.tensor(step), "losses": mean_losses}}, checkpoint_id=str(directory))
 
 
 def load(directory, gem: DistributedGem, optimizers) -> tuple[int, list]:
@@ -219,7 +223,7 @@ def main(args: argparse.Namespace, config_from_args, train, report) -> dict | No
     if rank == 0:
         print(f"distributed: world={world} backend={dist.get_backend()} plan={args.plan} config={args.config} "
               f"global batch={cfg.batch_size} ({local_cfg.batch_size} per rank)", flush=True)
-    resume, args.resume = args.resume, False
+    resume, args.resume, total_steps = args.resume, False, args.steps
     start_losses = None
     if resume:
         start, start_losses = load(checkpoint, gem, optimizers)
@@ -227,6 +231,7 @@ def main(args: argparse.Namespace, config_from_args, train, report) -> dict | No
         args.steps -= start
     args.no_progress = args.no_progress or rank != 0
     run = train(args, gem, optimizers, data)
+    args.steps = total_steps
     if start_losses:
         run["losses"] = start_losses + run["losses"]
     if checkpoint is not None:
