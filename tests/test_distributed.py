@@ -4,7 +4,8 @@ Three process groups are started once for the whole module (each import of torch
 seconds on this machine): 1 rank (the reference runs, and a checkpoint), 2 ranks (the same runs,
 that checkpoint loaded 1 -> 2, a checkpoint of its own, a bad id), 1 rank again (the 2-rank
 checkpoint loaded 2 -> 1). Every start is bounded: the group's gloo timeout is 60 s and the
-parent kills the processes after TIMEOUT_S.
+parent kills the processes after TIMEOUT_S. Test names carry no "cpu": the CUDA-emulation pass of
+scripts/test.sh does not run this module a second time (its processes cost a minute or more).
 """
 
 from __future__ import annotations
@@ -407,7 +408,7 @@ def _assert_states_equal(got: dict, want: dict, **tol) -> None:
 
 
 @pytest.mark.parametrize("plan,pooling", CASES)
-def test_two_ranks_equal_one_rank_cpu(runs, plan, pooling):
+def test_two_ranks_equal_one_rank(runs, plan, pooling):
     """Loss of every step, every updated table and the dense parameters after 2 steps."""
     one, two = _get(runs["one"], f"train/{plan}/{pooling}"), _get(runs["two"], f"train/{plan}/{pooling}")
     assert two[0]["losses"] == two[1]["losses"]
@@ -424,7 +425,7 @@ def test_two_ranks_equal_one_rank_cpu(runs, plan, pooling):
             assert not torch.equal(state[key], initial[key]), key
 
 
-def test_sequence_two_ranks_equal_one_rank_cpu(runs):
+def test_sequence_two_ranks_equal_one_rank(runs):
     """FusedEmbeddingCollectionSharder (pooling none): losses, tables and head after 2 steps."""
     one, two = _get(runs["one"], "train/sequence"), _get(runs["two"], "train/sequence")
     torch.testing.assert_close(one[0]["losses"][0], one[0]["unsharded_loss"], atol=1e-5, rtol=1e-5)
@@ -433,21 +434,21 @@ def test_sequence_two_ranks_equal_one_rank_cpu(runs):
                          atol=1e-5, rtol=1e-5)
 
 
-def test_checkpoint_reshards_one_to_two_cpu(runs):
+def test_checkpoint_reshards_one_to_two(runs):
     _assert_states_equal(_assemble(_get(runs["two"], "load")), _assemble(_get(runs["one"], "save")), atol=0, rtol=0)
 
 
-def test_checkpoint_reshards_two_to_one_cpu(runs):
+def test_checkpoint_reshards_two_to_one(runs):
     _assert_states_equal(_assemble(_get(runs["back"], "load")), _assemble(_get(runs["two"], "save")), atol=0, rtol=0)
 
 
-def test_bad_id_fails_on_every_rank_cpu(runs):
+def test_bad_id_fails_on_every_rank(runs):
     messages = _get(runs["two"], "bad_id")
     assert messages[0] == messages[1], messages
     assert "id 97 of feature 'f1'" in messages[0] and "[0, 97)" in messages[0] and "rank 1" in messages[0], messages
 
 
-def test_torchrec_dlrm_trains_under_dmp_cpu(runs):
+def test_torchrec_dlrm_trains_under_dmp(runs):
     import gem_kernels as gk
 
     for kernels, losses, sharded_type in _get(runs["two"], "dlrm"):
