@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from .._backend import kernel, native_kernels, resolve_backend
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_offsets_values, check_same_device, check_tensor
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
+                         check_same_device, check_tensor)
 from ..reference.embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
@@ -302,8 +303,9 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables} tables, got {offsets.shape[0]}")
     pooling_code = _code("pooling", pooling, POOLING_CODES)
     bounds_code = _code("bounds_check", bounds_check, BOUNDS_CHECK_CODES)
-    if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim < 0:
+    if isinstance(output_dim, bool) or not isinstance(output_dim, int):
         raise ValueError(f"output_dim must be an int >= 0, got {output_dim!r}")
+    check_nonnegative_int("output_dim", output_dim)
     if per_sample_weights is None:
         per_sample_weights = weights.new_empty(0, dtype=torch.float32)
     else:
