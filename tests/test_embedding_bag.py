@@ -26,6 +26,7 @@ from .utils import (
     offsets_from_lengths,
     poison_allocator,
     randn_nonzero,
+    reference_params,
 )
 
 # Odd dims (4, 36, 260, 5) take the generic paths; 32, 64 and 128 the cpu backend's fixed-D ones.
@@ -84,15 +85,21 @@ def functional(module, indices, offsets, psw=None, backend=None, **kw):
 # The reference against an independent oracle: one torch.nn.EmbeddingBag per table.
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
-@pytest.mark.parametrize("with_psw", [False, True])
-def test_reference_matches_nn_embedding_bag(pooling, with_psw):
-    if with_psw and pooling == "mean":
-        pytest.skip("per_sample_weights are sum-only (as in nn.EmbeddingBag)")
-    batch = 5
+@pytest.mark.parametrize("pooling,with_psw", [("sum", False), ("sum", True), ("mean", False)],
+                         ids=["sum", "sum-psw", "mean"])  # per_sample_weights are sum-only in nn.EmbeddingBag
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_reference_matches_nn_embedding_bag(pooling, with_psw, dtype, index_dtype, batch):
+    """The reference, forward and gradients, against one fp32 nn.EmbeddingBag per table holding the
+    same (dtype-rounded) weights; in fp16/bf16 the reference must be that result rounded once (it sums
+    in fp32 and casts back), so the bound is rounding-sized, not the table's."""
     bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode=pooling) for s in MIXED]
-    module = gk.FusedEmbeddingBag.from_embedding_bags(bags, backend="reference")
-    indices, offsets = make_batch(MIXED, batch)
+    with torch.no_grad():
+        for bag in bags:
+            bag.weight.copy_(bag.weight.to(dtype))
+    module = gk.FusedEmbeddingBag.from_embedding_bags([copy.deepcopy(b).to(dtype) for b in bags], backend="reference")
+    indices, offsets = make_batch(MIXED, batch, index_dtype, seed=batch)
     psw = randn_nonzero(indices.numel()).requires_grad_() if with_psw else None
     oracle_psw = psw.detach().clone().requires_grad_() if with_psw else None
     out = module(indices, offsets, psw)
@@ -102,15 +109,27 @@ def test_reference_matches_nn_embedding_bag(pooling, with_psw):
         local = offsets[t * batch:(t + 1) * batch + 1] - lo
         expected.append(bag(indices[lo:hi], local[:-1], oracle_psw[lo:hi] if with_psw else None))
     expected = torch.cat(expected, dim=1)
-    torch.testing.assert_close(out, expected)
-    grad = randn_nonzero(*out.shape)
+    assert out.dtype == dtype
+    _assert_rounded_once(out, expected, dtype)
+    grad = randn_nonzero(*out.shape, dtype=dtype)
     out.backward(grad)
-    expected.backward(grad)
+    expected.backward(grad.float())
     for t, bag in enumerate(bags):
-        torch.testing.assert_close(module.weights.grad[module._weight_offsets[t]:][:bag.weight.numel()],
-                                   bag.weight.grad.flatten())
-    if with_psw:
+        _assert_rounded_once(module.weights.grad[module._weight_offsets[t]:][:bag.weight.numel()],
+                             bag.weight.grad.flatten(), dtype)
+    if with_psw:  # fp32 per_sample_weights: the dot of a grad row with a dtype weight row, in fp32
         torch.testing.assert_close(psw.grad, oracle_psw.grad)
+
+
+def _assert_rounded_once(actual, expected32, dtype):
+    """`actual` (in `dtype`) is the fp32 `expected32` rounded to `dtype`, up to fp32 reassociation."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected32)
+        return
+    # NOTE: a half ulp of each element, plus fp32's reassociation noise (which can tip a rounding).
+    bound = 0.5 * torch.finfo(dtype).eps * expected32.abs() + 1e-5 * (1 + expected32.abs())
+    err = (actual.float() - expected32).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item()} beyond a rounding of the fp32 result"
 
 
 def test_reference_pooling_none_matches_embedding():
@@ -176,7 +195,7 @@ def test_long_bags_with_dropped_indices(device, backend, pooling):
     assert_close(out, expected)
 
 
-@pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("device,backend", reference_params() + _params())
 def test_all_bags_empty_and_zero_batch(device, backend):
     module = gk.FusedEmbeddingBag(MIXED, pooling="mean", device=device, backend=backend)
     offsets = torch.zeros(len(MIXED) * 3 + 1, dtype=torch.int64, device=device)
@@ -253,9 +272,10 @@ def _loop_step(bags, indices, offsets, grad, batch):
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("optimizer,torch_optimizer", [
     (gk.optim.ExactSGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    (gk.optim.ExactSGD(lr=0.05, weight_decay=0.1), lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=0.1)),
     (gk.optim.ExactAdam(lr=0.01, betas=(0.8, 0.95), weight_decay=0.02),
      lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.95), weight_decay=0.02)),
-], ids=["sgd", "adam"])
+], ids=["sgd", "sgd-weight_decay", "adam"])
 def test_fused_optimizer_matches_torch_optim(backend, optimizer, torch_optimizer):
     """With every row touched in every step, the exact sparse update is torch.optim's dense one."""
     if backend not in gk.available_backends():
@@ -273,13 +293,46 @@ def test_fused_optimizer_matches_torch_optim(backend, optimizer, torch_optimizer
         torch.testing.assert_close(module.weight(t).detach(), bag.weight.detach(), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("device,backend", reference_params() + _params())
+def test_bf16_adam_first_update(device, backend):
+    """One ExactAdam step on bf16 weights against torch.optim.Adam in fp32 on the same weights (every
+    row touched). Adam's first update is lr * g / |g| per element, so with |w| <= 0.05 one bf16
+    rounding of a weight (<= 2e-4) is a fiftieth of lr: a first update 5% wrong fails here, where the
+    table's bf16 tolerance (1.6e-2 on weights of magnitude 1) would let any update pass."""
+    dtype, lr, batch = torch.bfloat16, 0.01, 3
+    bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode="sum") for s in MIXED]
+    with torch.no_grad():
+        for bag in bags:
+            bag.weight.uniform_(-0.05, 0.05)
+            bag.weight.copy_(bag.weight.to(dtype))
+    optimizer = gk.optim.ExactAdam(lr=lr, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.02)
+    module = gk.FusedEmbeddingBag.from_embedding_bags([copy.deepcopy(b).to(device=device, dtype=dtype) for b in bags],
+                                                      optimizer=optimizer, backend=backend)
+    indices, offsets = make_batch(MIXED, batch, seed=5, cover_all=True)
+    grad = randn_nonzero(batch, module.output_dim, dtype=dtype)
+    module(indices.to(device), offsets.to(device)).backward(grad.to(device))
+    torch_optimizer = torch.optim.Adam([b.weight for b in bags], lr=lr, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.02)
+    _loop_step(bags, indices, offsets, grad.float(), batch)
+    torch_optimizer.step()
+    for t, bag in enumerate(bags):
+        expected = bag.weight.detach()
+        # NOTE: one ulp of the expected weight: its rounding to bf16, which fp32 reassociation can tip.
+        bound = torch.finfo(dtype).eps * expected.abs() + 1e-7
+        assert bound.max() < 0.05 * lr
+        err = (module.weight(t).detach().float().cpu() - expected).abs()
+        assert bool((err <= bound).all()), f"table {t}: weight off by {err.max().item()} after one step"
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_rowwise_adagrad_matches_loop(backend):
-    """Row-wise Adagrad against a row-by-row loop of FBGEMM's formula, duplicates summed first."""
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_rowwise_adagrad_matches_loop(backend, weight_decay):
+    """Row-wise Adagrad against a row-by-row loop of FBGEMM's formula, duplicates summed first
+    (weight decay added to the row's gradient, L2 as in torch.optim)."""
     if backend not in gk.available_backends():
         pytest.skip(f"{backend} backend unavailable here")
     lr, eps = 0.1, 1e-6
-    bags, module = _bags_and_module(gk.optim.ExactRowwiseAdagrad(lr=lr, eps=eps), backend)
+    bags, module = _bags_and_module(gk.optim.ExactRowwiseAdagrad(lr=lr, eps=eps, weight_decay=weight_decay),
+                                    backend)
     weights = [b.weight.detach().clone() for b in bags]
     state = [torch.zeros(b.num_embeddings) for b in bags]
     for step in range(3):
@@ -292,7 +345,7 @@ def test_rowwise_adagrad_matches_loop(backend):
         for t, bag in enumerate(bags):
             lo, hi = int(offsets[t * 3]), int(offsets[(t + 1) * 3])
             for row in sorted(set(indices[lo:hi].tolist())):
-                g = bag.weight.grad[row]
+                g = bag.weight.grad[row] + weight_decay * weights[t][row]
                 state[t][row] += (g * g).mean()
                 weights[t][row] -= lr * g / (state[t][row].sqrt() + eps)
             with torch.no_grad():
@@ -307,7 +360,7 @@ def test_rowwise_adagrad_matches_loop(backend):
 # Bounds checks and bad input.
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("device,backend", reference_params() + _params())
 @pytest.mark.parametrize("bad", ["rows", -1, 1 << 40], ids=["rows", "negative", "huge"])
 @pytest.mark.parametrize("table", [1, 4], ids=["D36", "D64"])
 def test_bounds_check(device, backend, bad, table):
