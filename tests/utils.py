@@ -132,6 +132,24 @@ def interpreter_rounding_factor(backend: str, device, dtype: torch.dtype) -> int
     return 2 if interpreted and dtype == torch.bfloat16 else 1
 
 
+def assert_rounded_once(actual: torch.Tensor, expected32: torch.Tensor, dtype: torch.dtype,
+                        rounding_factor: int = 1) -> None:
+    """For kernels that accumulate in fp32 and cast once (pooling, scatter-add of rows): `actual` in
+    `dtype` is the fp32 `expected32` rounded to `dtype`, up to fp32 reassociation, element by element.
+    `rounding_factor`: see interpreter_rounding_factor."""
+    expected32 = expected32.detach().float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected32)
+        return
+    # NOTE: half an ulp of each element, plus fp32's reassociation noise (which can tip a rounding).
+    bound = rounding_factor * 0.5 * torch.finfo(dtype).eps * expected32.abs() + 1e-5 * (1 + expected32.abs())
+    err = (actual.detach().float() - expected32).abs()
+    worst = int(torch.argmax(err - bound)) if err.numel() else 0
+    assert bool((err <= bound).all()), (f"max error {err.max().item()} beyond a rounding of the fp32 result "
+                                        f"(worst element {worst}: {actual.flatten()[worst].item()} vs "
+                                        f"{expected32.flatten()[worst].item()})")
+
+
 def rounding_atol(expected: torch.Tensor, dtype: torch.dtype) -> float:
     """FlashAttention's atol, `2 * |(out_ref + 0.3 - 0.3) - out_ref|` in `dtype`: one rounding's
     worth at the magnitude of the values, not a fixed table entry."""
