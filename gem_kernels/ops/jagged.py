@@ -129,7 +129,7 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
     check_nonnegative_int("max_len", max_len)
     if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
         raise ValueError(f"pad_value must be a float, got {type(pad_value).__name__}")
-    name = resolve_backend(backend, values.device)
+    name = resolve_backend(backend, values.device, FAMILY)
     flat = (values.unsqueeze(1) if values.dim() == 1 else values).contiguous()
     padded = jagged_to_padded_op(flat, offsets.contiguous(), max_len, float(pad_value), name)
     return padded.squeeze(-1) if values.dim() == 1 else padded
@@ -161,7 +161,7 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total_len: int
         )
     if total_len is not None:
         check_nonnegative_int("total_len", total_len)
-    name = resolve_backend(backend, padded.device)
+    name = resolve_backend(backend, padded.device, FAMILY)
     flat = (padded.unsqueeze(2) if padded.dim() == 2 else padded).contiguous()
     values = padded_to_jagged_op(flat, offsets.contiguous(), -1 if total_len is None else total_len, name)
     return values.squeeze(-1) if padded.dim() == 2 else values
