@@ -60,7 +60,7 @@ def test_backend_must_match_device():
         with pytest.raises(gk.BackendUnavailableError, match="CUDA tensors"):
             gk.jagged_to_padded(values, offsets, 4, backend="cuda")
     with pytest.raises(gk.BackendUnavailableError):
-        _backend.resolve_backend("cpu", torch.device("cuda"))
+        _backend.resolve_backend("cpu", torch.device("cuda"), "jagged")
 
 
 def test_auto_resolution():
