@@ -51,3 +51,15 @@ def test_cuda_mode_records_syncs():
         x.sum().item()
         x * 2
     assert syncs.count == 1
+
+
+def test_optimizer_step_counters_are_not_syncs():
+    """Adam keeps `step` on the CPU even for GPU parameters (capturable=False): its .item() is free."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    with SyncCounter("cpu") as syncs:
+        p.grad = torch.ones(3)
+        opt.step()
+    assert syncs.count == 0, dict(syncs.where)

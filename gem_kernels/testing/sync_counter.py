@@ -8,7 +8,8 @@ CUDA tensors:
   - reading a value: ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)`` (aten._local_scalar_dense),
     ``torch.equal``, ``.tolist()``, ``.cpu()``, ``.numpy()``;
   - an output whose size depends on the data: ``nonzero``, ``masked_select``, ``unique``,
-    ``repeat_interleave`` without ``output_size``, boolean-mask indexing.
+    ``repeat_interleave`` without ``output_size``, boolean-mask indexing;
+  but not torch.optim's reads of its step counters, which stay on the CPU next to GPU parameters.
 It watches every ATen op through a TorchDispatchMode, and steps into gem_kernels' Python custom ops
 (whose bodies a dispatch mode would otherwise treat as one opaque call) so their checks count too.
 Syncs inside C++ launchers are invisible to it; the GPU mode sees them.
@@ -66,7 +67,7 @@ class _DispatchCounter(TorchDispatchMode):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
                 kind = "bool_index"
-        if kind is not None:
+        if kind is not None and not _from_host_state():
             self.counter._add(kind, func.name())
         opdef = OPDEFS.get(func.name().split(".")[0]) if func.namespace == "gem_kernels" else None
         if opdef is not None:
@@ -75,6 +76,17 @@ class _DispatchCounter(TorchDispatchMode):
             with self:
                 return impl(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _from_host_state() -> bool:
+    """Whether torch.optim is reading its own step counter: those live on the CPU whatever the
+    parameters' device (capturable=False, the default), so reading them never waits for a GPU."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("torch.optim"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _device_type(args) -> str | None:
