@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import kernel, native_kernels, resolve_backend
+from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
                          check_same_device, check_tensor)
 from ..reference.embedding_bag import (
@@ -34,8 +34,7 @@ from ..reference.embedding_bag import (
 )
 
 FAMILY = "embedding_bag"
-# The backends this family has kernels for (resolve_backend refuses the others by name).
-IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
@@ -341,7 +340,7 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         if momentum2.shape[0] != need2:
             raise ValueError(f"momentum2 must have {need2} elements for {optimizer.name}, got {momentum2.shape[0]}")
         check_same_device(weights=weights, momentum1=momentum1, momentum2=momentum2, step=step)
-    name = resolve_backend(backend, weights.device, IMPLEMENTED)
+    name = resolve_backend(backend, weights.device, FAMILY)
     return embedding_bag_op(weights, momentum1, momentum2, step, weights_offsets.contiguous(), D_offsets.contiguous(),
                             rows_offsets.contiguous(), indices.contiguous(), offsets.contiguous(),
                             per_sample_weights.contiguous(), output_dim, pooling_code, bounds_code, opt_code, *hyper,
