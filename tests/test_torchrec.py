@@ -214,17 +214,19 @@ def test_ebc_torch_compile_fullgraph():
     eager = FusedEmbeddingBagCollection(bag_tables(), is_weighted=True, optimizer=optimizer, backend=BACKEND)
     compiled_module = FusedEmbeddingBagCollection(bag_tables(), is_weighted=True, optimizer=optimizer, backend=BACKEND)
     compiled_module.load_state_dict(eager.state_dict())
+    before = eager.weights.detach().clone()
 
     compiled = torch.compile(compiled_module, fullgraph=True, backend="aot_eager")
-    for seed in range(2):
-        kjt = make_kjt(["a", "b", "c"], 5, 4, seed=seed, weighted=True)
-        out, expected = compiled(kjt), eager(kjt)
-        assert out.keys() == expected.keys()
-        torch.testing.assert_close(out.values(), expected.values())
-        out.values().square().sum().backward()
-        expected.values().square().sum().backward()
-        torch.testing.assert_close(compiled_module.weights, eager.weights)
-        torch.testing.assert_close(compiled_module.momentum1, eager.momentum1)
+    # One call: a second batch shape recompiles (dynamic shapes), tens of seconds on this CPU.
+    kjt = make_kjt(["a", "b", "c"], 5, 4, seed=0, weighted=True)
+    out, expected = compiled(kjt), eager(kjt)
+    assert out.keys() == expected.keys()
+    torch.testing.assert_close(out.values(), expected.values())
+    out.values().square().sum().backward()
+    expected.values().square().sum().backward()
+    assert int(compiled_module.step) == 1 and not torch.equal(eager.weights.detach(), before)
+    torch.testing.assert_close(compiled_module.weights, eager.weights)
+    torch.testing.assert_close(compiled_module.momentum1, eager.momentum1)
 
 
 def test_ebc_bad_id_names_feature_and_table():
