@@ -148,12 +148,13 @@ def evaluate(model: GemModel, batches: list[Batch], amp_dtype: torch.dtype | Non
 
 def save_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer], step: int,
                     losses: list[float]) -> Path:
-    """model.state_dict() (parameters and the fused tables' optimizer state), every optimizer's
-    state_dict, the next step and the losses so far."""
+    """model.state_dict(), the fused collections' in-backward optimizer state, every (dense, eager
+    sparse) optimizer's state_dict, the next step and the losses so far."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_FILE
     torch.save({"step": step, "kernels": model.kernels, "config": dataclasses.asdict(model.cfg),
-                "model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
+                "model": model.state_dict(), "fused_optimizers": model.fused_optimizer_state_dict(),
+                "optimizers": [o.state_dict() for o in optimizers],
                 "losses": losses}, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
     return path
@@ -166,6 +167,7 @@ def load_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.opt
         raise ValueError(f"checkpoint {directory} is of kernels={state['kernels']!r} and another config; "
                          f"this run is kernels={model.kernels!r}")
     model.load_state_dict(state["model"])
+    model.load_fused_optimizer_state_dict(state["fused_optimizers"])
     if len(state["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this model {len(optimizers)}")
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
