@@ -449,6 +449,103 @@ def test_time_buckets_over_a_wide_range(device, backend):
     _check_against_reference(inputs, backend, torch.float32)
 
 
+# ------------------------------------------------------------------------------------------------
+# query_timestamps: generative-recommenders' next-item time bias
+# ------------------------------------------------------------------------------------------------
+
+def _gr_batch(lengths, max_seq_len, num_buckets, seed=0, H=2, D=4, Dv=3):
+    """Jagged q, k, v and GR-style padded timestamps [B, N] (increasing, 0 past each end), N = max_seq_len."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = offsets_from_lengths(lengths)
+    n_rows = int(sum(lengths))
+    ts = torch.zeros(len(lengths), max_seq_len, dtype=torch.int64)
+    for b, L in enumerate(lengths):
+        gaps = torch.randint(1, 3000, (L,), generator=g) ** 2 // 100  # dt from 0 to ~9e4: buckets 0..37
+        ts[b, :L] = 10**6 + torch.cumsum(gaps, 0)
+    qkv = [torch.randn(n_rows, H, d, generator=g).requires_grad_(True) for d in (D, D, Dv)]
+    pos_w = (0.5 * torch.randn(2 * max_seq_len - 1, generator=g)).requires_grad_(True)
+    ts_w = (0.5 * torch.randn(num_buckets + 1, generator=g)).requires_grad_(True)
+    return qkv, offsets, ts, pos_w, ts_w
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(IMPLEMENTED))
+@pytest.mark.parametrize("kind", ["hstu", "softmax"])
+def test_query_timestamps_reproduce_gr_relative_bucketed_time_bias(device, backend, kind):
+    """jagged_attention with query_timestamps = the next item's timestamp (GR's padded "next", see
+    reference/gr_relative_bias.py) and GR's bias tables is GR's attention with its
+    RelativeBucketedTimeAndPositionBasedBias: output and the gradients of q, k, v and both tables."""
+    from gem_kernels.reference import gr_relative_bias as gr
+
+    lengths, max_seq_len, num_buckets = [5, 0, 7, 1], 7, 20  # one full-length sequence: its last row repeats
+    (q, k, v), offsets, ts, pos_w, ts_w = _gr_batch(lengths, max_seq_len, num_buckets)
+    seq_ids, pos = ref._pad(q.detach(), offsets, max_seq_len)[1]
+    next_ts = gr.next_timestamps(ts)
+    # The two bucketings (GR's fp32 log, the kernels' fp64 one) agree on every pair of this data.
+    dt = next_ts.unsqueeze(2) - ts.unsqueeze(1)
+    assert torch.equal(gr.gr_bucketize(dt).clamp(0, num_buckets), ref.time_buckets(dt, num_buckets))
+
+    bias = gr.relative_bucketed_time_and_position_bias(ts, pos_w, ts_w)
+    padded = [ref._pad(x, offsets, max_seq_len)[0] for x in (q, k, v)]
+    expected = gr.padded_attention_with_bias(*padded, bias, offsets.diff(), kind)[seq_ids, pos]
+
+    def to_dev(x):
+        return x.detach().to(device).requires_grad_(x.requires_grad)
+
+    leaves_dev = [to_dev(x) for x in (q, k, v, pos_w, ts_w)]
+    qd, kd, vd, pos_d, ts_d = leaves_dev
+    common = dict(kind=kind, causal=True, scale=1.0, pos_bias=pos_d.unsqueeze(0), time_bias=ts_d.unsqueeze(0),
+                  timestamps=ts[seq_ids, pos].to(device), backend=backend)
+    out = gk.jagged_attention(qd, kd, vd, offsets.to(device), max_seq_len,
+                              query_timestamps=next_ts[seq_ids, pos].to(device), **common)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    got = torch.autograd.grad(out, leaves_dev, grad_out.to(device))
+    exp = torch.autograd.grad(expected, [q, k, v, pos_w, ts_w], grad_out)
+    for name, a, b in zip(("q", "k", "v", "pos_w", "ts_w"), got, exp):
+        torch.testing.assert_close(a.cpu(), b, atol=2e-5, rtol=2e-5, msg=name)
+    # The default (query_timestamps = timestamps, bucket(t_i - t_j)) is another bias: the test can tell.
+    plain = gk.jagged_attention(qd, kd, vd, offsets.to(device), max_seq_len, **common)
+    assert (plain.detach().cpu() - expected.detach()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(IMPLEMENTED))
+def test_query_timestamps_default_and_explicit_equal(device, backend):
+    """query_timestamps=timestamps is the default, bit for bit, forward and backward."""
+    inputs = make_inputs([6, 0, 9], device=device, time_heads=2, pos_heads=1)
+    out, grads = run(inputs, backend)
+    out2, grads2 = run(dict(inputs, query_timestamps=inputs["timestamps"].clone()), backend)
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_query_timestamps_match_reference(device, backend, kind):
+    """Arbitrary query_timestamps (not sorted, int32, per-head and shared tables) against the reference."""
+    inputs = make_inputs([7, 0, 12, 1], device=device, time_heads=2, pos_heads=1, targets=[2, 0, 3, 0])
+    g = torch.Generator().manual_seed(4)
+    inputs["query_timestamps"] = (torch.randint(0, 40, (20,), generator=g) ** 2).int().to(device)
+    _check_against_reference(inputs, backend, torch.float32, kind=kind, contextual_len=1)
+
+
+def test_modules_pass_query_timestamps():
+    """HSTULayer and JaggedMultiheadAttention forward query_timestamps to the op (other result than the default)."""
+    g = torch.Generator().manual_seed(0)
+    offsets = offsets_from_lengths([4, 6])
+    x = torch.randn(10, 8, generator=g)
+    ts = torch.randint(0, 10**5, (10,), generator=g).sort().values
+    next_ts = torch.cat([ts[1:], ts[-1:]])
+    for module in (gk.nn.HSTULayer(8, 2, 4, 4, max_seq_len=6, num_time_buckets=40),
+                   gk.nn.JaggedMultiheadAttention(8, 2, max_seq_len=6, num_time_buckets=40)):
+        with torch.no_grad():
+            module.bias.time_bias.normal_(generator=g)
+        y0 = module(x, offsets, 6, timestamps=ts)
+        y1 = module(x, offsets, 6, timestamps=ts, query_timestamps=next_ts)
+        assert not torch.allclose(y0, y1)
+        torch.testing.assert_close(module(x, offsets, 6, timestamps=ts, query_timestamps=ts), y0)
+
+
 # Short cases for the Triton interpreter: every option, multi-tile (L = 70 > BLOCK 64) and edge sizes.
 TRITON_CASES = [
     ([5, 0, 70, 1], {}, {}),
@@ -528,6 +625,13 @@ BAD = [
     (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(4, dtype=torch.long)), "timestamps must have N = 5"),
     (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5)), "timestamps must have dtype"),
     (_bad(deterministic="yes"), "deterministic must be a bool"),
+    (_bad(query_timestamps=torch.ones(5, dtype=torch.long)), "query_timestamps is only used by the time bias"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5, dtype=torch.long),
+          query_timestamps=torch.ones(4, dtype=torch.long)), "query_timestamps must have N = 5"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5, dtype=torch.long), query_timestamps=torch.ones(5)),
+     "query_timestamps must have dtype"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5, dtype=torch.long),
+          query_timestamps=torch.ones(5, 1, dtype=torch.long)), "query_timestamps must have 1 dim"),
 ]
 
 
@@ -544,6 +648,10 @@ def test_device_mismatch_is_value_error():
     with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
         gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2, device="meta"), torch.ones(3, 1, 2),
                             torch.tensor([0, 3]), 3)
+    with pytest.raises(ValueError, match="query_timestamps is on meta but q is on cpu"):
+        gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 3]), 3,
+                            time_bias=torch.ones(1, 3), timestamps=torch.ones(3, dtype=torch.long),
+                            query_timestamps=torch.ones(3, dtype=torch.long, device="meta"))
 
 
 def test_unavailable_backend_is_reported():
@@ -561,8 +669,11 @@ def test_unavailable_backend_is_reported():
 def _op_args(kind, with_bias, device="cpu"):
     inputs = make_inputs([3, 0, 5, 1], H=2, D=4, Dv=3, pos_heads=2 if with_bias else None,
                          time_heads=1 if with_bias else None, targets=[1, 0, 2, 0], device=device)
+    # With the time bias, query_timestamps differ from timestamps (the reversed rows).
+    query_timestamps = inputs["timestamps"].flip(0) if with_bias else None
     return (inputs["q"], inputs["k"], inputs["v"], inputs["seq_offsets"], 5, kind, True, 0.5,
-            inputs["num_targets"], 1, 3, inputs.get("pos_bias"), inputs.get("time_bias"), inputs.get("timestamps"))
+            inputs["num_targets"], 1, 3, inputs.get("pos_bias"), inputs.get("time_bias"), inputs.get("timestamps"),
+            query_timestamps)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
