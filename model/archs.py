@@ -13,7 +13,6 @@ gk.swap converts each eager leaf into its fused twin (converters registered belo
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -28,9 +27,6 @@ from .config import GemConfig
 from .data import Batch, sparse_feature_names
 
 KERNELS = ("eager", "fused")
-# HSTULayer.forward takes query_timestamps once the attention op has them (generative-recommenders'
-# time bias: bucket(ts of the query's next item - ts of the key)).
-HSTU_QUERY_TIMESTAMPS = "query_timestamps" in inspect.signature(HSTULayer.forward).parameters
 
 
 def check_kernels(kernels: str) -> None:
@@ -283,7 +279,8 @@ class SequenceArch(nn.Module):
 
     Contextual tokens (InterFormer): Linear([dense_out, pooled sparse tokens]) -> contextual_len
     tokens of width D, prepended to each history. Items and actions are embedded together, then
-    num_hstu_layers gk.nn.HSTULayer with relative position and log-time bias; the candidates are the
+    num_hstu_layers gk.nn.HSTULayer with relative position and log-time bias (generative-recommenders'
+    convention: bucket(timestamp of the query's next item - timestamp of the key)); the candidates are the
     targets (num_targets = K_b), so each sees the history and itself, never another candidate.
     use_sequence=False: a candidate's token is its own (item + action) embedding.
     """
@@ -320,10 +317,9 @@ class SequenceArch(nn.Module):
             rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
         source = torch.cat(rows)
         x = source.new_zeros(layout.total, dim).index_copy(0, layout.rows, source)
-        extra = dict(query_timestamps=layout.query_timestamps) if HSTU_QUERY_TIMESTAMPS else {}
         for layer in self.layers:
             x = layer(x, layout.seq_offsets, self.max_len, num_targets=layout.num_targets,
-                      timestamps=layout.timestamps, **extra)
+                      timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
         return self.norm(x[layout.candidate_rows])
 
 
