@@ -232,7 +232,8 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
             bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{data.batch_size / elapsed_ms * 1e3:.0f}")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             auc_history.append({"step": step + 1, **evaluate(model, held_out, amp_dtype)})
-            bar.write(f"step {step + 1}: held-out AUC {auc_history[-1]}") if hasattr(bar, "write") else None
+            print(f"step {step + 1}: held-out AUC " + ", ".join(f"{task} {auc_history[-1][task]:.4f}"
+                                                              for task in model.cfg.task_names), file=sys.stderr)
         if args.checkpoint is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(args.checkpoint, model, optimizers, step + 1, losses)
     if args.checkpoint is not None:
