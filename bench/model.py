@@ -39,7 +39,15 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     data = SyntheticBatches(cfg, batch_size, seed=0)
     batches = [data[i].to(device) for i in range(2 if quick else 3)]
     impls, notes = {}, []
-    for impl in IMPLS:
+    names = IMPLS
+    if device.type == "cpu":
+        # Measured 2026-12-04 on the 2-core dev VM under load: inductor took 533 s to compile the
+        # fused small model's arches (first step), far past the family's budget; the compiled step
+        # is measured with `python -m model.train --compile` instead.
+        names = tuple(n for n in IMPLS if n != "fused+compile")
+        notes.append("fused+compile not run on the CPU: inductor's compile of the model (~9 min here) exceeds the "
+                     "bench budget; see `python -m model.train --config small --compile`")
+    for impl in names:
         kernels = "eager" if impl == "eager" else "fused"
         model = GemModel(cfg, kernels=kernels, seed=0).to(device)
         if impl == "fused+compile":
