@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--distributed", action="store_true",
+                        help="under torchrun: TorchRec DMP, tables sharded by the gem_kernels sharders, the rest "
+                             "data-parallel; gloo on CPU, NCCL on GPU (model/distributed.py)")
+    parser.add_argument("--plan", choices=("table_wise", "column_wise", "auto"), default="auto",
+                        help="--distributed: how the tables are placed (auto: TorchRec's planner)")
     args = parser.parse_args(argv)
     for name in ("steps", "eval_batches"):
         if getattr(args, name) < 1:
@@ -286,13 +291,20 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    cfg, model, optimizers = build(args)
-    data = SyntheticBatches(cfg, cfg.batch_size, seed=args.seed)
-    print(f"config={args.config} kernels={args.kernels} interaction={cfg.interaction} amp={args.amp} "
-          f"compile={args.compile} device={args.device} batch_size={cfg.batch_size} steps={args.steps} "
-          f"params={sum(p.numel() for p in model.parameters()):,}", flush=True)
-    run = train(args, model, optimizers, data)
-    result = report(args, cfg, model, run)
+    if args.distributed:
+        from .distributed import main as distributed_main
+
+        result = distributed_main(args, config_from_args, train, report)
+        if result is None:  # ranks other than 0 report nothing
+            return None
+    else:
+        cfg, model, optimizers = build(args)
+        data = SyntheticBatches(cfg, cfg.batch_size, seed=args.seed)
+        print(f"config={args.config} kernels={args.kernels} interaction={cfg.interaction} amp={args.amp} "
+              f"compile={args.compile} device={args.device} batch_size={cfg.batch_size} steps={args.steps} "
+              f"params={sum(p.numel() for p in model.parameters()):,}", flush=True)
+        run = train(args, model, optimizers, data)
+        result = report(args, cfg, model, run)
     comps = ", ".join(f"{k} {v:.2f}" for k, v in result["components_ms"].items() if v is not None)
     print(f"loss {result['loss_first']:.4f} -> {result['loss_last']:.4f}; held-out AUC "
           + ", ".join(f"{k} {v:.4f}" for k, v in result["auc"].items()))

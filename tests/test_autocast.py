@@ -13,7 +13,7 @@ import torch
 
 import gem_kernels as gk
 
-from .utils import device_backend_params, offsets_from_lengths
+from .utils import device_backend_params, offsets_from_lengths, reference_params
 
 
 def _leaf(*shape, device, scale=1.0, seed=0):
@@ -54,10 +54,13 @@ def _cases(device):
     }
 
 
+# Not a comparison with the reference: each backend under autocast against itself on cast operands,
+# so the reference backend runs here too.
+_PAIRS = reference_params() + device_backend_params()
 AMP_PARAMS = [pytest.param(d, b, torch.bfloat16, marks=p.marks, id=f"{p.id}-bf16")
-              for p in device_backend_params() for d, b in [p.values]]
+              for p in _PAIRS for d, b in [p.values]]
 AMP_PARAMS += [pytest.param(d, b, torch.float16, marks=p.marks, id=f"{p.id}-fp16")
-               for p in device_backend_params() for d, b in [p.values] if d == "cuda"]
+               for p in _PAIRS for d, b in [p.values] if d == "cuda"]
 
 
 @pytest.mark.parametrize("device,backend,amp_dtype", AMP_PARAMS)

@@ -62,7 +62,7 @@ void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha
 }
 
 // exp via 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain float arithmetic so
-// the loops that call it auto-vectorise (std::exp does not). x < -87 gives ~1e-38, x > 88 gives +inf
+// the loops that call it auto-vectorise (std::exp does not). x < -87 gives 0, x > 88 gives +inf
 // (HSTU's sigmoid takes exp(-s) of any score), NaN gives NaN.
 inline float fast_exp(float x) {
   const float in = x;
@@ -81,7 +81,9 @@ inline float fast_exp(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const float y = p * scale;
-  return in > 88.0f ? std::numeric_limits<float>::infinity() : (in != in ? in : y);
+  // Selects, not branches (the callers' loops stay vectorised); below -87 (< 1.7e-38) exactly 0, so
+  // that exp(-inf) is 0.
+  return in > 88.0f ? std::numeric_limits<float>::infinity() : (in < -87.0f ? 0.0f : (in != in ? in : y));
 }
 
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
@@ -583,7 +585,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
           float* prow = pr + r * kBlockN;
           float* drow = dpt + r * kBlockN;  // dP in, dS out
           if (p.softmax) {
-            const float l = lp[(seq.start + i0 + r) * H + h];
+            // lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+            const float l0 = lp[(seq.start + i0 + r) * H + h];
+            const float l = l0 == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l0;
             const float dl = ws.delta[i0 + r];
             for (int64_t c = 0; c < bn; ++c) {
               const bool on = tile_kind == 2 || vis[c];

@@ -288,7 +288,9 @@ __device__ __forceinline__ void load_row_stats(float* row_lse, float* row_delta,
                                                int64_t row0, int64_t bm, int64_t H, int64_t h) {
   if (threadIdx.x < kBlockM) {
     const int r = threadIdx.x;
-    row_lse[r] = r < bm ? lse[(row0 + r) * H + h] : 0.0f;
+    // lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+    const float l = r < bm ? lse[(row0 + r) * H + h] : 0.0f;
+    row_lse[r] = l == -INFINITY ? INFINITY : l;
     row_delta[r] = r < bm ? delta[(row0 + r) * H + h] : 0.0f;
   }
 }

@@ -72,7 +72,7 @@ class JaggedMultiheadAttention(nn.Module):
                                 timestamps=timestamps if self.bias.time_bias is not None else None,
                                 query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
                                 backend=self.backend)
-        return self.out(attn.reshape(x.shape[0], -1))
+        return self.out(attn.reshape(x.shape[0], self.num_heads * self.head_dim))  # not -1: N may be 0
 
 
 class HSTULayer(nn.Module):

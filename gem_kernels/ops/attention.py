@@ -12,7 +12,7 @@ import struct
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
-from .._backend import get_backend, kernel, resolve_backend, unavailable_reason
+from .._backend import FAMILIES, kernel, resolve_backend
 from .._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -25,13 +25,8 @@ from .._validate import (
 
 FAMILY = "attention"
 KINDS = ("softmax", "hstu")
-# The backends this family has, each with forward and backward.
-IMPLEMENTED = ("reference", "cpu", "triton", "cuda")
-# `auto` on CUDA tensors takes triton before cuda (the other families' order is cuda > triton): triton's
-# tiles run on the tensor cores (tl.dot, bf16/fp16/tf32 operands), the cuda kernels are plain fp32
-# CUDA-core loops, so triton is the faster-expected path at every shape; cuda runs when named, or
-# under `auto` when triton is missing.
-AUTO_CUDA_FIRST = "triton"
+# Backends and `auto`'s preference (triton before cuda on CUDA tensors, and why): _backend.FAMILIES.
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
@@ -303,11 +298,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
             raise ValueError(f"query_timestamps must have N = {q.shape[0]} elements, got shape "
                              f"{tuple(query_timestamps.shape)}")
         query_timestamps = query_timestamps.contiguous()
-    requested = get_backend() if backend is None else backend
-    if requested == "auto" and q.device.type == "cuda" and unavailable_reason(AUTO_CUDA_FIRST) is None:
-        name = AUTO_CUDA_FIRST
-    else:
-        name = resolve_backend(backend, q.device, IMPLEMENTED)
+    name = resolve_backend(backend, q.device, FAMILY)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
                                         max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
                                         max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,

@@ -228,6 +228,8 @@ def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht, 
                         MAX_BUCKETS, PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION).to(tl.float32)
     if SOFTMAX:
+        # lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
         # Selected, not multiplied: dp of an invisible pair may be inf or NaN (an infinite v).
         p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
         ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
