@@ -57,7 +57,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         initial_fused = model.fused_optimizer_state_dict()
         optimizers, timer, split = model.make_optimizers(), PhaseTimer(device), []
-        for i in range(3 if quick else 5):
+        for i in range(2 if quick else 3):
             float(train_step(model, batches[i % len(batches)], optimizers, amp, timer))
             split.append(timer.read())
         medians = {phase: statistics.median(s[phase] for s in split[1:]) for phase in split[0]}
