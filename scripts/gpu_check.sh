@@ -56,6 +56,8 @@ log "bench rc=$? in $(( $(date +%s) - start ))s"
 # gk.swap on the GPU (issue 14): swapped DLRM (fused EBC, dot interaction) and TransformerEncoder, quick sizes.
 timeout -s INT -k 5 60 "$PY" -m bench swap --device cuda --quick --out /tmp/gk_swap_bench >> "$OUT/summary.txt" 2>&1; log "swap bench rc=$?"
 
+# The model (issue 15): a short `large` fused bf16 training run, JSON (step_ms, components_ms, mfu, mfu_vendor) into the summary.
+timeout -s INT -k 5 90 "$PY" -m model.train --config large --kernels fused --amp bf16 --steps 12 --warmup 4 --eval-batches 1 --no-progress --json /tmp/gk_model_large.json >> "$OUT/summary.txt" 2>&1; log "model large bf16 rc=$?"; cat /tmp/gk_model_large.json 2>/dev/null | head -c 1500 >> "$OUT/summary.txt"
 # Issue 16: model.train --distributed on NCCL, one rank (DMP + gem_kernels sharders on the GPU; plan auto).
 timeout -s INT -k 10 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m model.train --config tiny --distributed --steps 8 --no-progress --device cuda >> "$OUT/summary.txt" 2>&1; log "distributed (NCCL, 1 rank) rc=$?"
 
