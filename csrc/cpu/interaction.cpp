@@ -363,9 +363,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
   GK_CHECK_DIM(x0, 2);
   TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
   const int64_t B = x0.size(0), N = x0.size(1);
-  const bool low_rank = v.numel() > 0;
+  // Low rank is told by v's shape: full rank passes an empty 1-D v, and a low-rank v [r, N] is
+  // itself empty when N = 0.
+  const bool low_rank = v.dim() == 2;
+  TORCH_CHECK(low_rank || v.numel() == 0, "v must be [r, N] (low rank) or an empty 1-D tensor (full rank)");
   TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank || u.size(1) == N), "u must be [N, N] or [N, r]");
-  TORCH_CHECK(!low_rank || (v.dim() == 2 && v.size(0) == u.size(1) && v.size(1) == N), "v must be [r, N]");
+  TORCH_CHECK(!low_rank || (v.size(0) == u.size(1) && v.size(1) == N), "v must be [r, N]");
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
@@ -395,7 +398,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
               "grad_out, xl and z must have x0's shape");
   const int64_t B = x0.size(0), N = x0.size(1);
-  const bool low_rank = v.numel() > 0;
+  const bool low_rank = v.dim() == 2;  // as in the forward
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank ? v.size(0) == u.size(1) && v.size(1) == N
+                                                          : v.numel() == 0 && u.size(1) == N),
+              "u and v must be ([N, N], empty) or ([N, r], [r, N])");
+  TORCH_CHECK(!low_rank || (p.dim() == 2 && p.size(0) == B && p.size(1) == u.size(1)), "p must be [B, r]");
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
   // Column sums of grad_z over fixed row chunks (deterministic), in fp32.

@@ -237,11 +237,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cuda(const at::Tensor
   GK_CHECK_DIM(x0, 2);
   TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) == x0.size(1), "bias must be [in_features]");
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == x0.size(1), "u must be [in_features, rank or in_features]");
-  TORCH_CHECK(v.numel() == 0 || (v.dim() == 2 && v.size(0) == u.size(1) && v.size(1) == x0.size(1)),
-              "v must be empty or [rank, in_features]");
+  // Low rank is told by v's shape: full rank passes an empty 1-D v, and a low-rank v [r, N] is
+  // itself empty when N = 0.
+  const bool low_rank = v.dim() == 2;
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == x0.size(1) && (low_rank || u.size(1) == x0.size(1)),
+              "u must be [in_features, rank or in_features]");
+  TORCH_CHECK(low_rank ? v.size(0) == u.size(1) && v.size(1) == x0.size(1) : v.numel() == 0,
+              "v must be an empty 1-D tensor or [rank, in_features]");
   const c10::cuda::CUDAGuard guard(x0.device());
-  const bool low_rank = v.numel() > 0;
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
   auto out = at::empty_like(xl);
@@ -265,6 +268,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   GK_CHECK_DIM(x0, 2);
   TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
               "grad_out, xl and z must have x0's shape");
+  const bool low_rank = v.dim() == 2;  // as in the forward
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == x0.size(1) &&
+                  (low_rank ? v.size(0) == u.size(1) && v.size(1) == x0.size(1) : v.numel() == 0 && u.size(1) == x0.size(1)),
+              "u and v must be ([N, N], empty) or ([N, r], [r, N])");
+  TORCH_CHECK(!low_rank || (p.dim() == 2 && p.size(0) == x0.size(0) && p.size(1) == u.size(1)), "p must be [B, r]");
   const c10::cuda::CUDAGuard guard(x0.device());
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
@@ -280,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   }
   auto grad_bias = grad_z.sum(0, /*keepdim=*/false, at::kFloat).to(x0.scalar_type());
   at::Tensor grad_u, grad_v, grad_xl;
-  if (v.numel() > 0) {
+  if (low_rank) {
     grad_u = at::mm(grad_z.t(), p);
     auto grad_p = at::mm(grad_z, u);
     grad_v = at::mm(grad_p.t(), xl);
