@@ -3,8 +3,8 @@
 #   builds gem_kernels._C for sm_90a, runs the CUDA and Triton tests, runs the GPU bench, and writes
 #   everything under $OUT (default ./gpu_out). Uses the machine's own python3 (no network there).
 # Usage (device tool):  bash scripts/gpu_check.sh            (timeout_s 600: the steps' own timeouts,
-#   build 240 s, tests 140 s, bench 170 s, attention tiles 40 s, add up to 590 s; a build that
-#   finishes early leaves slack)
+#   build 240 s, tests 140 s, fuzz 90 s, bench 170 s, attention tiles 40 s, add up to 680 s; the
+#   build took about 60 s on the H200 (main, 2026-12-04), which leaves the slack)
 # The machine's python3 had torch 2.11.0+cu130, triton 3.6.0, numpy 2.5 (KINDS.md, 2026-11). Checked
 # on the CPU against those versions (2026-12-03): the CPU + CUDA (sm_80, sm_90a) build links; the
 # suite gave 1508 passed, 6 failed, all 6 in Triton 3.6's *interpreter* (not used on a GPU), whose
@@ -44,6 +44,13 @@ timeout -s INT -k 20 140 "$PY" -m pytest tests -q --maxfail=30 -m "gpu or triton
 rc=$?
 summary=$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -n 1)
 log "tests rc=$rc in $(( $(date +%s) - start ))s (${XDIST[*]:-serial}): ${summary:-no summary line, see tests.log}"
+
+# Issue 19: the bad-input fuzz on the cuda and triton backends (forked children; counts per outcome
+# class into the summary) and the edge-value tests on the GPU.
+timeout -s INT -k 10 90 "$PY" -m pytest tests/test_fuzz.py tests/test_edge_values.py -q -k "cuda" -p no:cacheprovider \
+  2>&1 | grep -E "^fuzz |passed|failed|^E +(crash|hang|garbage|unclear_error|rejected_valid|accepted_bad)" | head -40 \
+  | tee -a "$OUT/summary.txt" > /dev/null
+log "fuzz + edge values done"
 
 log "bench (GPU)"
 start=$(date +%s)
