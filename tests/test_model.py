@@ -320,15 +320,34 @@ def test_flops_per_step_wukong_counts_its_layers():
     assert wukong.flops_per_step(batch) - dot.flops_per_step(batch) == expected
 
 
-def test_flops_per_step():
+@pytest.mark.parametrize("length", [0, 6])
+def test_flops_per_step(length):
+    """The analytic count against torch's FlopCounterMode on the eager forward (an independent count
+    of every matmul the step runs). Every history has the same length (no padding), SDPA runs its
+    math path (so its two matmuls are counted), and the two conventions of flops_per_step are added
+    back: eager attention computes all of QK^T and PV, 4 * B * L^2 * dim per layer (the count takes
+    the causal half; eager pads an empty history to one position), and eager's gram bmm computes all F^2 products where
+    the count takes the F(F-1)/2 pairs. A step is 3x the forward by the count's convention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
     model = GemModel(SMALL, kernels="eager")
-    small, large = make_batch(SMALL, 8, seed=0), make_batch(SMALL, 64, seed=0)
-    assert 0 < model.flops_per_step(small) < model.flops_per_step(large)
-    assert isinstance(model.flops_per_step(small), int)
-    # The dense MLPs alone (no sequences) still cost FLOPs; the count grows with the history.
-    empty = dataclasses.replace(small, seq_offsets=torch.zeros_like(small.seq_offsets),
-                                seq_ids=small.seq_ids[:0], seq_timestamps=small.seq_timestamps[:0])
-    assert 0 < model.flops_per_step(empty) < model.flops_per_step(small)
+    batch = make_batch(SMALL, 8, seed=0)
+    B, D, F = batch.batch_size, SMALL.embedding_dim, SMALL.num_features
+    batch = dataclasses.replace(batch, seq_offsets=torch.arange(B + 1, dtype=torch.int64) * length,
+                                seq_ids=torch.zeros(B * length, dtype=batch.seq_ids.dtype),
+                                seq_timestamps=torch.arange(B * length, dtype=batch.seq_timestamps.dtype),
+                                num_targets=torch.zeros_like(batch.num_targets))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.loss(batch)
+    # Eager pads the histories to at least one position, so empty ones still cost one padded row.
+    padded = max(length, 1)
+    masked_half = (4 * padded * padded - 2 * length * length) * B * D * SMALL.num_attention_layers
+    gram_extra = 2 * B * D * (F * F - SMALL.num_interactions)
+    counted = model.flops_per_step(batch)
+    assert isinstance(counted, int) and counted % 3 == 0
+    assert counted // 3 + masked_half + gram_extra == counter.get_total_flops()
 
 
 @pytest.mark.parametrize("amp", ["none", "bf16"])
