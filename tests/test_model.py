@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -356,4 +358,17 @@ def test_train_cli_runs(amp):
     result = subprocess.run([sys.executable, "-m", "model.train", "--steps", "3", "--batch-size", "8", "--amp", amp],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "loss" in result.stdout and "examples/s" in result.stdout and f"amp={amp}" in result.stdout
+    out = result.stdout
+    assert f"amp={amp}" in out and "steps=3" in out
+    # The first loss it prints is this model's loss on the first batch, computed here independently.
+    printed = [float(v) for v in re.findall(r"step\s+(?:0|2)\s+loss (\S+)", out)]
+    assert len(printed) == 2, out
+    model = GemModel(SMALL, kernels="fused", seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+        expected = float(model.loss(make_batch(SMALL, 8, seed=0)))
+    assert abs(printed[0] - expected) <= 1e-4 + 1e-3 * abs(expected), (printed[0], expected)
+    assert all(math.isfinite(v) for v in printed)
+    # Its two throughput figures describe one clock: examples/s x s/step = the batch size.
+    m = re.search(r"throughput (\S+) examples/s\s+\((\S+) ms/step", out)
+    assert m, out
+    assert float(m.group(1)) * float(m.group(2)) / 1e3 == pytest.approx(8, rel=2e-2)
