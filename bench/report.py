@@ -128,7 +128,8 @@ def _above_peak(rows: list[dict]) -> list[str]:
                         "and caches serve what repeats (hot embedding rows, a working set that fits in L2/L3)",
            "matmul": "matmul rows: the matmul roof was measured low (load from other processes during both "
                      "measurements), or the op's matmuls are shaped better for the BLAS than the square one"}
-    return [f"- {len(above)} rows are above 100 % of their measured peak; "
+    named = ", ".join(f"{r['op']} [{r['shape']}] {r['impl']} {r['pct_peak']:.0f} %" for r in above)
+    return [f"- {len(above)} rows are above 100 % of their measured peak ({named}); "
             + "; ".join(why[k] for k in kinds)]
 
 
