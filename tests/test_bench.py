@@ -321,8 +321,38 @@ def test_interrupted_run_still_writes_what_it_measured(tmp_path, monkeypatch, in
 def test_rows_above_their_peak_are_explained():
     from bench import report
 
-    row = {"peak": "bandwidth", "pct_peak": 250.0}
-    assert report._above_peak([dict(row, pct_peak=99.0)]) == []
-    (line,) = report._above_peak([row, dict(row, peak="matmul", pct_peak=140.0)])
+    def row(op, peak, pct):
+        return {"op": op, "shape": "n=8", "impl": "gem_kernels", "peak": peak, "pct_peak": pct}
+
+    # At or below the roof, or without one: nothing to explain.
+    assert report._above_peak([row("a", "bandwidth", 100.0), row("b", "matmul", None)]) == []
+    rows = [row("gather", "bandwidth", 250.0), row("mm", "matmul", 140.0), row("copy", "bandwidth", 99.0)]
+    (line,) = report._above_peak(rows)
+    # Each row above is named with its figure, the one below is not, and each kind present is explained.
     assert line.startswith("- 2 rows are above 100 % of their measured peak")
-    assert "caches serve" in line and "measured low" in line
+    assert "gather [n=8] gem_kernels 250 %" in line and "mm [n=8] gem_kernels 140 %" in line
+    assert "copy" not in line
+    assert "bandwidth rows:" in line and "matmul rows:" in line
+    (line,) = report._above_peak(rows[:1])
+    assert line.startswith("- 1 rows") and "matmul rows:" not in line and "bandwidth rows:" in line
+
+
+def test_rows_with_few_repeats_are_flagged_and_give_no_goal_speedup():
+    from bench import report
+
+    def row(impl, ms, repeats):
+        return {"family": "f", "op": "op", "shape": "n=8", "dtype": "fp32", "impl": impl, "baseline": "eager",
+                "ms": ms, "ms_p10": ms, "ms_p90": ms, "repeats": repeats, "capped": repeats < 5, "tflops": None,
+                "gbps": None, "pct_peak": None, "peak": None}
+
+    rows = [row("eager", 4.0, 10), row("fused", 1.0, 10), row("slow_timed", 2.0, 3)]
+    harness.fill_speedups(rows)
+    assert [r["speedup_vs_baseline"] for r in rows] == [1.0, 4.0, 2.0]
+    assert [r["few_repeats"] for r in rows] == [False, False, True]
+    assert [r["speedup_for_goals"] for r in rows] == [1.0, 4.0, None]
+    lines = report.table_lines(rows)
+    assert "| 3* (few) |" in lines[-1] and "(few)" not in lines[-2]
+    # A baseline timed too few times makes every speedup of its case unusable for a goal.
+    rows = [row("eager", 4.0, 2), row("fused", 1.0, 10)]
+    harness.fill_speedups(rows)
+    assert [r["speedup_for_goals"] for r in rows] == [None, None]

@@ -28,6 +28,7 @@ from .utils import (
     assert_close,
     assert_close_vs_eager,
     cpu_kernel_only,
+    cuda_kernel_params,
     interpreter_rounding_factor,
     device_backend_params,
     poison_allocator,
@@ -172,6 +173,18 @@ def test_dot_interaction_large_num_features(device, backend, num_features, dtype
     F = 256 and above): the CUDA backward tiles sym(G), the Triton kernels tile both directions in
     64-row tiles; 300 and D = 40 leave partial row and column tiles."""
     _check_dot_interaction(3, num_features, 40, dtype, self_interaction, device, backend)
+
+
+@pytest.mark.parametrize("device,backend", cuda_kernel_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction_cuda_rows_past_48k_shared_memory(device, backend, dtype, self_interaction):
+    """The CUDA forward keeps x's rows in shared memory only while F * (D + 1) * 4 <= 48 KiB, and
+    reads them through L1 past it: F = 12, D = 1100 (52,848 bytes) takes that second kernel at a
+    size the CPU emulation (GK_CUDA_EMU=1, id "cpu-cuda_emulated") runs in CI."""
+    F, D = 12, 1100
+    assert F * (D + 1) * 4 > 48 * 1024
+    _check_dot_interaction(3, F, D, dtype, self_interaction, device, backend)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
