@@ -16,11 +16,13 @@ FAMILIES = {
     "attention": "bench.attention",
     "interaction": "bench.interaction",
     "model": "bench.model",
+    "swap": "bench.swap",
 }
 
 # Whole-run wall-clock budgets (seconds) for the timed part: the default run must finish within 10
 # minutes on the 2-core dev CPU and --quick within 1 minute, imports and peaks included. Each family
-# that imports gets at most FAMILY_BUDGET and never more than an even share of what is left.
+# that imports gets at most FAMILY_BUDGET (or the family module's own FAMILY_BUDGET) and never more
+# than an even share of what is left.
 RUN_BUDGET = {False: 480.0, True: 32.0}
 FAMILY_BUDGET = {False: 110.0, True: 9.0}
 
@@ -95,7 +97,12 @@ def list_families(names: list[str], quick: bool, device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["distributed"]:  # gloo processes, not in-process cases: its own driver
+        from bench import distributed
+
+        return distributed.main(argv[1:])
+    args = parse_args(argv)
     run_start = time.perf_counter()
     if not args.no_thp:
         # Read by PyTorch's CPU allocator once, at its first allocation: so before importing torch. A
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             families.append(harness.FamilyResult(name, "skipped", notes=["skipped: the run was interrupted"]))
             continue
         left = run_budget - (time.perf_counter() - run_start)
-        budget = harness.Budget(max(0.0, min(FAMILY_BUDGET[args.quick], left / (len(modules) - i))))
+        cap = getattr(module, "FAMILY_BUDGET", FAMILY_BUDGET)[args.quick]
+        budget = harness.Budget(max(0.0, min(cap, left / (len(modules) - i))))
         harness.log(f"[{name}] start (budget {budget.seconds:.0f} s)")
         try:
             cases = module.cases(args.quick, device)
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": timestamp,
         "git_sha": sha,
         "quick": args.quick,
-        "argv": sys.argv[1:] if argv is None else argv,
+        "argv": argv,
         "machine": report.machine_info(device),
         "peaks": peaks,
         "settings": vars(settings),

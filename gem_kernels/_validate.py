@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,11 +26,37 @@ def check_same_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int64(name: str, value) -> None:
+    """A Python int outside int64 would reach a torch.library schema's `int` and fail there with
+    "Expected a value of type 'int' ... found type 'int'": name it here instead."""
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} is out of range: it must fit in int64 ([-2**63, 2**63 - 1]), got {value}")
+
+
 def check_nonnegative_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    check_int64(name, value)
     if isinstance(value, int) and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_pad_value(name: str, value, dtype: torch.dtype) -> None:
+    """A float that `dtype` can hold: finite values within its range (torch's own rule for filling a
+    tensor with a Python scalar), or +-inf / NaN, which every float dtype has."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float, got {type(value).__name__}")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float64's range
+        raise ValueError(f"{name} is out of range for {dtype}, got {value}") from None
+    info = torch.finfo(dtype)
+    if math.isfinite(as_float) and not info.min <= as_float <= info.max:
+        raise ValueError(f"{name} is out of range for {dtype} (finite values in [{info.min}, {info.max}]), "
+                         f"got {value}")
 
 
 def check_offsets_meta(name: str, offsets) -> None:

@@ -53,6 +53,12 @@ timeout -s INT -k 15 170 "$PY" -m bench attention embedding_bag interaction mode
   --out "$OUT" > "$OUT/bench.log" 2>&1
 log "bench rc=$? in $(( $(date +%s) - start ))s"
 
+# gk.swap on the GPU (issue 14): swapped DLRM (fused EBC, dot interaction) and TransformerEncoder, quick sizes.
+timeout -s INT -k 5 60 "$PY" -m bench swap --device cuda --quick --out /tmp/gk_swap_bench >> "$OUT/summary.txt" 2>&1; log "swap bench rc=$?"
+
+# Issue 16: model.train --distributed on NCCL, one rank (DMP + gem_kernels sharders on the GPU; plan auto).
+timeout -s INT -k 10 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m model.train --config tiny --distributed --steps 8 --no-progress --device cuda >> "$OUT/summary.txt" 2>&1; log "distributed (NCCL, 1 rank) rc=$?"
+
 # Attention tile shapes, timed (the shipped ones were chosen from register counts): into the summary.
 log "attention tiles"
 timeout -s INT -k 5 40 "$PY" scripts/attention_tiles.py --budget 30 >> "$OUT/summary.txt" 2>&1

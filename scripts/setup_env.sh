@@ -16,13 +16,21 @@ source "$VENV/bin/activate"
 
 # Reinstall the pinned deps only when the requirement files change.
 stamp="$VENV/.gem_kernels_requirements"
-want="$(cat requirements.txt requirements-peers.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat requirements.txt requirements-peers.txt requirements-torchrec.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing pinned dependencies (requirements.txt)"
   python -m pip install -q --upgrade pip
   python -m pip install -q -r requirements.txt
   # Peers are optional: the bench reports them as missing when they do not install here.
   python -m pip install -q -r requirements-peers.txt || echo "[setup] peers (fbgemm-gpu-cpu) not installed; bench will skip them"
+  # TorchRec goes in with --no-deps next to the fbgemm-gpu(-cpu) already there (see requirements-torchrec.txt).
+  if python -c "import fbgemm_gpu" >/dev/null 2>&1; then
+    python -m pip install -q $(grep -v -e '^#' -e '^torchrec==' requirements-torchrec.txt) \
+      && python -m pip install -q --no-deps "$(grep '^torchrec==' requirements-torchrec.txt)" \
+      || echo "[setup] torchrec not installed; gk.torchrec, its tests and bench rows will skip"
+  else
+    echo "[setup] fbgemm_gpu missing, so torchrec is not installed; gk.torchrec, its tests and bench rows will skip"
+  fi
   echo "$want" > "$stamp"
 fi
 

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,8 +88,6 @@ def functional(module, indices, offsets, psw=None, backend=None, **kw):
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 @pytest.mark.parametrize("with_psw", [False, True])
 def test_reference_matches_nn_embedding_bag(pooling, with_psw):
-    if with_psw and pooling == "mean":
-        pytest.skip("per_sample_weights are sum-only (as in nn.EmbeddingBag)")
     batch = 5
     bags = [torch.nn.EmbeddingBag(s.num_embeddings, s.embedding_dim, mode=pooling) for s in MIXED]
     module = gk.FusedEmbeddingBag.from_embedding_bags(bags, backend="reference")
@@ -100,7 +99,12 @@ def test_reference_matches_nn_embedding_bag(pooling, with_psw):
     for t, bag in enumerate(bags):
         lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
         local = offsets[t * batch:(t + 1) * batch + 1] - lo
-        expected.append(bag(indices[lo:hi], local[:-1], oracle_psw[lo:hi] if with_psw else None))
+        if with_psw and pooling == "mean":  # nn.EmbeddingBag refuses this: FBGEMM's weighted sum / length
+            pooled = F.embedding_bag(indices[lo:hi], bag.weight, local, mode="sum",
+                                     per_sample_weights=oracle_psw[lo:hi], include_last_offset=True)
+            expected.append(pooled / local.diff().clamp(min=1)[:, None])
+        else:
+            expected.append(bag(indices[lo:hi], local[:-1], oracle_psw[lo:hi] if with_psw else None))
     expected = torch.cat(expected, dim=1)
     torch.testing.assert_close(out, expected)
     grad = randn_nonzero(*out.shape)
@@ -137,8 +141,6 @@ def test_reference_pooling_none_matches_embedding():
 @pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("with_psw", [False, True])
 def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batch, with_psw):
-    if with_psw and pooling == "mean":
-        pytest.skip("per_sample_weights are sum/none only")
     if backend == "triton" and device == "cpu" and (index_dtype == torch.int32 or batch == 1) and dtype != torch.float32:
         pytest.skip("interpreter: half dtypes once per pooling (int64, B=5) keeps CI short; fp32 covers the rest")
     specs = SAME_DIM if pooling == "none" else MIXED
@@ -170,7 +172,7 @@ def test_long_bags_with_dropped_indices(device, backend, pooling):
     indices, offsets = make_batch(MIXED, 3, device=device, max_len=45, seed=3)
     indices[::7] = -1
     indices[3::11] = 10_000
-    psw = randn_nonzero(indices.numel(), device=device) if pooling == "sum" else None
+    psw = randn_nonzero(indices.numel(), device=device)
     out = module(indices, offsets, psw)
     expected = functional(module, indices, offsets, psw, backend="reference", bounds_check="skip")
     assert_close(out, expected)
@@ -187,6 +189,44 @@ def test_all_bags_empty_and_zero_batch(device, backend):
     assert not grad.any()
     empty = module(indices, torch.zeros(1, dtype=torch.int64, device=device))
     assert empty.shape == (0, module.output_dim)
+
+
+@pytest.mark.parametrize("device,backend", [pytest.param("cpu", "reference", id="cpu-reference")] + _params())
+@pytest.mark.parametrize("bounds_check", ["fatal", "skip"])
+def test_weighted_mean_matches_oracle(device, backend, bounds_check):
+    """Per-sample weights with mean pooling = weighted sum / kept length (FBGEMM TBE), against a
+    loop over the bags: output, weight gradient and per-sample-weight gradient; dropped indices
+    (skip) count neither in the sum nor in the length."""
+    module = gk.FusedEmbeddingBag(MIXED, pooling="mean", bounds_check=bounds_check, device=device, backend=backend)
+    batch = 3
+    indices, offsets = make_batch(MIXED, batch, device=device, max_len=9, seed=7)
+    if bounds_check == "skip":
+        indices[2::9] = -3
+    psw = randn_nonzero(indices.numel(), device=device).requires_grad_()
+    weights = module.weights.detach().clone().requires_grad_()
+    oracle_psw = psw.detach().clone().requires_grad_()
+    poison_allocator(batch * module.output_dim * 4, device)
+    out = module(indices, offsets, psw)
+    rows = []
+    for b in range(batch):
+        pieces = []
+        for t, spec in enumerate(MIXED):
+            start = module._weight_offsets[t]
+            table = weights[start:start + spec.num_embeddings * spec.embedding_dim].view(-1, spec.embedding_dim)
+            acc, kept = torch.zeros(spec.embedding_dim, device=device), 0
+            for p in range(int(offsets[t * batch + b]), int(offsets[t * batch + b + 1])):
+                if 0 <= int(indices[p]) < spec.num_embeddings:
+                    acc = acc + oracle_psw[p] * table[int(indices[p])]
+                    kept += 1
+            pieces.append(acc / max(kept, 1))
+        rows.append(torch.cat(pieces))
+    expected = torch.stack(rows)
+    torch.testing.assert_close(out, expected)
+    grad = randn_nonzero(*out.shape, device=device)
+    got = torch.autograd.grad(out, (module.weights, psw), grad)
+    want = torch.autograd.grad(expected, (weights, oracle_psw), grad)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,7 +249,7 @@ def test_fused_optimizer_matches_reference(device, backend, optimizer, dtype, po
     reference.backend = "reference"
     for step in range(3):
         indices, offsets = make_batch(specs, 4, device=device, seed=10 + step)
-        psw = randn_nonzero(indices.numel(), device=device) if pooling == "sum" else None
+        psw = randn_nonzero(indices.numel(), device=device) if pooling != "none" else None
         grad = randn_nonzero(indices.numel() if pooling == "none" else 4, module.output_dim, dtype=dtype,
                              device=device)
         # The per-sample-weight gradient must come from the weights before this step's update: the
@@ -221,7 +261,8 @@ def test_fused_optimizer_matches_reference(device, backend, optimizer, dtype, po
             m(indices, offsets, w).backward(grad)
             if w is not None:
                 expected = ref_eb.embedding_bag_per_sample_weights_backward(
-                    grad, before, m.weights_offsets, m.D_offsets, m.rows_offsets, indices, offsets, 0)
+                    grad, before, m.weights_offsets, m.D_offsets, m.rows_offsets, indices, offsets,
+                    ref_eb.POOLING_CODES[pooling])
                 torch.testing.assert_close(w.grad, expected, atol=1e-4, rtol=1e-4)
         assert module.weights.grad is None
         assert_close(module.weights.detach(), reference.weights.detach())

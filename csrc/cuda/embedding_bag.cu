@@ -123,7 +123,8 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
 
 // Gradient of per_sample_weights, decomposed as the forward (one warp per (table, bag)): for each
 // index p of the bag, the lanes' partial dots of its weight row with the bag's gradient row (or
-// row p for pooling "none") are reduced across the warp; lane 0 writes grad[p] (0 when dropped).
+// row p for pooling "none") are reduced across the warp; lane 0 writes grad[p] (0 when dropped),
+// divided by the bag's kept length for mean pooling (FBGEMM TBE: weighted sum / length).
 // FLOPs 2 * N * D; bytes N * D * s + B * sum D * s + N * (4 + i).
 template <typename scalar_t, typename index_t>
 __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ weights,
@@ -136,6 +137,13 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
   const int lane = threadIdx.x;
   const auto [t, b, D, rows] = warp_bag(tb, B, d_off, r_off);
   const scalar_t* table = weights + w_off[t];
+  // Mean pooling: the bag's output is divided by its kept length, so is every index's gradient.
+  float scale = 1.f;
+  if (pooling == kMean) {
+    int64_t kept = 0;
+    for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) kept += (indices[p] >= 0 && indices[p] < rows);
+    scale = kept > 0 ? 1.f / static_cast<float>(kept) : 0.f;
+  }
   for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) {
     const int64_t idx = indices[p];
     const bool valid = idx >= 0 && idx < rows;  // warp-uniform
@@ -146,7 +154,7 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0) grad_psw[p] = dot;
+    if (lane == 0) grad_psw[p] = dot * scale;
   }
 }
 
@@ -395,7 +403,7 @@ at::Tensor embedding_bag_per_sample_weights_backward_cuda(const at::Tensor& grad
   GK_CHECK_CONTIGUOUS(grad_output);
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == weights.scalar_type(),
               "grad_output must be 2-D with weights' dtype");
-  TORCH_CHECK(pooling == 0 || pooling == kNone, "per_sample_weights need pooling sum or none, got code ", pooling);
+  TORCH_CHECK(pooling >= 0 && pooling <= kNone, "bad pooling code ", pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t T = num_tables(weights_offsets);
   const int64_t B = (offsets.numel() - 1) / T;

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_offsets_values, check_same_device, check_tensor
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
+                         check_same_device, check_tensor)
 from ..reference.embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
@@ -256,7 +257,8 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
     """Look up and pool T tables' bags in one call (FBGEMM TBE / TorchRec EmbeddingBagCollection).
 
     ``out[b, D_offsets[t]:D_offsets[t+1]] = sum_i w_i * W_t[indices[i]]  for i in offsets[t*B+b] : offsets[t*B+b+1]``
-    (``mean`` divides by the bag's kept length, an empty bag gives zeros); ``pooling="none"``:
+    (``mean`` divides by the bag's kept length, also with per-sample weights: weighted sum / length, as
+    FBGEMM's TBE; an empty bag gives zeros); ``pooling="none"``:
     ``out[i] = w_i * W_t[indices[i]]`` ([N, D], every table of dim D). Reference: per-table
     ``torch.nn.functional.embedding_bag``.
 
@@ -265,9 +267,10 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1] (see the module docstring).
         indices: [N] int32/int64, row ids local to their table.
         offsets: [T*B+1], indices' dtype; offsets[0] == 0, nondecreasing, offsets[-1] == N.
-        per_sample_weights: [N] float or None (pooling "sum" or "none" only). It is differentiable:
-            ``d out / d w_i = <grad of the output row i was pooled into, W_t[indices[i]]>`` (0 for a
-            dropped index), computed from the weights before a fused optimizer's update (FBGEMM's order).
+        per_sample_weights: [N] float or None, any pooling. It is differentiable:
+            ``d out / d w_i = <grad of the output row i was pooled into, W_t[indices[i]]>`` (divided by
+            the bag's kept length for mean; 0 for a dropped index), computed from the weights before a
+            fused optimizer's update (FBGEMM's order).
         output_dim: D_offsets[-1] for sum/mean, the shared D for "none" (a Python int, so shapes are static).
         pooling: "sum" | "mean" | "none".
         bounds_check: "fatal" (IndexError naming table, bag and value) | "warn" (warn once per call and
@@ -299,8 +302,9 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables} tables, got {offsets.shape[0]}")
     pooling_code = _code("pooling", pooling, POOLING_CODES)
     bounds_code = _code("bounds_check", bounds_check, BOUNDS_CHECK_CODES)
-    if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim < 0:
+    if isinstance(output_dim, bool) or not isinstance(output_dim, int):
         raise ValueError(f"output_dim must be an int >= 0, got {output_dim!r}")
+    check_nonnegative_int("output_dim", output_dim)
     if per_sample_weights is None:
         per_sample_weights = weights.new_empty(0, dtype=torch.float32)
     else:
@@ -308,8 +312,6 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         if per_sample_weights.shape[0] != indices.shape[0]:
             raise ValueError(f"per_sample_weights must have indices' length {indices.shape[0]}, got "
                              f"{per_sample_weights.shape[0]}")
-        if pooling == "mean":
-            raise ValueError("per_sample_weights are only supported with pooling 'sum' or 'none', got 'mean'")
         per_sample_weights = per_sample_weights.float()
     check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
                       weights_offsets=weights_offsets, D_offsets=D_offsets, rows_offsets=rows_offsets)

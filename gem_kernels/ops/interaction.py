@@ -13,6 +13,8 @@ accumulate in fp32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
@@ -72,7 +74,8 @@ dot_interaction_op.register_autograd(_dot_interaction_backward, setup_context=_d
 @torch.library.custom_op("gem_kernels::cross_layer", mutates_args=())
 def cross_layer_op(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, z, p): p = xl V^T (empty when v is empty: full rank W = u), z = p U^T + b, out = x0 * z + xl.
+    """(out, z, p): p = xl V^T (empty when v is an empty 1-D tensor: full rank W = u; a low-rank v is
+    2-D [r, N], empty itself when N = 0), z = p U^T + b, out = x0 * z + xl.
 
     z and p are what the backward needs (not differentiable outputs)."""
     return kernel(FAMILY, "cross_layer", backend)(x0, xl, u, v, bias)
@@ -80,7 +83,7 @@ def cross_layer_op(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch
 
 @cross_layer_op.register_fake
 def _(x0, xl, u, v, bias, backend):
-    p = xl.new_empty((xl.shape[0], v.shape[0])) if v.numel() else xl.new_empty(0)
+    p = xl.new_empty((xl.shape[0], v.shape[0])) if v.dim() == 2 else xl.new_empty(0)
     return torch.empty_like(xl), torch.empty_like(xl), p
 
 
@@ -241,7 +244,7 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
 
     @torch.library.register_fake("gem_kernels::cross_layer_native")
     def _(x0, xl, u, v, bias):
-        p = xl.new_empty((xl.shape[0], v.shape[0])) if v.numel() else xl.new_empty(0)
+        p = xl.new_empty((xl.shape[0], v.shape[0])) if v.dim() == 2 else xl.new_empty(0)
         return torch.empty_like(xl), torch.empty_like(xl), p
 
     @torch.library.register_fake("gem_kernels::cross_layer_backward_native")
@@ -291,8 +294,8 @@ def _layer_norm_params(x: torch.Tensor, width: int, ln_weight, ln_bias, eps) -> 
         ln_bias = x.new_zeros(width)
     else:
         _check_like("ln_bias", ln_bias, "x", x, (width,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ValueError(f"eps must be a float > 0 and finite, got {eps!r}")
     return ln_weight, ln_bias
 
 
@@ -340,7 +343,8 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
     Args:
         x0: [B, N] the layer-0 input, float32/float16/bfloat16. B = 0 is valid.
         xl: [B, N] the current layer's input, x0's dtype and device.
-        weight: [N, N], or a tuple (u [N, r], v [r, N]) with r >= 1; x0's dtype and device.
+        weight: [N, N], or a tuple (u [N, r], v [r, N]) with r >= 1; x0's dtype and device. N = 0
+            is valid for both forms (the output is [B, 0]).
         bias: [N], x0's dtype and device.
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
 

@@ -6,7 +6,8 @@ table t is ``weights[weights_offsets[t] : weights_offsets[t] + rows_t * D_t].vie
 Bag b of table t is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (feature-major, TorchRec's KJT).
 
 Pooled output (sum/mean): ``out[b, D_offsets[t]:D_offsets[t+1]] = sum_i w_i * W_t[indices[i]]`` over
-the kept indices of the bag (mean: divided by their count; an empty bag gives zeros). Unpooled
+the kept indices of the bag (mean: divided by their count, also with per-sample weights, as FBGEMM's
+TBE; an empty bag gives zeros). Unpooled
 output ("none", one shared D): ``out[i] = w_i * W_t[indices[i]]``, zero for a dropped index.
 
 Optimizer state is fp32 whatever the weight dtype: row-wise Adagrad keeps one value per row
@@ -103,8 +104,13 @@ def embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, ind
             continue
         bag_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=weights.device)
         bag_offsets[1:] = counts.cumsum(0)
-        out[:, d_off[t]:d_off[t + 1]] = F.embedding_bag(idx, table.float(), bag_offsets, mode="sum" if pooling == SUM else "mean",
-                                                        per_sample_weights=psw, include_last_offset=True)
+        # Mean = the (weighted) sum / the kept length, as FBGEMM's TBE; F.embedding_bag's own mean
+        # refuses per_sample_weights, so the division is done here.
+        pooled = F.embedding_bag(idx, table.float(), bag_offsets, mode="sum", per_sample_weights=psw,
+                                 include_last_offset=True)
+        if pooling == MEAN:
+            pooled = pooled / counts.clamp(min=1)[:, None].float()
+        out[:, d_off[t]:d_off[t + 1]] = pooled
     return out.to(weights.dtype)
 
 
@@ -156,7 +162,8 @@ def embedding_bag_per_sample_weights_backward(grad_output, weights, weights_offs
     """Gradient of the output w.r.t. per_sample_weights: fp32 [N].
 
     ``grad[i] = <grad_output[b, D_offsets[t]:D_offsets[t+1]], W_t[indices[i]]>`` for index i of bag b of
-    table t (sum pooling), ``<grad_output[i], W_t[indices[i]]>`` (pooling "none"); 0 for a dropped index.
+    table t (sum pooling; mean pooling divides it by the bag's kept length),
+    ``<grad_output[i], W_t[indices[i]]>`` (pooling "none"); 0 for a dropped index.
     """
     tables = table_views(weights, weights_offsets, D_offsets, rows_offsets)
     batch = (offsets.numel() - 1) // max(len(tables), 1)
@@ -165,8 +172,11 @@ def embedding_bag_per_sample_weights_backward(grad_output, weights, weights_offs
     grad_output = grad_output.float()
     grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
     for t, table in enumerate(tables):
-        lo, hi, keep, idx, bags, _, _ = _table_batch(t, batch, offsets, indices, kept, bag_ids, grad.new_empty(0))
+        lo, hi, keep, idx, bags, _, counts = _table_batch(t, batch, offsets, indices, kept, bag_ids,
+                                                          grad.new_empty(0))
         src = grad_output[lo:hi][keep] if pooling == NONE else grad_output[bags, d_off[t]:d_off[t + 1]]
+        if pooling == MEAN:
+            src = src / counts[bags].clamp(min=1)[:, None].float()
         grad[lo:hi][keep] = (F.embedding(idx, table.float()) * src).sum(dim=1)
     return grad
 

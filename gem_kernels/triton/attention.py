@@ -98,16 +98,17 @@ def _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len
 
 @triton.jit
 def _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M,
-            pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets,
-            HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 s = scale * q k^T + pos_bias[hp, j - i + M - 1] + time_bias[ht, bucket(t_i - t_j)], and the buckets."""
+            pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr,
+            num_buckets, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """fp32 s = scale * q k^T + pos_bias[hp, j - i + M - 1] + time_bias[ht, bucket(tq_i - t_j)], and the buckets."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     bucket = tl.zeros(s.shape, dtype=tl.int32)
     if HAS_POS:
         rel = offs_n[None, :] - offs_m[:, None] + M - 1
         s += tl.load(pos_bias_ptr + hp * stride_pb + rel, mask=vis, other=0.0).to(tl.float32)
     if HAS_TIME:
-        t_m = tl.load(timestamps_ptr + start + offs_m, mask=offs_m < L, other=0)
+        t_m = tl.load(query_timestamps_ptr + start + offs_m, mask=offs_m < L, other=0)
         t_n = tl.load(timestamps_ptr + start + offs_n, mask=offs_n < L, other=0)
         dt = t_m[:, None] - t_n[None, :]
         dt = tl.where(dt < 0, -dt, dt)
@@ -117,6 +118,25 @@ def _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M,
             bucket += (dt >= thr).to(tl.int32)
         s += tl.load(time_bias_ptr + ht * stride_tb + bucket, mask=vis, other=0.0).to(tl.float32)
     return s, bucket
+
+
+@triton.jit
+def _masked_dot(w, vis, x, K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 [R, W] = sum over visible k of w[r, k] * x[k, :], for w [R, K] (zero where invisible), vis
+    [R, K] int32, x [K, W]. The dot runs on x's finite part; a tile whose x holds an Inf or NaN (rare)
+    then adds those entries pair by pair where visible, so an invisible one adds nothing (the dot alone
+    would add 0 * inf = NaN) and a visible one follows IEEE maths."""
+    finite = (x == x) & (tl.abs(x.to(tl.float32)) < float("inf"))
+    out = tl.dot(w.to(x.dtype), tl.where(finite, x, 0.0).to(x.dtype), input_precision=PRECISION)
+    if tl.max((~finite).to(tl.int32)) > 0:
+        offs = tl.arange(0, K)
+        bad = tl.where(finite, 0.0, x.to(tl.float32))  # the non-finite entries, 0 elsewhere
+        for c in range(0, K):
+            w_c = tl.sum(tl.where(offs[None, :] == c, w.to(tl.float32), 0.0), 1)
+            vis_c = tl.max(tl.where(offs[None, :] == c, vis, 0), 1) > 0
+            x_c = tl.sum(tl.where(offs[:, None] == c, bad, 0.0), 0)
+            out += tl.where(vis_c[:, None] & (x_c[None, :] != 0.0), w_c[:, None] * x_c[None, :], 0.0)
+    return out
 
 
 @triton.jit
@@ -133,7 +153,7 @@ def _load_rows(ptr, rows, row_ok, stride_n, col0, cols, width, UPCAST: tl.conste
 @triton.jit
 def _jagged_attention_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, Lse_ptr, offsets_ptr, targets_ptr,
-    pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
+    pos_bias_ptr, time_bias_ptr, timestamps_ptr, query_timestamps_ptr, thr_ptr,
     stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
     H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
     SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
@@ -172,22 +192,25 @@ def _jagged_attention_fwd_kernel(
                 k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
                 v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                 s, _bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
-                                     time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
+                                     time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
                                      HAS_TIME, MAX_BUCKETS, PRECISION)
+                vis_i = vis.to(tl.int32)
                 if SOFTMAX:
+                    # A NaN score makes p, hence l and the row, NaN whatever max does with it.
                     s = tl.where(vis, s, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(s, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(s - m_safe[:, None])
+                    p = tl.where(vis, tl.exp(s - m_safe[:, None]), 0.0)
                     alpha = tl.exp(m_i - m_safe)
                     l_i = l_i * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                    acc = acc * alpha[:, None] + _masked_dot(p, vis_i, v, BLOCK_N, PRECISION)
                     m_i = m_new
                 else:
                     w = tl.where(vis, s * tl.sigmoid(s) * inv_m, 0.0)
-                    acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+                    acc += _masked_dot(w, vis_i, v, BLOCK_N, PRECISION)
         if SOFTMAX:
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            # l == 0: every visible score is -inf: out = acc (0), lse = -inf. A NaN l stays NaN.
+            l_safe = tl.where(l_i == 0, 1.0, l_i)
             acc = acc / l_safe[:, None]
             tl.store(Lse_ptr + (start + offs_m) * H + h, m_i + tl.log(l_safe), mask=row_ok)
         tl.store(Out_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
@@ -196,17 +219,20 @@ def _jagged_attention_fwd_kernel(
 
 @triton.jit
 def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht, scale, inv_m, M,
-                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets,
+                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets,
                 SOFTMAX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
                 PRECISION: tl.constexpr):
     """(P or the HSTU weights, dS, buckets) of one tile, fp32, zero where invisible."""
     s, bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
-                        time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS, HAS_TIME,
+                        time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, HAS_POS, HAS_TIME,
                         MAX_BUCKETS, PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION).to(tl.float32)
     if SOFTMAX:
+        # lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        # Selected, not multiplied: dp of an invisible pair may be inf or NaN (an infinite v).
         p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
+        ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
     else:
         sig = tl.sigmoid(s)
         p = tl.where(vis, s * sig * inv_m, 0.0)
@@ -242,7 +268,7 @@ def _bucket_sums(ds, bucket, num_buckets, TB: tl.constexpr):
 @triton.jit
 def _jagged_attention_bwd_kernel(
     Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, DK_ptr, DV_ptr, DPos_ptr, DTime_ptr,
-    pos_base_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
+    pos_base_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr, timestamps_ptr, query_timestamps_ptr, thr_ptr,
     stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
     H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads, key_blocks,
     KV_PASS: tl.constexpr, DETERMINISTIC: tl.constexpr, SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr,
@@ -308,10 +334,11 @@ def _jagged_attention_bwd_kernel(
                         delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
                     p, ds, bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
                                                 scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb,
-                                                timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
+                                                timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
                                                 MAX_BUCKETS, PRECISION)
-                    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-                    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * scale
+                    vis_t = tl.trans(vis.to(tl.int32))
+                    dv += _masked_dot(tl.trans(p), vis_t, do, BLOCK_M, PRECISION)
+                    dk += _masked_dot(tl.trans(ds), vis_t, q, BLOCK_M, PRECISION) * scale
                     if HAS_POS:
                         if DETERMINISTIC:
                             upper, lower = _diagonal_sums(ds, BLOCK_N)
@@ -360,9 +387,9 @@ def _jagged_attention_bwd_kernel(
                     v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                     _p, ds, _bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
                                                   scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr,
-                                                  stride_tb, timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
+                                                  stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
                                                   HAS_TIME, MAX_BUCKETS, PRECISION)
-                    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
+                    dq += _masked_dot(ds, vis.to(tl.int32), k, BLOCK_N, PRECISION) * scale
             tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
                      dq.to(DQ_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
@@ -405,19 +432,21 @@ def _bucket_thresholds(num_buckets: int, device) -> torch.Tensor:
 
 
 def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
-            time_bias, timestamps):
+            time_bias, timestamps, query_timestamps):
     N, H, D = q.shape
     Dv = v.shape[2]
     dummy = q.new_empty((1,), dtype=torch.float32)
     num_buckets = time_bias.shape[1] - 1 if time_bias is not None else 0
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
     block, num_warps = _launch_config(q.dtype, block_d, block_dv)
+    timestamps_arg = timestamps.long() if timestamps is not None else seq_offsets.long()
     args = dict(
         offsets_ptr=seq_offsets,
         targets_ptr=num_targets if num_targets is not None else seq_offsets,
         pos_bias_ptr=pos_bias.float().contiguous() if pos_bias is not None else dummy,
         time_bias_ptr=time_bias.float().contiguous() if time_bias is not None else dummy,
-        timestamps_ptr=timestamps.long() if timestamps is not None else seq_offsets.long(),
+        timestamps_ptr=timestamps_arg,
+        query_timestamps_ptr=query_timestamps.long() if query_timestamps is not None else timestamps_arg,
         thr_ptr=_bucket_thresholds(num_buckets, q.device),
         stride_qn=H * D, stride_qh=D, stride_vn=H * Dv, stride_vh=Dv,
         stride_pb=pos_bias.shape[1] if pos_bias is not None else 0,
@@ -437,7 +466,7 @@ def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, co
 
 
 def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-                         max_attn_len, pos_bias, time_bias, timestamps):
+                         max_attn_len, pos_bias, time_bias, timestamps, query_timestamps=None):
     N, H, _ = q.shape
     check_head_dims(q.dtype, q.shape[2], v.shape[2])
     out = torch.empty((N, H, v.shape[2]), dtype=q.dtype, device=q.device)
@@ -446,7 +475,7 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
     if N == 0 or num_seqs == 0 or H == 0:
         return out, lse
     args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
-                   pos_bias, time_bias, timestamps)
+                   pos_bias, time_bias, timestamps, query_timestamps)
     grid = (triton.cdiv(max_seq_len, args["BLOCK_M"]) * num_seqs * H,)
     _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
     return out, lse
@@ -465,7 +494,8 @@ def _pos_scratch_bases(seq_offsets, num_heads: int, block: int) -> tuple[torch.T
 
 
 def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
-                         contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic):
+                         contextual_len, max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,
+                         deterministic):
     N, H, D = q.shape
     check_head_dims(q.dtype, D, v.shape[2])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -474,7 +504,7 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
     num_seqs = seq_offsets.numel() - 1
     if N > 0 and num_seqs > 0 and H > 0:
         args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-                       max_attn_len, pos_bias, time_bias, timestamps)
+                       max_attn_len, pos_bias, time_bias, timestamps, query_timestamps)
         if kind == "softmax":
             delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [N, H]
         else:

@@ -129,12 +129,19 @@ def _embedding_bag_psw_bwd_kernel(
     POOLING: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Gradient of per_sample_weights: one program per (table, bag), as the forward; for each index
-    the dot of its weight row with the bag's gradient row (pooling "none": the index's own row)."""
+    the dot of its weight row with the bag's gradient row (pooling "none": the index's own row; mean:
+    the bag's gradient row divided by its kept length)."""
     b, w_off, d_begin, D, rows, start, stop = _program_bag(B, w_off_ptr, d_off_ptr, r_off_ptr, offsets_ptr)
     d = tl.arange(0, BLOCK_D)
     col = d < D
     if POOLING != 2:
         g = tl.load(grad_ptr + b * grad_stride + d_begin + d, mask=col, other=0.0).to(tl.float32)
+    if POOLING == 1:  # mean: the bag's weighted sum is divided by its kept length, so is each gradient
+        kept = 0.0
+        for p in range(start, stop):
+            idx = tl.load(indices_ptr + p).to(tl.int64)
+            kept += tl.where((idx >= 0) & (idx < rows), 1.0, 0.0)
+        g = g / tl.maximum(kept, 1.0)
     for p in range(start, stop):
         idx = tl.load(indices_ptr + p).to(tl.int64)
         valid = (idx >= 0) & (idx < rows)

@@ -249,7 +249,7 @@ def _cross_layer_bwd_kernel(G_ptr, X0_ptr, Z_ptr, DZ_ptr, DX0_ptr, n, BLOCK: tl.
 
 
 def cross_layer(x0, xl, u, v, bias):
-    low_rank = v.numel() > 0
+    low_rank = v.dim() == 2  # full rank passes an empty 1-D v; a low-rank v [r, N] may be empty (N = 0)
     p = xl @ v.t() if low_rank else xl.new_empty(0)
     z = torch.addmm(bias, p if low_rank else xl, u.t())
     out = torch.empty_like(xl)
@@ -267,7 +267,7 @@ def cross_layer_backward(grad_out, x0, xl, u, v, z, p):
         _cross_layer_bwd_kernel[(triton.cdiv(n, EPILOGUE_BLOCK),)](grad_out, x0, z, grad_z, grad_x0, n,
                                                                    BLOCK=EPILOGUE_BLOCK)
     grad_bias = grad_z.float().sum(0).to(x0.dtype)
-    if v.numel():
+    if v.dim() == 2:
         grad_u = grad_z.t() @ p
         grad_p = grad_z @ u
         grad_v = grad_p.t() @ xl
