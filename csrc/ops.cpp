@@ -10,7 +10,7 @@ TORCH_LIBRARY(gem_kernels, m) {
   // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
   m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
   m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
-  // embedding_bag (TBE): packed tables + int64 metadata; codes as in gem_kernels/reference/embedding_bag.py
+  // embedding_bag (TBE): packed tables + int64 metadata; codes in gem_kernels/_embedding_bag.py = include/gem_kernels/embedding_bag_codes.h
   m.def("embedding_bag_forward_native(Tensor weights, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
         "Tensor indices, Tensor offsets, Tensor per_sample_weights, int output_dim, int pooling, int bounds_check) "
         "-> Tensor");

@@ -667,3 +667,19 @@ def test_fuzz_cpu_against_reference(dims, rows, batch, max_len, pooling, seed):
     (g,) = torch.autograd.grad(out, module.weights, grad)
     (g_ref,) = torch.autograd.grad(expected, module.weights, grad)
     torch.testing.assert_close(g, g_ref)
+
+
+def test_option_codes_agree_with_the_cpp_header():
+    """The codes are defined once per language: gem_kernels/_embedding_bag.py and
+    csrc/include/gem_kernels/embedding_bag_codes.h must give every option the same integer."""
+    import re
+    from pathlib import Path
+
+    from gem_kernels import _embedding_bag as codes
+
+    header = (Path(__file__).resolve().parents[1] / "csrc/include/gem_kernels/embedding_bag_codes.h").read_text()
+    cpp = {name: int(value) for name, value in re.findall(r"\b(k[A-Z]\w*) = (\d+)", header)}
+    python = {"kSum": codes.SUM, "kMean": codes.MEAN, "kNone": codes.NONE, "kFatal": codes.FATAL,
+              "kWarn": codes.WARN, "kSkip": codes.SKIP, "kOptNone": codes.OPT_NONE, "kOptSgd": codes.OPT_SGD,
+              "kOptRowwiseAdagrad": codes.OPT_ROWWISE_ADAGRAD, "kOptAdam": codes.OPT_ADAM}
+    assert cpp == python

@@ -49,6 +49,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_alloc.h"
+#include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -62,9 +63,6 @@ using Vec = at::vec::Vectorized<float>;
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                       \
                                          AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-constexpr int64_t kSum = 0, kMean = 1, kNone = 2;
-constexpr int64_t kFatal = 0, kWarn = 1;
-constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2, kOptAdam = 3;
 // Rows prefetched ahead of the one being accumulated (FBGEMM's default distance): enough random
 // DRAM reads in flight per core to cover the latency.
 constexpr int64_t kPrefetchDistance = 16;

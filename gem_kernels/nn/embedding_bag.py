@@ -12,7 +12,7 @@ from torch import nn
 from .._validate import FLOAT_DTYPES, INT64_MAX, check_int64
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
-from ..reference.embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
+from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
 
 
 _HUGE_PAGE = 2 << 20

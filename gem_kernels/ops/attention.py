@@ -19,6 +19,7 @@ from .._validate import (
     check_nonnegative_int,
     check_offsets_meta,
     check_offsets_values,
+    offsets_summary,
     check_same_device,
     check_tensor,
 )
@@ -30,19 +31,24 @@ IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
-    """Data-dependent checks (read the tensors): run inside the ops' real kernels, never while tracing."""
-    check_offsets_values("seq_offsets", seq_offsets, q.shape[0])
+    """Data-dependent checks (read the tensors): run in the forward op's real kernel only, never while
+    tracing, and not again in the backward, which runs on the tensors the forward saw
+    (docs/op-flow.md, "checks once per step"). Everything is read in one device-to-host copy; an
+    error reads more to word its message."""
     lengths = seq_offsets.long().diff()
-    if lengths.numel() > 0:
-        longest = int(lengths.max())
-        if longest > max_seq_len:
-            raise ValueError(f"max_seq_len must be >= every sequence length, got {max_seq_len} < {longest}")
-    if num_targets is not None and num_targets.numel() > 0:
-        bad = (num_targets.long() < 0) | (num_targets.long() > lengths)
-        if bool(bad.any()):
-            b = int(bad.nonzero()[0, 0])
-            raise ValueError(f"num_targets[{b}] must be in [0, {int(lengths[b])}] (its sequence length), "
-                             f"got {int(num_targets[b])}")
+    zero = lengths.new_zeros(())
+    longest = lengths.max() if lengths.numel() > 0 else zero
+    has_targets = num_targets is not None and num_targets.numel() > 0
+    bad = ((num_targets.long() < 0) | (num_targets.long() > lengths)) if has_targets else None
+    summary = torch.cat([offsets_summary(seq_offsets), torch.stack([longest, bad.sum() if has_targets else zero])])
+    first, decreasing, last, longest, num_bad = summary.tolist()
+    check_offsets_values("seq_offsets", seq_offsets, q.shape[0], summary=[first, decreasing, last])
+    if longest > max_seq_len:
+        raise ValueError(f"max_seq_len must be >= every sequence length, got {max_seq_len} < {longest}")
+    if num_bad:
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"num_targets[{b}] must be in [0, {int(lengths[b])}] (its sequence length), "
+                         f"got {int(num_targets[b])}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,8 +93,9 @@ def jagged_attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
                             query_timestamps: torch.Tensor | None, deterministic: bool,
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor]:
-    """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient."""
-    _check_values(q, seq_offsets, max_seq_len, num_targets)
+    """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient.
+
+    No value checks: the forward op checked these very tensors (autograd saved them)."""
     return tuple(kernel(FAMILY, "jagged_attention_bwd", backend)(
         grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
         max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, deterministic))

@@ -22,7 +22,7 @@ import torch
 from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
                          check_same_device, check_tensor)
-from ..reference.embedding_bag import (
+from .._embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
     OPT_NONE,
@@ -88,8 +88,8 @@ def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops. `backend` is a concrete backend name, resolved by the public function below.
-# Codes: pooling sum=0 mean=1 none=2; bounds_check fatal=0 warn=1 skip=2; optimizer none=0 sgd=1
-# rowwise_adagrad=2 adam=3. per_sample_weights is an empty tensor when absent.
+# pooling, bounds_check and optimizer are the integer codes of gem_kernels/_embedding_bag.py.
+# per_sample_weights is an empty tensor when absent.
 # ---------------------------------------------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 from ..nn.embedding_bag import _advise_huge_pages
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
-from ..reference.embedding_bag import BOUNDS_CHECK_CODES
+from .._embedding_bag import BOUNDS_CHECK_CODES
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # The op's bounds-check message (reference, cpu and triton backends): renamed to table and feature names.
