@@ -97,15 +97,16 @@ def _count(fn, device: torch.device) -> tuple[int, dict]:
 
 
 def _model_cases(device: torch.device):
-    from model import GemConfig, GemModel, make_batch, train_step
+    from model import GemConfig, GemModel, SyntheticBatches
+    from model.train import train_step
 
     for interaction in ("dot", "wukong"):
-        cfg = dataclasses.replace(GemConfig.small(), interaction=interaction)
-        batch = make_batch(cfg, 32, device=device, seed=0)
+        cfg = dataclasses.replace(GemConfig.tiny(), interaction=interaction)
+        batch = SyntheticBatches(cfg, 32, seed=0)[0].to(device)
         for kernels in ("eager", "fused"):
             model = GemModel(cfg, kernels=kernels, seed=0).to(device)
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-            yield f"train_step {interaction} {kernels}", lambda m=model, o=optimizer: train_step(m, batch, o)
+            optimizers = model.make_optimizers()
+            yield f"train_step {interaction} {kernels}", lambda m=model, o=optimizers: train_step(m, batch, o)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
