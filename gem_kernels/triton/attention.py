@@ -192,7 +192,8 @@ def _jagged_attention_fwd_kernel(
                 k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
                 v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                 s, _bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
-                                     time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
+                                     time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr,
+                                     num_buckets, HAS_POS,
                                      HAS_TIME, MAX_BUCKETS, PRECISION)
                 vis_i = vis.to(tl.int32)
                 if SOFTMAX:
@@ -219,12 +220,14 @@ def _jagged_attention_fwd_kernel(
 
 @triton.jit
 def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht, scale, inv_m, M,
-                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets,
+                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr,
+                num_buckets,
                 SOFTMAX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
                 PRECISION: tl.constexpr):
     """(P or the HSTU weights, dS, buckets) of one tile, fp32, zero where invisible."""
     s, bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
-                        time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, HAS_POS, HAS_TIME,
+                        time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets,
+                        HAS_POS, HAS_TIME,
                         MAX_BUCKETS, PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION).to(tl.float32)
     if SOFTMAX:
@@ -334,7 +337,8 @@ def _jagged_attention_bwd_kernel(
                         delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
                     p, ds, bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
                                                 scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb,
-                                                timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
+                                                timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX,
+                                                HAS_POS, HAS_TIME,
                                                 MAX_BUCKETS, PRECISION)
                     vis_t = tl.trans(vis.to(tl.int32))
                     dv += _masked_dot(tl.trans(p), vis_t, do, BLOCK_M, PRECISION)
@@ -387,7 +391,8 @@ def _jagged_attention_bwd_kernel(
                     v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                     _p, ds, _bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
                                                   scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr,
-                                                  stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
+                                                  stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets,
+                                                  SOFTMAX, HAS_POS,
                                                   HAS_TIME, MAX_BUCKETS, PRECISION)
                     dq += _masked_dot(ds, vis.to(tl.int32), k, BLOCK_N, PRECISION) * scale
             tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
