@@ -80,5 +80,9 @@ fi
 log "attention tiles"
 timeout -s INT -k 5 25 "$PY" scripts/attention_tiles.py --budget 15 >> "$OUT/summary.txt" 2>&1
 log "attention tiles rc=$?"
+# pytest-benchmark regression suite (bench/regression): every op and backend verified, then timed briefly.
+log "regression suite"
+timeout -k 5 120 "$PY" -m pytest bench/regression --benchmark-only -q --benchmark-max-time=0.05 -p no:cacheprovider >> "$OUT/summary.txt" 2>&1
+log "regression suite rc=$?"
 rm -f "$OUT"/latest-*  # duplicates of the timestamped results
 ls "$OUT" >> "$OUT/summary.txt"
