@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -97,7 +98,24 @@ def list_families(names: list[str], quick: bool, device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGINT must raise KeyboardInterrupt whatever disposition this process inherited: one started in
+    # the background by a non-interactive shell (`python -m bench &` in a script, CI) inherits SIGINT
+    # as *ignored*, Python then leaves it ignored, and `timeout -s INT` (scripts/gpu_check.sh) or a
+    # Ctrl-C to the group cannot stop the run. Restored on return (tests call main in-process).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["distributed"]:  # gloo processes, not in-process cases: its own driver
+        from bench import distributed
+
+        return distributed.main(argv[1:])
+    args = parse_args(argv)
     run_start = time.perf_counter()
     if not args.no_thp:
         # Read by PyTorch's CPU allocator once, at its first allocation: so before importing torch. A
@@ -174,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": timestamp,
         "git_sha": sha,
         "quick": args.quick,
-        "argv": sys.argv[1:] if argv is None else argv,
+        "argv": argv,
         "machine": report.machine_info(device),
         "peaks": peaks,
         "settings": vars(settings),

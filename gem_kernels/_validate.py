@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,11 +26,37 @@ def check_same_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int64(name: str, value) -> None:
+    """A Python int outside int64 would reach a torch.library schema's `int` and fail there with
+    "Expected a value of type 'int' ... found type 'int'": name it here instead."""
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} is out of range: it must fit in int64 ([-2**63, 2**63 - 1]), got {value}")
+
+
 def check_nonnegative_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    check_int64(name, value)
     if isinstance(value, int) and value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_pad_value(name: str, value, dtype: torch.dtype) -> None:
+    """A float that `dtype` can hold: finite values within its range (torch's own rule for filling a
+    tensor with a Python scalar), or +-inf / NaN, which every float dtype has."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float, got {type(value).__name__}")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float64's range
+        raise ValueError(f"{name} is out of range for {dtype}, got {value}") from None
+    info = torch.finfo(dtype)
+    if math.isfinite(as_float) and not info.min <= as_float <= info.max:
+        raise ValueError(f"{name} is out of range for {dtype} (finite values in [{info.min}, {info.max}]), "
+                         f"got {value}")
 
 
 def check_offsets_meta(name: str, offsets) -> None:
@@ -38,23 +66,29 @@ def check_offsets_meta(name: str, offsets) -> None:
         raise ValueError(f"{name} must have at least one element (offsets[0] == 0), got shape {tuple(offsets.shape)}")
 
 
-def check_offsets_values(name: str, offsets: torch.Tensor, total: int | None) -> None:
+def offsets_summary(offsets: torch.Tensor) -> torch.Tensor:
+    """[offsets[0], number of decreasing steps, offsets[-1]] as one int64 tensor on offsets' device
+    (computed there, not read): what check_offsets_values needs, for one device-to-host copy."""
+    o = offsets.long()
+    return torch.stack([o[0], (o[1:] < o[:-1]).sum(), o[-1]])
+
+
+def check_offsets_values(name: str, offsets: torch.Tensor, total: int | None,
+                         summary: list[int] | None = None) -> None:
     """Data checks: offsets[0] == 0, nondecreasing, offsets[-1] == total (when given).
 
-    Reads the tensor (a device sync on GPU): called inside the ops' real kernels only, never while
-    tracing, so torch.compile sees no data-dependent branch.
+    Reads the tensor once (one device sync on GPU; more only to word an error): called inside the
+    ops' real kernels only, never while tracing, so torch.compile sees no data-dependent branch.
+    `summary`: offsets_summary(offsets) already read by the caller (read together with its own
+    values, so that the whole check costs one sync).
     """
-    first = int(offsets[0])
+    first, decreasing, last = offsets_summary(offsets).tolist() if summary is None else summary
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
-    if offsets.numel() > 1:
-        steps = offsets[1:] < offsets[:-1]
-        if bool(steps.any()):
-            i = int(steps.nonzero()[0, 0])
-            raise ValueError(
-                f"{name} must be nondecreasing, but {name}[{i + 1}] = {int(offsets[i + 1])} < {name}[{i}] = {int(offsets[i])}"
-            )
-    if total is not None:
-        last = int(offsets[-1])
-        if last != total:
-            raise ValueError(f"{name}[-1] must equal the number of rows {total}, got {last}")
+    if decreasing:
+        i = int((offsets[1:] < offsets[:-1]).nonzero()[0, 0])
+        raise ValueError(
+            f"{name} must be nondecreasing, but {name}[{i + 1}] = {int(offsets[i + 1])} < {name}[{i}] = {int(offsets[i])}"
+        )
+    if total is not None and last != total:
+        raise ValueError(f"{name}[-1] must equal the number of rows {total}, got {last}")

@@ -8,13 +8,18 @@ Weight decay is L2 (added to the row's gradient), as in ``torch.optim``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 def _check_positive(name: str, value, allow_zero: bool = False) -> None:
+    # `not value > 0` (not `value <= 0`) so that NaN fails too; inf is refused by name: either
+    # would turn every row the backward touches into NaN or -inf.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a float, got {type(value).__name__}")
-    if value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float, got {value}")
+    if not (value >= 0 if allow_zero else value > 0):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
@@ -73,8 +78,13 @@ class ExactAdam:
         _check_positive("lr", self.lr)
         _check_positive("eps", self.eps, allow_zero=True)
         _check_positive("weight_decay", self.weight_decay, allow_zero=True)
-        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two floats in [0, 1), got {self.betas!r}")
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+        for i, beta in enumerate(betas):
+            # `0 <= beta < 1` is False for NaN; bools are ints to Python but not betas.
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+                raise ValueError(f"betas[{i}] must be a float in [0, 1), got {beta!r} (betas={betas!r})")
 
     def hyperparams(self) -> tuple[float, float, float, float, float]:
         return float(self.lr), float(self.eps), float(self.betas[0]), float(self.betas[1]), float(self.weight_decay)

@@ -20,3 +20,14 @@ if os.environ.get("GK_CUDA_EMU") == "1":
     from tests.cuda_emu import build as _cuda_emu
 
     _cuda_emu.load()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The bad-input fuzz's counts per outcome class (tests/test_fuzz.py), whether or not -s is given."""
+    import sys
+
+    fuzz = sys.modules.get("tests.test_fuzz")
+    if fuzz is not None and fuzz.SUMMARY:
+        terminalreporter.section("bad-input fuzz")
+        for line in fuzz.SUMMARY:
+            terminalreporter.write_line(line)

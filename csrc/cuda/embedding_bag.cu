@@ -26,6 +26,7 @@
 #include <cmath>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/embedding_bag_codes.h"
 
 namespace gem_kernels {
 namespace {
@@ -38,8 +39,6 @@ constexpr int kPerLane = 4;    // columns per lane per chunk: 128 columns per wa
 // D = 128, 30% at D = 64. Four rows in flight at ~80 registers (24 warps / SM) is ~2.3x the bytes
 // in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
 constexpr int kRowsInFlight = 4;
-constexpr int64_t kNone = 2, kMean = 1;
-constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2;
 
 // Bag tb = t * B + b of the bag-per-warp kernels: (table t, bag b, t's D, t's row count).
 struct WarpBag {
@@ -385,7 +384,7 @@ void embedding_bag_backward_fused_cuda(const at::Tensor& grad_output, const at::
   step.add_(1);
   const double step_value = static_cast<double>(step.item<int64_t>());  // one sync: Adam's bias corrections
   OptimizerArgs o{optimizer, float(lr), float(eps), float(beta1), float(beta2), float(weight_decay), 0.f, 0.f};
-  if (optimizer == 3) {
+  if (optimizer == kOptAdam) {
     o.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step_value)));
     o.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, step_value)));
   }
@@ -403,7 +402,7 @@ at::Tensor embedding_bag_per_sample_weights_backward_cuda(const at::Tensor& grad
   GK_CHECK_CONTIGUOUS(grad_output);
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == weights.scalar_type(),
               "grad_output must be 2-D with weights' dtype");
-  TORCH_CHECK(pooling >= 0 && pooling <= kNone, "bad pooling code ", pooling);
+  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t T = num_tables(weights_offsets);
   const int64_t B = (offsets.numel() - 1) / T;

@@ -39,7 +39,9 @@ class JaggedMultiheadAttention(nn.Module):
         head_dim: per-head dim of q, k, v (default embed_dim // num_heads).
         causal, contextual_len, max_attn_len: the visibility options of ``jagged_attention``.
         max_seq_len: > 0 adds a learned relative position bias (then every call must pass this max_seq_len).
-        num_time_buckets: > 0 adds a learned log-time bias (calls must pass timestamps).
+        num_time_buckets: > 0 adds a learned log-time bias (calls must pass timestamps; query_timestamps,
+            default timestamps, is the query side of bucket(tq_i - t_j), see ``jagged_attention``).
+            Without a time bias both are ignored.
         backend: the backend of the attention op (None: ``use_backend``'s default).
     """
 
@@ -59,7 +61,8 @@ class JaggedMultiheadAttention(nn.Module):
         self.bias = _RelativeBias(num_heads, max_seq_len, num_time_buckets)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         self.bias.check(max_seq_len, timestamps)
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         attn = jagged_attention(q, k, v, seq_offsets, max_seq_len, kind=self.kind, causal=self.causal,
@@ -67,8 +70,9 @@ class JaggedMultiheadAttention(nn.Module):
                                 max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
                                 time_bias=self.bias.time_bias,
                                 timestamps=timestamps if self.bias.time_bias is not None else None,
+                                query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
                                 backend=self.backend)
-        return self.out(attn.reshape(x.shape[0], -1))
+        return self.out(attn.reshape(x.shape[0], self.num_heads * self.head_dim))  # not -1: N may be 0
 
 
 class HSTULayer(nn.Module):
@@ -104,7 +108,8 @@ class HSTULayer(nn.Module):
         self.bias = _RelativeBias(num_heads, max_seq_len, num_time_buckets)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         self.bias.check(max_seq_len, timestamps)
         n, h = x.shape[0], self.num_heads
         uvqk = F.silu(self.uvqk(self.input_norm(x)))
@@ -116,6 +121,7 @@ class HSTULayer(nn.Module):
                                 max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
                                 time_bias=self.bias.time_bias,
                                 timestamps=timestamps if self.bias.time_bias is not None else None,
+                                query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
                                 backend=self.backend)
         gated = u * self.attn_norm(attn.reshape(n, h * self.linear_dim))
         return x + self.out(self.dropout(gated))

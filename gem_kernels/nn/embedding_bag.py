@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._validate import FLOAT_DTYPES
+from .._validate import FLOAT_DTYPES, INT64_MAX, check_int64
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
-from ..reference.embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
+from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
 
 
 _HUGE_PAGE = 2 << 20
@@ -49,6 +49,10 @@ class TableSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int64(name, value)
+        if self.num_embeddings * self.embedding_dim > INT64_MAX:
+            raise ValueError(f"num_embeddings * embedding_dim is out of range: {self.num_embeddings} * "
+                             f"{self.embedding_dim} elements do not fit in int64")
 
 
 class FusedEmbeddingBag(nn.Module):

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import kernel, native_kernels, resolve_backend
-from .._validate import FLOAT_DTYPES, INDEX_DTYPES, check_offsets_meta, check_offsets_values, check_same_device, check_tensor
-from ..reference.embedding_bag import (
+from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
+from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
+                         check_same_device, check_tensor)
+from .._embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
     OPT_NONE,
@@ -33,8 +34,7 @@ from ..reference.embedding_bag import (
 )
 
 FAMILY = "embedding_bag"
-# The backends this family has kernels for (resolve_backend refuses the others by name).
-IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
@@ -88,8 +88,8 @@ def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops. `backend` is a concrete backend name, resolved by the public function below.
-# Codes: pooling sum=0 mean=1 none=2; bounds_check fatal=0 warn=1 skip=2; optimizer none=0 sgd=1
-# rowwise_adagrad=2 adam=3. per_sample_weights is an empty tensor when absent.
+# pooling, bounds_check and optimizer are the integer codes of gem_kernels/_embedding_bag.py.
+# per_sample_weights is an empty tensor when absent.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -302,8 +302,9 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables} tables, got {offsets.shape[0]}")
     pooling_code = _code("pooling", pooling, POOLING_CODES)
     bounds_code = _code("bounds_check", bounds_check, BOUNDS_CHECK_CODES)
-    if isinstance(output_dim, bool) or not isinstance(output_dim, int) or output_dim < 0:
+    if isinstance(output_dim, bool) or not isinstance(output_dim, int):
         raise ValueError(f"output_dim must be an int >= 0, got {output_dim!r}")
+    check_nonnegative_int("output_dim", output_dim)
     if per_sample_weights is None:
         per_sample_weights = weights.new_empty(0, dtype=torch.float32)
     else:
@@ -339,7 +340,7 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         if momentum2.shape[0] != need2:
             raise ValueError(f"momentum2 must have {need2} elements for {optimizer.name}, got {momentum2.shape[0]}")
         check_same_device(weights=weights, momentum1=momentum1, momentum2=momentum2, step=step)
-    name = resolve_backend(backend, weights.device, IMPLEMENTED)
+    name = resolve_backend(backend, weights.device, FAMILY)
     return embedding_bag_op(weights, momentum1, momentum2, step, weights_offsets.contiguous(), D_offsets.contiguous(),
                             rows_offsets.contiguous(), indices.contiguous(), offsets.contiguous(),
                             per_sample_weights.contiguous(), output_dim, pooling_code, bounds_code, opt_code, *hyper,

@@ -13,15 +13,16 @@ accumulate in fp32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
-from .._backend import kernel, native_kernels, resolve_backend
+from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 
 FAMILY = "interaction"
-# Backends with kernels for this family (see _backend.resolve_backend).
-IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def num_pairs(num_features: int, self_interaction: bool) -> int:
@@ -73,7 +74,8 @@ dot_interaction_op.register_autograd(_dot_interaction_backward, setup_context=_d
 @torch.library.custom_op("gem_kernels::cross_layer", mutates_args=())
 def cross_layer_op(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, z, p): p = xl V^T (empty when v is empty: full rank W = u), z = p U^T + b, out = x0 * z + xl.
+    """(out, z, p): p = xl V^T (empty when v is an empty 1-D tensor: full rank W = u; a low-rank v is
+    2-D [r, N], empty itself when N = 0), z = p U^T + b, out = x0 * z + xl.
 
     z and p are what the backward needs (not differentiable outputs)."""
     return kernel(FAMILY, "cross_layer", backend)(x0, xl, u, v, bias)
@@ -81,7 +83,7 @@ def cross_layer_op(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch
 
 @cross_layer_op.register_fake
 def _(x0, xl, u, v, bias, backend):
-    p = xl.new_empty((xl.shape[0], v.shape[0])) if v.numel() else xl.new_empty(0)
+    p = xl.new_empty((xl.shape[0], v.shape[0])) if v.dim() == 2 else xl.new_empty(0)
     return torch.empty_like(xl), torch.empty_like(xl), p
 
 
@@ -242,7 +244,7 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
 
     @torch.library.register_fake("gem_kernels::cross_layer_native")
     def _(x0, xl, u, v, bias):
-        p = xl.new_empty((xl.shape[0], v.shape[0])) if v.numel() else xl.new_empty(0)
+        p = xl.new_empty((xl.shape[0], v.shape[0])) if v.dim() == 2 else xl.new_empty(0)
         return torch.empty_like(xl), torch.empty_like(xl), p
 
     @torch.library.register_fake("gem_kernels::cross_layer_backward_native")
@@ -292,8 +294,8 @@ def _layer_norm_params(x: torch.Tensor, width: int, ln_weight, ln_bias, eps) -> 
         ln_bias = x.new_zeros(width)
     else:
         _check_like("ln_bias", ln_bias, "x", x, (width,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a float > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ValueError(f"eps must be a float > 0 and finite, got {eps!r}")
     return ln_weight, ln_bias
 
 
@@ -325,7 +327,7 @@ def dot_interaction(x: torch.Tensor, self_interaction: bool = False, *, backend:
     (x,) = autocast_operands(x)
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
     _check_bool("self_interaction", self_interaction)
-    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    name = resolve_backend(backend, x.device, FAMILY)
     return dot_interaction_op(x.contiguous(), self_interaction, name)
 
 
@@ -341,7 +343,8 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
     Args:
         x0: [B, N] the layer-0 input, float32/float16/bfloat16. B = 0 is valid.
         xl: [B, N] the current layer's input, x0's dtype and device.
-        weight: [N, N], or a tuple (u [N, r], v [r, N]) with r >= 1; x0's dtype and device.
+        weight: [N, N], or a tuple (u [N, r], v [r, N]) with r >= 1; x0's dtype and device. N = 0
+            is valid for both forms (the output is [B, 0]).
         bias: [N], x0's dtype and device.
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
 
@@ -369,7 +372,7 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
         _check_like("weight", u, "x0", x0, (N, N))
         v = x0.new_empty(0)
     _check_like("bias", bias, "x0", x0, (N,))
-    name = resolve_backend(backend, x0.device, IMPLEMENTED)
+    name = resolve_backend(backend, x0.device, FAMILY)
     out, _z, _p = cross_layer_op(x0.contiguous(), xl.contiguous(), u.contiguous(), v.contiguous(),
                                  bias.contiguous(), name)
     return out
@@ -407,7 +410,7 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
         raise ValueError(f"y must have shape ({F}, k) with k >= 1, got {tuple(y.shape)}")
     _check_like("y", y, "x", x, (F, y.shape[1]))
     ln_weight, ln_bias = _layer_norm_params(x, F * y.shape[1], ln_weight, ln_bias, eps)
-    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    name = resolve_backend(backend, x.device, FAMILY)
     # Keep the products only when a backward will run (inference skips their writes).
     save_products = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, ln_weight, ln_bias))
     out, _mean, _rstd, _products = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
@@ -462,7 +465,7 @@ def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None
                              f"got {tuple(fm.shape)}")
         _check_like("fm", fm, "x", x, (B, fm.shape[1], D))
     ln_weight, ln_bias = _layer_norm_params(x, D, ln_weight, ln_bias, eps)
-    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    name = resolve_backend(backend, x.device, FAMILY)
     out, _mean, _rstd = feature_mix_norm_op(x.contiguous(), mix.contiguous(), fm.contiguous(),
                                             ln_weight.contiguous(), ln_bias.contiguous(), float(eps), name)
     return out

@@ -15,6 +15,7 @@ from .._validate import (
     check_nonnegative_int,
     check_offsets_meta,
     check_offsets_values,
+    check_pad_value,
     check_same_device,
     check_tensor,
 )
@@ -116,7 +117,8 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
         offsets: [B+1] int32/int64 on values' device; offsets[0] == 0, nondecreasing, offsets[-1] == N.
             B = 0 (offsets == [0]) and zero-length sequences are valid.
         max_len: padded length, >= 0.
-        pad_value: value of the positions past each sequence's end.
+        pad_value: value of the positions past each sequence's end; a finite value must lie within
+            values' dtype's range (ValueError otherwise, on every backend); +-inf and NaN are allowed.
         backend: "reference" | "cpu" | "cuda" | "triton" | "auto"; None uses ``use_backend``'s default.
 
     Returns:
@@ -127,9 +129,8 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
     check_offsets_meta("offsets", offsets)
     check_same_device(values=values, offsets=offsets)
     check_nonnegative_int("max_len", max_len)
-    if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
-        raise ValueError(f"pad_value must be a float, got {type(pad_value).__name__}")
-    name = resolve_backend(backend, values.device)
+    check_pad_value("pad_value", pad_value, values.dtype)
+    name = resolve_backend(backend, values.device, FAMILY)
     flat = (values.unsqueeze(1) if values.dim() == 1 else values).contiguous()
     padded = jagged_to_padded_op(flat, offsets.contiguous(), max_len, float(pad_value), name)
     return padded.squeeze(-1) if values.dim() == 1 else padded
@@ -161,7 +162,7 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total_len: int
         )
     if total_len is not None:
         check_nonnegative_int("total_len", total_len)
-    name = resolve_backend(backend, padded.device)
+    name = resolve_backend(backend, padded.device, FAMILY)
     flat = (padded.unsqueeze(2) if padded.dim() == 2 else padded).contiguous()
     values = padded_to_jagged_op(flat, offsets.contiguous(), -1 if total_len is None else total_len, name)
     return values.squeeze(-1) if padded.dim() == 2 else values

@@ -17,18 +17,26 @@ Optimizer state is fp32 whatever the weight dtype: row-wise Adagrad keeps one va
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
-# Integer codes of the string options, shared by every backend's kernels.
-POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
-BOUNDS_CHECK_CODES = {"fatal": 0, "warn": 1, "skip": 2}
-OPTIMIZER_CODES = {"none": 0, "sgd": 1, "rowwise_adagrad": 2, "adam": 3}
-SUM, MEAN, NONE = 0, 1, 2
-FATAL, WARN, SKIP = 0, 1, 2
-OPT_NONE, OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ADAM = 0, 1, 2, 3
+# The option codes and the bounds check (kept_mask) every backend shares.
+from .._embedding_bag import (  # noqa: F401  (the codes are re-exported for the tests)
+    BOUNDS_CHECK_CODES,
+    FATAL,
+    MEAN,
+    NONE,
+    OPT_ADAM,
+    OPT_NONE,
+    OPT_ROWWISE_ADAGRAD,
+    OPT_SGD,
+    OPTIMIZER_CODES,
+    POOLING_CODES,
+    SKIP,
+    SUM,
+    WARN,
+    kept_mask,
+)
 
 
 def table_views(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
@@ -40,36 +48,6 @@ def table_views(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets:
         rows, dim = r_off[t + 1] - r_off[t], d_off[t + 1] - d_off[t]
         views.append(weights[w_off[t]:w_off[t] + rows * dim].view(rows, dim))
     return views
-
-
-def kept_mask(rows_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-              bounds_check: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept [N] bool, bag id [N] int64 in 0..T*B) of every index; applies the bounds-check mode.
-
-    fatal raises IndexError naming the table, bag and value of the first bad index; warn warns once
-    and drops the bad ones; skip drops them silently. Negative indices are out of range.
-    """
-    num_tables = rows_offsets.numel() - 1
-    num_bags = offsets.numel() - 1
-    batch = num_bags // max(num_tables, 1)
-    offsets = offsets.long()
-    bag_ids = torch.repeat_interleave(torch.arange(num_bags, device=indices.device), offsets.diff(),
-                                      output_size=indices.numel())
-    table_rows = rows_offsets.long().diff().to(indices.device)
-    idx = indices.long()
-    limit = table_rows[bag_ids // batch] if indices.numel() else idx
-    kept = (idx >= 0) & (idx < limit)
-    if bounds_check != SKIP and not bool(kept.all()):
-        i = int((~kept).nonzero()[0, 0])
-        bag = int(bag_ids[i])
-        t, b = bag // batch, bag % batch
-        message = (f"indices[{i}] = {int(idx[i])} is out of range for table {t} "
-                   f"(num_embeddings={int(table_rows[t])}) in bag {b}")
-        if bounds_check == FATAL:
-            raise IndexError(message)
-        warnings.warn(f"embedding_bag: dropping {int((~kept).sum())} out-of-range indices; first: {message}",
-                      stacklevel=2)
-    return kept, bag_ids
 
 
 def _table_batch(t: int, batch: int, offsets: torch.Tensor, indices: torch.Tensor, kept: torch.Tensor,

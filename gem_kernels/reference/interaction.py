@@ -45,10 +45,12 @@ def dot_interaction_backward(grad_out: torch.Tensor, x: torch.Tensor, self_inter
 
 def cross_layer(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, z, p): p = xl V^T [B, r] (empty when v is empty: full rank), z = p U^T + b, out = x0 * z + xl."""
+    """(out, z, p): p = xl V^T [B, r] (empty when v is an empty 1-D tensor: full rank), z = p U^T + b,
+    out = x0 * z + xl. Low rank is told by v's shape [r, N], never by its size: at N = 0 it is empty."""
     xlf = xl.float()
-    p = xlf @ v.float().t() if v.numel() else xlf.new_empty(0)
-    z = torch.addmm(bias.float(), p if v.numel() else xlf, u.float().t())
+    low_rank = v.dim() == 2
+    p = xlf @ v.float().t() if low_rank else xlf.new_empty(0)
+    z = torch.addmm(bias.float(), p if low_rank else xlf, u.float().t())
     out = x0.float() * z + xlf
     return out.to(xl.dtype), z.to(xl.dtype), p.to(xl.dtype)
 
@@ -61,7 +63,7 @@ def cross_layer_backward(grad_out: torch.Tensor, x0: torch.Tensor, xl: torch.Ten
     grad_z = g * x0f
     grad_x0 = g * z.float()
     grad_bias = grad_z.sum(0)
-    if v.numel():
+    if v.dim() == 2:
         pf = p.float()
         grad_u = grad_z.t() @ pf
         grad_p = grad_z @ uf

@@ -17,5 +17,11 @@ except ImportError as error:
     raise ImportError(f"{INSTALL_HINT}; importing torchrec failed with: {error}") from error
 
 from .embedding_modules import FusedEmbeddingBagCollection, FusedEmbeddingCollection  # noqa: E402
+from .sharding import (  # noqa: E402
+    FusedEmbeddingBagCollectionSharder,
+    FusedEmbeddingCollectionSharder,
+    sharding_plan,
+)
 
-__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "INSTALL_HINT"]
+__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "FusedEmbeddingBagCollectionSharder",
+           "FusedEmbeddingCollectionSharder", "sharding_plan", "INSTALL_HINT"]
