@@ -39,7 +39,7 @@ CASE_TIMEOUT_S = float(os.environ.get("GK_FUZZ_CASE_TIMEOUT", "30"))
 # Address space a child may add to what it inherits: the cases need a few MB; a kernel that sizes
 # an allocation from a bad argument gets a MemoryError-like failure instead of taking the machine.
 MEMORY_LIMIT_BYTES = int(os.environ.get("GK_FUZZ_MEMORY_MB", "1536")) << 20
-BATCH = 60
+BATCH = 150  # cases per child: a fork and its first calls cost more than a case
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 SUMMARY: list[str] = []  # printed by tests/conftest.py's terminal summary
@@ -161,14 +161,19 @@ def test_fuzz(backend, device, request):
     assert not missing, f"{len(missing)} cases never reported: {missing[:5]}"
     counts = collections.Counter(outcome for outcome, _ in results.values())
     line = (f"fuzz {backend} on {device}: {len(names)} cases in {elapsed:.0f} s: " + ", ".join(
-                f"{cls} {counts.get(cls, 0)}" for cls in fuzz_cases.OK_CLASSES + fuzz_cases.FAIL_CLASSES))
+                f"{cls} {counts.get(cls, 0)}"
+                for cls in fuzz_cases.OK_CLASSES + fuzz_cases.KNOWN_CLASSES + fuzz_cases.FAIL_CLASSES))
+    known = sorted(n for n, r in results.items() if r[0] in fuzz_cases.KNOWN_CLASSES)
+    if known:
+        line += f"\n  known issues ({len(known)}, GK_FUZZ_STRICT=1 fails them): " + ", ".join(known)
     SUMMARY.append(line)
     print("\n" + line)
     out = ROOT / "build"
     out.mkdir(exist_ok=True)
     (out / f"fuzz_counts_{request.node.callspec.id}.json").write_text(json.dumps(
         dict(backend=backend, device=device, seconds=round(elapsed, 1), counts=counts,
-             failures={n: r for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES}), indent=1))
+             failures={n: r for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES},
+             known_issues={n: r for n, r in results.items() if r[0] in fuzz_cases.KNOWN_CLASSES}), indent=1))
     failures = sorted((n, r) for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES)
     assert not failures, f"{len(failures)} fuzz cases failed on {backend}:\n" + "\n".join(
         f"  {cls:22s} {name}: {detail}" for name, (cls, detail) in failures)
