@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -16,11 +17,13 @@ FAMILIES = {
     "attention": "bench.attention",
     "interaction": "bench.interaction",
     "model": "bench.model",
+    "swap": "bench.swap",
 }
 
 # Whole-run wall-clock budgets (seconds) for the timed part: the default run must finish within 10
 # minutes on the 2-core dev CPU and --quick within 1 minute, imports and peaks included. Each family
-# that imports gets at most FAMILY_BUDGET and never more than an even share of what is left.
+# that imports gets at most FAMILY_BUDGET (or the family module's own FAMILY_BUDGET) and never more
+# than an even share of what is left.
 RUN_BUDGET = {False: 480.0, True: 32.0}
 FAMILY_BUDGET = {False: 110.0, True: 9.0}
 
@@ -95,7 +98,24 @@ def list_families(names: list[str], quick: bool, device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    # SIGINT must raise KeyboardInterrupt whatever disposition this process inherited: one started in
+    # the background by a non-interactive shell (`python -m bench &` in a script, CI) inherits SIGINT
+    # as *ignored*, Python then leaves it ignored, and `timeout -s INT` (scripts/gpu_check.sh) or a
+    # Ctrl-C to the group cannot stop the run. Restored on return (tests call main in-process).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["distributed"]:  # gloo processes, not in-process cases: its own driver
+        from bench import distributed
+
+        return distributed.main(argv[1:])
+    args = parse_args(argv)
     run_start = time.perf_counter()
     if not args.no_thp:
         # Read by PyTorch's CPU allocator once, at its first allocation: so before importing torch. A
@@ -144,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             families.append(harness.FamilyResult(name, "skipped", notes=["skipped: the run was interrupted"]))
             continue
         left = run_budget - (time.perf_counter() - run_start)
-        budget = harness.Budget(max(0.0, min(FAMILY_BUDGET[args.quick], left / (len(modules) - i))))
+        cap = getattr(module, "FAMILY_BUDGET", FAMILY_BUDGET)[args.quick]
+        budget = harness.Budget(max(0.0, min(cap, left / (len(modules) - i))))
         harness.log(f"[{name}] start (budget {budget.seconds:.0f} s)")
         try:
             cases = module.cases(args.quick, device)
@@ -171,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "timestamp": timestamp,
         "git_sha": sha,
         "quick": args.quick,
-        "argv": sys.argv[1:] if argv is None else argv,
+        "argv": argv,
         "machine": report.machine_info(device),
         "peaks": peaks,
         "settings": vars(settings),

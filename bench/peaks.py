@@ -41,6 +41,15 @@ def _copy_gbps(mib: int, device: torch.device, settings: Settings) -> float:
     return 2 * src.nbytes / (timing.p10_ms / 1e3) / 1e9
 
 
+def matmul_peak_tflops(dtype: torch.dtype, device: torch.device, quick: bool = True) -> float:
+    """The measured dense matmul peak of one dtype on `device` (TFLOP/s): the roof of the model's
+    MFU (model/train.py). bf16 on a CPU measures what torch's CPU bf16 matmul reaches."""
+    n, _ = _SIZES[(device.type, quick)]
+    settings = Settings(min_repeats=3, min_time=0.1 if quick else 0.4, max_time=1.0 if quick else 3.0,
+                        warmup_time=0.05)
+    return _matmul_tflops(n, dtype, device, settings)
+
+
 def measure_peaks(device: torch.device, quick: bool) -> dict:
     """{"matmul_tflops": {dtype: TFLOP/s}, "copy_gbps": GB/s, "sizes": ..., "threads": ...}."""
     n, mib = _SIZES[(device.type, quick)]

@@ -10,7 +10,7 @@ TORCH_LIBRARY(gem_kernels, m) {
   // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
   m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
   m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
-  // embedding_bag (TBE): packed tables + int64 metadata; codes as in gem_kernels/reference/embedding_bag.py
+  // embedding_bag (TBE): packed tables + int64 metadata; codes in gem_kernels/_embedding_bag.py = include/gem_kernels/embedding_bag_codes.h
   m.def("embedding_bag_forward_native(Tensor weights, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
         "Tensor indices, Tensor offsets, Tensor per_sample_weights, int output_dim, int pooling, int bounds_check) "
         "-> Tensor");
@@ -26,12 +26,12 @@ TORCH_LIBRARY(gem_kernels, m) {
   // attention: jagged q, k [N, H, Dqk], v [N, H, Dv] -> (out [N, H, Dv], fp32 lse [N, H] or [0] for hstu)
   m.def("jagged_attention_fwd_native(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seq_len, str kind, "
         "bool causal, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, Tensor? pos_bias, "
-        "Tensor? time_bias, Tensor? timestamps) -> (Tensor, Tensor)");
+        "Tensor? time_bias, Tensor? timestamps, Tensor? query_timestamps) -> (Tensor, Tensor)");
   // -> (dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient
   m.def("jagged_attention_bwd_native(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor seq_offsets, int max_seq_len, str kind, bool causal, float scale, Tensor? num_targets, "
         "int contextual_len, int max_attn_len, Tensor? pos_bias, Tensor? time_bias, Tensor? timestamps, "
-        "bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? query_timestamps, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // interaction: dot interaction x [B, F, D] -> [B, P]; cross layer (u [N, N] or u [N, r] + v [r, N],
   // v empty for full rank) -> (out, z, p); fm_compress x [B, F, D], y [F, k] -> (out, mean, rstd)

@@ -19,8 +19,23 @@ from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 from . import nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
+from .swap import SwapReport, SwapSkip, register, swap
+
+# `gem_kernels.swap` is the function; its module's names stay reachable through it too.
+swap.register, swap.SwapSkip, swap.SwapReport = register, SwapSkip, SwapReport
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # gk.torchrec is imported on first touch only, so `import gem_kernels` never needs TorchRec;
+    # without it, the ImportError says how to install it.
+    if name == "torchrec":
+        import importlib
+
+        return importlib.import_module(".torchrec", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BACKENDS",
@@ -38,6 +53,10 @@ __all__ = [
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",
+    "swap",
+    "SwapReport",
+    "SwapSkip",
+    "register",
     "nn",
     "optim",
     "__version__",

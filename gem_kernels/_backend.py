@@ -5,7 +5,11 @@ Backends:
   cpu        the C++ kernels of gem_kernels._C, CPU tensors
   cuda       the CUDA kernels of gem_kernels._C, CUDA tensors
   triton     the Triton kernels, CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)
-  auto       cuda > triton for CUDA tensors, cpu > reference for CPU tensors
+  auto       the first available of the family's `auto_cuda` order for CUDA tensors (cuda > triton,
+             attention triton > cuda), cpu > reference for CPU tensors; see FAMILIES
+
+Dispatch in one place: FAMILIES lists each op family's backends, its `auto` preference and, as
+written-out lazy imports, the modules of its Python kernels; `kernel()` looks ops up there.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -120,24 +127,25 @@ class use_backend:
         _default_backend = self._previous
 
 
-def resolve_backend(backend: str | None, device: torch.device, implemented: tuple[str, ...] = BACKENDS) -> str:
-    """The concrete backend an op runs on for tensors on `device`.
+def resolve_backend(backend: str | None, device: torch.device, family: "str | Family") -> str:
+    """The concrete backend an op of `family` (a FAMILIES key, or a Family) runs on for tensors on `device`.
 
-    `backend` is the op's keyword (None: the `use_backend` default); `implemented` lists the
-    backends the op has. Raises BackendUnavailableError when a named backend cannot run here or on
-    this device, ValueError for an unknown name.
+    `backend` is the op's keyword (None: the `use_backend` default). `auto` takes the first
+    available backend of the family's preference for the device (Family.auto_order). Raises
+    BackendUnavailableError when a named backend cannot run here or on this device, or the family
+    has no kernels for it; ValueError for an unknown name.
     """
+    fam = FAMILIES[family] if isinstance(family, str) else family
     name = _default_backend if backend is None else backend
     if name not in _CHOICES:
         raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
     if name == "auto":
-        order = ("cuda", "triton", "reference") if device.type == "cuda" else ("cpu", "reference")
-        for candidate in order:
-            if candidate in implemented and unavailable_reason(candidate) is None:
+        for candidate in fam.auto_order(device):
+            if candidate in fam.implemented and unavailable_reason(candidate) is None:
                 return candidate
         return "reference"
-    if name not in implemented:
-        raise BackendUnavailableError(f"backend {name!r} does not implement this op (it has {implemented})")
+    if name not in fam.implemented:
+        raise BackendUnavailableError(f"backend {name!r} does not implement this op (it has {fam.implemented})")
     reason = unavailable_reason(name)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
@@ -165,17 +173,100 @@ def native_kernels(backend: str) -> str:
     return _native_cpu_kernels if backend == "cpu" else backend
 
 
+# ---------------------------------------------------------------------------------------------
+# The dispatch table. The Python kernels' modules are imported on first use (so that
+# `import gem_kernels` needs neither triton nor the kernel modules) by the loaders below, written
+# out import by import so that find-usages and import-graph tools follow each op to its kernels.
+# ---------------------------------------------------------------------------------------------
+
+
+def _reference_jagged() -> ModuleType:
+    from .reference import jagged
+    return jagged
+
+
+def _triton_jagged() -> ModuleType:
+    from .triton import jagged
+    return jagged
+
+
+def _reference_embedding_bag() -> ModuleType:
+    from .reference import embedding_bag
+    return embedding_bag
+
+
+def _triton_embedding_bag() -> ModuleType:
+    from .triton import embedding_bag
+    return embedding_bag
+
+
+def _reference_attention() -> ModuleType:
+    from .reference import attention
+    return attention
+
+
+def _triton_attention() -> ModuleType:
+    from .triton import attention
+    return attention
+
+
+def _reference_interaction() -> ModuleType:
+    from .reference import interaction
+    return interaction
+
+
+def _triton_interaction() -> ModuleType:
+    from .triton import interaction
+    return interaction
+
+
+@dataclass(frozen=True)
+class Family:
+    """One op family's backends.
+
+    reference, triton: loaders of the modules whose function <op> runs op <op> on that backend.
+    implemented: the backends with kernels for every op of the family.
+    auto_cuda: `auto`'s order on CUDA tensors (the first available wins; reference is the last
+    resort). On CPU tensors `auto` is always cpu > reference.
+    """
+
+    reference: Callable[[], ModuleType]
+    triton: Callable[[], ModuleType]
+    implemented: tuple[str, ...] = BACKENDS
+    auto_cuda: tuple[str, ...] = ("cuda", "triton")
+
+    def auto_order(self, device: torch.device) -> tuple[str, ...]:
+        return self.auto_cuda if device.type == "cuda" else ("cpu",)
+
+    def module(self, backend: str) -> ModuleType:
+        if backend == "reference":
+            return self.reference()
+        if backend == "triton":
+            return self.triton()
+        raise ValueError(f"backend {backend!r} has no Python module (cpu and cuda run native schemas)")
+
+
+FAMILIES: dict[str, Family] = {
+    "jagged": Family(_reference_jagged, _triton_jagged),
+    "embedding_bag": Family(_reference_embedding_bag, _triton_embedding_bag),
+    # triton first: its tiles run on the tensor cores (tl.dot with bf16/fp16/tf32 operands), while the
+    # cuda kernels are plain fp32 CUDA-core loops, so triton is the faster-expected path at every
+    # shape; cuda runs when named, or under `auto` when triton is missing.
+    "attention": Family(_reference_attention, _triton_attention, auto_cuda=("triton", "cuda")),
+    "interaction": Family(_reference_interaction, _triton_interaction),
+}
+
+
 def kernel(family: str, op: str, backend: str):
     """The function that runs `op` of `family` on a concrete backend.
 
     Every backend exposes the same signature: `cpu`/`cuda` as the native schema
     torch.ops.gem_kernels.<op>_native (CPU/CUDA dispatch keys), `reference`/`triton` as the
-    function <op> of gem_kernels.<backend>.<family>.
+    function <op> of the family's module in FAMILIES.
     """
     if backend in ("cpu", "cuda"):
         return getattr(torch.ops.gem_kernels, f"{op}_native")
-    module = importlib.import_module(f"gem_kernels.{backend}.{family}")
-    fn = getattr(module, op)
+    fn = getattr(FAMILIES[family].module(backend), op)
     return _on_device_of_inputs(fn) if backend == "triton" else fn
 
 

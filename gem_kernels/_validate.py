@@ -66,23 +66,29 @@ def check_offsets_meta(name: str, offsets) -> None:
         raise ValueError(f"{name} must have at least one element (offsets[0] == 0), got shape {tuple(offsets.shape)}")
 
 
-def check_offsets_values(name: str, offsets: torch.Tensor, total: int | None) -> None:
+def offsets_summary(offsets: torch.Tensor) -> torch.Tensor:
+    """[offsets[0], number of decreasing steps, offsets[-1]] as one int64 tensor on offsets' device
+    (computed there, not read): what check_offsets_values needs, for one device-to-host copy."""
+    o = offsets.long()
+    return torch.stack([o[0], (o[1:] < o[:-1]).sum(), o[-1]])
+
+
+def check_offsets_values(name: str, offsets: torch.Tensor, total: int | None,
+                         summary: list[int] | None = None) -> None:
     """Data checks: offsets[0] == 0, nondecreasing, offsets[-1] == total (when given).
 
-    Reads the tensor (a device sync on GPU): called inside the ops' real kernels only, never while
-    tracing, so torch.compile sees no data-dependent branch.
+    Reads the tensor once (one device sync on GPU; more only to word an error): called inside the
+    ops' real kernels only, never while tracing, so torch.compile sees no data-dependent branch.
+    `summary`: offsets_summary(offsets) already read by the caller (read together with its own
+    values, so that the whole check costs one sync).
     """
-    first = int(offsets[0])
+    first, decreasing, last = offsets_summary(offsets).tolist() if summary is None else summary
     if first != 0:
         raise ValueError(f"{name}[0] must be 0, got {first}")
-    if offsets.numel() > 1:
-        steps = offsets[1:] < offsets[:-1]
-        if bool(steps.any()):
-            i = int(steps.nonzero()[0, 0])
-            raise ValueError(
-                f"{name} must be nondecreasing, but {name}[{i + 1}] = {int(offsets[i + 1])} < {name}[{i}] = {int(offsets[i])}"
-            )
-    if total is not None:
-        last = int(offsets[-1])
-        if last != total:
-            raise ValueError(f"{name}[-1] must equal the number of rows {total}, got {last}")
+    if decreasing:
+        i = int((offsets[1:] < offsets[:-1]).nonzero()[0, 0])
+        raise ValueError(
+            f"{name} must be nondecreasing, but {name}[{i + 1}] = {int(offsets[i + 1])} < {name}[{i}] = {int(offsets[i])}"
+        )
+    if total is not None and last != total:
+        raise ValueError(f"{name}[-1] must equal the number of rows {total}, got {last}")

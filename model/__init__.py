@@ -1,15 +1,15 @@
-"""A GEM-like recommendation model on gem_kernels' fused kernels or on eager PyTorch, with a synthetic
-data generator and a training loop (`python -m model.train`).
+"""The GEM-like recommendation model on gem_kernels' fused kernels or on TorchRec's eager modules,
+with synthetic data from a planted teacher and a training loop (`python -m model.train`).
 
-    from model import GemConfig, GemModel, make_batch, train_step
-    cfg = GemConfig.small()
-    m = GemModel(cfg, kernels="fused")
-    batch = make_batch(cfg, 256, device="cpu", seed=0)
-    loss = train_step(m, batch, torch.optim.Adam(m.parameters(), lr=1e-2))
+    from model import GemConfig, GemModel, SyntheticBatches
+    cfg = GemConfig.tiny()
+    model = GemModel(cfg, kernels="fused")
+    optimizers = model.make_optimizers()
+    loss = model.loss(SyntheticBatches(cfg)[0])
 """
 
 from .config import GemConfig
-from .data import Batch, make_batch
-from .gem import GemModel, train_step
+from .data import Batch, SyntheticBatches
+from .gem import GemModel, PhaseTimer
 
-__all__ = ["Batch", "GemConfig", "GemModel", "make_batch", "train_step"]
+__all__ = ["Batch", "GemConfig", "GemModel", "PhaseTimer", "SyntheticBatches"]

@@ -1,23 +1,30 @@
-"""The arches of the GEM-like model, each with its kernel switch.
+"""The arches of the GEM-like model, each built "eager" or "fused" with the same parameters on the
+same seed. They differ only in their leaves:
 
-Every arch picks its compute kernel in ONE place: a module-level table `{kernels: function}` right
-above the arch (POOLED_EMBEDDINGS, JAGGED_ATTENTION, DOT_INTERACTION, WUKONG_BACKEND). "eager" is plain PyTorch;
-"fused" is gem_kernels. A fused op that lands replaces one entry of one table, with the same
-signature; nothing else in the model changes.
-"""
+| leaf                 | eager                                     | fused                                  |
+|----------------------|-------------------------------------------|----------------------------------------|
+| sparse tables        | torchrec EmbeddingBagCollection + RowwiseAdagrad | gk.torchrec.FusedEmbeddingBagCollection, ExactRowwiseAdagrad in the backward |
+| sequence embeddings  | torchrec EmbeddingCollection + RowwiseAdagrad | gk.torchrec.FusedEmbeddingCollection, likewise |
+| HSTU layers          | ReferenceHSTULayer (padded plain PyTorch) | gk.nn.HSTULayer (jagged fused attention) |
+| Wukong / dot         | ReferenceWukongStack / EagerDotInteraction | gk.nn.WukongStack / gk.nn.DotInteraction |
+
+gk.swap converts each eager leaf into its fused twin (converters registered below), so
+`gk.swap(GemModel(cfg, "eager"), optimizer=gk.optim.ExactRowwiseAdagrad(lr))` is the fused model."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import gem_kernels
+import gem_kernels.swap
+from gem_kernels.nn import HSTULayer, WukongStack
 
 from .config import GemConfig
+from .data import Batch, sparse_feature_names
 
 KERNELS = ("eager", "fused")
 
@@ -43,246 +50,315 @@ def mlp_flops(sizes: tuple[int, ...] | list[int], rows: int) -> int:
     return sum(2 * rows * fan_in * fan_out for fan_in, fan_out in zip(sizes[:-1], sizes[1:]))
 
 
+class RowwiseAdagrad(torch.optim.Optimizer):
+    """FBGEMM's row-wise Adagrad in plain PyTorch, the eager twin of gk.optim.ExactRowwiseAdagrad:
+    per row of a 2-D parameter, ``m += mean(g^2); w -= lr * g / (sqrt(m) + eps)``.
+
+    On a dense gradient an untouched row has g = 0 and stays as it is, state included, so this is
+    the exact (touched rows only) rule. torch.optim.Adagrad keeps one state per element instead,
+    a different rule from the row-wise one TorchRec and FBGEMM train embeddings with."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-8):
+        super().__init__(params, dict(lr=lr, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dim() != 2:
+                    raise ValueError(f"RowwiseAdagrad needs 2-D parameters, got shape {tuple(p.shape)}")
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+                grad = p.grad.float()
+                state["sum"].add_(grad.square().mean(1))
+                # A row with sum 0 has had only zero gradients: it stays (no 0/0 when eps = 0).
+                denom = (state["sum"].sqrt() + group["eps"]).masked_fill_(state["sum"] == 0, 1.0)
+                p.addcdiv_(grad, denom.unsqueeze(1).to(p.dtype), value=-group["lr"])
+
+
+def _own_rng():
+    """The collections draw their own (discarded) initial values: in a forked RNG, so that eager and
+    fused consume the model's RNG stream alike and every later module gets the same parameters."""
+    return torch.random.fork_rng(devices=[])
+
+
+def init_table(num_rows: int, dim: int) -> torch.Tensor:
+    """Initial table values from the (forked, seeded) global RNG: N(0, 1/dim)."""
+    return torch.randn(num_rows, dim) / math.sqrt(dim)
+
+
 # ---------------------------------------------------------------------------------------------
-# Sparse arch: one sum-pooled embedding bag per table, all tables in one flat weight (FBGEMM TBE
-# layout: table t owns rows table_row_offsets[t] : table_row_offsets[t+1]).
+# The eager leaves and their swap converters. Eager and fused differ only in these leaves (and in
+# TorchRec's collections vs gk.torchrec's, which gk.swap converts itself), so gk.swap turns an eager
+# GemModel into the fused one, module by module, with the same state_dict keys.
 # ---------------------------------------------------------------------------------------------
 
 
-def pooled_embeddings_eager(weight: torch.Tensor, table_row_offsets: torch.Tensor, indices: torch.Tensor,
-                            offsets: torch.Tensor, num_tables: int, batch_size: int) -> torch.Tensor:
-    """Sum pooling of every bag of every table: [B, T, D].
+class ReferenceHSTULayer(HSTULayer):
+    """gk.nn.HSTULayer pinned to the reference backend (padded plain PyTorch): the eager baseline."""
 
-    out[b, t] = sum_{i in offsets[t*B+b] : offsets[t*B+b+1]} weight[table_row_offsets[t] + indices[i]]
-    (0 for an empty bag); indices/offsets in TorchRec's feature-major KJT layout.
-    """
-    bag_table = torch.arange(num_tables, device=indices.device).repeat_interleave(batch_size)
-    index_table = torch.repeat_interleave(bag_table, offsets.diff(), output_size=indices.numel())
-    rows = indices + table_row_offsets[index_table]
-    pooled = F.embedding_bag(rows, weight, offsets, mode="sum", include_last_offset=True)  # [T*B, D]
-    return pooled.view(num_tables, batch_size, weight.shape[1]).transpose(0, 1)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, backend="reference", **kwargs)
+        self.init_args, self.init_kwargs = args, kwargs
 
 
-def pooled_embeddings_fused(weight: torch.Tensor, table_row_offsets: torch.Tensor, indices: torch.Tensor,
-                            offsets: torch.Tensor, num_tables: int, batch_size: int) -> torch.Tensor:
-    """pooled_embeddings_eager in one gem_kernels.embedding_bag call (FBGEMM TBE layout: the flat
-    weight is the packed tables, every table of dim D)."""
-    dim = weight.shape[1]
-    rows_offsets = torch.cat([table_row_offsets, table_row_offsets.new_full((1,), weight.shape[0])])
-    d_offsets = torch.arange(num_tables + 1, device=weight.device, dtype=torch.int64) * dim
-    pooled = gem_kernels.embedding_bag(weight.view(-1), table_row_offsets * dim, d_offsets, rows_offsets,
-                                       indices, offsets, output_dim=num_tables * dim, pooling="sum")
-    return pooled.view(batch_size, num_tables, dim)
+class ReferenceWukongStack(WukongStack):
+    """gk.nn.WukongStack pinned to the reference backend (the paper's formulation in plain PyTorch)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, backend="reference", **kwargs)
+        self.init_args, self.init_kwargs = args, kwargs
 
 
-POOLED_EMBEDDINGS: dict[str, Callable[..., torch.Tensor]] = {
-    "eager": pooled_embeddings_eager,
-    "fused": pooled_embeddings_fused,
-}
+class EagerDotInteraction(nn.Module):
+    """DLRM's dot interaction in plain PyTorch: x [R, F, D] -> [R, F*(F-1)/2], <x_i, x_j> for i < j, row-major."""
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        num_features = features.shape[1]
+        gram = torch.bmm(features, features.transpose(1, 2))
+        i, j = torch.triu_indices(num_features, num_features, offset=1, device=features.device)
+        return gram[:, i, j]
+
+
+def _to_fused(fused_type):
+    def convert(module: nn.Module, *, optimizer, backend) -> nn.Module:
+        param = next(module.parameters())
+        with torch.random.fork_rng(devices=[]):
+            new = fused_type(*module.init_args, **module.init_kwargs, backend=backend)
+        new.to(device=param.device, dtype=param.dtype).load_state_dict(module.state_dict())
+        return new
+    return convert
+
+
+gem_kernels.swap.register(ReferenceHSTULayer, _to_fused(HSTULayer))
+gem_kernels.swap.register(ReferenceWukongStack, _to_fused(WukongStack))
+gem_kernels.swap.register(EagerDotInteraction,
+                          lambda module, *, optimizer, backend: gem_kernels.nn.DotInteraction(backend=backend))
+
+
+def eager_collection_types() -> tuple[type, ...]:
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    return EmbeddingBagCollection, EmbeddingCollection
+
+
+def is_eager_module(module: nn.Module) -> bool:
+    return type(module) in (*eager_collection_types(), ReferenceHSTULayer, ReferenceWukongStack, EagerDotInteraction)
+
+
+def _collection(eager, kernels: str, cfg: GemConfig) -> nn.Module:
+    """TorchRec's collection as built (eager), or gk.torchrec's fused twin of it with row-wise Adagrad
+    in the backward (the same tables, the same state_dict keys)."""
+    if kernels == "eager":
+        return eager
+    from gem_kernels.torchrec import FusedEmbeddingBagCollection, FusedEmbeddingCollection
+
+    fused_type = FusedEmbeddingBagCollection if type(eager).__name__ == "EmbeddingBagCollection" else FusedEmbeddingCollection
+    with _own_rng():
+        return fused_type.from_torchrec(eager, optimizer=gem_kernels.optim.ExactRowwiseAdagrad(lr=cfg.sparse_lr))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse arch: one sum-pooled bag per table and user -> [B, T, D].
+# ---------------------------------------------------------------------------------------------
 
 
 class SparseArch(nn.Module):
+    """Sum pooling of every table's bag: out[b, t] = sum_{i in bag(t, b)} W_t[i], [B, T, D].
+
+    eager: torchrec's EmbeddingBagCollection (the model's eager RowwiseAdagrad trains its tables);
+    fused: gk.torchrec.FusedEmbeddingBagCollection (one fused call, row-wise Adagrad in the backward).
+    """
+
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
         check_kernels(kernels)
-        rows = torch.tensor((0,) + cfg.num_embeddings_per_table, dtype=torch.int64).cumsum(0)
-        self.num_tables = cfg.num_tables
-        self.weight = nn.Parameter(torch.randn(int(rows[-1]), cfg.embedding_dim) / math.sqrt(cfg.embedding_dim))
-        self.register_buffer("table_row_offsets", rows[:-1].clone(), persistent=False)
-        self.pooled_embeddings = POOLED_EMBEDDINGS[kernels]
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
-    def forward(self, sparse_indices: torch.Tensor, sparse_offsets: torch.Tensor, batch_size: int) -> torch.Tensor:
-        return self.pooled_embeddings(self.weight, self.table_row_offsets, sparse_indices, sparse_offsets,
-                                      self.num_tables, batch_size)
+        self.num_tables, self.dim = cfg.num_tables, cfg.embedding_dim
+        tables = [init_table(rows, cfg.embedding_dim) for rows in cfg.num_embeddings_per_table]
+        configs = [EmbeddingBagConfig(name=f"table_{t}", embedding_dim=cfg.embedding_dim, num_embeddings=rows,
+                                      feature_names=[name], pooling=PoolingType.SUM)
+                   for t, (rows, name) in enumerate(zip(cfg.num_embeddings_per_table,
+                                                        sparse_feature_names(cfg.num_tables)))]
+        with _own_rng():
+            ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+        with torch.no_grad():
+            for t, table in enumerate(tables):
+                ebc.embedding_bags[f"table_{t}"].weight.copy_(table)
+        self.ebc = _collection(ebc, kernels, cfg)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.ebc(batch.sparse_features()).values().view(batch.batch_size, self.num_tables, self.dim)
 
 
-# ---------------------------------------------------------------------------------------------
-# Sequence arch: item + time-bucket embedding -> jagged [S, D] -> pre-norm attention layers ->
-# mean over each sequence. Position-wise work (norms, projections, FFN) runs on the jagged rows;
-# only the attention core sees the sequence structure.
-# ---------------------------------------------------------------------------------------------
+class SequenceEmbeddings(nn.Module):
+    """Item + action embedding of every token (pooling "none"): ids [N], actions [N] -> [N, D].
 
-
-def attention_mask(lengths: torch.Tensor, num_targets: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Boolean [B, 1, max_len, max_len], True where query i may attend to key j.
-
-    Causal, and target-aware as in HSTU (generative-recommenders): a target item attends to the
-    history and to itself, never to another target. Padded query rows attend to themselves, so no
-    softmax row is empty (their outputs are dropped by the unpad).
+    eager: torchrec EmbeddingCollection (tables "item_table", "action_table"); fused:
+    gk.torchrec.FusedEmbeddingCollection (row-wise Adagrad in the backward). The action table has
+    num_actions + 1 rows: the last is "candidate" (no action yet).
     """
-    positions = torch.arange(max_len, device=lengths.device)
-    valid = positions < lengths.unsqueeze(1)                                        # [B, L]
-    history = positions < (lengths - num_targets).unsqueeze(1)                      # [B, L]
-    causal = positions.unsqueeze(1) >= positions.unsqueeze(0)                       # [L, L] (i, j)
-    diagonal = positions.unsqueeze(1) == positions.unsqueeze(0)
-    keys_ok = (valid & history).unsqueeze(1) & causal                               # [B, L, L]
-    return (keys_ok | diagonal).unsqueeze(1)
 
-
-def _padded_attention(qkv: torch.Tensor, lengths: torch.Tensor, num_targets: torch.Tensor,
-                      num_heads: int) -> torch.Tensor:
-    """Masked softmax attention on padded qkv [B, L, 3 * H * Dh] -> [B, L, H * Dh]."""
-    batch_size, max_len, width = qkv.shape
-    head_dim = width // (3 * num_heads)
-    q, k, v = qkv.view(batch_size, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(lengths, num_targets, max_len))
-    return out.transpose(1, 2).reshape(batch_size, max_len, num_heads * head_dim)
-
-
-def _jagged_positions(seq_offsets: torch.Tensor, total_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every jagged row: its sequence and its position within that sequence."""
-    lengths = seq_offsets.diff()
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=seq_offsets.device), lengths,
-                                  output_size=total_len)
-    return seq, torch.arange(total_len, device=seq_offsets.device) - seq_offsets[seq]
-
-
-def jagged_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                           num_targets: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Causal target-aware softmax attention over jagged q, k, v [S, H, Dh] -> [S, H, Dh].
-
-    Plain PyTorch: pad with index ops, masked scaled_dot_product_attention, unpad. max_len must be
-    at least the longest sequence.
-    """
-    total_len, num_heads, head_dim = q.shape
-    qkv = torch.stack([q, k, v], dim=1).reshape(total_len, 3 * num_heads * head_dim)
-    seq, pos = _jagged_positions(seq_offsets, total_len)
-    padded = qkv.new_zeros(seq_offsets.numel() - 1, max_len, qkv.shape[1]).index_put((seq, pos), qkv)
-    out = _padded_attention(padded, seq_offsets.diff(), num_targets, num_heads)
-    return out[seq, pos].view(total_len, num_heads, head_dim)
-
-
-def jagged_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                           num_targets: torch.Tensor, max_len: int) -> torch.Tensor:
-    """The same attention as jagged_attention_eager on the jagged rows directly, no padding:
-    gem_kernels.jagged_attention's causal visibility with num_targets is exactly attention_mask's."""
-    return gem_kernels.jagged_attention(q, k, v, seq_offsets, max_len, kind="softmax", causal=True,
-                                        num_targets=num_targets)
-
-
-JAGGED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
-    "eager": jagged_attention_eager,
-    "fused": jagged_attention_fused,
-}
-
-
-class AttentionLayer(nn.Module):
-    """Pre-norm transformer layer on jagged rows: x += W_o attn(LN(x)); x += FFN(LN(x))."""
-
-    def __init__(self, cfg: GemConfig, attention: Callable[..., torch.Tensor]):
+    def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
-        dim = cfg.embedding_dim
-        self.num_heads = cfg.num_heads
-        self.attention = attention
-        self.attn_norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-        self.ffn_norm = nn.LayerNorm(dim)
-        self.ffn = nn.Sequential(nn.Linear(dim, cfg.ffn_multiplier * dim), nn.GELU(),
-                                 nn.Linear(cfg.ffn_multiplier * dim, dim))
+        from torchrec import EmbeddingCollection, EmbeddingConfig
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, num_targets: torch.Tensor,
-                max_len: int) -> torch.Tensor:
-        total_len, dim = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(total_len, 3, self.num_heads, dim // self.num_heads).unbind(1)
-        x = x + self.out(self.attention(q, k, v, seq_offsets, num_targets, max_len).reshape(total_len, dim))
-        return x + self.ffn(self.ffn_norm(x))
+        rows = (cfg.num_items, cfg.num_actions + 1)
+        tables = [init_table(r, cfg.embedding_dim) for r in rows]
+        names = ("item_table", "action_table")
+        configs = [EmbeddingConfig(name=name, embedding_dim=cfg.embedding_dim, num_embeddings=r, feature_names=[feature])
+                   for name, feature, r in zip(names, ("item", "action"), rows)]
+        with _own_rng():
+            ec = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
+        with torch.no_grad():
+            for name, table in zip(names, tables):
+                ec.embeddings[name].weight.copy_(table)
+        self.ec = _collection(ec, kernels, cfg)
 
+    def forward(self, ids: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-def time_buckets(seq_timestamps: torch.Tensor, seq_offsets: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """Log2-bucketed age of each event relative to its sequence's last event: [S] int64 in [0, num_buckets)."""
-    lengths = seq_offsets.diff()
-    # Gather each sequence's last timestamp; the appended 0 keeps the gather in bounds when S == 0
-    # (an empty sequence's entry is repeated zero times, so its value never matters).
-    last = torch.cat([seq_timestamps, seq_timestamps.new_zeros(1)])[(seq_offsets[1:] - 1).clamp(min=0)]
-    age = torch.repeat_interleave(last, lengths, output_size=seq_timestamps.numel()) - seq_timestamps
-    return torch.log2(age.double() + 1.0).long().clamp_(0, num_buckets - 1)
+        n = ids.numel()
+        lengths = torch.tensor([n, n], dtype=torch.int64, device=ids.device)
+        out = self.ec(KeyedJaggedTensor(keys=["item", "action"], values=torch.cat([ids, actions]), lengths=lengths))
+        return out["item"].values() + out["action"].values()
 
 
-def jagged_mean(x: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
-    """Mean of each sequence's rows: x [S, D] -> [B, D], 0 for an empty sequence."""
-    lengths = seq_offsets.diff()
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths, output_size=x.shape[0])
-    sums = x.new_zeros(lengths.numel(), x.shape[1]).index_add(0, seq, x)
-    return sums / lengths.clamp(min=1).unsqueeze(1).to(x.dtype)
+# ---------------------------------------------------------------------------------------------
+# Sequence arch: [contextual tokens | history | candidates] per user -> HSTU -> candidate tokens.
+# ---------------------------------------------------------------------------------------------
+
+
+class SequenceLayout:
+    """Where every row of the jagged HSTU input comes from, for one batch (index tensors on the
+    batch's device; sizes from shapes only, so no host sync).
+
+    User b's sequence is [c contextual tokens, L_b history items, K_b candidates] (length c + L_b + K_b);
+    the K_b candidates are HSTU targets: each sees the context, the history and itself.
+    """
+
+    def __init__(self, batch: Batch, contextual_len: int):
+        device = batch.history_ids.device
+        num_users, c = batch.batch_size, contextual_len
+        history_lengths = batch.history_offsets.diff()
+        num_history, num_rows = batch.history_ids.numel(), batch.candidate_ids.numel()
+        users = torch.arange(num_users, device=device)
+        self.num_targets = batch.num_candidates
+        lengths = c + history_lengths + batch.num_candidates
+        self.seq_offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        self.total = num_users * c + num_history + num_rows
+        starts = self.seq_offsets[:-1]
+        self.context_rows = (starts.unsqueeze(1) + torch.arange(c, device=device)).reshape(-1)
+        history_owner = torch.repeat_interleave(users, history_lengths, output_size=num_history)
+        self.history_rows = (torch.arange(num_history, device=device) - batch.history_offsets[:-1][history_owner]
+                             + starts[history_owner] + c)
+        self.candidate_owner = torch.repeat_interleave(users, batch.num_candidates, output_size=num_rows)
+        candidate_offsets = torch.cat([lengths.new_zeros(1), batch.num_candidates.cumsum(0)])
+        self.candidate_rows = (torch.arange(num_rows, device=device) - candidate_offsets[:-1][self.candidate_owner]
+                               + starts[self.candidate_owner] + c + history_lengths[self.candidate_owner])
+        # Timestamps: history rows their own; context and candidates the request's. The query
+        # timestamp of a history row is the next item's (the request's for the last one), as in
+        # generative-recommenders' RelativeBucketedTimeAndPositionBasedBias.
+        self.rows = torch.cat([self.context_rows, self.history_rows, self.candidate_rows])
+        request = batch.request_timestamps
+        timestamps = torch.cat([request.repeat_interleave(c, output_size=num_users * c), batch.history_timestamps,
+                                request[self.candidate_owner]])
+        self.timestamps = torch.empty_like(timestamps).index_copy_(0, self.rows, timestamps)
+        following = torch.cat([self.timestamps[1:], self.timestamps.new_zeros(1)])
+        query = self.timestamps.clone()
+        query[self.history_rows] = following[self.history_rows]
+        self.query_timestamps = query
 
 
 class SequenceArch(nn.Module):
-    def __init__(self, cfg: GemConfig, kernels: str):
-        super().__init__()
-        check_kernels(kernels)
-        dim = cfg.embedding_dim
-        self.num_time_buckets = cfg.num_time_buckets
-        self.item_embedding = nn.Parameter(torch.randn(cfg.num_items, dim) / math.sqrt(dim))
-        self.time_embedding = nn.Parameter(torch.randn(cfg.num_time_buckets, dim) / math.sqrt(dim))
-        attention = JAGGED_ATTENTION[kernels]
-        self.layers = nn.ModuleList(AttentionLayer(cfg, attention) for _ in range(cfg.num_attention_layers))
-        self.final_norm = nn.LayerNorm(dim)
+    """HSTU over [contextual tokens | history | candidates]: the candidates' output tokens [R, D].
 
-    def forward(self, seq_ids: torch.Tensor, seq_timestamps: torch.Tensor, seq_offsets: torch.Tensor,
-                num_targets: torch.Tensor) -> torch.Tensor:
-        """-> the user representation [B, D]: mean over each sequence's final rows (0 when empty)."""
-        x = (F.embedding(seq_ids, self.item_embedding)
-             + F.embedding(time_buckets(seq_timestamps, seq_offsets, self.num_time_buckets), self.time_embedding))
-        # Padded length of the attention: the longest sequence (at least 1, so an all-empty batch
-        # still has a well-formed, fully dropped, padded tensor). One host sync per forward.
-        max_len = max(int(seq_offsets.diff().max()), 1) if seq_offsets.numel() > 1 else 1
-        for layer in self.layers:
-            x = layer(x, seq_offsets, num_targets, max_len)
-        return jagged_mean(self.final_norm(x), seq_offsets)
-
-
-# ---------------------------------------------------------------------------------------------
-# Interaction arch: DLRM dot interaction of the [B, F, D] feature stack, upper triangle i < j.
-# ---------------------------------------------------------------------------------------------
-
-
-def dot_interaction_eager(features: torch.Tensor) -> torch.Tensor:
-    """features [B, F, D] -> [B, F*(F-1)/2]: <features[:, i], features[:, j]> for i < j, row-major."""
-    num_features = features.shape[1]
-    gram = torch.bmm(features, features.transpose(1, 2))
-    i, j = torch.triu_indices(num_features, num_features, offset=1, device=features.device)
-    return gram[:, i, j]
-
-
-DOT_INTERACTION: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "eager": dot_interaction_eager,
-    "fused": gem_kernels.dot_interaction,
-}
-
-
-# Wukong interaction: the stack's fused ops (fm_compress) run on gem_kernels' reference backend
-# (plain PyTorch, the paper's formulation) for "eager" and on the auto-selected backend for "fused".
-WUKONG_BACKEND: dict[str, str | None] = {
-    "eager": "reference",
-    "fused": None,
-}
-
-
-class InteractionArch(nn.Module):
-    """[dense_out, interaction(features)] -> over arch MLP -> num_tasks logits (the task heads).
-
-    interaction "dot": the F*(F-1)/2 pairwise dot products; "wukong": a WukongStack over the F
-    features, its [B, fm_out + lcb_out, D] output flattened.
+    Contextual tokens (InterFormer): Linear([dense_out, pooled sparse tokens]) -> contextual_len
+    tokens of width D, prepended to each history. Items and actions are embedded together, then
+    num_hstu_layers gk.nn.HSTULayer with relative position and log-time bias (generative-recommenders'
+    convention: bucket(timestamp of the query's next item - timestamp of the key)); the candidates are the
+    targets (num_targets = K_b), so each sees the history and itself, never another candidate.
+    use_sequence=False: a candidate's token is its own (item + action) embedding.
     """
 
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
         check_kernels(kernels)
-        self.interaction = cfg.interaction
-        if cfg.interaction == "dot":
-            self.dot_interaction = DOT_INTERACTION[kernels]
-        else:
-            self.wukong = gem_kernels.nn.WukongStack(cfg.wukong_layers, cfg.num_features, cfg.wukong_fm_out,
-                                                     cfg.wukong_lcb_out, cfg.embedding_dim, cfg.wukong_fm_rank,
-                                                     list(cfg.wukong_mlp), backend=WUKONG_BACKEND[kernels])
-        over_sizes = (cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers
-        self.over_arch = mlp(over_sizes, final_activation=True)
-        self.task_heads = nn.Linear(over_sizes[-1], cfg.num_tasks)
+        dim, c = cfg.embedding_dim, cfg.contextual_len
+        self.use_sequence, self.contextual_len = cfg.use_sequence, c
+        self.num_actions, self.max_len = cfg.num_actions, cfg.attention_max_len
+        self.embeddings = SequenceEmbeddings(cfg, kernels)
+        if cfg.use_sequence:
+            self.context = nn.Linear((cfg.num_tables + 1) * dim, c * dim) if c else None
+            layer_type = ReferenceHSTULayer if kernels == "eager" else HSTULayer
+            self.layers = nn.ModuleList(
+                layer_type(dim, cfg.num_heads, cfg.hstu_linear_dim, cfg.hstu_attention_dim, causal=True,
+                           contextual_len=c, max_seq_len=self.max_len, num_time_buckets=cfg.num_time_buckets)
+                for _ in range(cfg.num_hstu_layers))
+        self.norm = nn.LayerNorm(dim)
 
-    def forward(self, dense_out: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        if self.interaction == "dot":
-            interactions = self.dot_interaction(features)
+    def embed(self, batch: Batch) -> torch.Tensor:
+        """[history rows; candidate rows] embedded: [S + R, D] (the sparse part of the arch)."""
+        candidate_actions = torch.full_like(batch.candidate_ids, self.num_actions)
+        return self.embeddings(torch.cat([batch.history_ids, batch.candidate_ids]),
+                               torch.cat([batch.history_actions, candidate_actions]))
+
+    def forward(self, embedded: torch.Tensor, non_sequence: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+        """embedded [S + R, D] (from `embed`), non_sequence [B, T + 1, D] -> candidate tokens [R, D]."""
+        num_users, dim = non_sequence.shape[0], non_sequence.shape[2]
+        if not self.use_sequence:
+            return self.norm(embedded[embedded.shape[0] - layout.candidate_rows.numel():])
+        rows = [embedded]
+        if self.contextual_len:
+            rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
+        source = torch.cat(rows)
+        x = source.new_zeros(layout.total, dim).index_copy(0, layout.rows, source)
+        for layer in self.layers:
+            x = layer(x, layout.seq_offsets, self.max_len, num_targets=layout.num_targets,
+                      timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
+        return self.norm(x[layout.candidate_rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# Interaction arch: per (user, candidate) row, F = T + 2 tokens -> Wukong or dot -> over arch.
+# ---------------------------------------------------------------------------------------------
+
+
+class InteractionArch(nn.Module):
+    """tokens [R, F, D] (dense out, pooled sparse, candidate token per row) -> over arch [R, H_last]:
+    over_arch([dense_out, flatten(interaction(tokens))])."""
+
+    def __init__(self, cfg: GemConfig, kernels: str):
+        super().__init__()
+        check_kernels(kernels)
+        if cfg.interaction == "wukong":
+            stack_type = ReferenceWukongStack if kernels == "eager" else WukongStack
+            self.interaction = stack_type(cfg.wukong_layers, cfg.num_features, cfg.wukong_fm_out, cfg.wukong_lcb_out,
+                                          cfg.embedding_dim, cfg.wukong_fm_rank, list(cfg.wukong_mlp))
         else:
-            interactions = self.wukong(features).flatten(1)
-        return self.task_heads(self.over_arch(torch.cat([dense_out, interactions], dim=1)))
+            self.interaction = EagerDotInteraction() if kernels == "eager" else gem_kernels.nn.DotInteraction()
+        self.over_arch = mlp((cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers, final_activation=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        interactions = self.interaction(tokens).flatten(1)
+        return self.over_arch(torch.cat([tokens[:, 0], interactions], dim=1))
+
+
+class TaskHeads(nn.Module):
+    """One logit per task and row, binary cross-entropy against the labels."""
+
+    def __init__(self, cfg: GemConfig):
+        super().__init__()
+        self.linear = nn.Linear(cfg.over_arch_layers[-1], cfg.num_tasks)
+
+    def forward(self, over: torch.Tensor) -> torch.Tensor:
+        return self.linear(over)
+
+
+def bce_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean binary cross-entropy with logits over the rows and the tasks (in fp32)."""
+    return F.binary_cross_entropy_with_logits(logits.float(), labels)

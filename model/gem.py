@@ -1,103 +1,214 @@
-"""GemModel: a GEM-like recommendation model (dense arch, sparse arch, sequence arch, DLRM dot or
-Wukong interaction, over arch, task heads) on eager PyTorch or on gem_kernels' fused kernels."""
+"""GemModel: the GEM-like recommendation model (dense, sparse, HSTU sequence, Wukong or dot
+interaction, multi-task heads), on TorchRec's eager modules or on gem_kernels' fused kernels."""
 
 from __future__ import annotations
 
+import time
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gem_kernels import flops
 
-from .archs import InteractionArch, SequenceArch, SparseArch, check_kernels, mlp, mlp_flops
+from .archs import (
+    InteractionArch,
+    eager_collection_types,
+    is_eager_module,
+    RowwiseAdagrad,
+    SequenceArch,
+    SequenceLayout,
+    SparseArch,
+    TaskHeads,
+    bce_loss,
+    check_kernels,
+    mlp,
+    mlp_flops,
+)
 from .config import GemConfig
 from .data import Batch
 
+PHASES = ("sparse", "sequence", "interaction", "heads", "backward_optimizer")
+
+
+class PhaseTimer:
+    """Marks the end of each phase of a step without a host sync: CUDA events on a GPU (read after the
+    step's one sync), time.perf_counter on the CPU. `start()`, then `mark(phase)` in order, then
+    `read()` -> {phase: ms}."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._marks = [("start", self._now())]
+
+    def mark(self, phase: str) -> None:
+        if self._marks:
+            self._marks.append((phase, self._now()))
+
+    def read(self) -> dict[str, float]:
+        if self.cuda and self._marks:
+            self._marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (_, before), (phase, after) in zip(self._marks[:-1], self._marks[1:]):
+            ms = before.elapsed_time(after) if self.cuda else (after - before) * 1e3
+            out[phase] = out.get(phase, 0.0) + ms
+        return out
+
 
 class GemModel(nn.Module):
-    """logits[B, num_tasks] = task_heads(over_arch([d, interaction([d, e_1..e_T, u])]))
+    """logits[R, num_tasks], one row per (user, candidate)::
 
-    d = dense_arch(dense) [B, D], e_t = sum-pooled bag of table t [B, D], u = mean over the user
-    history after the attention layers [B, D] (0 for an empty history); interaction is DLRM's dot
-    interaction or a Wukong stack (cfg.interaction).
+        d = dense_arch(dense)                                  [B, D]
+        e = sparse_arch(sparse features)                       [B, T, D] (sum-pooled bags)
+        s = sequence_arch(history + candidates, context = proj([d, e]))   [R, D] candidate tokens
+        o = interaction_arch([d, e, s] per row)                [R, H] (Wukong or DLRM dot, then over arch)
+        logits = task_heads(o)                                 click, conversion
 
     Args:
         cfg: sizes.
-        kernels: "eager" (plain PyTorch) or "fused" (gem_kernels ops where they exist; see the
-            switch tables in model/archs.py).
-        seed: parameters are initialised from torch.manual_seed(seed) in a forked CPU RNG (the
-            global RNG is left alone), so both `kernels` give identical parameters for one seed.
-            None draws from the global RNG.
+        kernels: "eager" (TorchRec's collections, gem_kernels' reference backend = padded plain
+            PyTorch) or "fused" (gem_kernels' fused embedding bags with row-wise Adagrad in the
+            backward, jagged HSTU attention, fused interaction).
+        seed: parameters come from torch.manual_seed(seed) in a forked CPU RNG (the global RNG is
+            left alone), so both `kernels` start from identical parameters.
     """
 
-    def __init__(self, cfg: GemConfig, kernels: str = "eager", seed: int | None = 0):
+    def __init__(self, cfg: GemConfig, kernels: str = "fused", seed: int = 0):
         super().__init__()
         check_kernels(kernels)
         self.cfg = cfg
-        self.kernels = kernels
-        with torch.random.fork_rng(devices=[], enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
             self.dense_arch = mlp((cfg.num_dense,) + cfg.dense_arch_layers + (cfg.embedding_dim,),
                                   final_activation=True)
             self.sparse_arch = SparseArch(cfg, kernels)
             self.sequence_arch = SequenceArch(cfg, kernels)
             self.interaction_arch = InteractionArch(cfg, kernels)
+            self.task_heads = TaskHeads(cfg)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """-> logits [B, num_tasks]."""
-        dense_out = self.dense_arch(batch.dense)                                                  # [B, D]
-        pooled = self.sparse_arch(batch.sparse_indices, batch.sparse_offsets, batch.batch_size)   # [B, T, D]
-        user = self.sequence_arch(batch.seq_ids, batch.seq_timestamps, batch.seq_offsets, batch.num_targets)
-        features = torch.cat([dense_out.unsqueeze(1), pooled, user.unsqueeze(1)], dim=1)         # [B, F, D]
-        return self.interaction_arch(dense_out, features)
+    def forward(self, batch: Batch, timer: PhaseTimer | None = None) -> torch.Tensor:
+        """-> logits [R, num_tasks]. `timer` marks the end of the sparse, sequence and interaction phases."""
+        dense_out = self.dense_arch(batch.dense)                                         # [B, D]
+        pooled = self.sparse_arch(batch)                                                 # [B, T, D]
+        embedded = self.sequence_arch.embed(batch)                                       # [S + R, D]
+        _mark(timer, "sparse")
+        layout = SequenceLayout(batch, self.cfg.contextual_len)
+        non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)                 # [B, T + 1, D]
+        candidates = self.sequence_arch(embedded, non_sequence, layout)                  # [R, D]
+        _mark(timer, "sequence")
+        tokens = torch.cat([non_sequence[layout.candidate_owner], candidates.unsqueeze(1)], dim=1)  # [R, F, D]
+        over = self.interaction_arch(tokens)
+        _mark(timer, "interaction")
+        return self.task_heads(over)
 
-    def loss(self, batch: Batch) -> torch.Tensor:
-        """Mean binary cross-entropy with logits over the batch and the tasks."""
-        return F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+    def loss(self, batch: Batch, timer: PhaseTimer | None = None) -> torch.Tensor:
+        """Mean binary cross-entropy over the rows and the tasks; `timer` also marks "heads"."""
+        loss = bce_loss(self(batch, timer), batch.labels)
+        _mark(timer, "heads")
+        return loss
+
+    @property
+    def kernels(self) -> str:
+        """"eager" while any eager leaf is left (TorchRec's collections, the reference-backend
+        modules), else "fused" (also after gk.swap of an eager model)."""
+        return "eager" if any(is_eager_module(m) for m in self.modules()) else "fused"
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The tables of TorchRec's eager collections, which a separate sparse optimizer trains (the
+        fused collections update theirs in the backward)."""
+        eager = eager_collection_types()
+        return [p for m in self.modules() if type(m) in eager for p in m.parameters()]
+
+    def fused_parameters(self) -> list[nn.Parameter]:
+        """Parameters updated inside the backward (no optimizer may hold them)."""
+        return [getattr(m, name) for m in self.modules() if hasattr(m, "fused_parameter_names")
+                for name in m.fused_parameter_names()]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        skip = {id(p) for p in self.embedding_parameters() + self.fused_parameters()}
+        return [p for p in self.parameters() if id(p) not in skip]
+
+    def make_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Adam for the dense parameters; row-wise Adagrad for the eager collections' tables (the
+        fused collections run theirs in the backward: see fused_optimizer_state_dict)."""
+        optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(self.dense_parameters(), lr=self.cfg.dense_lr)]
+        if self.embedding_parameters():
+            optimizers.append(RowwiseAdagrad(self.embedding_parameters(), lr=self.cfg.sparse_lr))
+        return optimizers
+
+    def fused_optimizer_state_dict(self) -> dict[str, dict]:
+        """The in-backward optimizers' state (row-wise Adagrad sums, step) per fused collection."""
+        return {name: m.optimizer_state_dict() for name, m in self.named_modules() if hasattr(m, "optimizer_state_dict")}
+
+    def load_fused_optimizer_state_dict(self, state: dict[str, dict]) -> None:
+        modules = {name: m for name, m in self.named_modules() if hasattr(m, "load_optimizer_state_dict")}
+        if set(state) != set(modules):
+            raise ValueError(f"fused optimizer state is for modules {sorted(state)}, this model has {sorted(modules)}")
+        for name, module in modules.items():
+            module.load_optimizer_state_dict(state[name])
+
+    def compile_arches(self, **kwargs) -> None:
+        """torch.compile every dense arch in place (state_dict keys unchanged); the embedding
+        lookups stay outside (KeyedJaggedTensor in, custom ops), and the phase marks sit between."""
+        for module in (self.dense_arch, self.sequence_arch, self.interaction_arch, self.task_heads):
+            module.compile(**kwargs)
 
     def flops_per_step(self, batch: Batch) -> int:
-        """Analytic FLOPs of one training step (forward + backward) on `batch`.
+        """Model FLOPs of one training step (forward + backward) on `batch`, on the real jagged work.
 
-        Counts matmuls (2*m*n*k each) and attention on the real jagged lengths (QK^T and PV over the
-        causal half: 2 * sum_b L_b^2 * D per layer); backward = 2x forward, so a step is 3x forward.
-        Wukong layers count as gem_kernels.flops.wukong_layer does. Embedding pooling, the other norms,
-        activations and the loss are not counted.
+        Summed per op from gem_kernels.flops: the linear layers 2*m*n*k forward and twice that
+        backward; HSTU attention flops.jagged_attention over the real lengths (causal half,
+        backward 2.5x forward); Wukong layers flops.wukong_layer, the dot interaction
+        flops.dot_interaction; embedding bags their pooling adds and the row-wise Adagrad update
+        (flops.embedding_bag, embedding_bag_backward_rowwise_adagrad). Norms, activations and the
+        loss are not counted.
         """
         cfg = self.cfg
-        rows, dim = batch.batch_size, cfg.embedding_dim
-        lengths = batch.seq_offsets.diff().long()
-        tokens = int(lengths.sum())
-        forward = mlp_flops((cfg.num_dense,) + cfg.dense_arch_layers + (dim,), rows)
-        ffn_dim = cfg.ffn_multiplier * dim
-        per_layer = (2 * tokens * dim * 3 * dim              # qkv projection
-                     + 2 * tokens * dim * dim                # output projection
-                     + 2 * 2 * tokens * dim * ffn_dim        # FFN, two matmuls
-                     + 2 * int((lengths * lengths).sum()) * dim)  # causal QK^T + PV, all heads
-        forward += cfg.num_attention_layers * per_layer
-        if cfg.interaction == "dot":
-            forward += rows * cfg.num_interactions * 2 * dim     # one D-long dot per pair i < j
-        else:
+        dim, num_users = cfg.embedding_dim, batch.batch_size
+        num_rows = batch.candidate_ids.numel()
+        total = 3 * mlp_flops((cfg.num_dense,) + cfg.dense_arch_layers + (dim,), num_users)
+
+        lookups = batch.sparse_lengths.view(cfg.num_tables, num_users).sum(1).tolist()
+        starts = [0] + torch.tensor(lookups).cumsum(0).tolist()
+        unique = [int(batch.sparse_values[a:b].unique().numel()) for a, b in zip(starts[:-1], starts[1:])]
+        dims = [dim] * cfg.num_tables
+        total += flops.embedding_bag(lookups, dims, num_users, 4, 8)[0]
+        total += flops.embedding_bag_backward_rowwise_adagrad(lookups, unique, dims, num_users, 4, 8)[0]
+        tokens = batch.history_ids.numel() + num_rows
+        seq_unique = [int(torch.cat([batch.history_ids, batch.candidate_ids]).unique().numel()),
+                      int(batch.history_actions.unique().numel()) + 1]
+        total += flops.embedding_bag_backward_rowwise_adagrad([tokens, tokens], seq_unique, [dim, dim], 1, 4, 8)[0]
+
+        if cfg.use_sequence:
+            c = cfg.contextual_len
+            total += 3 * 2 * num_users * (cfg.num_tables + 1) * dim * c * dim
+            layout = SequenceLayout(batch, c)
+            h, dl, da = cfg.num_heads, cfg.hstu_linear_dim, cfg.hstu_attention_dim
+            projections = 2 * layout.total * dim * h * (2 * dl + 2 * da) + 2 * layout.total * h * dl * dim
+            attention = flops.jagged_attention(layout.seq_offsets, h, da, dl, 4, causal=True, backward=True)[0]
+            total += cfg.num_hstu_layers * (3 * projections + attention)
+
+        if cfg.interaction == "wukong":
             num_in = cfg.num_features
             for _ in range(cfg.wukong_layers):
-                forward += flops.wukong_layer(rows, num_in, cfg.wukong_fm_out, cfg.wukong_lcb_out, dim,
-                                              cfg.wukong_fm_rank, list(cfg.wukong_mlp), 4)[0]
+                total += flops.wukong_layer(num_rows, num_in, cfg.wukong_fm_out, cfg.wukong_lcb_out, dim,
+                                            cfg.wukong_fm_rank, list(cfg.wukong_mlp), 4, backward=True)[0]
                 num_in = cfg.wukong_fm_out + cfg.wukong_lcb_out
-        forward += mlp_flops((dim + cfg.interaction_width,) + cfg.over_arch_layers + (cfg.num_tasks,), rows)
-        return 3 * forward
+        else:
+            total += flops.dot_interaction(num_rows, cfg.num_features, dim, False, 4, backward=True)[0]
+        total += 3 * mlp_flops((dim + cfg.interaction_width,) + cfg.over_arch_layers, num_rows)
+        total += 3 * 2 * num_rows * cfg.over_arch_layers[-1] * cfg.num_tasks
+        return int(total)
 
 
-def train_step(model: GemModel, batch: Batch, optimizer: torch.optim.Optimizer,
-               autocast_dtype: torch.dtype | None = None) -> float:
-    """One optimisation step: forward, backward, optimizer.step(). Returns the loss (a host sync).
-
-    autocast_dtype (e.g. torch.bfloat16): the forward runs under torch.autocast on the batch's
-    device (mixed precision: fp32 parameters, lower-precision products); the backward outside it."""
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    device_type = batch.labels.device.type
-    with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        loss = model.loss(batch)
-    loss.backward()
-    optimizer.step()
-    return float(loss.detach())
+def _mark(timer: PhaseTimer | None, phase: str) -> None:
+    if timer is not None:
+        timer.mark(phase)

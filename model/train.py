@@ -1,87 +1,322 @@
-"""Train the GEM-like model on synthetic data and report loss and throughput.
+"""Train the GEM-like model on synthetic data; report loss, held-out AUC, per-component times, TFLOP/s, MFU.
 
-    python -m model.train --steps 50 --batch-size 256 --kernels fused --device cpu
+    python -m model.train --config small --steps 200 --kernels fused|eager [--compile] [--amp bf16]
+                          [--json PATH] [--checkpoint DIR] [--resume]
 
-Every step draws a fresh batch (seed = step) from the same teacher, so a falling loss is learning,
-not memorising. Throughput counts the training steps only (batches are built and moved to the
-device before the clock starts); the first step is a warm-up and is not timed.
+Step i trains on SyntheticBatches(config, batch_size, seed)[i] (fresh batches from one planted
+teacher: a falling loss is learning); AUC per task is measured on the held-out stream.
+
+MFU = model FLOPs of the timed steps (forward + backward, real jagged work, GemModel.flops_per_step)
+      / (their time x the measured dense matmul peak of the training dtype on this device)
+step_ms is the median step after the warm-up steps; per-component times are medians too.
+
+The loop is factored for wrappers (the distributed driver wraps the model between `build` and
+`train`): parse_args -> build -> train -> report.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from .archs import KERNELS
-from .config import INTERACTIONS, GemConfig
-from .data import make_batch
-from .gem import GemModel, train_step
+from .config import INTERACTIONS, PRESETS, GemConfig
+from .data import Batch, SyntheticBatches
+from .gem import PHASES, GemModel, PhaseTimer
 
-PRESETS = {"small": GemConfig.small, "gpu": GemConfig.gpu}
+# Vendor dense peaks (TFLOP/s, no sparsity) of the GPUs this package is benched on, by name fragment.
+VENDOR_PEAK_TFLOPS = {
+    "H200": {"bfloat16": 989.4, "float32": 66.9},
+    "H100": {"bfloat16": 989.4, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float32": 19.5},
+}
+CHECKPOINT_FILE = "checkpoint.pt"
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m model.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--steps", type=int, default=200, help="total optimizer steps (a resumed run continues to it)")
+    parser.add_argument("--kernels", choices=KERNELS, default="fused")
+    parser.add_argument("--batch-size", type=int, default=None, help="users per batch (default: the preset's)")
+    parser.add_argument("--interaction", choices=INTERACTIONS, default=None, help="default: the preset's (wukong)")
+    parser.add_argument("--no-sequence", action="store_true", help="drop the sequence arch (the baseline it must beat)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every dense arch")
+    parser.add_argument("--amp", choices=("none", "bf16"), default="none",
+                        help="bf16: the forward under torch.autocast (fp32 parameters and optimizer state)")
+    parser.add_argument("--seed", type=int, default=0, help="parameter and data seed")
+    parser.add_argument("--warmup", type=int, default=None, help="steps not timed (default: min(5, steps // 4))")
+    parser.add_argument("--eval-every", type=int, default=0, help="held-out AUC every N steps (0: at the end only)")
+    parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per AUC")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="directory: save model + optimizers at the end")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps")
+    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--distributed", action="store_true",
+                        help="under torchrun: TorchRec DMP, tables sharded by the gem_kernels sharders, the rest "
+                             "data-parallel; gloo on CPU, NCCL on GPU (model/distributed.py)")
+    parser.add_argument("--plan", choices=("table_wise", "column_wise", "auto"), default="auto",
+                        help="--distributed: how the tables are placed (auto: TorchRec's planner)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "eval_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.resume and args.checkpoint is None:
+        parser.error("--resume needs --checkpoint DIR")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> GemConfig:
+    cfg = PRESETS[args.config]()
+    changes = {}
+    if args.interaction is not None:
+        changes["interaction"] = args.interaction
+    if args.no_sequence:
+        changes["use_sequence"] = False
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def build(args: argparse.Namespace) -> tuple[GemConfig, GemModel, list[torch.optim.Optimizer]]:
+    """The model on its device and its optimizers (the hook where a distributed driver wraps the model)."""
+    cfg = config_from_args(args)
+    model = GemModel(cfg, kernels=args.kernels, seed=args.seed).to(args.device)
+    optimizers = model.make_optimizers()
+    if args.compile:
+        model.compile_arches(dynamic=True)
+    return cfg, model, optimizers
+
+
+def train_step(model: GemModel, batch: Batch, optimizers: list[torch.optim.Optimizer],
+               amp_dtype: torch.dtype | None = None, timer: PhaseTimer | None = None) -> torch.Tensor:
+    """One step: forward (under autocast when amp_dtype), backward, every optimizer's step.
+    Returns the loss as a detached device tensor (no host sync here)."""
+    model.train()
+    if timer is not None:
+        timer.start()
+    device_type = batch.labels.device.type
+    with torch.autocast(device_type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+        loss = model.loss(batch, timer)
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if timer is not None:
+        timer.mark("backward_optimizer")
+    return loss.detach()
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (Mann-Whitney U, ties averaged); nan when one class is absent."""
+    scores, labels = scores.double().cpu(), labels.bool().cpu()
+    num_pos = int(labels.sum())
+    num_neg = labels.numel() - num_pos
+    if num_pos == 0 or num_neg == 0:
+        return float("nan")
+    order = scores.argsort()
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    # Average the ranks of tied scores.
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    mean_rank = (ends - (counts.double() - 1) / 2)[inverse]
+    ranks[order] = mean_rank
+    return float((ranks[labels].sum() - num_pos * (num_pos + 1) / 2) / (num_pos * num_neg))
+
+
+@torch.no_grad()
+def evaluate(model: GemModel, batches: list[Batch], amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Held-out AUC per task (model.cfg.task_names)."""
+    model.eval()
+    logits, labels = [], []
+    for batch in batches:
+        with torch.autocast(batch.labels.device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+            logits.append(model(batch).float())
+        labels.append(batch.labels)
+    logits, labels = torch.cat(logits), torch.cat(labels)
+    return {task: auc(logits[:, k], labels[:, k]) for k, task in enumerate(model.cfg.task_names)}
+
+
+def save_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer], step: int,
+                    losses: list[float]) -> Path:
+    """model.state_dict(), the fused collections' in-backward optimizer state, every (dense, eager
+    sparse) optimizer's state_dict, the next step and the losses so far."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CHECKPOINT_FILE
+    torch.save({"step": step, "kernels": model.kernels, "config": dataclasses.asdict(model.cfg),
+                "model": model.state_dict(), "fused_optimizers": model.fused_optimizer_state_dict(),
+                "optimizers": [o.state_dict() for o in optimizers],
+                "losses": losses}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def load_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer]) -> tuple[int, list[float]]:
+    """Restores model and optimizers in place; returns (next step, losses so far)."""
+    state = torch.load(directory / CHECKPOINT_FILE, map_location=next(model.parameters()).device, weights_only=False)
+    if state["kernels"] != model.kernels or state["config"] != dataclasses.asdict(model.cfg):
+        raise ValueError(f"checkpoint {directory} is of kernels={state['kernels']!r} and another config; "
+                         f"this run is kernels={model.kernels!r}")
+    model.load_state_dict(state["model"])
+    model.load_fused_optimizer_state_dict(state["fused_optimizers"])
+    if len(state["optimizers"]) != len(optimizers):
+        raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this model {len(optimizers)}")
+    for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
+        optimizer.load_state_dict(optimizer_state)
+    return state["step"], list(state["losses"])
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
+    from bench.peaks import matmul_peak_tflops
+
+    return matmul_peak_tflops(dtype, device, quick=True)
+
+
+def vendor_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peaks in VENDOR_PEAK_TFLOPS.items():
+        if fragment in name:
+            return peaks["bfloat16" if dtype == torch.bfloat16 else "float32"]
+    return None
+
+
+def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.optim.Optimizer],
+          data: SyntheticBatches) -> dict:
+    """The loop: steps [start, args.steps), timed after the warm-up; held-out AUC; checkpoints."""
+    device = torch.device(args.device)
+    amp_dtype = torch.bfloat16 if args.amp == "bf16" else None
+    start, losses = 0, []
+    if args.resume:
+        start, losses = load_checkpoint(args.checkpoint, model, optimizers)
+    warmup = min(5, args.steps // 4) if args.warmup is None else args.warmup
+    held_out = [data.held_out(i).to(device) for i in range(args.eval_batches)]
+    timer = PhaseTimer(device)
+    step_ms, components, flops, auc_history = [], {p: [] for p in PHASES}, [], []
+    try:
+        from tqdm import tqdm
+        bar = tqdm(range(start, args.steps), disable=args.no_progress, desc=f"{args.kernels}", unit="step",
+                   file=sys.stderr, initial=start, total=args.steps)
+    except ImportError:
+        bar = range(start, args.steps)
+    next_batch = data[start].to(device) if start < args.steps else None
+    for step in bar:
+        batch = next_batch
+        timed = step - start >= warmup
+        if timed:
+            flops.append(model.flops_per_step(batch))  # before the clock: counts sync on a GPU
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        loss = train_step(model, batch, optimizers, amp_dtype, timer)
+        loss_value = float(loss)  # the step's one host sync
+        elapsed_ms = (time.perf_counter() - began) * 1e3
+        if step + 1 < args.steps:
+            next_batch = data[step + 1].to(device)
+        losses.append(loss_value)
+        if timed:
+            step_ms.append(elapsed_ms)
+            for phase, ms in timer.read().items():
+                components[phase].append(ms)
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{data.batch_size / elapsed_ms * 1e3:.0f}")
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            auc_history.append({"step": step + 1, **evaluate(model, held_out, amp_dtype)})
+            print(f"step {step + 1}: held-out AUC " + ", ".join(f"{task} {auc_history[-1][task]:.4f}"
+                                                              for task in model.cfg.task_names), file=sys.stderr)
+        if args.checkpoint is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(args.checkpoint, model, optimizers, step + 1, losses)
+    if args.checkpoint is not None:
+        save_checkpoint(args.checkpoint, model, optimizers, args.steps, losses)
+    final_auc = evaluate(model, held_out, amp_dtype)
+    return dict(losses=losses, step_ms=step_ms, components=components, flops=flops, auc=final_auc,
+                auc_history=auc_history)
+
+
+def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict) -> dict:
+    """The result dict (--json): the exact top-level names the issue fixes, plus details."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.amp == "bf16" else torch.float32
+    step_ms = statistics.median(run["step_ms"]) if run["step_ms"] else None
+    mean_flops = statistics.fmean(run["flops"]) if run["flops"] else None
+    peak = measured_peak(device, dtype)
+    tflops = mean_flops / (step_ms / 1e3) / 1e12 if step_ms else None
+    vendor = vendor_peak(device, dtype)
+    result = {
+        "config": args.config,
+        "kernels": args.kernels,
+        "steps": args.steps,
+        "step_ms": step_ms,
+        "examples_per_s": cfg.batch_size / (step_ms / 1e3) if step_ms else None,
+        "tflops": tflops,
+        "peak_tflops": peak,
+        "mfu": tflops / peak if tflops is not None else None,
+        "auc": run["auc"],
+        "components_ms": {p: statistics.median(v) if v else None for p, v in run["components"].items()},
+        "loss_first": run["losses"][0] if run["losses"] else None,
+        "loss_last": run["losses"][-1] if run["losses"] else None,
+        # Details beyond the fixed names.
+        "batch_size": cfg.batch_size,
+        "timed_steps": len(run["step_ms"]),
+        "flops_per_step": mean_flops,
+        "dtype": "bfloat16" if args.amp == "bf16" else "float32",
+        "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        "threads": torch.get_num_threads(),
+        "compile": args.compile,
+        "use_sequence": cfg.use_sequence,
+        "interaction": cfg.interaction,
+        "vendor_peak_tflops": vendor,
+        "mfu_vendor": tflops / vendor if tflops is not None and vendor else None,
+        "auc_history": run["auc_history"],
+        "losses": run["losses"],
+        "mfu_formula": "model FLOPs per step (fwd+bwd, jagged) / (median step time x measured matmul peak of dtype)",
+    }
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--kernels", choices=KERNELS, default="fused")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--config", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--interaction", choices=INTERACTIONS, default=None,
-                        help="interaction arch (default: the preset's; small: dot, gpu: wukong)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
-    parser.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
-    parser.add_argument("--seed", type=int, default=0, help="parameter initialisation seed")
-    parser.add_argument("--amp", choices=("none", "bf16"), default="none",
-                        help="bf16: the forward under torch.autocast (fp32 parameters, bf16 products); fp16 would "
-                             "also need loss scaling, which this loop does not do")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    args = parse_args(argv)
+    if args.distributed:
+        from .distributed import main as distributed_main
 
-    device = torch.device(args.device)
-    cfg = PRESETS[args.config]()
-    if args.interaction is not None:
-        cfg = dataclasses.replace(cfg, interaction=args.interaction)
-    model = GemModel(cfg, kernels=args.kernels, seed=args.seed).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    batches = [make_batch(cfg, args.batch_size, device=device, seed=step) for step in range(args.steps)]
-    print(f"config={args.config} interaction={cfg.interaction} kernels={args.kernels} amp={args.amp} device={device} "
-          f"batch_size={args.batch_size} steps={args.steps} params={sum(p.numel() for p in model.parameters()):,}")
-
-    flops = sum(model.flops_per_step(batch) for batch in batches[1:])  # outside the clock: it syncs
-    losses = []
-    start = None
-    for step, batch in enumerate(batches):
-        if step == 1:  # step 0 is the warm-up
-            _synchronize(device)
-            start = time.perf_counter()
-        losses.append(train_step(model, batch, optimizer, autocast_dtype=torch.bfloat16 if args.amp == "bf16" else None))
-        if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {losses[-1]:.4f}")
-    _synchronize(device)
-
-    result = {"first_loss": losses[0], "last_loss": losses[-1], "examples_per_s": None, "tflops": None}
-    if start is not None:
-        elapsed = time.perf_counter() - start
-        timed_steps = args.steps - 1
-        result["examples_per_s"] = timed_steps * args.batch_size / elapsed
-        result["tflops"] = flops / elapsed / 1e12
-        print(f"throughput {result['examples_per_s']:.1f} examples/s  "
-              f"({elapsed / timed_steps * 1e3:.2f} ms/step, {result['tflops']:.4f} TFLOP/s model FLOPs, "
-              f"{timed_steps} timed steps)")
+        result = distributed_main(args, config_from_args, train, report)
+        if result is None:  # ranks other than 0 report nothing
+            return None
     else:
-        print("throughput: not measured (one step is the warm-up; run --steps >= 2)")
+        cfg, model, optimizers = build(args)
+        data = SyntheticBatches(cfg, cfg.batch_size, seed=args.seed)
+        print(f"config={args.config} kernels={args.kernels} interaction={cfg.interaction} amp={args.amp} "
+              f"compile={args.compile} device={args.device} batch_size={cfg.batch_size} steps={args.steps} "
+              f"params={sum(p.numel() for p in model.parameters()):,}", flush=True)
+        run = train(args, model, optimizers, data)
+        result = report(args, cfg, model, run)
+    comps = ", ".join(f"{k} {v:.2f}" for k, v in result["components_ms"].items() if v is not None)
+    print(f"loss {result['loss_first']:.4f} -> {result['loss_last']:.4f}; held-out AUC "
+          + ", ".join(f"{k} {v:.4f}" for k, v in result["auc"].items()))
+    if result["step_ms"] is not None:
+        print(f"step {result['step_ms']:.2f} ms (median of {result['timed_steps']}): {comps}; "
+              f"{result['examples_per_s']:.1f} examples/s; {result['tflops']:.4f} TFLOP/s; "
+              f"MFU {100 * result['mfu']:.2f}% of {result['peak_tflops']:.3f} TFLOP/s ({result['dtype']} matmul)")
+    else:
+        print("throughput: not measured (every step was a warm-up step)")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
     return result
 
 

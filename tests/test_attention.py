@@ -14,8 +14,9 @@ from gem_kernels.ops.attention import IMPLEMENTED, jagged_attention_bwd_op, jagg
 from gem_kernels.reference import attention as ref
 
 from .utils import (
-    TOLERANCES,
     assert_close,
+    assert_close_vs_eager,
+    interpreter_rounding_factor,
     cpu_kernel_only,
     cuda_kernel_params,
     device_backend_params,
@@ -223,28 +224,72 @@ CASES = [
 ]
 
 
+def eager_attention(q, k, v, pos_bias, time_bias, *, seq_offsets, max_seq_len, kind="softmax", causal=True,
+                    scale=None, num_targets=None, contextual_len=0, max_attn_len=0, timestamps=None):
+    """The padded formulation computed eagerly in q's dtype throughout (no fp32 upcast; biases cast to
+    it), differentiated by autograd: FlashAttention's "same computation in the same dtype"."""
+    dtype, M = q.dtype, max_seq_len
+    scale = ref.default_scale(q.shape[2]) if scale is None else scale
+    qp, (seq_ids, pos) = ref._pad(q, seq_offsets, M)
+    kp, _ = ref._pad(k, seq_offsets, M)
+    vp, _ = ref._pad(v, seq_offsets, M)
+    scores = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
+    if pos_bias is not None:
+        rel = torch.arange(M, device=q.device)
+        scores = scores + pos_bias.to(dtype)[:, rel.view(1, -1) - rel.view(-1, 1) + M - 1].unsqueeze(0)
+    if time_bias is not None:
+        tp, _ = ref._pad(timestamps.long(), seq_offsets, M)
+        buckets = ref.time_buckets(tp.unsqueeze(2) - tp.unsqueeze(1), time_bias.shape[1] - 1)
+        scores = scores + time_bias.to(dtype)[:, buckets].transpose(0, 1)
+    valid = ref.visibility_mask(seq_offsets.long().diff(), M, causal=causal, num_targets=num_targets,
+                                contextual_len=contextual_len, max_attn_len=max_attn_len).unsqueeze(1)
+    if kind == "softmax":
+        weights = torch.softmax(scores.masked_fill(~valid, torch.finfo(dtype).min), dim=-1) * valid
+    else:
+        weights = torch.nn.functional.silu(scores) / M * valid
+    return torch.einsum("bhij,bjhd->bihd", weights, vp)[seq_ids, pos]
+
+
 def _check_against_reference(inputs, backend, dtype, **options):
     poison_allocator(sum(t.numel() * 4 for t in leaves(inputs)), inputs["q"].device)
     out, grads = run(inputs, backend, **options)
+    names = [n for n in ("q", "k", "v", "pos_bias", "time_bias") if n in inputs]
+    if dtype != torch.float32:
+        _check_half_against_reference(inputs, backend, dtype, out, grads, names, **options)
+        return
     expected_out, expected_grads = run(inputs, "reference", **options)
     assert out.shape == expected_out.shape and out.dtype == dtype
     assert_close(out, expected_out, dtype)
-    names = [n for n in ("q", "k", "v", "pos_bias", "time_bias") if n in inputs]
     for name, got, exp in zip(names, grads, expected_grads):
         assert got.shape == exp.shape and got.dtype == exp.dtype, name
         if name.endswith("bias"):
             # NOTE: a bias gradient sums up to H * sum L^2 terms: relative to its largest entry.
-            tol = TOLERANCES[dtype if dtype != torch.float32 else torch.float32]
             scale = max(1.0, float(exp.abs().max()))
-            torch.testing.assert_close(got, exp, atol=tol["atol"] * scale * 4, rtol=tol["rtol"] * 4, msg=name)
-        elif dtype != torch.float32 and name in ("q", "k"):
-            # NOTE: dq/dk use delta_i = <dO_i, O_i> with O rounded to the I/O dtype (FlashAttention does
-            # the same); the reference's delta is unrounded fp32: allow 2x, relative to the largest entry.
-            tol = TOLERANCES[dtype]
-            scale = max(1.0, float(exp.abs().max()))
-            torch.testing.assert_close(got, exp, atol=2 * tol["atol"] * scale, rtol=2 * tol["rtol"], msg=name)
+            torch.testing.assert_close(got, exp, atol=4e-5 * scale, rtol=4e-5, msg=name)
         else:
             assert_close(got, exp, dtype)
+
+
+def _check_half_against_reference(inputs, backend, dtype, out, grads, names, **options):
+    """fp16/bf16 by FlashAttention's rule: out, dq, dk, dv and the bias gradients against the fp32
+    reference on the same (dtype-valued) inputs, at most twice the error of eager_attention in the
+    dtype, plus a rounding-sized atol."""
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)  # as run() draws it
+    fixed = {n: t for n, t in inputs.items() if n not in names}
+    exact_leaves = [inputs[n].detach().float().requires_grad_(True) for n in names]
+    exact = gk.jagged_attention(**fixed, **dict(zip(names, exact_leaves)), backend="reference", **options)
+    exact_grads = torch.autograd.grad(exact, exact_leaves, grad_out.float())
+    eager_leaves = [inputs[n].detach().clone().requires_grad_(True) for n in names]
+    named = dict(zip(names, eager_leaves))
+    eager = eager_attention(named["q"], named["k"], named["v"], named.get("pos_bias"), named.get("time_bias"),
+                            **fixed, **options)
+    eager_grads = torch.autograd.grad(eager, eager_leaves, grad_out, materialize_grads=True)
+    factor = interpreter_rounding_factor(backend, out.device, dtype)
+    assert out.shape == exact.shape and out.dtype == dtype
+    assert_close_vs_eager(out, exact, eager, dtype, "out", factor)
+    for name, got, e, ea in zip(names, grads, exact_grads, eager_grads):
+        assert got.shape == e.shape and got.dtype == inputs[name].dtype, name
+        assert_close_vs_eager(got, e, ea, dtype, f"grad {name}", factor)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
@@ -280,18 +325,20 @@ def test_auto_backend_choice(device, expected, monkeypatch):
 @pytest.mark.parametrize("kind", ["softmax", "hstu"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_dtypes(device, backend, kind, dtype):
+    lengths = [9, 0, 70, 1]
     if interpreted(device, backend) and (kind, dtype) not in (("softmax", torch.bfloat16), ("hstu", torch.float16)):
-        pytest.skip("Triton interpreter: one dtype per kind keeps CI short")
-    inputs = make_inputs([9, 0, 70, 1], dtype=dtype, device=device, targets=[2, 0, 5, 0], pos_heads=2, time_heads=1)
+        lengths = [9, 0, 12, 1]  # Triton interpreter: the other dtype of each kind on short sequences
+    inputs = make_inputs(lengths, dtype=dtype, device=device, targets=[2, 0, 5, 0], pos_heads=2, time_heads=1)
     _check_against_reference(inputs, backend, dtype, kind=kind, contextual_len=2, max_attn_len=20)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 @pytest.mark.parametrize("D,Dv", [(24, 24), (40, 40), (24, 40), (40, 7)])
 def test_head_dims(device, backend, D, Dv):
+    lengths = [13, 0, 29]
     if interpreted(device, backend) and (D, Dv) != (40, 7):
-        pytest.skip("Triton interpreter: one odd shape keeps CI short")
-    inputs = make_inputs([13, 0, 29], D=D, Dv=Dv, H=3, device=device, pos_heads=3)
+        lengths = [5, 0, 3]  # Triton interpreter: the other head dims on short sequences
+    inputs = make_inputs(lengths, D=D, Dv=Dv, H=3, device=device, pos_heads=3)
     for kind in ("softmax", "hstu"):
         _check_against_reference(inputs, backend, torch.float32, kind=kind)
 
@@ -404,8 +451,8 @@ def test_cpu_backward_is_independent_of_thread_count():
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
 def test_int32_offsets_and_targets_and_timestamps(device, backend):
-    skip_if_interpreted(device, backend)
-    inputs = make_inputs([9, 0, 17], device=device, time_heads=1)
+    # Triton interpreter: shorter sequences (the same int32 loads)
+    inputs = make_inputs([5, 0, 7] if interpreted(device, backend) else [9, 0, 17], device=device, time_heads=1)
     inputs["seq_offsets"] = inputs["seq_offsets"].int()
     inputs["num_targets"] = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
     inputs["timestamps"] = inputs["timestamps"].int()
@@ -447,6 +494,261 @@ def test_time_buckets_over_a_wide_range(device, backend):
     inputs["time_bias"] = torch.randn(2, num_buckets + 1, generator=g).to(device).requires_grad_(True)
     inputs["timestamps"] = (torch.rand(51, generator=g, dtype=torch.float64) ** 4 * 1e14).long().to(device)
     _check_against_reference(inputs, backend, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# query_timestamps: generative-recommenders' next-item time bias
+# ------------------------------------------------------------------------------------------------
+
+def _gr_batch(lengths, max_seq_len, num_buckets, seed=0, H=2, D=4, Dv=3):
+    """Jagged q, k, v and GR-style padded timestamps [B, N] (increasing, 0 past each end), N = max_seq_len."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = offsets_from_lengths(lengths)
+    n_rows = int(sum(lengths))
+    ts = torch.zeros(len(lengths), max_seq_len, dtype=torch.int64)
+    for b, L in enumerate(lengths):
+        gaps = torch.randint(1, 3000, (L,), generator=g) ** 2 // 100  # dt from 0 to ~9e4: buckets 0..37
+        ts[b, :L] = 10**6 + torch.cumsum(gaps, 0)
+    qkv = [torch.randn(n_rows, H, d, generator=g).requires_grad_(True) for d in (D, D, Dv)]
+    pos_w = (0.5 * torch.randn(2 * max_seq_len - 1, generator=g)).requires_grad_(True)
+    ts_w = (0.5 * torch.randn(num_buckets + 1, generator=g)).requires_grad_(True)
+    return qkv, offsets, ts, pos_w, ts_w
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(IMPLEMENTED))
+@pytest.mark.parametrize("kind", ["hstu", "softmax"])
+def test_query_timestamps_reproduce_gr_relative_bucketed_time_bias(device, backend, kind):
+    """jagged_attention with query_timestamps = the next item's timestamp (GR's padded "next", see
+    reference/gr_relative_bias.py) and GR's bias tables is GR's attention with its
+    RelativeBucketedTimeAndPositionBasedBias: output and the gradients of q, k, v and both tables."""
+    from gem_kernels.reference import gr_relative_bias as gr
+
+    lengths, max_seq_len, num_buckets = [5, 0, 7, 1], 7, 20  # one full-length sequence: its last row repeats
+    (q, k, v), offsets, ts, pos_w, ts_w = _gr_batch(lengths, max_seq_len, num_buckets)
+    seq_ids, pos = ref._pad(q.detach(), offsets, max_seq_len)[1]
+    next_ts = gr.next_timestamps(ts)
+    # The two bucketings (GR's fp32 log, the kernels' fp64 one) agree on every pair of this data.
+    dt = next_ts.unsqueeze(2) - ts.unsqueeze(1)
+    assert torch.equal(gr.gr_bucketize(dt).clamp(0, num_buckets), ref.time_buckets(dt, num_buckets))
+
+    bias = gr.relative_bucketed_time_and_position_bias(ts, pos_w, ts_w)
+    padded = [ref._pad(x, offsets, max_seq_len)[0] for x in (q, k, v)]
+    expected = gr.padded_attention_with_bias(*padded, bias, offsets.diff(), kind)[seq_ids, pos]
+
+    def to_dev(x):
+        return x.detach().to(device).requires_grad_(x.requires_grad)
+
+    leaves_dev = [to_dev(x) for x in (q, k, v, pos_w, ts_w)]
+    qd, kd, vd, pos_d, ts_d = leaves_dev
+    common = dict(kind=kind, causal=True, scale=1.0, pos_bias=pos_d.unsqueeze(0), time_bias=ts_d.unsqueeze(0),
+                  timestamps=ts[seq_ids, pos].to(device), backend=backend)
+    out = gk.jagged_attention(qd, kd, vd, offsets.to(device), max_seq_len,
+                              query_timestamps=next_ts[seq_ids, pos].to(device), **common)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    got = torch.autograd.grad(out, leaves_dev, grad_out.to(device))
+    exp = torch.autograd.grad(expected, [q, k, v, pos_w, ts_w], grad_out)
+    for name, a, b in zip(("q", "k", "v", "pos_w", "ts_w"), got, exp):
+        torch.testing.assert_close(a.cpu(), b, atol=2e-5, rtol=2e-5, msg=name)
+    # The default (query_timestamps = timestamps, bucket(t_i - t_j)) is another bias: the test can tell.
+    plain = gk.jagged_attention(qd, kd, vd, offsets.to(device), max_seq_len, **common)
+    assert (plain.detach().cpu() - expected.detach()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(IMPLEMENTED))
+def test_query_timestamps_default_and_explicit_equal(device, backend):
+    """query_timestamps=timestamps is the default, bit for bit, forward and backward."""
+    inputs = make_inputs([6, 0, 9], device=device, time_heads=2, pos_heads=1)
+    out, grads = run(inputs, backend)
+    out2, grads2 = run(dict(inputs, query_timestamps=inputs["timestamps"].clone()), backend)
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_query_timestamps_match_reference(device, backend, kind):
+    """Arbitrary query_timestamps (not sorted, int32, per-head and shared tables) against the reference."""
+    inputs = make_inputs([7, 0, 12, 1], device=device, time_heads=2, pos_heads=1, targets=[2, 0, 3, 0])
+    g = torch.Generator().manual_seed(4)
+    inputs["query_timestamps"] = (torch.randint(0, 40, (20,), generator=g) ** 2).int().to(device)
+    _check_against_reference(inputs, backend, torch.float32, kind=kind, contextual_len=1)
+
+
+def test_modules_pass_query_timestamps():
+    """HSTULayer and JaggedMultiheadAttention forward query_timestamps to the op (other result than the default)."""
+    g = torch.Generator().manual_seed(0)
+    offsets = offsets_from_lengths([4, 6])
+    x = torch.randn(10, 8, generator=g)
+    ts = torch.randint(0, 10**5, (10,), generator=g).sort().values
+    next_ts = torch.cat([ts[1:], ts[-1:]])
+    for module in (gk.nn.HSTULayer(8, 2, 4, 4, max_seq_len=6, num_time_buckets=40),
+                   gk.nn.JaggedMultiheadAttention(8, 2, max_seq_len=6, num_time_buckets=40)):
+        with torch.no_grad():
+            module.bias.time_bias.normal_(generator=g)
+        y0 = module(x, offsets, 6, timestamps=ts)
+        y1 = module(x, offsets, 6, timestamps=ts, query_timestamps=next_ts)
+        assert not torch.allclose(y0, y1)
+        torch.testing.assert_close(module(x, offsets, 6, timestamps=ts, query_timestamps=ts), y0)
+
+
+# ------------------------------------------------------------------------------------------------
+# NaN, Inf and extreme values (issue 19): the rule of jagged_attention's docstring, on every backend
+# ------------------------------------------------------------------------------------------------
+
+ALL_BACKENDS = device_backend_params(IMPLEMENTED)
+
+
+def _issue19_inputs(device, *, pos_heads=None, D=4, Dv=3, seed=0):
+    """The issue's repro shape: seq_offsets [0, 3, 5], max_seq_len 4, H = 2, D = 4, Dv = 3."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = dict(q=torch.randn(5, 2, D, generator=g), k=torch.randn(5, 2, D, generator=g),
+                  v=torch.randn(5, 2, Dv, generator=g), seq_offsets=torch.tensor([0, 3, 5]), max_seq_len=4)
+    if pos_heads:
+        inputs["pos_bias"] = 0.5 * torch.randn(pos_heads, 7, generator=g)
+    return {name: (x.to(device) if isinstance(x, torch.Tensor) else x) for name, x in inputs.items()}
+
+
+def _forward_backward(inputs, backend, **options):
+    """(out, grads of q, k, v[, pos_bias]) on the CPU, for grad_out = ones."""
+    inputs = {n: (x.clone().requires_grad_(n in ("q", "k", "v", "pos_bias")) if isinstance(x, torch.Tensor) else x)
+              for n, x in inputs.items()}
+    out = gk.jagged_attention(**inputs, backend=backend, **options)
+    names = [n for n in ("q", "k", "v", "pos_bias") if n in inputs]
+    grads = torch.autograd.grad(out, [inputs[n] for n in names], torch.ones_like(out))
+    return out.detach().cpu(), dict(zip(names, (g.cpu() for g in grads)))
+
+
+def _agree_with_reference(inputs, backend, check_grads=True, **options):
+    """The backend's output and gradients equal the reference's, NaN and Inf positions included."""
+    out, grads = _forward_backward(inputs, backend, **options)
+    ref_inputs = {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in inputs.items()}
+    out_ref, grads_ref = _forward_backward(ref_inputs, "reference", **options)
+    torch.testing.assert_close(out, out_ref, equal_nan=True, atol=1e-5, rtol=1e-5)
+    for name in grads if check_grads else ():
+        torch.testing.assert_close(grads[name], grads_ref[name], equal_nan=True, atol=1e-5, rtol=1e-5, msg=name)
+    return out, grads
+
+
+def _only_nan_rows(out, rows_heads):
+    """out[i, h] is all NaN exactly for (i, h) in rows_heads, and finite everywhere else."""
+    expected = torch.zeros(out.shape[:2], dtype=torch.bool)
+    for i, h in rows_heads:
+        expected[i, h] = True
+    assert torch.equal(out.isnan().all(-1), expected), out
+    assert bool(out[~expected].isfinite().all()), out
+
+
+NAN_CASES = {
+    # name: (where the NaN goes, the (row, head) outputs it must reach: the rows that see it)
+    "q[0,0,1]": (lambda x: x["q"].__setitem__((0, 0, 1), math.nan), [(0, 0)]),
+    "k[0,0,0]": (lambda x: x["k"].__setitem__((0, 0, 0), math.nan), [(0, 0), (1, 0), (2, 0)]),
+    # the last key of sequence 0: only row 2 sees it (the reference leaked it into rows 0 and 1)
+    "k[2,0,0]": (lambda x: x["k"].__setitem__((2, 0, 0), math.nan), [(2, 0)]),
+    # pos_bias head 0, relative position 0: every row of head 0 uses it
+    "pos_bias[0,3]": (lambda x: x["pos_bias"].__setitem__((0, 3), math.nan), [(i, 0) for i in range(5)]),
+    # relative position -3: no pair of these sequences (length <= 3) reaches it
+    "pos_bias[1,0]": (lambda x: x["pos_bias"].__setitem__((1, 0), math.nan), []),
+}
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+@pytest.mark.parametrize("case", list(NAN_CASES))
+def test_nan_reaches_exactly_the_rows_that_see_it(device, backend, kind, case):
+    """A NaN in q, k or a bias reaches every output whose visible scores contain it (the cpu softmax
+    gave 0), and no other (the reference leaked masked keys and unused bias entries): forward, and
+    gradients equal to the reference's, NaN positions included."""
+    inputs = _issue19_inputs(device, pos_heads=2)
+    poison, rows = NAN_CASES[case]
+    poison(inputs)
+    out, grads = _agree_with_reference(inputs, backend, kind=kind)
+    _only_nan_rows(out, rows)
+    if not rows:  # an entry no pair reads: every gradient finite, its own exactly 0
+        assert all(bool(g.isfinite().all()) for g in grads.values())
+        assert float(grads["pos_bias"][1, 0]) == 0.0
+    else:
+        assert bool(grads["q"].isnan().any()) and bool(grads["k"].isnan().any())
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_nan_scale_reaches_every_output(device, backend, kind):
+    out, _ = _agree_with_reference(_issue19_inputs(device), backend, kind=kind, scale=math.nan)
+    assert int(out.isnan().sum()) == 30
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_infinite_value_of_an_invisible_key_adds_nothing(device, backend, kind):
+    """v[1,0,0] = inf: query 0 cannot see key 1 (causal), so out[0, 0] stays finite (0 * inf leaked
+    NaN on every backend); rows 1 and 2 see it. The gradients of row 0 stay finite too."""
+    inputs = _issue19_inputs(device)
+    inputs["v"][1, 0, 0] = math.inf
+    out, grads = _agree_with_reference(inputs, backend, kind=kind)
+    assert bool(out[0].isfinite().all()) and bool(out[3:].isfinite().all())
+    assert bool(out[1:3, 0, 0].isinf().all()) and bool(out[1:3, 1].isfinite().all())
+    assert bool(grads["q"][0].isfinite().all())
+    # An infinite q (into dk) and k (into dq) of invisible pairs: query 0 sees key 0 only, so keys 1, 2
+    # of head 1 keep finite dk; key 4 is seen by row 4 only, so row 3 keeps a finite dq.
+    inputs = _issue19_inputs(device)
+    inputs["q"][0, 1, 0] = -math.inf
+    inputs["k"][4, 1, 0] = math.inf
+    _, grads = _agree_with_reference(inputs, backend, kind=kind)
+    assert bool(grads["k"][1:3, 1].isfinite().all()) and bool(grads["q"][3, 1].isfinite().all())
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+def test_huge_scale_beats_masked_entries(device, backend):
+    """scale=1e30 with scores of -2e30: every visible key still wins over the invisible ones (the
+    reference's -1e30 fill gave [0, 0, 2])."""
+    inputs = dict(q=torch.ones(3, 1, 2, device=device), k=-torch.ones(3, 1, 2, device=device),
+                  v=torch.tensor([[[1.0]], [[2.0]], [[3.0]]], device=device),
+                  seq_offsets=torch.tensor([0, 3], device=device), max_seq_len=3)
+    # NOTE: forward only. The kernels' backward recomputes p = exp(s - lse) from the fp32 lse, which at
+    # |s| ~ 2e30 has lost log(sum) (FlashAttention's kernels share this); the reference recomputes softmax.
+    out, _ = _agree_with_reference(inputs, backend, check_grads=False, kind="softmax", scale=1e30)
+    torch.testing.assert_close(out.view(-1), torch.tensor([1.0, 1.5, 2.0]))
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_scale_beyond_fp32_agrees_across_backends(device, backend, kind):
+    """scale=1e300 in fp32 rounds to inf: scores of +-inf (NaN where <q, k> = 0, forced on one pair);
+    every backend gives the reference's result, NaN and Inf positions included."""
+    inputs = _issue19_inputs(device, pos_heads=1)
+    inputs["k"][3, 1] = 0.0  # <q_i, k_3> = 0: inf * 0 = NaN for the rows that see key 3
+    _agree_with_reference(inputs, backend, kind=kind, scale=1e300)
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+def test_all_minus_inf_row_outputs_zero(device, backend):
+    """A softmax row whose visible scores are all -inf outputs 0 with lse -inf (the convention every
+    backend shares); rows with some finite score are unaffected."""
+    inputs = _issue19_inputs(device, pos_heads=1)
+    inputs["pos_bias"][0, 3] = -math.inf  # the diagonal: row 0 sees only itself
+    out, _ = _agree_with_reference(inputs, backend, kind="softmax")
+    assert torch.equal(out[0], torch.zeros(2, 3)) and bool(out.isfinite().all())
+
+
+@pytest.mark.parametrize("max_seq_len", [10**9, 2**62])
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_reference_pads_to_the_longest_sequence(max_seq_len, kind):
+    """A huge max_seq_len costs the reference nothing: it pads to the longest sequence (it tried to
+    allocate 64 GB at 10**9 and overflowed a storage size at 2**62). Same result as the cpu kernel."""
+    inputs = make_inputs([3, 0, 5], time_heads=1, M=max_seq_len)
+    out, grads = run(inputs, "reference", kind=kind)
+    small, small_grads = run(dict(inputs, max_seq_len=5), "reference", kind=kind)
+    factor = 5 / max_seq_len if kind == "hstu" else 1.0  # HSTU divides by max_seq_len
+    torch.testing.assert_close(out, small * factor)
+    for got, exp in zip(grads, small_grads):
+        torch.testing.assert_close(got, exp * factor)
+    if "cpu" in gk.available_backends():
+        cpu_out, cpu_grads = run(inputs, "cpu", kind=kind)
+        torch.testing.assert_close(cpu_out, out)
+        for got, exp in zip(cpu_grads, grads):
+            torch.testing.assert_close(got, exp)
 
 
 # Short cases for the Triton interpreter: every option, multi-tile (L = 70 > BLOCK 64) and edge sizes.
@@ -528,6 +830,13 @@ BAD = [
     (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(4, dtype=torch.long)), "timestamps must have N = 5"),
     (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5)), "timestamps must have dtype"),
     (_bad(deterministic="yes"), "deterministic must be a bool"),
+    (_bad(query_timestamps=torch.ones(5, dtype=torch.long)), "query_timestamps is only used by the time bias"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5, dtype=torch.long),
+          query_timestamps=torch.ones(4, dtype=torch.long)), "query_timestamps must have N = 5"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5, dtype=torch.long), query_timestamps=torch.ones(5)),
+     "query_timestamps must have dtype"),
+    (_bad(time_bias=torch.ones(1, 4), timestamps=torch.ones(5, dtype=torch.long),
+          query_timestamps=torch.ones(5, 1, dtype=torch.long)), "query_timestamps must have 1 dim"),
 ]
 
 
@@ -544,6 +853,10 @@ def test_device_mismatch_is_value_error():
     with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
         gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2, device="meta"), torch.ones(3, 1, 2),
                             torch.tensor([0, 3]), 3)
+    with pytest.raises(ValueError, match="query_timestamps is on meta but q is on cpu"):
+        gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.ones(3, 1, 2), torch.tensor([0, 3]), 3,
+                            time_bias=torch.ones(1, 3), timestamps=torch.ones(3, dtype=torch.long),
+                            query_timestamps=torch.ones(3, dtype=torch.long, device="meta"))
 
 
 def test_unavailable_backend_is_reported():
@@ -561,8 +874,11 @@ def test_unavailable_backend_is_reported():
 def _op_args(kind, with_bias, device="cpu"):
     inputs = make_inputs([3, 0, 5, 1], H=2, D=4, Dv=3, pos_heads=2 if with_bias else None,
                          time_heads=1 if with_bias else None, targets=[1, 0, 2, 0], device=device)
+    # With the time bias, query_timestamps differ from timestamps (the reversed rows).
+    query_timestamps = inputs["timestamps"].flip(0) if with_bias else None
     return (inputs["q"], inputs["k"], inputs["v"], inputs["seq_offsets"], 5, kind, True, 0.5,
-            inputs["num_targets"], 1, 3, inputs.get("pos_bias"), inputs.get("time_bias"), inputs.get("timestamps"))
+            inputs["num_targets"], 1, 3, inputs.get("pos_bias"), inputs.get("time_bias"), inputs.get("timestamps"),
+            query_timestamps)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -1,5 +1,6 @@
 """Backend selection: available_backends, use_backend (setter and context manager), backend=, errors."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -59,16 +60,37 @@ def test_backend_must_match_device():
         with pytest.raises(gk.BackendUnavailableError, match="CUDA tensors"):
             gk.jagged_to_padded(values, offsets, 4, backend="cuda")
     with pytest.raises(gk.BackendUnavailableError):
-        _backend.resolve_backend("cpu", torch.device("cuda"))
+        _backend.resolve_backend("cpu", torch.device("cuda"), "jagged")
 
 
 def test_auto_resolution():
-    assert _backend.resolve_backend("auto", torch.device("cpu")) == "cpu"
-    assert _backend.resolve_backend(None, torch.device("cpu")) == "cpu"
-    assert _backend.resolve_backend("auto", torch.device("cpu"), implemented=("reference", "triton")) == "reference"
-    expected_cuda = "cuda" if _backend.unavailable_reason("cuda") is None else (
-        "triton" if _backend.unavailable_reason("triton") is None else "reference")
-    assert _backend.resolve_backend("auto", torch.device("cuda")) == expected_cuda
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _backend.resolve_backend("auto", cpu, "jagged") == "cpu"
+    assert _backend.resolve_backend(None, cpu, "jagged") == "cpu"
+    no_native = dataclasses.replace(_backend.FAMILIES["jagged"], implemented=("reference", "triton"))
+    assert _backend.resolve_backend("auto", cpu, no_native) == "reference"
+    cuda_ok, triton_ok = (_backend.unavailable_reason(b) is None for b in ("cuda", "triton"))
+    first = {"cuda": "cuda" if cuda_ok else ("triton" if triton_ok else "reference"),
+             "triton": "triton" if triton_ok else ("cuda" if cuda_ok else "reference")}
+    # One rule, a per-family preference: attention takes triton first on CUDA tensors, the others cuda.
+    for family, fam in _backend.FAMILIES.items():
+        assert _backend.resolve_backend("auto", cuda, family) == first[fam.auto_cuda[0]], family
+    assert _backend.FAMILIES["attention"].auto_cuda[0] == "triton"
+    assert {f.auto_cuda[0] for n, f in _backend.FAMILIES.items() if n != "attention"} == {"cuda"}
+
+
+def test_dispatch_table_reaches_every_family_module():
+    """kernel() finds each family's reference/triton functions through FAMILIES' written-out imports."""
+    import gem_kernels.reference.attention as reference_attention
+    import gem_kernels.reference.jagged as reference_jagged
+
+    assert _backend.kernel("jagged", "jagged_to_padded", "reference") is reference_jagged.jagged_to_padded
+    assert _backend.kernel("attention", "jagged_attention_fwd", "reference") is reference_attention.jagged_attention_fwd
+    assert _backend.kernel("interaction", "dot_interaction", "cpu") is torch.ops.gem_kernels.dot_interaction_native
+    for family, fam in _backend.FAMILIES.items():
+        assert fam.module("reference").__name__ == f"gem_kernels.reference.{family}"
+    with pytest.raises(KeyError):
+        _backend.kernel("nosuchfamily", "op", "reference")
 
 
 def test_info_command():

@@ -61,10 +61,12 @@ void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha
   sgemm_(&ta, &tb, &mi, &ni, &ki, &alpha, b, &la, a, &lb, &beta, c, &lc);
 }
 
-// exp for x <= 88 via 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain float
-// arithmetic so the loops that call it auto-vectorise (std::exp does not).
+// exp via 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain float arithmetic so
+// the loops that call it auto-vectorise (std::exp does not). x < -87 gives 0, x > 88 gives +inf
+// (HSTU's sigmoid takes exp(-s) of any score), NaN gives NaN.
 inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
+  const float in = x;
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
   float p = 1.0f / 5040.0f;
@@ -78,7 +80,53 @@ inline float fast_exp(float x) {
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  const float y = p * scale;
+  // Selects, not branches (the callers' loops stay vectorised); below -87 (< 1.7e-38) exactly 0, so
+  // that exp(-inf) is 0.
+  return in > 88.0f ? std::numeric_limits<float>::infinity() : (in < -87.0f ? 0.0f : (in != in ? in : y));
+}
+
+// max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
+inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
+
+// out[r, :] += alpha * sum over visible c of w[r, c] * x[c, :] (w, vis: kBlockN-pitched tiles). The
+// masked products' slow path, taken for mixed tiles whose x rows hold an Inf or NaN: a BLAS product
+// of the zeroed weights would add 0 * inf = NaN from keys the row cannot see.
+void masked_mm(int64_t bm, int64_t bn, int64_t width, float alpha, const float* w, const uint8_t* vis,
+               const float* x, int64_t ldx, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < bm; ++r)
+    for (int64_t c = 0; c < bn; ++c) {
+      if (!vis[r * kBlockN + c]) continue;
+      const float a = alpha * w[r * kBlockN + c];
+      const float* xr = x + c * ldx;
+      float* o = out + r * ldo;
+      for (int64_t d = 0; d < width; ++d) o[d] += a * xr[d];
+    }
+}
+
+// out[c, :] += alpha * sum over visible r of w[r, c] * x[r, :]: the transposed form (dk, dv).
+void masked_mm_t(int64_t bm, int64_t bn, int64_t width, float alpha, const float* w, const uint8_t* vis,
+                 const float* x, int64_t ldx, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < bm; ++r)
+    for (int64_t c = 0; c < bn; ++c) {
+      if (!vis[r * kBlockN + c]) continue;
+      const float a = alpha * w[r * kBlockN + c];
+      const float* xr = x + r * ldx;
+      float* o = out + c * ldo;
+      for (int64_t d = 0; d < width; ++d) o[d] += a * xr[d];
+    }
+}
+
+// flags[t] = whether rows [t * block, (t+1) * block) of one head (rows at stride ld, `width` wide) hold
+// an Inf or NaN; O(L * width) per item, against the O(L^2 * width) products it guards.
+void nonfinite_tiles(const float* x, int64_t L, int64_t ld, int64_t width, int64_t block, std::vector<uint8_t>& flags) {
+  flags.assign((L + block - 1) / block, 0);
+  for (int64_t i = 0; i < L; ++i) {
+    const float* row = x + i * ld;
+    bool bad = false;
+    for (int64_t d = 0; d < width; ++d) bad |= !std::isfinite(row[d]);
+    if (bad) flags[i / block] = 1;
+  }
 }
 
 struct Params {
@@ -93,6 +141,7 @@ struct Params {
   // bucket(dt) = number of thresholds <= |dt| (see bucket_thresholds): a short search instead of a log.
   std::vector<int64_t> bucket_thr;
   const int64_t* timestamps = nullptr;
+  const int64_t* query_timestamps = nullptr;  // tq_i of bucket(tq_i - t_j): timestamps when not given
 };
 
 // Ids and the visibility rule of one sequence (generative-recommenders' _get_valid_attn_mask).
@@ -159,6 +208,7 @@ inline int32_t time_bucket(const Params& p, int64_t dt) {
 struct Workspace {
   std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum, delta;
   std::vector<uint8_t> vis;
+  std::vector<uint8_t> bad_q, bad_k, bad_v, bad_do;  // per tile of the item: rows with an Inf or NaN
   std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
   SeqMask mask;
   Workspace(int64_t D, int64_t Dv)
@@ -185,7 +235,7 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
     if (p.time_bias != nullptr) {
       const int64_t hb = p.time_heads == 1 ? 0 : h;
       const float* bias = p.time_bias + hb * (p.num_buckets + 1);
-      const int64_t ti = p.timestamps[start + i0 + r];
+      const int64_t ti = p.query_timestamps[start + i0 + r];
       int32_t* buckets = ws.bucket.data() + r * kBlockN;
       // Walk the bucket from the previous key's: exact for any timestamps, and ~free when they are
       // sorted (|t_i - t_j| then moves monotonically and rarely crosses a threshold).
@@ -252,7 +302,8 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn) {
 
 Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len, c10::string_view kind, bool causal,
                    double scale, int64_t contextual_len, int64_t max_attn_len, const at::Tensor& pos_bias,
-                   const at::Tensor& time_bias, const at::Tensor& timestamps) {
+                   const at::Tensor& time_bias, const at::Tensor& timestamps,
+                   const at::Tensor& query_timestamps) {
   TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
   Params p;
   p.H = q.size(1);
@@ -279,6 +330,8 @@ Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len
     p.num_buckets = time_bias.size(1) - 1;
     p.bucket_thr = bucket_thresholds(p.num_buckets);
     p.timestamps = timestamps.data_ptr<int64_t>();
+    TORCH_CHECK(!query_timestamps.defined() || query_timestamps.numel() == q.size(0), "query_timestamps must be [N]");
+    p.query_timestamps = query_timestamps.defined() ? query_timestamps.data_ptr<int64_t>() : p.timestamps;
   }
   return p;
 }
@@ -315,7 +368,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& seq_offsets,
     int64_t max_seq_len, c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
-    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in) {
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+    const c10::optional<at::Tensor>& query_timestamps_in) {
   check_qkv(q_in, k_in, v_in, seq_offsets);
   const auto q = q_in.to(at::kFloat).contiguous();
   const auto k = k_in.to(at::kFloat).contiguous();
@@ -323,8 +377,9 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
   const auto pos_bias = as_float(pos_bias_in);
   const auto time_bias = as_float(time_bias_in);
   const auto timestamps = as_long(timestamps_in);
+  const auto query_timestamps = as_long(query_timestamps_in);
   const Params p = make_params(q, v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, pos_bias,
-                               time_bias, timestamps);
+                               time_bias, timestamps, query_timestamps);
   const auto seqs = sequences(seq_offsets, num_targets);
   const int64_t N = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
   for (const auto& s : seqs) {
@@ -352,6 +407,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
     const float* v0 = vp + (seq.start * H + h) * Dv;
     float* s = ws.s.data();
     float* acc = ws.acc.data();
+    static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
+    nonfinite_tiles(v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
     for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
       const int64_t bm = std::min(kBlockM, L - i0);
       std::fill(acc, acc + bm * Dv, 0.0f);
@@ -370,8 +427,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
             if (tile_kind == 1)
               for (int64_t c = 0; c < bn; ++c) row[c] = vis[c] ? row[c] : neg_inf;
             float tile_max = neg_inf;
-            for (int64_t c = 0; c < bn; ++c) tile_max = std::max(tile_max, row[c]);
-            const float new_max = std::max(ws.row_max[r], tile_max);
+            for (int64_t c = 0; c < bn; ++c) tile_max = max_keep_nan(tile_max, row[c]);
+            const float new_max = max_keep_nan(ws.row_max[r], tile_max);
             if (new_max == neg_inf) continue;  // nothing visible in this row yet
             const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
             float sum = 0.0f;
@@ -400,16 +457,20 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
             if (ws.row_max[r] == neg_inf)
               std::fill(s + r * kBlockN, s + r * kBlockN + bn, 0.0f);
         }
-        mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
+        if (tile_kind == 1 && ws.bad_v[j0 / kBlockN])
+          masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), v0 + j0 * H * Dv, H * Dv, acc, Dv);
+        else
+          mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
       }
       for (int64_t r = 0; r < bm; ++r) {
         float* dst = op + ((seq.start + i0 + r) * H + h) * Dv;
         const float* a = acc + r * Dv;
         if (p.softmax) {
+          // l == 0: every visible score is -inf (or none is visible): out 0, lse -inf. A NaN l stays NaN.
           const float l = ws.row_sum[r];
-          const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+          const float inv = l == 0.0f ? 0.0f : 1.0f / l;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
-          lp[(seq.start + i0 + r) * H + h] = l > 0.0f ? ws.row_max[r] + std::log(l) : neg_inf;
+          lp[(seq.start + i0 + r) * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
         } else {
           std::copy(a, a + Dv, dst);
         }
@@ -425,7 +486,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
-    bool deterministic) {
+    const c10::optional<at::Tensor>& query_timestamps_in, bool deterministic) {
   (void)deterministic;  // always: no atomics, fixed reduction order
   check_qkv(q_in, k_in, v_in, seq_offsets);
   const auto q = q_in.to(at::kFloat).contiguous();
@@ -435,8 +496,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   const auto pos_bias = as_float(pos_bias_in);
   const auto time_bias = as_float(time_bias_in);
   const auto timestamps = as_long(timestamps_in);
+  const auto query_timestamps = as_long(query_timestamps_in);
   const Params p = make_params(q, v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, pos_bias,
-                               time_bias, timestamps);
+                               time_bias, timestamps, query_timestamps);
   const auto seqs = sequences(seq_offsets, num_targets);
   const int64_t N = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
   TORCH_CHECK(dout.sizes() == v.sizes(), "grad_out must be [N, H, Dv]");
@@ -496,6 +558,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
         ws.delta[i] = acc;
       }
     }
+    nonfinite_tiles(q0, L, qs, D, kBlockM, ws.bad_q);
+    nonfinite_tiles(k0, L, qs, D, kBlockN, ws.bad_k);
+    nonfinite_tiles(do0, L, vs, Dv, kBlockM, ws.bad_do);
     float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
     float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
     float* s = ws.s.data();
@@ -520,13 +585,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
           float* prow = pr + r * kBlockN;
           float* drow = dpt + r * kBlockN;  // dP in, dS out
           if (p.softmax) {
-            const float l = lp[(seq.start + i0 + r) * H + h];
+            // lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+            const float l0 = lp[(seq.start + i0 + r) * H + h];
+            const float l = l0 == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l0;
             const float dl = ws.delta[i0 + r];
             for (int64_t c = 0; c < bn; ++c) {
               const bool on = tile_kind == 2 || vis[c];
+              // Selected, not multiplied: dP of an invisible pair may be inf or NaN (v = inf).
               const float pv = on ? fast_exp(row[c] - l) : 0.0f;
               prow[c] = pv;
-              drow[c] = pv * (drow[c] - dl);
+              drow[c] = on ? pv * (drow[c] - dl) : 0.0f;
             }
           } else {
             for (int64_t c = 0; c < bn; ++c) {
@@ -547,9 +615,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             for (int64_t c = 0; c < bn; ++c) time_part_item[buckets[c]] += drow[c];
           }
         }
-        mm(true, false, bn, Dv, bm, 1.0f, pr, kBlockN, do0 + i0 * vs, vs, 1.0f, dv_acc, Dv);
-        mm(true, false, bn, D, bm, p.scale, dpt, kBlockN, q0 + i0 * qs, qs, 1.0f, dk_acc, D);
-        mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * qs, qs, 1.0f, dq0 + i0 * qs, qs);
+        // Mixed tiles whose other operand holds an Inf or NaN take the masked path (see masked_mm).
+        const bool mixed = tile_kind == 1;
+        const uint8_t* vis = ws.vis.data();
+        if (mixed && ws.bad_do[i0 / kBlockM])
+          masked_mm_t(bm, bn, Dv, 1.0f, pr, vis, do0 + i0 * vs, vs, dv_acc, Dv);
+        else
+          mm(true, false, bn, Dv, bm, 1.0f, pr, kBlockN, do0 + i0 * vs, vs, 1.0f, dv_acc, Dv);
+        if (mixed && ws.bad_q[i0 / kBlockM])
+          masked_mm_t(bm, bn, D, p.scale, dpt, vis, q0 + i0 * qs, qs, dk_acc, D);
+        else
+          mm(true, false, bn, D, bm, p.scale, dpt, kBlockN, q0 + i0 * qs, qs, 1.0f, dk_acc, D);
+        if (mixed && ws.bad_k[j0 / kBlockN])
+          masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * qs, qs, dq0 + i0 * qs, qs);
+        else
+          mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * qs, qs, 1.0f, dq0 + i0 * qs, qs);
       }
       for (int64_t c = 0; c < bn; ++c) {
         std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dkp + ((seq.start + j0 + c) * H + h) * D);

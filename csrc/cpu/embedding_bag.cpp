@@ -49,6 +49,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_alloc.h"
+#include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -62,9 +63,6 @@ using Vec = at::vec::Vectorized<float>;
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                       \
                                          AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-constexpr int64_t kSum = 0, kMean = 1, kNone = 2;
-constexpr int64_t kFatal = 0, kWarn = 1;
-constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2, kOptAdam = 3;
 // Rows prefetched ahead of the one being accumulated (FBGEMM's default distance): enough random
 // DRAM reads in flight per core to cover the latency.
 constexpr int64_t kPrefetchDistance = 16;
@@ -557,7 +555,8 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
 }
 
 // ------------------------------------------------------------------------------------------------
-// Gradient of per_sample_weights: grad[p] = <the grad_output row p was pooled into, W_t[indices[p]]>.
+// Gradient of per_sample_weights: grad[p] = <the grad_output row p was pooled into, W_t[indices[p]]>
+// (divided by the bag's kept length for mean pooling).
 // Decomposition as in the forward (table-major chunks of bags, prefetching the rows ahead); the
 // bag's gradient row stays in L1 while its rows stream by. FLOPs 2 * N * D; bytes N * D * s (rows)
 // + B * sum D * s (gradient) + N * (4 + i).
@@ -593,7 +592,7 @@ at::Tensor embedding_bag_per_sample_weights_backward_cpu(const at::Tensor& grad_
   GK_CHECK_CONTIGUOUS(grad_output);
   GK_CHECK_DIM(grad_output, 2);
   TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
-  TORCH_CHECK(pooling == kSum || pooling == kNone, "per_sample_weights need pooling sum or none, got code ", pooling);
+  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
   const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
   const int64_t N = indices.numel();
   TORCH_CHECK(grad_output.size(0) == (pooling == kNone ? N : m.B), "grad_output has ", grad_output.size(0),
@@ -614,6 +613,13 @@ at::Tensor embedding_bag_per_sample_weights_backward_cpu(const at::Tensor& grad_
         const scalar_t* table = w + m.w_off[t];
         for (int64_t b = b_begin; b < b_end; ++b) {
           const scalar_t* bag_grad = pooling == kNone ? nullptr : grad + b * stride + m.d_off[t];
+          // Mean pooling divides the bag's weighted sum by its kept length, so every index's gradient too.
+          float scale = 1.f;
+          if (pooling == kMean) {
+            int64_t kept = 0;
+            for (int64_t p = off[t * m.B + b]; p < off[t * m.B + b + 1]; ++p) kept += (idx[p] >= 0 && idx[p] < rows);
+            scale = kept > 0 ? 1.f / static_cast<float>(kept) : 0.f;
+          }
           for (int64_t p = off[t * m.B + b]; p < off[t * m.B + b + 1]; ++p) {
             if (p + kPrefetchDistance < chunk_stop) {
               const int64_t ahead = idx[p + kPrefetchDistance];
@@ -622,7 +628,7 @@ at::Tensor embedding_bag_per_sample_weights_backward_cpu(const at::Tensor& grad_
             const int64_t row = idx[p];
             out[p] = (row < 0 || row >= rows)
                          ? 0.f
-                         : dot_row(pooling == kNone ? grad + p * stride : bag_grad, table + row * D, D);
+                         : scale * dot_row(pooling == kNone ? grad + p * stride : bag_grad, table + row * D, D);
           }
         }
       });

@@ -1,6 +1,7 @@
-// CPU kernels of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress.
+// CPU kernels of the interaction family: DLRM dot interaction, DCNv2 cross layer, Wukong fm_compress
+// and feature_mix_norm (the rest of a Wukong layer: LayerNorm_D(M X + concat(fm, 0))).
 //
-// Work decomposition. dot_interaction and fm_compress: workers claim runs of consecutive samples
+// Work decomposition. dot_interaction, fm_compress and feature_mix_norm: workers claim runs of consecutive samples
 // from a shared counter (parallel_ranges, gem_kernels/parallel.h: a thread slowed by a busy host
 // just takes fewer); a worker owns whole samples and keeps one sample's working set (X as fp32
 // [F, D], the gram tiles, X^T Y) in a per-worker scratch that lives in L1/L2, so nothing
@@ -27,6 +28,9 @@
 //   4*B*(D + F)*k bytes of `products` when the backward will run. bwd with the products: 8*B*F*D*k
 //   FLOPs (grad_A, grad_X twice, grad_Y) instead of 12 (recomputing X^T Y and S), for the
 //   products' 8*B*(D + F)*k bytes written and read back (see SAVES_PRODUCTS in ops/interaction.py).
+//   feature_mix_norm fwd: 2*B*O*F*D (+ ~8*B*O*D LayerNorm) FLOPs, bytes (B*F*D + B*O_fm*D + B*O*D + O*F + 2*D)*s;
+//   bwd 4*B*O*F*D FLOPs (+ the recomputed S, 2*B*O*F*D), bytes about twice the forward's
+//   (gem_kernels/flops.py feature_mix_norm; details at the feature_mix_norm section below).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -44,6 +48,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_stream.h"
+#include "gem_kernels/interaction_checks.h"
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -258,19 +263,13 @@ int64_t claim_size(int64_t items, int64_t most) {
   return std::clamp<int64_t>(items / (4 * at::get_num_threads()), 1, most);
 }
 
-void check_float_cpu(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type());
-}
-
 // ------------------------------------------------------------------------------------------------
 // dot_interaction
 // ------------------------------------------------------------------------------------------------
 
 at::Tensor dot_interaction_cpu(const at::Tensor& x, bool self_interaction) {
-  check_float_cpu(x, "x", x);
-  GK_CHECK_DIM(x, 3);
+  GK_CHECK_CPU(x);
+  interaction_checks::dot_interaction(x);
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
   const int64_t off = self_interaction ? 0 : 1;
   const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
@@ -307,12 +306,10 @@ at::Tensor dot_interaction_cpu(const at::Tensor& x, bool self_interaction) {
 }
 
 at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Tensor& x, bool self_interaction) {
-  check_float_cpu(x, "x", x);
-  check_float_cpu(grad_out, "grad_out", x);
-  GK_CHECK_DIM(x, 3);
+  GK_CHECK_CPU(x);
+  interaction_checks::dot_interaction_backward(grad_out, x, self_interaction);
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
-  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == B && grad_out.size(1) == P, "grad_out must be [B, P]");
+  const int64_t P = interaction_checks::num_pairs(F, self_interaction);
   auto grad_x = at::empty_like(x);
   if (grad_x.numel() == 0) return grad_x;
   const int64_t Fp = round_up(F, kRows), Dp = round_up(D, kCols);
@@ -358,18 +355,9 @@ constexpr int64_t kEpilogueGrain = 16384;
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor& x0, const at::Tensor& xl,
                                                                const at::Tensor& u, const at::Tensor& v,
                                                                const at::Tensor& bias) {
-  for (auto [t, name] : {std::pair{&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"}, {&bias, "bias"}})
-    check_float_cpu(*t, name, x0);
-  GK_CHECK_DIM(x0, 2);
-  TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
+  GK_CHECK_CPU(x0);
+  const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const int64_t B = x0.size(0), N = x0.size(1);
-  // Low rank is told by v's shape: full rank passes an empty 1-D v, and a low-rank v [r, N] is
-  // itself empty when N = 0.
-  const bool low_rank = v.dim() == 2;
-  TORCH_CHECK(low_rank || v.numel() == 0, "v must be [r, N] (low rank) or an empty 1-D tensor (full rank)");
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank || u.size(1) == N), "u must be [N, N] or [N, r]");
-  TORCH_CHECK(!low_rank || (v.size(0) == u.size(1) && v.size(1) == N), "v must be [r, N]");
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
   auto out = at::empty_like(xl);
@@ -391,18 +379,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_layer_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
     const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"},
-                         {&z, "z"}, {&p, "p"}})
-    check_float_cpu(*t, name, x0);
-  GK_CHECK_DIM(x0, 2);
-  TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
-              "grad_out, xl and z must have x0's shape");
+  GK_CHECK_CPU(x0);
+  const bool low_rank = interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
   const int64_t B = x0.size(0), N = x0.size(1);
-  const bool low_rank = v.dim() == 2;  // as in the forward
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank ? v.size(0) == u.size(1) && v.size(1) == N
-                                                          : v.numel() == 0 && u.size(1) == N),
-              "u and v must be ([N, N], empty) or ([N, r], [r, N])");
-  TORCH_CHECK(!low_rank || (p.dim() == 2 && p.size(0) == B && p.size(1) == u.size(1)), "p must be [B, r]");
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
   // Column sums of grad_z over fixed row chunks (deterministic), in fp32.
@@ -594,13 +573,10 @@ inline int64_t products_row(const FmDims& d) { return d.k * d.D + d.F * d.k; }
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
     const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
     bool save_products) {
-  for (auto [t, name] : {std::pair{&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}, {&ln_bias, "ln_bias"}})
-    check_float_cpu(*t, name, x);
-  GK_CHECK_DIM(x, 3);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
+  GK_CHECK_CPU(x);
+  interaction_checks::fm_compress(x, y, ln_weight, ln_bias);
   const FmDims d = fm_dims(x, y);
   const int64_t n = d.F * d.k;
-  TORCH_CHECK(ln_weight.numel() == n && ln_bias.numel() == n, "ln_weight and ln_bias must be [F*k]");
   auto out = at::empty({d.B, n}, x.options());
   auto mean = at::empty({d.B}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({d.B}, x.options().dtype(at::kFloat));
@@ -636,16 +612,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
     const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& products) {
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
-    check_float_cpu(*t, name, x);
-  GK_CHECK_DIM(x, 3);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
-                  rstd.is_contiguous() && mean.numel() == x.size(0) && rstd.numel() == x.size(0),
-              "mean and rstd must be contiguous fp32 [B]");
+  GK_CHECK_CPU(x);
+  interaction_checks::fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd);
   const FmDims d = fm_dims(x, y);
   const int64_t n = d.F * d.k;
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == d.B && grad_out.size(1) == n, "grad_out must be [B, F*k]");
   const bool saved = products.numel() > 0;
   TORCH_CHECK(!saved || (products.scalar_type() == at::kFloat && products.is_contiguous() && products.dim() == 2 &&
                          products.size(0) == d.B && products.size(1) == products_row(d)),
@@ -739,14 +709,6 @@ MixDims mix_dims(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& f
           round_up(F, kCols)};
 }
 
-void check_mix_inputs(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm, const at::Tensor& ln_weight) {
-  GK_CHECK_DIM(x, 3);
-  TORCH_CHECK(mix.dim() == 2 && mix.size(1) == x.size(1) && mix.size(0) >= 1, "mix must be [O, F] with O >= 1");
-  TORCH_CHECK(fm.dim() == 3 && fm.size(0) == x.size(0) && fm.size(1) <= mix.size(0) && fm.size(2) == x.size(2),
-              "fm must be [B, O_fm, D] with O_fm <= O");
-  TORCH_CHECK(ln_weight.dim() == 1 && ln_weight.size(0) == x.size(2), "ln_weight must be [D]");
-}
-
 // S [Op, Dp] = M X_b plus fm_b on rows < O_fm; returns X_b as the fp32 [F, Dp] rows the products read
 // (fp32 X with D a multiple of 16 in place, else converted into xs). mp is M fp32 [Op, F].
 template <typename scalar_t>
@@ -770,11 +732,8 @@ const float* mix_sample(const MixDims& d, const scalar_t* xb, const scalar_t* fm
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Tensor& x, const at::Tensor& mix,
                                                                     const at::Tensor& fm, const at::Tensor& ln_weight,
                                                                     const at::Tensor& ln_bias, double eps) {
-  for (auto [t, name] : {std::pair{&x, "x"}, {&mix, "mix"}, {&fm, "fm"}, {&ln_weight, "ln_weight"},
-                         {&ln_bias, "ln_bias"}})
-    check_float_cpu(*t, name, x);
-  check_mix_inputs(x, mix, fm, ln_weight);
-  TORCH_CHECK(ln_bias.sizes() == ln_weight.sizes(), "ln_bias must be [D]");
+  GK_CHECK_CPU(x);
+  interaction_checks::feature_mix_norm(x, mix, fm, ln_weight, ln_bias);
   const MixDims d = mix_dims(x, mix, fm);
   auto out = at::empty({d.B, d.O, d.D}, x.options());
   auto mean = at::empty({d.B, d.O}, x.options().dtype(at::kFloat));
@@ -810,17 +769,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm,
     const at::Tensor& ln_weight, const at::Tensor& mean, const at::Tensor& rstd) {
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&mix, "mix"}, {&fm, "fm"},
-                         {&ln_weight, "ln_weight"}})
-    check_float_cpu(*t, name, x);
-  check_mix_inputs(x, mix, fm, ln_weight);
+  GK_CHECK_CPU(x);
+  interaction_checks::feature_mix_norm_backward(grad_out, x, mix, fm, ln_weight, mean, rstd);
   const MixDims d = mix_dims(x, mix, fm);
-  TORCH_CHECK(grad_out.dim() == 3 && grad_out.size(0) == d.B && grad_out.size(1) == d.O && grad_out.size(2) == d.D,
-              "grad_out must be [B, O, D]");
-  for (auto [t, name] : {std::pair{&mean, "mean"}, {&rstd, "rstd"}})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == d.B &&
-                    t->size(1) == d.O,
-                name, " must be contiguous fp32 [B, O]");
   auto grad_x = at::empty_like(x);
   auto grad_fm = at::empty_like(fm);
   const bool stream = use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + fm.nbytes());

@@ -55,6 +55,7 @@ struct AttnArgs {
   const float* pos_bias;   // nullptr: absent
   const float* time_bias;  // nullptr: absent
   const int64_t* timestamps;
+  const int64_t* query_timestamps;  // tq_i of bucket(tq_i - t_j): timestamps when not given
   const int64_t* thr;  // bucket thresholds [num_buckets]
   int64_t pos_heads, time_heads, num_buckets;
   int64_t H, D, Dv, M, contextual_len, max_attn_len;
@@ -107,7 +108,7 @@ __device__ __forceinline__ float biased_score(const float* qr, const float* kc, 
   s *= a.scale;
   if (a.pos_bias != nullptr) s += a.pos_bias[hp * (2 * a.M - 1) + (j - i + a.M - 1)];
   if (a.time_bias != nullptr) {
-    const int64_t bkt = time_bucket(a.timestamps[start + i] - a.timestamps[start + j], a);
+    const int64_t bkt = time_bucket(a.query_timestamps[start + i] - a.timestamps[start + j], a);
     *bucket = static_cast<int>(bkt);
     s += a.time_bias[ht * (a.num_buckets + 1) + bkt];
   }
@@ -153,6 +154,9 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   float* ss = sv + kBlockN * vp;           // [kBlockM][kBlockN]
   float* sacc = ss + kBlockM * kBlockN;    // [kBlockM][Dv]
   __shared__ float row_max[kBlockM], row_sum[kBlockM], row_alpha[kBlockM];
+  // Which pairs of the tile are visible: the P V product selects by it, so an invisible value that
+  // is inf or NaN adds nothing (a zero weight times it would add 0 * inf = NaN).
+  __shared__ unsigned char svis[kBlockM * kBlockN];
 
   const int64_t bh = blockIdx.x;
   const int64_t b = bh / H, h = bh % H;
@@ -186,6 +190,7 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
       const bool on = r < bm && c < bn && visible(i, j, max_id, a);
       int bucket = 0;
       const float s = on ? biased_score(sq + r * D, sk + c * kp, i, j, start, hp, ht, a, &bucket) : 0.0f;
+      svis[idx] = on ? 1 : 0;
       if (a.softmax) {
         ss[idx] = on ? s : neg_inf;
       } else {
@@ -198,7 +203,8 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
         const int r = threadIdx.x;
         float* row = ss + r * kBlockN;
         float mx = row_max[r];
-        for (int c = 0; c < kBlockN; ++c) mx = fmaxf(mx, row[c]);
+        // Keeps a NaN (fmaxf drops it): a NaN score poisons its whole row, lse included.
+        for (int c = 0; c < kBlockN; ++c) mx = (mx != mx || row[c] <= mx) ? mx : row[c];
         const float m_safe = mx == neg_inf ? 0.0f : mx;
         const float alpha = row_max[r] == neg_inf ? 0.0f : expf(row_max[r] - m_safe);
         float sum = 0.0f;
@@ -218,7 +224,8 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
       float acc = sacc[idx];
       if (a.softmax) acc *= row_alpha[r];
       const float* p = ss + r * kBlockN;
-      for (int64_t c = 0; c < bn; ++c) acc += p[c] * sv[c * vp + d];
+      const unsigned char* on = svis + r * kBlockN;
+      for (int64_t c = 0; c < bn; ++c) acc += on[c] ? p[c] * sv[c * vp + d] : 0.0f;
       sacc[idx] = acc;
     }
     __syncthreads();
@@ -227,7 +234,9 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   for (int64_t idx = threadIdx.x; idx < bm * Dv; idx += blockDim.x) {
     const int64_t r = idx / Dv, d = idx % Dv;
     float val = sacc[idx];
-    if (a.softmax) val /= row_sum[r];  // > 0: every row sees itself
+    // row_sum == 0: every visible score is -inf; out is then the accumulator (0, or NaN from a visible
+    // inf value), as on the other backends. A NaN sum stays NaN.
+    if (a.softmax && row_sum[r] != 0.0f) val /= row_sum[r];
     out[((start + i0 + r) * H + h) * Dv + d] = static_cast<scalar_t>(val);
   }
   if (a.softmax && threadIdx.x < bm) {
@@ -237,19 +246,24 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
 }
 
 // The backward's tile: P (softmax probabilities from the forward's lse, or the HSTU weights) into sp
-// and dS into sds, fp32, zero where invisible or outside the sequence; the pairs' time buckets into
+// and dS into sds, fp32, zero where invisible or outside the sequence, and the pairs' visibility into
+// svis (the products select by it: an Inf or NaN in q, k or dO of an invisible pair adds nothing);
+// the pairs' time buckets into
 // sbucket when it is given. Reads sq, sdo (the tile's query rows), sk, sv (its keys), row_lse and
 // row_delta (softmax). Each thread owns whole pairs: no reduction across threads.
 __device__ __forceinline__ void grad_tile(const float* sq, const float* sk, const float* sv, const float* sdo,
                                           const float* row_lse, const float* row_delta, float* sp, float* sds,
-                                          int* sbucket, int64_t i0, int64_t bm, int64_t j0, int64_t bn,
+                                          unsigned char* svis, int* sbucket, int64_t i0, int64_t bm, int64_t j0,
+                                          int64_t bn,
                                           int64_t start, int64_t hp, int64_t ht, int64_t max_id, const AttnArgs& a) {
   for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
     const int r = idx / kBlockN, c = idx % kBlockN;
     const int64_t i = i0 + r, j = j0 + c;
     float p = 0.0f, ds = 0.0f;
     int bucket = 0;
-    if (r < bm && c < bn && visible(i, j, max_id, a)) {
+    const bool on = r < bm && c < bn && visible(i, j, max_id, a);
+    svis[idx] = on ? 1 : 0;
+    if (on) {
       const float s = biased_score(sq + r * a.D, sk + c * kv_pitch(a.D), i, j, start, hp, ht, a, &bucket);
       const float* dor = sdo + r * a.Dv;
       const float* vc = sv + c * kv_pitch(a.Dv);
@@ -275,7 +289,9 @@ __device__ __forceinline__ void load_row_stats(float* row_lse, float* row_delta,
                                                int64_t row0, int64_t bm, int64_t H, int64_t h) {
   if (threadIdx.x < kBlockM) {
     const int r = threadIdx.x;
-    row_lse[r] = r < bm ? lse[(row0 + r) * H + h] : 0.0f;
+    // lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+    const float l = r < bm ? lse[(row0 + r) * H + h] : 0.0f;
+    row_lse[r] = l == -INFINITY ? INFINITY : l;
     row_delta[r] = r < bm ? delta[(row0 + r) * H + h] : 0.0f;
   }
 }
@@ -302,6 +318,7 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
   float* stime = sds + kBlockM * kBlockN;                           // [num_buckets+1] (time bias)
   int* sbucket = reinterpret_cast<int*>(stime + time_width);        // [kBlockM][kBlockN] (time bias)
   __shared__ float row_lse[kBlockM], row_delta[kBlockM];
+  __shared__ unsigned char svis[kBlockM * kBlockN];
 
   const int64_t bh = blockIdx.x;
   const int64_t b = bh / H, h = bh % H;
@@ -336,20 +353,20 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
     load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv, Dv);
     if (a.softmax) load_row_stats(row_lse, row_delta, lse, delta, start + i0, bm, H, h);
     __syncthreads();
-    grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, has_time ? sbucket : nullptr, i0, bm, j0, bn, start, hp,
-              ht, max_id, a);
+    grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, svis, has_time ? sbucket : nullptr, i0, bm, j0, bn,
+              start, hp, ht, max_id, a);
     __syncthreads();
     // dV[c] += sum_r P[r, c] dO[r], dK[c] += scale * sum_r dS[r, c] Q[r]: each thread owns its outputs.
     for (int64_t idx = threadIdx.x; idx < kBlockN * Dv; idx += blockDim.x) {
       const int64_t c = idx / Dv, d = idx % Dv;
       float acc = 0.0f;
-      for (int64_t r = 0; r < bm; ++r) acc += sp[r * kBlockN + c] * sdo[r * Dv + d];
+      for (int64_t r = 0; r < bm; ++r) acc += svis[r * kBlockN + c] ? sp[r * kBlockN + c] * sdo[r * Dv + d] : 0.0f;
       sdv[idx] += acc;
     }
     for (int64_t idx = threadIdx.x; idx < kBlockN * D; idx += blockDim.x) {
       const int64_t c = idx / D, d = idx % D;
       float acc = 0.0f;
-      for (int64_t r = 0; r < bm; ++r) acc += sds[r * kBlockN + c] * sq[r * D + d];
+      for (int64_t r = 0; r < bm; ++r) acc += svis[r * kBlockN + c] ? sds[r * kBlockN + c] * sq[r * D + d] : 0.0f;
       sdk[idx] += a.scale * acc;
     }
     if (a.pos_bias != nullptr) {
@@ -414,6 +431,7 @@ __global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, co
   float* sp = sv + kBlockN * vp;         // [kBlockM][kBlockN]
   float* sds = sp + kBlockM * kBlockN;   // [kBlockM][kBlockN]
   __shared__ float row_lse[kBlockM], row_delta[kBlockM];
+  __shared__ unsigned char svis[kBlockM * kBlockN];
 
   const int64_t bh = blockIdx.x;
   const int64_t b = bh / H, h = bh % H;
@@ -438,12 +456,12 @@ __global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, co
     load_rows(sk, k, start + j0, kBlockN, bn, H, h, D, kp);
     load_rows(sv, v, start + j0, kBlockN, bn, H, h, Dv, vp);
     __syncthreads();
-    grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, nullptr, i0, bm, j0, bn, start, hp, ht, max_id, a);
+    grad_tile(sq, sk, sv, sdo, row_lse, row_delta, sp, sds, svis, nullptr, i0, bm, j0, bn, start, hp, ht, max_id, a);
     __syncthreads();
     for (int64_t idx = threadIdx.x; idx < kBlockM * D; idx += blockDim.x) {
       const int64_t r = idx / D, d = idx % D;
       float acc = 0.0f;
-      for (int64_t c = 0; c < bn; ++c) acc += sds[r * kBlockN + c] * sk[c * kp + d];
+      for (int64_t c = 0; c < bn; ++c) acc += svis[r * kBlockN + c] ? sds[r * kBlockN + c] * sk[c * kp + d] : 0.0f;
       sdq[idx] += a.scale * acc;
     }
     __syncthreads();  // the next tile overwrites sk, sv, sp, sds
@@ -509,13 +527,14 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 // The kernels' arguments and the device tensors they point into (kept alive by this struct).
 struct Prepared {
   AttnArgs a{};
-  at::Tensor offsets, targets, pos_bias, time_bias, timestamps, thr;
+  at::Tensor offsets, targets, pos_bias, time_bias, timestamps, query_timestamps, thr;
 };
 
 Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq_offsets, int64_t max_seq_len,
                  c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
                  int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
-                 const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in) {
+                 const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+                 const c10::optional<at::Tensor>& query_timestamps_in) {
   Prepared p;
   AttnArgs& a = p.a;
   const int64_t N = q.size(0);
@@ -550,6 +569,13 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq
     std::copy(table.begin(), table.end(), host.data_ptr<int64_t>());
     p.thr = host.to(p.offsets.device());
     a.timestamps = p.timestamps.data_ptr<int64_t>();
+    a.query_timestamps = a.timestamps;
+    if (query_timestamps_in.has_value() && query_timestamps_in->defined()) {
+      TORCH_CHECK(query_timestamps_in->numel() == N, "query_timestamps must be [N]");
+      GK_CHECK_CUDA((*query_timestamps_in));
+      p.query_timestamps = query_timestamps_in->to(at::kLong).contiguous();
+      a.query_timestamps = p.query_timestamps.data_ptr<int64_t>();
+    }
     a.thr = p.thr.data_ptr<int64_t>();
   }
   a.H = q.size(1);
@@ -583,7 +609,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& seq_offsets,
     int64_t max_seq_len, c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
-    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in) {
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+    const c10::optional<at::Tensor>& query_timestamps_in) {
   check_qkv(q_in, k_in, v_in, seq_offsets, kind);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
@@ -595,7 +622,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
   if (N == 0 || B == 0 || H == 0) return {out, lse};
   check_tiles(max_seq_len, kBlockM);
   const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-                             max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
+                             max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
+                             query_timestamps_in);
 
   const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
   const size_t smem = sizeof(float) * (kBlockM * D + kBlockN * kp + kBlockN * vp + kBlockM * kBlockN + kBlockM * Dv);
@@ -618,7 +646,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
-    bool deterministic) {
+    const c10::optional<at::Tensor>& query_timestamps_in, bool deterministic) {
   check_qkv(q_in, k_in, v_in, seq_offsets, kind);
   GK_CHECK_CUDA(grad_out_in);
   TORCH_CHECK(grad_out_in.sizes() == v_in.sizes(), "grad_out must be [N, H, Dv]");
@@ -640,7 +668,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   if (N == 0 || B == 0 || H == 0 || max_seq_len == 0) return finish();
   check_tiles(max_seq_len, kBlockM);
   const Prepared p = prepare(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-                             max_attn_len, pos_bias_in, time_bias_in, timestamps_in);
+                             max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
+                             query_timestamps_in);
   at::Tensor lse, delta;
   if (softmax) {
     GK_CHECK_CUDA(out_in);

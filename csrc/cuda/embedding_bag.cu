@@ -26,6 +26,7 @@
 #include <cmath>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/embedding_bag_codes.h"
 
 namespace gem_kernels {
 namespace {
@@ -38,8 +39,6 @@ constexpr int kPerLane = 4;    // columns per lane per chunk: 128 columns per wa
 // D = 128, 30% at D = 64. Four rows in flight at ~80 registers (24 warps / SM) is ~2.3x the bytes
 // in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
 constexpr int kRowsInFlight = 4;
-constexpr int64_t kNone = 2, kMean = 1;
-constexpr int64_t kOptNone = 0, kOptSgd = 1, kOptRowwiseAdagrad = 2;
 
 // Bag tb = t * B + b of the bag-per-warp kernels: (table t, bag b, t's D, t's row count).
 struct WarpBag {
@@ -123,7 +122,8 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
 
 // Gradient of per_sample_weights, decomposed as the forward (one warp per (table, bag)): for each
 // index p of the bag, the lanes' partial dots of its weight row with the bag's gradient row (or
-// row p for pooling "none") are reduced across the warp; lane 0 writes grad[p] (0 when dropped).
+// row p for pooling "none") are reduced across the warp; lane 0 writes grad[p] (0 when dropped),
+// divided by the bag's kept length for mean pooling (FBGEMM TBE: weighted sum / length).
 // FLOPs 2 * N * D; bytes N * D * s + B * sum D * s + N * (4 + i).
 template <typename scalar_t, typename index_t>
 __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ weights,
@@ -136,6 +136,13 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
   const int lane = threadIdx.x;
   const auto [t, b, D, rows] = warp_bag(tb, B, d_off, r_off);
   const scalar_t* table = weights + w_off[t];
+  // Mean pooling: the bag's output is divided by its kept length, so is every index's gradient.
+  float scale = 1.f;
+  if (pooling == kMean) {
+    int64_t kept = 0;
+    for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) kept += (indices[p] >= 0 && indices[p] < rows);
+    scale = kept > 0 ? 1.f / static_cast<float>(kept) : 0.f;
+  }
   for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) {
     const int64_t idx = indices[p];
     const bool valid = idx >= 0 && idx < rows;  // warp-uniform
@@ -146,7 +153,7 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0) grad_psw[p] = dot;
+    if (lane == 0) grad_psw[p] = dot * scale;
   }
 }
 
@@ -377,7 +384,7 @@ void embedding_bag_backward_fused_cuda(const at::Tensor& grad_output, const at::
   step.add_(1);
   const double step_value = static_cast<double>(step.item<int64_t>());  // one sync: Adam's bias corrections
   OptimizerArgs o{optimizer, float(lr), float(eps), float(beta1), float(beta2), float(weight_decay), 0.f, 0.f};
-  if (optimizer == 3) {
+  if (optimizer == kOptAdam) {
     o.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step_value)));
     o.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, step_value)));
   }
@@ -395,7 +402,7 @@ at::Tensor embedding_bag_per_sample_weights_backward_cuda(const at::Tensor& grad
   GK_CHECK_CONTIGUOUS(grad_output);
   TORCH_CHECK(grad_output.dim() == 2 && grad_output.scalar_type() == weights.scalar_type(),
               "grad_output must be 2-D with weights' dtype");
-  TORCH_CHECK(pooling == 0 || pooling == kNone, "per_sample_weights need pooling sum or none, got code ", pooling);
+  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t T = num_tables(weights_offsets);
   const int64_t B = (offsets.numel() - 1) / T;

@@ -1,5 +1,5 @@
 // CUDA kernels of the interaction family: DLRM dot interaction, DCNv2 cross-layer epilogues,
-// Wukong fm_compress. Compiled for sm_80 and sm_90a.
+// Wukong fm_compress and feature_mix_norm. Compiled for sm_80 and sm_90a.
 //
 // Work decomposition:
 // - dot_interaction fwd: one block per sample. The sample's X [F, D] is staged in shared memory as
@@ -25,8 +25,11 @@
 //   grad_M = sum_b grad_S X_b^T are at::matmul / at::einsum (cuBLAS).
 //
 // Roofline (s = element size): dot_interaction fwd 2*B*P*D FLOPs, B*(F*D + P)*s bytes;
-// fm_compress fwd 4*B*F*D*k FLOPs, (B*F*D + B*F*k)*s bytes; both memory bound at D <= ~128 on an
-// H100/H200 (see gem_kernels/flops.py). Index math over the batch is 64-bit.
+// fm_compress fwd 4*B*F*D*k FLOPs, (B*F*D + B*F*k)*s bytes; feature_mix_norm fwd 2*B*O*F*D
+// (+ ~8*B*O*D) FLOPs, (B*F*D + B*O_fm*D + B*O*D + O*F + 2*D)*s bytes, bwd 4*B*O*F*D FLOPs (+ the
+// recomputed S) and about twice the forward's bytes plus grad_S's fp32 4*B*O*D written and read
+// back. All memory bound at D <= ~128 on an H100/H200 (see gem_kernels/flops.py). Index math over
+// the batch is 64-bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -37,6 +40,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cuda_smem.h"
+#include "gem_kernels/interaction_checks.h"
 
 namespace gem_kernels {
 namespace {
@@ -147,20 +151,13 @@ std::string fm_sizes(int64_t F, int64_t D, int64_t k) {
   return "F = " + std::to_string(F) + ", D = " + std::to_string(D) + ", fm_rank k = " + std::to_string(k);
 }
 
-void check_cuda_float(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(t.device().is_cuda(), name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have dtype ", like.scalar_type());
-}
-
 at::Tensor dot_interaction_cuda(const at::Tensor& x, bool self_interaction) {
-  check_cuda_float(x, "x", x);
-  GK_CHECK_DIM(x, 3);
+  GK_CHECK_CUDA(x);
+  interaction_checks::dot_interaction(x);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
   const int64_t off = self_interaction ? 0 : 1;
-  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
+  const int64_t P = interaction_checks::num_pairs(F, self_interaction);
   auto out = at::empty({B, P}, x.options());
   if (out.numel() == 0) return out;
   const size_t smem = static_cast<size_t>(F) * (D + 1) * sizeof(float);
@@ -179,14 +176,12 @@ at::Tensor dot_interaction_cuda(const at::Tensor& x, bool self_interaction) {
 }
 
 at::Tensor dot_interaction_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x, bool self_interaction) {
-  check_cuda_float(x, "x", x);
-  check_cuda_float(grad_out, "grad_out", x);
-  GK_CHECK_DIM(x, 3);
+  GK_CHECK_CUDA(x);
+  interaction_checks::dot_interaction_backward(grad_out, x, self_interaction);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2);
   const int64_t off = self_interaction ? 0 : 1;
-  const int64_t P = self_interaction ? F * (F + 1) / 2 : F * (F - 1) / 2;
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == B && grad_out.size(1) == P, "grad_out must be [B, P]");
+  const int64_t P = interaction_checks::num_pairs(F, self_interaction);
   auto grad_x = at::empty_like(x);
   if (grad_x.numel() == 0) return grad_x;
   TORCH_CHECK((F + kBwdTileI - 1) / kBwdTileI <= 65535 && (D + kBwdTileD - 1) / kBwdTileD <= 65535,
@@ -232,18 +227,8 @@ int elementwise_blocks(int64_t n) { return static_cast<int>(std::min<int64_t>((n
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cuda(const at::Tensor& x0, const at::Tensor& xl,
                                                                 const at::Tensor& u, const at::Tensor& v,
                                                                 const at::Tensor& bias) {
-  for (auto [t, name] : {std::pair{&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"}, {&bias, "bias"}})
-    check_cuda_float(*t, name, x0);
-  GK_CHECK_DIM(x0, 2);
-  TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == x0.size(1), "bias must be [in_features]");
-  // Low rank is told by v's shape: full rank passes an empty 1-D v, and a low-rank v [r, N] is
-  // itself empty when N = 0.
-  const bool low_rank = v.dim() == 2;
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == x0.size(1) && (low_rank || u.size(1) == x0.size(1)),
-              "u must be [in_features, rank or in_features]");
-  TORCH_CHECK(low_rank ? v.size(0) == u.size(1) && v.size(1) == x0.size(1) : v.numel() == 0,
-              "v must be an empty 1-D tensor or [rank, in_features]");
+  GK_CHECK_CUDA(x0);
+  const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const c10::cuda::CUDAGuard guard(x0.device());
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
@@ -262,17 +247,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cuda(const at::Tensor
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_layer_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
     const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"},
-                         {&z, "z"}, {&p, "p"}})
-    check_cuda_float(*t, name, x0);
-  GK_CHECK_DIM(x0, 2);
-  TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
-              "grad_out, xl and z must have x0's shape");
-  const bool low_rank = v.dim() == 2;  // as in the forward
-  TORCH_CHECK(u.dim() == 2 && u.size(0) == x0.size(1) &&
-                  (low_rank ? v.size(0) == u.size(1) && v.size(1) == x0.size(1) : v.numel() == 0 && u.size(1) == x0.size(1)),
-              "u and v must be ([N, N], empty) or ([N, r], [r, N])");
-  TORCH_CHECK(!low_rank || (p.dim() == 2 && p.size(0) == x0.size(0) && p.size(1) == u.size(1)), "p must be [B, r]");
+  GK_CHECK_CUDA(x0);
+  const bool low_rank = interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
   const c10::cuda::CUDAGuard guard(x0.device());
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
@@ -416,13 +392,10 @@ __global__ void fm_compress_bwd_kernel(const scalar_t* __restrict__ grad_out, co
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(
     const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
     bool /*save_products*/) {
-  for (auto [t, name] : {std::pair{&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}, {&ln_bias, "ln_bias"}})
-    check_cuda_float(*t, name, x);
-  GK_CHECK_DIM(x, 3);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
+  GK_CHECK_CUDA(x);
+  interaction_checks::fm_compress(x, y, ln_weight, ln_bias);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
-  TORCH_CHECK(ln_weight.numel() == F * k && ln_bias.numel() == F * k, "ln_weight and ln_bias must be [F*k]");
   auto out = at::empty({B, F * k}, x.options());
   auto mean = at::empty({B}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({B}, x.options().dtype(at::kFloat));
@@ -445,18 +418,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
     const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& /*products: always empty here*/) {
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&y, "y"}, {&ln_weight, "ln_weight"}})
-    check_cuda_float(*t, name, x);
-  GK_CHECK_DIM(x, 3);
-  GK_CHECK_CUDA(mean);
-  GK_CHECK_CUDA(rstd);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(1), "y must be [F, k]");
-  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == x.size(0) && grad_out.size(1) == x.size(1) * y.size(1) &&
-                  ln_weight.numel() == x.size(1) * y.size(1),
-              "grad_out must be [B, F*k] and ln_weight [F*k]");
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
-                  rstd.is_contiguous() && mean.numel() == x.size(0) && rstd.numel() == x.size(0),
-              "mean and rstd must be contiguous fp32 [B]");
+  GK_CHECK_CUDA(x);
+  interaction_checks::fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
   auto grad_x = at::empty_like(x);
@@ -594,22 +557,11 @@ feature_mix_norm_bwd_kernel(const scalar_t* __restrict__ grad_out, const scalar_
 
 std::string mix_sizes(int64_t D) { return "embedding dim D = " + std::to_string(D); }
 
-void check_mix_cuda(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm, const at::Tensor& ln_weight) {
-  GK_CHECK_DIM(x, 3);
-  TORCH_CHECK(mix.dim() == 2 && mix.size(1) == x.size(1) && mix.size(0) >= 1, "mix must be [O, F] with O >= 1");
-  TORCH_CHECK(fm.dim() == 3 && fm.size(0) == x.size(0) && fm.size(1) <= mix.size(0) && fm.size(2) == x.size(2),
-              "fm must be [B, O_fm, D] with O_fm <= O");
-  TORCH_CHECK(ln_weight.dim() == 1 && ln_weight.size(0) == x.size(2), "ln_weight must be [D]");
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cuda(const at::Tensor& x, const at::Tensor& mix,
                                                                      const at::Tensor& fm, const at::Tensor& ln_weight,
                                                                      const at::Tensor& ln_bias, double eps) {
-  for (auto [t, name] : {std::pair{&x, "x"}, {&mix, "mix"}, {&fm, "fm"}, {&ln_weight, "ln_weight"},
-                         {&ln_bias, "ln_bias"}})
-    check_cuda_float(*t, name, x);
-  check_mix_cuda(x, mix, fm, ln_weight);
-  TORCH_CHECK(ln_bias.sizes() == ln_weight.sizes(), "ln_bias must be [D]");
+  GK_CHECK_CUDA(x);
+  interaction_checks::feature_mix_norm(x, mix, fm, ln_weight, ln_bias);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0), Ofm = fm.size(1);
   auto out = at::empty({B, O, D}, x.options());
@@ -635,18 +587,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cuda(const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm,
     const at::Tensor& ln_weight, const at::Tensor& mean, const at::Tensor& rstd) {
-  for (auto [t, name] : {std::pair{&grad_out, "grad_out"}, {&x, "x"}, {&mix, "mix"}, {&fm, "fm"},
-                         {&ln_weight, "ln_weight"}})
-    check_cuda_float(*t, name, x);
-  check_mix_cuda(x, mix, fm, ln_weight);
-  GK_CHECK_CUDA(mean);
-  GK_CHECK_CUDA(rstd);
+  GK_CHECK_CUDA(x);
+  interaction_checks::feature_mix_norm_backward(grad_out, x, mix, fm, ln_weight, mean, rstd);
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0), Ofm = fm.size(1);
-  TORCH_CHECK(grad_out.dim() == 3 && grad_out.size(0) == B && grad_out.size(1) == O && grad_out.size(2) == D,
-              "grad_out must be [B, O, D]");
-  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.is_contiguous() &&
-                  rstd.is_contiguous() && mean.numel() == B * O && rstd.numel() == B * O,
-              "mean and rstd must be contiguous fp32 [B, O]");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto dt = x.scalar_type();
   auto grad_fm = at::empty_like(fm);

@@ -1,8 +1,10 @@
 """nn.Modules built on the gem_kernels ops; every module takes a ``backend`` switch."""
 
-from .attention import HSTULayer, JaggedMultiheadAttention
-from .embedding_bag import FusedEmbeddingBag, TableSpec
+from .attention import HSTULayer, JaggedMultiheadAttention, MultiheadAttention, TransformerEncoderLayer
+from .embedding_bag import EmbeddingBag, FusedEmbeddingBag, TableSpec
 from .interaction import CrossNet, DotInteraction, WukongLayer, WukongStack
 
-__all__ = ["CrossNet", "DotInteraction", "FusedEmbeddingBag", "HSTULayer", "JaggedMultiheadAttention", "TableSpec",
+__all__ = ["CrossNet", "DotInteraction", "EmbeddingBag", "FusedEmbeddingBag", "HSTULayer", "JaggedMultiheadAttention", "MultiheadAttention",
+           "TableSpec",
+           "TransformerEncoderLayer",
            "WukongLayer", "WukongStack"]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.attention import jagged_attention
+from ..ops.jagged import jagged_to_padded, padded_to_jagged
 
 
 class _RelativeBias(nn.Module):
@@ -38,7 +39,9 @@ class JaggedMultiheadAttention(nn.Module):
         head_dim: per-head dim of q, k, v (default embed_dim // num_heads).
         causal, contextual_len, max_attn_len: the visibility options of ``jagged_attention``.
         max_seq_len: > 0 adds a learned relative position bias (then every call must pass this max_seq_len).
-        num_time_buckets: > 0 adds a learned log-time bias (calls must pass timestamps).
+        num_time_buckets: > 0 adds a learned log-time bias (calls must pass timestamps; query_timestamps,
+            default timestamps, is the query side of bucket(tq_i - t_j), see ``jagged_attention``).
+            Without a time bias both are ignored.
         backend: the backend of the attention op (None: ``use_backend``'s default).
     """
 
@@ -58,7 +61,8 @@ class JaggedMultiheadAttention(nn.Module):
         self.bias = _RelativeBias(num_heads, max_seq_len, num_time_buckets)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         self.bias.check(max_seq_len, timestamps)
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         attn = jagged_attention(q, k, v, seq_offsets, max_seq_len, kind=self.kind, causal=self.causal,
@@ -66,6 +70,7 @@ class JaggedMultiheadAttention(nn.Module):
                                 max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
                                 time_bias=self.bias.time_bias,
                                 timestamps=timestamps if self.bias.time_bias is not None else None,
+                                query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
                                 backend=self.backend)
         return self.out(attn.reshape(x.shape[0], self.num_heads * self.head_dim))  # not -1: N may be 0
 
@@ -103,7 +108,8 @@ class HSTULayer(nn.Module):
         self.bias = _RelativeBias(num_heads, max_seq_len, num_time_buckets)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+                num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+                query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
         self.bias.check(max_seq_len, timestamps)
         n, h = x.shape[0], self.num_heads
         uvqk = F.silu(self.uvqk(self.input_norm(x)))
@@ -115,6 +121,219 @@ class HSTULayer(nn.Module):
                                 max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
                                 time_bias=self.bias.time_bias,
                                 timestamps=timestamps if self.bias.time_bias is not None else None,
+                                query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
                                 backend=self.backend)
         gated = u * self.attn_norm(attn.reshape(n, h * self.linear_dim))
         return x + self.out(self.dropout(gated))
+
+
+def _end_padding_lengths(key_padding_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
+    """Sequence lengths [B] when ``key_padding_mask`` (bool, True = pad; or float, -inf = pad and 0
+    elsewhere) pads only at the end of each row, else None."""
+    if key_padding_mask.shape != (batch, length):
+        return None
+    if key_padding_mask.dtype == torch.bool:
+        pad = key_padding_mask
+    elif key_padding_mask.is_floating_point():
+        pad = torch.isneginf(key_padding_mask)
+        if bool((key_padding_mask.masked_fill(pad, 0) != 0).any()):
+            return None
+    else:
+        return None
+    lengths = length - pad.sum(1)
+    expected = torch.arange(length, device=pad.device).unsqueeze(0) >= lengths.unsqueeze(1)
+    return lengths if torch.equal(pad, expected) else None
+
+
+def _is_causal_mask(attn_mask: torch.Tensor, length: int) -> bool:
+    """Whether ``attn_mask`` is the [L, L] causal mask: bool True above the diagonal (masked), or float
+    -inf above and 0 on and below it (``nn.Transformer.generate_square_subsequent_mask``)."""
+    if attn_mask.shape != (length, length):
+        return False
+    upper = torch.ones(length, length, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return torch.equal(attn_mask, upper)
+    if not attn_mask.is_floating_point():
+        return False
+    return torch.equal(torch.isneginf(attn_mask), upper) and not bool(attn_mask.masked_fill(upper, 0).any())
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` whose self-attention calls over end-padded rows run on the jagged rows.
+
+    A call ``mha(x, x, x, key_padding_mask=..., need_weights=False, attn_mask=..., is_causal=...)``
+    (batch_first, 3-D x, dropout 0 or eval mode) whose ``key_padding_mask`` pads only at the end of
+    each row (or is None) and whose ``attn_mask`` is None or the causal mask packs the valid rows
+    (``padded_to_jagged``), projects them with the module's own ``in_proj`` weights, runs
+    ``gem_kernels.jagged_attention(kind="softmax")``, projects with ``out_proj`` and pads back: padded
+    positions are never computed and come out as zeros (torch computes a value there that no valid
+    position ever reads). Every other call runs ``nn.MultiheadAttention.forward`` unchanged and is
+    counted in ``fallbacks`` (``fallback_reasons`` says why), so an answer is never wrong.
+
+    Same parameters, buffers and ``state_dict()`` keys as torch's module (it is one); build it with
+    ``MultiheadAttention.from_torch(mha)``, which shares ``mha``'s Parameters. torch's inference fast
+    path of ``nn.TransformerEncoderLayer`` (eval mode under no_grad) bypasses ``self_attn`` and keeps
+    torch's own fused kernel.
+    """
+
+    backend: str | None = None
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, backend: str | None = None) -> "MultiheadAttention":
+        new = cls.__new__(cls)
+        new.__dict__.update(mha.__dict__)
+        for name, value in mha.__dict__.items():  # own containers (parameters, hooks), the same tensors
+            if isinstance(value, (dict, set)):
+                new.__dict__[name] = type(value)(value)
+        new.backend = backend
+        new.fallbacks = 0
+        new.fallback_reasons = {}
+        return new
+
+    def _why_not_fused(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal) -> str | None:
+        if need_weights:
+            return "need_weights=True"
+        if not (query is key and key is value):
+            return "not self-attention (query, key, value are not one tensor)"
+        if not self.batch_first:
+            return "batch_first=False"
+        if query.dim() != 3 or query.is_nested:
+            return "input is not a batched 3-D dense tensor"
+        if self.training and self.dropout > 0:
+            return "dropout > 0 in training mode"
+        if self.in_proj_weight is None or self.bias_k is not None or self.add_zero_attn:
+            return "separate q/k/v projections, add_bias_kv or add_zero_attn"
+        if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"dtype {query.dtype}"
+        if is_causal and attn_mask is None:
+            return "is_causal=True without attn_mask"  # torch raises; the original call says so
+        return None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
+                attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+                is_causal: bool = False):
+        why = self._why_not_fused(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
+        if why is None:
+            why, lengths, causal = _jagged_masks(query, key_padding_mask, attn_mask)
+        if why is not None:
+            self.fallbacks += 1
+            self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                                   attn_mask=attn_mask, average_attn_weights=average_attn_weights,
+                                   is_causal=is_causal)
+        return self._jagged_forward(query, lengths, causal), None
+
+    def _jagged_forward(self, x: torch.Tensor, lengths: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        rows, seq_offsets = _pack(x, lengths, self.backend)
+        out = _attention_rows(self, rows, seq_offsets, x.shape[1], causal, self.backend)
+        return _unpack(out, x, lengths, seq_offsets, self.backend)
+
+
+def _pack(x: torch.Tensor, lengths: torch.Tensor | None, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid rows [N, E] of x [B, L, E] (end padding; lengths None = no padding) and seq_offsets [B+1]."""
+    batch, length, embed_dim = x.shape
+    if lengths is None:
+        seq_offsets = torch.arange(0, (batch + 1) * length, max(length, 1), device=x.device)[:batch + 1]
+        return x.reshape(batch * length, embed_dim), seq_offsets
+    seq_offsets = F.pad(lengths.cumsum(0), (1, 0))
+    return padded_to_jagged(x, seq_offsets, int(seq_offsets[-1]), backend=backend), seq_offsets
+
+
+def _unpack(rows: torch.Tensor, like: torch.Tensor, lengths: torch.Tensor | None, seq_offsets: torch.Tensor,
+            backend) -> torch.Tensor:
+    batch, length, _ = like.shape
+    if lengths is None:
+        return rows.view(batch, length, rows.shape[-1])
+    return jagged_to_padded(rows, seq_offsets, length, backend=backend)
+
+
+def _attention_rows(mha: nn.MultiheadAttention, rows: torch.Tensor, seq_offsets: torch.Tensor, max_len: int,
+                    causal: bool, backend) -> torch.Tensor:
+    """``mha``'s self-attention (in_proj, softmax attention per sequence, out_proj) on jagged rows [N, E]."""
+    total, embed_dim = rows.shape
+    q, k, v = F.linear(rows, mha.in_proj_weight, mha.in_proj_bias).view(total, 3, mha.num_heads,
+                                                                         mha.head_dim).unbind(1)
+    attn = jagged_attention(q, k, v, seq_offsets, max_len, kind="softmax", causal=causal, backend=backend)
+    return F.linear(attn.reshape(total, embed_dim), mha.out_proj.weight, mha.out_proj.bias)
+
+
+def _jagged_masks(x: torch.Tensor, key_padding_mask, attn_mask) -> tuple[str | None, torch.Tensor | None, bool]:
+    """(why not, lengths or None, causal) for self-attention over x [B, L, E] with these masks."""
+    causal = False
+    if attn_mask is not None:
+        causal = _is_causal_mask(attn_mask, x.shape[1])
+        if not causal:
+            return "attn_mask is not the causal mask", None, False
+    lengths = None
+    if key_padding_mask is not None:
+        lengths = _end_padding_lengths(key_padding_mask, x.shape[0], x.shape[1])
+        if lengths is None:
+            return "key_padding_mask does not pad only at the end of each row", None, False
+    return None, lengths, causal
+
+
+class TransformerEncoderLayer(nn.TransformerEncoderLayer):
+    """``torch.nn.TransformerEncoderLayer`` that runs the whole layer on the valid rows of end-padded input.
+
+    When the call's ``src_key_padding_mask`` pads only at the end of each row (or is None), ``src_mask``
+    is None or the causal mask, the input is batch_first 3-D and no dropout is active (p = 0 or eval
+    mode), the valid rows are packed once and the self-attention (``gem_kernels.jagged_attention``
+    between the same in/out projections), both LayerNorms and the feed-forward block run on them
+    only; padded positions come out as zeros (torch computes values there that no valid position
+    reads). Any other call runs ``nn.TransformerEncoderLayer.forward`` (whose ``self_attn``, when
+    swapped, still fuses what it can). Same parameters and ``state_dict()`` keys (it is one); build it
+    with ``TransformerEncoderLayer.from_torch(layer)``, which shares ``layer``'s submodules.
+    """
+
+    backend: str | None = None
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, backend: str | None = None) -> "TransformerEncoderLayer":
+        new = cls.__new__(cls)
+        new.__dict__.update(layer.__dict__)
+        for name, value in layer.__dict__.items():
+            if isinstance(value, (dict, set)):
+                new.__dict__[name] = type(value)(value)
+        new.backend = backend
+        new.layer_fallbacks = 0
+        new.layer_fallback_reasons = {}
+        return new
+
+    def _why_not_jagged(self, src: torch.Tensor) -> str | None:
+        attn = self.self_attn
+        if src.dim() != 3 or src.is_nested:
+            return "input is not a batched 3-D dense tensor"
+        if not attn.batch_first:
+            return "batch_first=False"
+        if attn.in_proj_weight is None or attn.bias_k is not None or attn.add_zero_attn:
+            return "separate q/k/v projections, add_bias_kv or add_zero_attn"
+        if self.training and any(p > 0 for p in (self.dropout.p, self.dropout1.p, self.dropout2.p, attn.dropout)):
+            return "dropout > 0 in training mode"
+        if src.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"dtype {src.dtype}"
+        return None
+
+    def forward(self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
+                src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        why = self._why_not_jagged(src)
+        if why is None:
+            why, lengths, causal = _jagged_masks(src, src_key_padding_mask, src_mask)
+        if why is not None:
+            self.layer_fallbacks += 1
+            self.layer_fallback_reasons[why] = self.layer_fallback_reasons.get(why, 0) + 1
+            return super().forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                                   is_causal=is_causal)
+        x, seq_offsets = _pack(src, lengths, self.backend)
+        max_len = src.shape[1]
+
+        def sa(rows):
+            return self.dropout1(_attention_rows(self.self_attn, rows, seq_offsets, max_len, causal, self.backend))
+
+        if self.norm_first:
+            x = x + sa(self.norm1(x))
+            x = x + self._ff_block(self.norm2(x))
+        else:
+            x = self.norm1(x + sa(x))
+            x = self.norm2(x + self._ff_block(x))
+        return _unpack(x, src, lengths, seq_offsets, self.backend)

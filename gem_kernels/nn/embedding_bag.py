@@ -12,7 +12,7 @@ from torch import nn
 from .._validate import FLOAT_DTYPES, INT64_MAX, check_int64
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
-from ..reference.embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
+from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
 
 
 _HUGE_PAGE = 2 << 20
@@ -61,7 +61,7 @@ class FusedEmbeddingBag(nn.Module):
     ``out = ebc(indices, offsets, per_sample_weights=None)``: indices [N] int32/int64 local to their
     table; offsets [T*B+1] (feature-major: bag b of table t is ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``).
     Output [B, sum_t D_t] (tables concatenated in order) for pooling "sum"/"mean", [N, D] for "none"
-    (every table of dim D); ``per_sample_weights`` [N] (sum/none pooling) receive a gradient when they
+    (every table of dim D); ``per_sample_weights`` [N] (any pooling; mean = weighted sum / length) receive a gradient when they
     require one. See ``gem_kernels.ops.embedding_bag.embedding_bag`` for the exact semantics.
 
     ``optimizer=None``: ``self.weights`` is an ``nn.Parameter`` that receives a dense gradient, so any
@@ -164,3 +164,185 @@ class FusedEmbeddingBag(nn.Module):
         return (f"num_tables={self.num_tables}, rows={self.rows_offsets[-1].item()}, dims={dims}, "
                 f"pooling={self.pooling!r}, dtype={self.weights.dtype}, optimizer={self.optimizer}, "
                 f"bounds_check={self.bounds_check!r}")
+
+
+class _SparseGradEmbeddingBag(torch.autograd.Function):
+    """The fused forward with the backward of ``nn.EmbeddingBag(sparse=True)``: a sparse COO gradient
+    of the [rows, D] weight (one row per lookup, duplicates left uncoalesced, as torch gives it)."""
+
+    @staticmethod
+    def forward(ctx, weight, indices, offsets, per_sample_weights, module):
+        with torch.no_grad():
+            out = module._lookup(weight.detach(), indices, offsets, per_sample_weights)
+        if per_sample_weights is None:
+            per_sample_weights = weight.new_empty(0)
+        ctx.save_for_backward(weight, indices, offsets, per_sample_weights)
+        ctx.mean = module.mode == "mean"
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, indices, offsets, per_sample_weights = ctx.saved_tensors
+        lengths = offsets.diff()
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device), lengths,
+                                      output_size=indices.numel())
+        rows = grad_out[bag]
+        scale = None
+        if ctx.mean:
+            scale = (1.0 / lengths.clamp(min=1).to(grad_out.dtype))[bag]
+        elif per_sample_weights.numel():
+            scale = per_sample_weights.to(grad_out.dtype)
+        grad_psw = None
+        if ctx.needs_input_grad[3]:
+            grad_psw = (rows.float() * weight[indices].float()).sum(1).to(per_sample_weights.dtype)
+        if scale is not None:
+            rows = rows * scale.unsqueeze(1)
+        grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_weight = torch.sparse_coo_tensor(indices.long().unsqueeze(0), rows.to(weight.dtype), weight.shape,
+                                                  check_invariants=False)
+        return grad_weight, None, None, grad_psw, None
+
+
+class EmbeddingBag(nn.Module):
+    """Drop-in for ``torch.nn.EmbeddingBag`` on the fused embedding-bag op (one table).
+
+    Same constructor and call signature (``forward(input, offsets=None, per_sample_weights=None)``:
+    1-D ``input`` with ``offsets``, or 2-D ``input`` [B, L] of fixed-length bags), the same ``.weight``
+    [num_embeddings, embedding_dim] Parameter and ``state_dict()`` keys. Modes "sum" and "mean";
+    ``per_sample_weights`` with "sum"; ``include_last_offset``; ``padding_idx`` (those lookups are
+    left out of their bag and of its mean, and the row gets no gradient, as in torch).
+    ``sparse=True`` (and no fused optimizer) gives ``weight`` a sparse COO gradient like torch's.
+    Not supported (ValueError): mode "max", ``max_norm``, ``scale_grad_by_freq``.
+
+    Keyword-only extras: ``optimizer`` (a ``gem_kernels.optim`` config: the backward updates the
+    looked-up rows in place and ``weight.grad`` stays None; the state, e.g. row-wise Adagrad's
+    ``momentum1``, is in non-persistent buffers so that ``state_dict()`` keys stay torch's),
+    ``bounds_check`` ("fatal": an out-of-range id raises IndexError) and ``backend``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
+                 _weight: torch.Tensor | None = None, include_last_offset: bool = False,
+                 padding_idx: int | None = None, device=None, dtype=None, *, optimizer=None,
+                 bounds_check: str = "fatal", backend: str | None = None):
+        super().__init__()
+        TableSpec(num_embeddings, embedding_dim)  # checks both
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean' (the fused op has no 'max'), got {mode!r}")
+        if max_norm is not None:
+            raise ValueError(f"max_norm must be None (renormalising rows in the lookup is not fused), got {max_norm}")
+        if scale_grad_by_freq:
+            raise ValueError("scale_grad_by_freq must be False, got True")
+        if bounds_check not in BOUNDS_CHECK_CODES:
+            raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
+        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
+            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+            padding_idx = padding_idx % num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, scale_grad_by_freq
+        self.mode, self.sparse, self.include_last_offset, self.padding_idx = mode, sparse, include_last_offset, padding_idx
+        self.optimizer, self.bounds_check, self.backend = optimizer, bounds_check, backend
+        if _weight is None:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+            self.reset_parameters()
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"_weight must have shape {(num_embeddings, embedding_dim)}, got {tuple(_weight.shape)}")
+            self.weight = _weight if isinstance(_weight, nn.Parameter) else nn.Parameter(_weight)
+        if self.weight.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"weight dtype must be one of {FLOAT_DTYPES}, got {self.weight.dtype}")
+        if not self.weight.is_contiguous():
+            raise ValueError(f"weight must be contiguous (the fused update writes it in place), got stride "
+                             f"{self.weight.stride()}")
+        meta = dict(dtype=torch.int64, device=self.weight.device)
+        self.register_buffer("weights_offsets", torch.zeros(1, **meta), persistent=False)
+        self.register_buffer("D_offsets", torch.tensor([0, embedding_dim], **meta), persistent=False)
+        self.register_buffer("rows_offsets", torch.tensor([0, num_embeddings], **meta), persistent=False)
+        name = optimizer.name if optimizer is not None else None
+        state = dict(dtype=torch.float32, device=self.weight.device)
+        size = num_embeddings * embedding_dim
+        self.register_buffer("momentum1", torch.zeros({"rowwise_adagrad": num_embeddings, "adam": size}.get(name, 0),
+                                                      **state), persistent=False)
+        self.register_buffer("momentum2", torch.zeros(size if name == "adam" else 0, **state), persistent=False)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=self.weight.device), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """N(0, 1) like ``nn.EmbeddingBag``, the padding row zero."""
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+            if self.padding_idx is not None:
+                self.weight[self.padding_idx].zero_()
+
+    @classmethod
+    def from_torch(cls, bag: nn.EmbeddingBag, optimizer=None, bounds_check: str = "fatal",
+                   backend: str | None = None) -> "EmbeddingBag":
+        """The fused twin of ``bag``, holding the very same ``weight`` Parameter (so an optimizer built on
+        ``bag.parameters()`` keeps working when ``optimizer`` is None)."""
+        return cls(bag.num_embeddings, bag.embedding_dim, max_norm=bag.max_norm, norm_type=bag.norm_type,
+                   scale_grad_by_freq=bag.scale_grad_by_freq, mode=bag.mode, sparse=bag.sparse, _weight=bag.weight,
+                   include_last_offset=bag.include_last_offset, padding_idx=bag.padding_idx, optimizer=optimizer,
+                   bounds_check=bounds_check, backend=backend)
+
+    def fused_parameter_names(self) -> list[str]:
+        """Parameters updated inside the backward (their ``.grad`` stays None)."""
+        return ["weight"] if self.optimizer is not None else []
+
+    def _lookup(self, weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        return embedding_bag(weight.view(-1), self.weights_offsets, self.D_offsets, self.rows_offsets, indices,
+                             offsets, per_sample_weights, output_dim=self.embedding_dim, pooling=self.mode,
+                             bounds_check=self.bounds_check, optimizer=self.optimizer, momentum1=self.momentum1,
+                             momentum2=self.momentum2, step=self.step, backend=self.backend)
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
+            raise ValueError(f"input must be a 1-D or 2-D tensor of ids, got "
+                             f"{tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__}")
+        if per_sample_weights is not None and self.mode != "sum":
+            raise ValueError(f"per_sample_weights are only supported with mode 'sum', got mode {self.mode!r}")
+        if per_sample_weights is not None and per_sample_weights.shape != input.shape:
+            raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, got "
+                             f"{tuple(per_sample_weights.shape)}")
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("offsets must be None with a 2-D input (each row is one bag)")
+            batch, length = input.shape
+            indices = input.reshape(-1)
+            offsets = torch.arange(0, batch * length + 1, max(length, 1) if batch else 1, dtype=indices.dtype,
+                                   device=indices.device)[:batch + 1]
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+        else:
+            if offsets is None or offsets.dim() != 1:
+                raise ValueError(f"offsets must be a 1-D tensor with a 1-D input, got "
+                                 f"{None if offsets is None else tuple(offsets.shape)}")
+            indices = input
+            offsets = offsets.to(indices.dtype)
+            if not self.include_last_offset:
+                offsets = torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
+        if self.padding_idx is not None:
+            keep = indices != self.padding_idx
+            kept_before = torch.cat([keep.new_zeros(1, dtype=offsets.dtype), keep.cumsum(0).to(offsets.dtype)])
+            offsets = kept_before[offsets.long()]
+            indices = indices[keep]
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights[keep]
+        if self.sparse and self.optimizer is None and torch.is_grad_enabled() and self.weight.requires_grad:
+            return _SparseGradEmbeddingBag.apply(self.weight, indices, offsets, per_sample_weights, self)
+        return self._lookup(self.weight, indices, offsets, per_sample_weights)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
+        for name in ("sparse", "include_last_offset"):
+            if getattr(self, name):
+                s += f", {name}=True"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.optimizer is not None:
+            s += f", optimizer={self.optimizer}"
+        return s

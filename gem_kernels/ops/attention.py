@@ -6,45 +6,49 @@ sequence b is rows seq_offsets[b] : seq_offsets[b+1]. Attention runs within each
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
-from .._backend import get_backend, kernel, resolve_backend, unavailable_reason
+from .._backend import FAMILIES, kernel, resolve_backend
 from .._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_nonnegative_int,
     check_offsets_meta,
     check_offsets_values,
+    offsets_summary,
     check_same_device,
     check_tensor,
 )
 
 FAMILY = "attention"
 KINDS = ("softmax", "hstu")
-# The backends this family has, each with forward and backward.
-IMPLEMENTED = ("reference", "cpu", "triton", "cuda")
-# `auto` on CUDA tensors takes triton before cuda (the other families' order is cuda > triton): triton's
-# tiles run on the tensor cores (tl.dot, bf16/fp16/tf32 operands), the cuda kernels are plain fp32
-# CUDA-core loops, so triton is the faster-expected path at every shape; cuda runs when named, or
-# under `auto` when triton is missing.
-AUTO_CUDA_FIRST = "triton"
+# Backends and `auto`'s preference (triton before cuda on CUDA tensors, and why): _backend.FAMILIES.
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
-    """Data-dependent checks (read the tensors): run inside the ops' real kernels, never while tracing."""
-    check_offsets_values("seq_offsets", seq_offsets, q.shape[0])
+    """Data-dependent checks (read the tensors): run in the forward op's real kernel only, never while
+    tracing, and not again in the backward, which runs on the tensors the forward saw
+    (docs/op-flow.md, "checks once per step"). Everything is read in one device-to-host copy; an
+    error reads more to word its message."""
     lengths = seq_offsets.long().diff()
-    if lengths.numel() > 0:
-        longest = int(lengths.max())
-        if longest > max_seq_len:
-            raise ValueError(f"max_seq_len must be >= every sequence length, got {max_seq_len} < {longest}")
-    if num_targets is not None and num_targets.numel() > 0:
-        bad = (num_targets.long() < 0) | (num_targets.long() > lengths)
-        if bool(bad.any()):
-            b = int(bad.nonzero()[0, 0])
-            raise ValueError(f"num_targets[{b}] must be in [0, {int(lengths[b])}] (its sequence length), "
-                             f"got {int(num_targets[b])}")
+    zero = lengths.new_zeros(())
+    longest = lengths.max() if lengths.numel() > 0 else zero
+    has_targets = num_targets is not None and num_targets.numel() > 0
+    bad = ((num_targets.long() < 0) | (num_targets.long() > lengths)) if has_targets else None
+    summary = torch.cat([offsets_summary(seq_offsets), torch.stack([longest, bad.sum() if has_targets else zero])])
+    first, decreasing, last, longest, num_bad = summary.tolist()
+    check_offsets_values("seq_offsets", seq_offsets, q.shape[0], summary=[first, decreasing, last])
+    if longest > max_seq_len:
+        raise ValueError(f"max_seq_len must be >= every sequence length, got {max_seq_len} < {longest}")
+    if num_bad:
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"num_targets[{b}] must be in [0, {int(lengths[b])}] (its sequence length), "
+                         f"got {int(num_targets[b])}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,8 +61,8 @@ def jagged_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             max_seq_len: int, kind: str, causal: bool, scale: float,
                             num_targets: torch.Tensor | None, contextual_len: int, max_attn_len: int,
                             pos_bias: torch.Tensor | None, time_bias: torch.Tensor | None,
-                            timestamps: torch.Tensor | None, deterministic: bool,
-                            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                            timestamps: torch.Tensor | None, query_timestamps: torch.Tensor | None,
+                            deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [N, H, Dv] in q's dtype, lse [N, H] fp32 softmax log-sum-exp; empty [0] for hstu).
 
     `deterministic` is only carried to the backward.
@@ -66,12 +70,12 @@ def jagged_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     _check_values(q, seq_offsets, max_seq_len, num_targets)
     out, lse = kernel(FAMILY, "jagged_attention_fwd", backend)(
         q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
-        pos_bias, time_bias, timestamps)
+        pos_bias, time_bias, timestamps, query_timestamps)
     return out, lse
 
 
 def _fake_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
-              pos_bias, time_bias, timestamps, deterministic=False, backend=None):
+              pos_bias, time_bias, timestamps, query_timestamps, deterministic=False, backend=None):
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse = q.new_empty((q.shape[0], q.shape[1]) if kind == "softmax" else (0,), dtype=torch.float32)
     return out, lse
@@ -85,18 +89,21 @@ def jagged_attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
                             out: torch.Tensor, lse: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                             kind: str, causal: bool, scale: float, num_targets: torch.Tensor | None,
                             contextual_len: int, max_attn_len: int, pos_bias: torch.Tensor | None,
-                            time_bias: torch.Tensor | None, timestamps: torch.Tensor | None, deterministic: bool,
+                            time_bias: torch.Tensor | None, timestamps: torch.Tensor | None,
+                            query_timestamps: torch.Tensor | None, deterministic: bool,
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor]:
-    """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient."""
-    _check_values(q, seq_offsets, max_seq_len, num_targets)
+    """(dq, dk, dv, dpos_bias, dtime_bias); an absent bias gets an empty [0] gradient.
+
+    No value checks: the forward op checked these very tensors (autograd saved them)."""
     return tuple(kernel(FAMILY, "jagged_attention_bwd", backend)(
         grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-        max_attn_len, pos_bias, time_bias, timestamps, deterministic))
+        max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, deterministic))
 
 
 def _fake_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
-              contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic, backend=None):
+              contextual_len, max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, deterministic,
+              backend=None):
     dpos = torch.empty_like(pos_bias) if pos_bias is not None else q.new_empty((0,))
     dtime = torch.empty_like(time_bias) if time_bias is not None else q.new_empty((0,))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dpos, dtime
@@ -107,22 +114,23 @@ jagged_attention_bwd_op.register_fake(_fake_bwd)
 
 def _setup(ctx, inputs, output):
     (q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
-     time_bias, timestamps, deterministic, backend) = inputs
+     time_bias, timestamps, query_timestamps, deterministic, backend) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seq_offsets, num_targets, pos_bias, time_bias, timestamps)
+    ctx.save_for_backward(q, k, v, out, lse, seq_offsets, num_targets, pos_bias, time_bias, timestamps,
+                          query_timestamps)
     ctx.args = (max_seq_len, kind, causal, scale, contextual_len, max_attn_len, backend)
     ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, seq_offsets, num_targets, pos_bias, time_bias, timestamps = ctx.saved_tensors
+    q, k, v, out, lse, seq_offsets, num_targets, pos_bias, time_bias, timestamps, query_timestamps = ctx.saved_tensors
     max_seq_len, kind, causal, scale, contextual_len, max_attn_len, backend = ctx.args
     dq, dk, dv, dpos, dtime = jagged_attention_bwd_op(
         grad_out.contiguous(), q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
-        contextual_len, max_attn_len, pos_bias, time_bias, timestamps, ctx.deterministic, backend)
+        contextual_len, max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, ctx.deterministic, backend)
     return (dq, dk, dv, None, None, None, None, None, None, None, None,
-            dpos if pos_bias is not None else None, dtime if time_bias is not None else None, None, None, None)
+            dpos if pos_bias is not None else None, dtime if time_bias is not None else None, None, None, None, None)
 
 
 jagged_attention_fwd_op.register_autograd(_backward, setup_context=_setup)
@@ -137,6 +145,15 @@ if hasattr(torch.ops.gem_kernels, "jagged_attention_fwd_native"):
 # ---------------------------------------------------------------------------------------------
 # Public function
 # ---------------------------------------------------------------------------------------------
+
+
+def _round_to_fp32(x: float) -> float:
+    """x rounded to the nearest fp32 (what every backend multiplies by), +-inf past fp32's range: the
+    backends then agree on a scale such as 1e300, which a C++ cast to float would leave undefined."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def _check_bias(name: str, bias, num_heads: int, width: int | None, device) -> None:
@@ -155,15 +172,16 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
                      max_seq_len: int, *, kind: str = "softmax", causal: bool = True, scale: float | None = None,
                      num_targets: torch.Tensor | None = None, contextual_len: int = 0, max_attn_len: int = 0,
                      pos_bias: torch.Tensor | None = None, time_bias: torch.Tensor | None = None,
-                     timestamps: torch.Tensor | None = None, deterministic: bool = False,
-                     backend: str | None = None) -> torch.Tensor:
+                     timestamps: torch.Tensor | None = None, query_timestamps: torch.Tensor | None = None,
+                     deterministic: bool = False, backend: str | None = None) -> torch.Tensor:
     """Attention within each sequence of a jagged batch: softmax or HSTU (pointwise SiLU) weights.
 
     Within sequence b (length L, positions i = query and j = key counted from its start, n =
     num_targets[b] or 0, c = contextual_len)::
 
-        s_ij = scale * <q_i, k_j> + pos_bias[h, j - i + max_seq_len - 1] + time_bias[h, bucket(t_i - t_j)]
+        s_ij = scale * <q_i, k_j> + pos_bias[h, j - i + max_seq_len - 1] + time_bias[h, bucket(tq_i - t_j)]
         bucket(dt) = min(num_buckets, floor(ln(max(|dt|, 1)) / 0.301)),  num_buckets = time_bias.shape[1] - 1
+        t = timestamps, tq = query_timestamps (default: timestamps, i.e. bucket(t_i - t_j))
         softmax: out_i = sum_j softmax_j(s_ij over visible j) v_j
         hstu:    out_i = sum_{visible j} silu(s_ij) / max_seq_len * v_j
 
@@ -173,6 +191,23 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
     d > 0 and (max_attn_len == 0 or d <= max_attn_len); a context query (id 0, c > 0) also sees
     every non-target key. Targets see the history and themselves, never each other; context never
     sees targets. Every row sees at least itself, so no softmax row is empty.
+
+    NaN and Inf (in q, k, v, a bias, or the scale, which is rounded to fp32 first: 1e300 becomes
+    inf) follow one rule on every backend:
+
+    - Only visible pairs enter the maths. An invisible or padded key adds nothing to any output or
+      gradient, even when its k, v or bias entry is NaN or Inf (never 0 * inf), and a bias entry that
+      no visible pair uses is never read into a result.
+    - Visible pairs follow the IEEE arithmetic of the formulas above. A NaN in any score row i sees
+      (from q_i, a visible k_j, a used bias entry or the scale) makes output row i NaN, in both kinds
+      (softmax: its lse too). A NaN or Inf in v_j reaches exactly the rows that see j (w * inf is
+      +-inf, NaN where w = 0 or infinities of both signs meet).
+    - Infinite scores. Softmax: a visible +inf makes the row NaN (inf - inf); a visible -inf gets weight
+      0, and a row whose visible scores are all -inf outputs sum_j 0 * v_j (0; NaN if such a v_j is
+      infinite) with lse = -inf (FlashAttention's convention). HSTU: silu(+inf) = inf and
+      silu(-inf) = -inf * sigmoid(-inf) = NaN.
+    - Backward: the gradients follow the same selection: a NaN reaches dq_i, dk_j, dv_j and the bias
+      entries of the visible pairs whose terms contain it, and nothing else.
 
     Args:
         q, k: [N, H, Dqk]; v: [N, H, Dv]; one dtype among float32/float16/bfloat16, one device.
@@ -188,6 +223,10 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         pos_bias: [H or 1, 2 * max_seq_len - 1] float, or None.
         time_bias: [H or 1, num_buckets + 1] float, or None; needs timestamps.
         timestamps: [N] int32/int64 (one per row), required with time_bias.
+        query_timestamps: [N] int32/int64 like timestamps, or None (= timestamps); only with time_bias.
+            The time of query row i in bucket(tq_i - t_j). generative-recommenders' research HSTU
+            (``RelativeBucketedTimeAndPositionBasedBias``) buckets ts(next item) - ts(key): pass the
+            next row's timestamp here (``gem_kernels.reference.gr_relative_bias`` is that formula).
         deterministic: make the backward bit-identical run to run. The cpu and reference backends
             always are. triton never uses atomics for dq/dk/dv; its bias gradients use fp32 atomics
             when False, and per-program partial sums in scratch reduced in a fixed order when True
@@ -231,6 +270,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         scale = q.shape[2] ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = _round_to_fp32(float(scale))
     check_nonnegative_int("contextual_len", contextual_len)
     check_nonnegative_int("max_attn_len", max_attn_len)
     num_seqs = seq_offsets.shape[0] - 1
@@ -255,12 +295,19 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         if timestamps.shape[0] != q.shape[0]:
             raise ValueError(f"timestamps must have N = {q.shape[0]} elements, got shape {tuple(timestamps.shape)}")
         timestamps = timestamps.contiguous() if time_bias is not None else None
-    requested = get_backend() if backend is None else backend
-    if requested == "auto" and q.device.type == "cuda" and unavailable_reason(AUTO_CUDA_FIRST) is None:
-        name = AUTO_CUDA_FIRST
-    else:
-        name = resolve_backend(backend, q.device, IMPLEMENTED)
+    if query_timestamps is not None:
+        if time_bias is None:
+            raise ValueError("query_timestamps is only used by the time bias: pass time_bias (and timestamps) "
+                             "with it, got time_bias=None")
+        check_tensor("query_timestamps", query_timestamps, dtypes=INDEX_DTYPES, dims=(1,))
+        check_same_device(q=q, query_timestamps=query_timestamps)
+        if query_timestamps.shape[0] != q.shape[0]:
+            raise ValueError(f"query_timestamps must have N = {q.shape[0]} elements, got shape "
+                             f"{tuple(query_timestamps.shape)}")
+        query_timestamps = query_timestamps.contiguous()
+    name = resolve_backend(backend, q.device, FAMILY)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
                                         max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
-                                        max_attn_len, pos_bias, time_bias, timestamps, deterministic, name)
+                                        max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,
+                                        deterministic, name)
     return out

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import kernel, native_kernels, resolve_backend
+from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
                          check_same_device, check_tensor)
-from ..reference.embedding_bag import (
+from .._embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
     OPT_NONE,
@@ -34,8 +34,7 @@ from ..reference.embedding_bag import (
 )
 
 FAMILY = "embedding_bag"
-# The backends this family has kernels for (resolve_backend refuses the others by name).
-IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
@@ -89,8 +88,8 @@ def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops. `backend` is a concrete backend name, resolved by the public function below.
-# Codes: pooling sum=0 mean=1 none=2; bounds_check fatal=0 warn=1 skip=2; optimizer none=0 sgd=1
-# rowwise_adagrad=2 adam=3. per_sample_weights is an empty tensor when absent.
+# pooling, bounds_check and optimizer are the integer codes of gem_kernels/_embedding_bag.py.
+# per_sample_weights is an empty tensor when absent.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -258,7 +257,8 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
     """Look up and pool T tables' bags in one call (FBGEMM TBE / TorchRec EmbeddingBagCollection).
 
     ``out[b, D_offsets[t]:D_offsets[t+1]] = sum_i w_i * W_t[indices[i]]  for i in offsets[t*B+b] : offsets[t*B+b+1]``
-    (``mean`` divides by the bag's kept length, an empty bag gives zeros); ``pooling="none"``:
+    (``mean`` divides by the bag's kept length, also with per-sample weights: weighted sum / length, as
+    FBGEMM's TBE; an empty bag gives zeros); ``pooling="none"``:
     ``out[i] = w_i * W_t[indices[i]]`` ([N, D], every table of dim D). Reference: per-table
     ``torch.nn.functional.embedding_bag``.
 
@@ -267,9 +267,10 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1] (see the module docstring).
         indices: [N] int32/int64, row ids local to their table.
         offsets: [T*B+1], indices' dtype; offsets[0] == 0, nondecreasing, offsets[-1] == N.
-        per_sample_weights: [N] float or None (pooling "sum" or "none" only). It is differentiable:
-            ``d out / d w_i = <grad of the output row i was pooled into, W_t[indices[i]]>`` (0 for a
-            dropped index), computed from the weights before a fused optimizer's update (FBGEMM's order).
+        per_sample_weights: [N] float or None, any pooling. It is differentiable:
+            ``d out / d w_i = <grad of the output row i was pooled into, W_t[indices[i]]>`` (divided by
+            the bag's kept length for mean; 0 for a dropped index), computed from the weights before a
+            fused optimizer's update (FBGEMM's order).
         output_dim: D_offsets[-1] for sum/mean, the shared D for "none" (a Python int, so shapes are static).
         pooling: "sum" | "mean" | "none".
         bounds_check: "fatal" (IndexError naming table, bag and value) | "warn" (warn once per call and
@@ -311,8 +312,6 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         if per_sample_weights.shape[0] != indices.shape[0]:
             raise ValueError(f"per_sample_weights must have indices' length {indices.shape[0]}, got "
                              f"{per_sample_weights.shape[0]}")
-        if pooling == "mean":
-            raise ValueError("per_sample_weights are only supported with pooling 'sum' or 'none', got 'mean'")
         per_sample_weights = per_sample_weights.float()
     check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
                       weights_offsets=weights_offsets, D_offsets=D_offsets, rows_offsets=rows_offsets)
@@ -341,7 +340,7 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
         if momentum2.shape[0] != need2:
             raise ValueError(f"momentum2 must have {need2} elements for {optimizer.name}, got {momentum2.shape[0]}")
         check_same_device(weights=weights, momentum1=momentum1, momentum2=momentum2, step=step)
-    name = resolve_backend(backend, weights.device, IMPLEMENTED)
+    name = resolve_backend(backend, weights.device, FAMILY)
     return embedding_bag_op(weights, momentum1, momentum2, step, weights_offsets.contiguous(), D_offsets.contiguous(),
                             rows_offsets.contiguous(), indices.contiguous(), offsets.contiguous(),
                             per_sample_weights.contiguous(), output_dim, pooling_code, bounds_code, opt_code, *hyper,

@@ -18,12 +18,11 @@ import math
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
-from .._backend import kernel, native_kernels, resolve_backend
+from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
 
 FAMILY = "interaction"
-# Backends with kernels for this family (see _backend.resolve_backend).
-IMPLEMENTED = ("reference", "cpu", "cuda", "triton")
+IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 def num_pairs(num_features: int, self_interaction: bool) -> int:
@@ -328,7 +327,7 @@ def dot_interaction(x: torch.Tensor, self_interaction: bool = False, *, backend:
     (x,) = autocast_operands(x)
     check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
     _check_bool("self_interaction", self_interaction)
-    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    name = resolve_backend(backend, x.device, FAMILY)
     return dot_interaction_op(x.contiguous(), self_interaction, name)
 
 
@@ -373,7 +372,7 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
         _check_like("weight", u, "x0", x0, (N, N))
         v = x0.new_empty(0)
     _check_like("bias", bias, "x0", x0, (N,))
-    name = resolve_backend(backend, x0.device, IMPLEMENTED)
+    name = resolve_backend(backend, x0.device, FAMILY)
     out, _z, _p = cross_layer_op(x0.contiguous(), xl.contiguous(), u.contiguous(), v.contiguous(),
                                  bias.contiguous(), name)
     return out
@@ -411,7 +410,7 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
         raise ValueError(f"y must have shape ({F}, k) with k >= 1, got {tuple(y.shape)}")
     _check_like("y", y, "x", x, (F, y.shape[1]))
     ln_weight, ln_bias = _layer_norm_params(x, F * y.shape[1], ln_weight, ln_bias, eps)
-    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    name = resolve_backend(backend, x.device, FAMILY)
     # Keep the products only when a backward will run (inference skips their writes).
     save_products = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, ln_weight, ln_bias))
     out, _mean, _rstd, _products = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
@@ -466,7 +465,7 @@ def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None
                              f"got {tuple(fm.shape)}")
         _check_like("fm", fm, "x", x, (B, fm.shape[1], D))
     ln_weight, ln_bias = _layer_norm_params(x, D, ln_weight, ln_bias, eps)
-    name = resolve_backend(backend, x.device, IMPLEMENTED)
+    name = resolve_backend(backend, x.device, FAMILY)
     out, _mean, _rstd = feature_mix_norm_op(x.contiguous(), mix.contiguous(), fm.contiguous(),
                                             ln_weight.contiguous(), ln_bias.contiguous(), float(eps), name)
     return out

@@ -130,7 +130,7 @@ def jagged_to_padded(values: torch.Tensor, offsets: torch.Tensor, max_len: int, 
     check_same_device(values=values, offsets=offsets)
     check_nonnegative_int("max_len", max_len)
     check_pad_value("pad_value", pad_value, values.dtype)
-    name = resolve_backend(backend, values.device)
+    name = resolve_backend(backend, values.device, FAMILY)
     flat = (values.unsqueeze(1) if values.dim() == 1 else values).contiguous()
     padded = jagged_to_padded_op(flat, offsets.contiguous(), max_len, float(pad_value), name)
     return padded.squeeze(-1) if values.dim() == 1 else padded
@@ -162,7 +162,7 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total_len: int
         )
     if total_len is not None:
         check_nonnegative_int("total_len", total_len)
-    name = resolve_backend(backend, padded.device)
+    name = resolve_backend(backend, padded.device, FAMILY)
     flat = (padded.unsqueeze(2) if padded.dim() == 2 else padded).contiguous()
     values = padded_to_jagged_op(flat, offsets.contiguous(), -1 if total_len is None else total_len, name)
     return values.squeeze(-1) if padded.dim() == 2 else values

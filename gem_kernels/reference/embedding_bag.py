@@ -6,7 +6,8 @@ table t is ``weights[weights_offsets[t] : weights_offsets[t] + rows_t * D_t].vie
 Bag b of table t is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (feature-major, TorchRec's KJT).
 
 Pooled output (sum/mean): ``out[b, D_offsets[t]:D_offsets[t+1]] = sum_i w_i * W_t[indices[i]]`` over
-the kept indices of the bag (mean: divided by their count; an empty bag gives zeros). Unpooled
+the kept indices of the bag (mean: divided by their count, also with per-sample weights, as FBGEMM's
+TBE; an empty bag gives zeros). Unpooled
 output ("none", one shared D): ``out[i] = w_i * W_t[indices[i]]``, zero for a dropped index.
 
 Optimizer state is fp32 whatever the weight dtype: row-wise Adagrad keeps one value per row
@@ -16,18 +17,26 @@ Optimizer state is fp32 whatever the weight dtype: row-wise Adagrad keeps one va
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
-# Integer codes of the string options, shared by every backend's kernels.
-POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
-BOUNDS_CHECK_CODES = {"fatal": 0, "warn": 1, "skip": 2}
-OPTIMIZER_CODES = {"none": 0, "sgd": 1, "rowwise_adagrad": 2, "adam": 3}
-SUM, MEAN, NONE = 0, 1, 2
-FATAL, WARN, SKIP = 0, 1, 2
-OPT_NONE, OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ADAM = 0, 1, 2, 3
+# The option codes and the bounds check (kept_mask) every backend shares.
+from .._embedding_bag import (  # noqa: F401  (the codes are re-exported for the tests)
+    BOUNDS_CHECK_CODES,
+    FATAL,
+    MEAN,
+    NONE,
+    OPT_ADAM,
+    OPT_NONE,
+    OPT_ROWWISE_ADAGRAD,
+    OPT_SGD,
+    OPTIMIZER_CODES,
+    POOLING_CODES,
+    SKIP,
+    SUM,
+    WARN,
+    kept_mask,
+)
 
 
 def table_views(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
@@ -39,36 +48,6 @@ def table_views(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets:
         rows, dim = r_off[t + 1] - r_off[t], d_off[t + 1] - d_off[t]
         views.append(weights[w_off[t]:w_off[t] + rows * dim].view(rows, dim))
     return views
-
-
-def kept_mask(rows_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-              bounds_check: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept [N] bool, bag id [N] int64 in 0..T*B) of every index; applies the bounds-check mode.
-
-    fatal raises IndexError naming the table, bag and value of the first bad index; warn warns once
-    and drops the bad ones; skip drops them silently. Negative indices are out of range.
-    """
-    num_tables = rows_offsets.numel() - 1
-    num_bags = offsets.numel() - 1
-    batch = num_bags // max(num_tables, 1)
-    offsets = offsets.long()
-    bag_ids = torch.repeat_interleave(torch.arange(num_bags, device=indices.device), offsets.diff(),
-                                      output_size=indices.numel())
-    table_rows = rows_offsets.long().diff().to(indices.device)
-    idx = indices.long()
-    limit = table_rows[bag_ids // batch] if indices.numel() else idx
-    kept = (idx >= 0) & (idx < limit)
-    if bounds_check != SKIP and not bool(kept.all()):
-        i = int((~kept).nonzero()[0, 0])
-        bag = int(bag_ids[i])
-        t, b = bag // batch, bag % batch
-        message = (f"indices[{i}] = {int(idx[i])} is out of range for table {t} "
-                   f"(num_embeddings={int(table_rows[t])}) in bag {b}")
-        if bounds_check == FATAL:
-            raise IndexError(message)
-        warnings.warn(f"embedding_bag: dropping {int((~kept).sum())} out-of-range indices; first: {message}",
-                      stacklevel=2)
-    return kept, bag_ids
 
 
 def _table_batch(t: int, batch: int, offsets: torch.Tensor, indices: torch.Tensor, kept: torch.Tensor,
@@ -103,8 +82,13 @@ def embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, ind
             continue
         bag_offsets = torch.zeros(batch + 1, dtype=torch.int64, device=weights.device)
         bag_offsets[1:] = counts.cumsum(0)
-        out[:, d_off[t]:d_off[t + 1]] = F.embedding_bag(idx, table.float(), bag_offsets, mode="sum" if pooling == SUM else "mean",
-                                                        per_sample_weights=psw, include_last_offset=True)
+        # Mean = the (weighted) sum / the kept length, as FBGEMM's TBE; F.embedding_bag's own mean
+        # refuses per_sample_weights, so the division is done here.
+        pooled = F.embedding_bag(idx, table.float(), bag_offsets, mode="sum", per_sample_weights=psw,
+                                 include_last_offset=True)
+        if pooling == MEAN:
+            pooled = pooled / counts.clamp(min=1)[:, None].float()
+        out[:, d_off[t]:d_off[t + 1]] = pooled
     return out.to(weights.dtype)
 
 
@@ -156,7 +140,8 @@ def embedding_bag_per_sample_weights_backward(grad_output, weights, weights_offs
     """Gradient of the output w.r.t. per_sample_weights: fp32 [N].
 
     ``grad[i] = <grad_output[b, D_offsets[t]:D_offsets[t+1]], W_t[indices[i]]>`` for index i of bag b of
-    table t (sum pooling), ``<grad_output[i], W_t[indices[i]]>`` (pooling "none"); 0 for a dropped index.
+    table t (sum pooling; mean pooling divides it by the bag's kept length),
+    ``<grad_output[i], W_t[indices[i]]>`` (pooling "none"); 0 for a dropped index.
     """
     tables = table_views(weights, weights_offsets, D_offsets, rows_offsets)
     batch = (offsets.numel() - 1) // max(len(tables), 1)
@@ -165,8 +150,11 @@ def embedding_bag_per_sample_weights_backward(grad_output, weights, weights_offs
     grad_output = grad_output.float()
     grad = torch.zeros(indices.numel(), dtype=torch.float32, device=weights.device)
     for t, table in enumerate(tables):
-        lo, hi, keep, idx, bags, _, _ = _table_batch(t, batch, offsets, indices, kept, bag_ids, grad.new_empty(0))
+        lo, hi, keep, idx, bags, _, counts = _table_batch(t, batch, offsets, indices, kept, bag_ids,
+                                                          grad.new_empty(0))
         src = grad_output[lo:hi][keep] if pooling == NONE else grad_output[bags, d_off[t]:d_off[t + 1]]
+        if pooling == MEAN:
+            src = src / counts[bags].clamp(min=1)[:, None].float()
         grad[lo:hi][keep] = (F.embedding(idx, table.float()) * src).sum(dim=1)
     return grad
 

@@ -98,16 +98,17 @@ def _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len
 
 @triton.jit
 def _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M,
-            pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets,
-            HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 s = scale * q k^T + pos_bias[hp, j - i + M - 1] + time_bias[ht, bucket(t_i - t_j)], and the buckets."""
+            pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr,
+            num_buckets, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """fp32 s = scale * q k^T + pos_bias[hp, j - i + M - 1] + time_bias[ht, bucket(tq_i - t_j)], and the buckets."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     bucket = tl.zeros(s.shape, dtype=tl.int32)
     if HAS_POS:
         rel = offs_n[None, :] - offs_m[:, None] + M - 1
         s += tl.load(pos_bias_ptr + hp * stride_pb + rel, mask=vis, other=0.0).to(tl.float32)
     if HAS_TIME:
-        t_m = tl.load(timestamps_ptr + start + offs_m, mask=offs_m < L, other=0)
+        t_m = tl.load(query_timestamps_ptr + start + offs_m, mask=offs_m < L, other=0)
         t_n = tl.load(timestamps_ptr + start + offs_n, mask=offs_n < L, other=0)
         dt = t_m[:, None] - t_n[None, :]
         dt = tl.where(dt < 0, -dt, dt)
@@ -117,6 +118,25 @@ def _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M,
             bucket += (dt >= thr).to(tl.int32)
         s += tl.load(time_bias_ptr + ht * stride_tb + bucket, mask=vis, other=0.0).to(tl.float32)
     return s, bucket
+
+
+@triton.jit
+def _masked_dot(w, vis, x, K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 [R, W] = sum over visible k of w[r, k] * x[k, :], for w [R, K] (zero where invisible), vis
+    [R, K] int32, x [K, W]. The dot runs on x's finite part; a tile whose x holds an Inf or NaN (rare)
+    then adds those entries pair by pair where visible, so an invisible one adds nothing (the dot alone
+    would add 0 * inf = NaN) and a visible one follows IEEE maths."""
+    finite = (x == x) & (tl.abs(x.to(tl.float32)) < float("inf"))
+    out = tl.dot(w.to(x.dtype), tl.where(finite, x, 0.0).to(x.dtype), input_precision=PRECISION)
+    if tl.max((~finite).to(tl.int32)) > 0:
+        offs = tl.arange(0, K)
+        bad = tl.where(finite, 0.0, x.to(tl.float32))  # the non-finite entries, 0 elsewhere
+        for c in range(0, K):
+            w_c = tl.sum(tl.where(offs[None, :] == c, w.to(tl.float32), 0.0), 1)
+            vis_c = tl.max(tl.where(offs[None, :] == c, vis, 0), 1) > 0
+            x_c = tl.sum(tl.where(offs[:, None] == c, bad, 0.0), 0)
+            out += tl.where(vis_c[:, None] & (x_c[None, :] != 0.0), w_c[:, None] * x_c[None, :], 0.0)
+    return out
 
 
 @triton.jit
@@ -131,27 +151,36 @@ def _load_rows(ptr, rows, row_ok, stride_n, col0, cols, width, UPCAST: tl.conste
 
 
 @triton.jit
+def _program(blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS: tl.constexpr):
+    """The prologue of every attention program: 1-D grid, block fastest, (block, sequence b, head h);
+    the sequence's start row and length L, and the largest position id (targets and the contextual
+    prefix share ids, see reference/attention.py)."""
+    pid = tl.program_id(0) % blocks
+    bh = tl.program_id(0) // blocks
+    b = bh // H
+    h = bh % H
+    start = tl.load(offsets_ptr + b).to(tl.int64)
+    L = (tl.load(offsets_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
+    n_t = 0
+    if HAS_TARGETS:
+        n_t = tl.load(targets_ptr + b).to(tl.int32)
+    max_id = L - n_t + tl.where(contextual_len > 0, 1 - contextual_len, 0)
+    return pid, b, h, bh, start, L, max_id
+
+
+@triton.jit
 def _jagged_attention_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, Lse_ptr, offsets_ptr, targets_ptr,
-    pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
+    pos_bias_ptr, time_bias_ptr, timestamps_ptr, query_timestamps_ptr, thr_ptr,
     stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
     H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
     SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = tl.program_id(0) % num_m
-    bh = tl.program_id(0) // num_m
-    b = bh // H
-    h = bh % H
-    start = tl.load(offsets_ptr + b).to(tl.int64)
-    L = (tl.load(offsets_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
+    pid_m, b, h, bh, start, L, max_id = _program(tl.cdiv(M, BLOCK_M), H, offsets_ptr, targets_ptr, contextual_len,
+                                                 HAS_TARGETS)
     if pid_m * BLOCK_M < L:
-        n_t = 0
-        if HAS_TARGETS:
-            n_t = tl.load(targets_ptr + b).to(tl.int32)
-        max_id = L - n_t + tl.where(contextual_len > 0, 1 - contextual_len, 0)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -172,22 +201,25 @@ def _jagged_attention_fwd_kernel(
                 k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
                 v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                 s, _bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
-                                     time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
+                                     time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, HAS_POS,
                                      HAS_TIME, MAX_BUCKETS, PRECISION)
+                vis_i = vis.to(tl.int32)
                 if SOFTMAX:
+                    # A NaN score makes p, hence l and the row, NaN whatever max does with it.
                     s = tl.where(vis, s, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(s, 1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(s - m_safe[:, None])
+                    p = tl.where(vis, tl.exp(s - m_safe[:, None]), 0.0)
                     alpha = tl.exp(m_i - m_safe)
                     l_i = l_i * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                    acc = acc * alpha[:, None] + _masked_dot(p, vis_i, v, BLOCK_N, PRECISION)
                     m_i = m_new
                 else:
                     w = tl.where(vis, s * tl.sigmoid(s) * inv_m, 0.0)
-                    acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+                    acc += _masked_dot(w, vis_i, v, BLOCK_N, PRECISION)
         if SOFTMAX:
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
+            # l == 0: every visible score is -inf: out = acc (0), lse = -inf. A NaN l stays NaN.
+            l_safe = tl.where(l_i == 0, 1.0, l_i)
             acc = acc / l_safe[:, None]
             tl.store(Lse_ptr + (start + offs_m) * H + h, m_i + tl.log(l_safe), mask=row_ok)
         tl.store(Out_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
@@ -196,17 +228,20 @@ def _jagged_attention_fwd_kernel(
 
 @triton.jit
 def _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht, scale, inv_m, M,
-                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets,
+                pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets,
                 SOFTMAX: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
                 PRECISION: tl.constexpr):
     """(P or the HSTU weights, dS, buckets) of one tile, fp32, zero where invisible."""
     s, bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
-                        time_bias_ptr, stride_tb, timestamps_ptr, thr_ptr, num_buckets, HAS_POS, HAS_TIME,
+                        time_bias_ptr, stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, HAS_POS, HAS_TIME,
                         MAX_BUCKETS, PRECISION)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION).to(tl.float32)
     if SOFTMAX:
+        # lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        # Selected, not multiplied: dp of an invisible pair may be inf or NaN (an infinite v).
         p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
+        ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
     else:
         sig = tl.sigmoid(s)
         p = tl.where(vis, s * sig * inv_m, 0.0)
@@ -240,17 +275,17 @@ def _bucket_sums(ds, bucket, num_buckets, TB: tl.constexpr):
 
 
 @triton.jit
-def _jagged_attention_bwd_kernel(
-    Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, DQ_ptr, DK_ptr, DV_ptr, DPos_ptr, DTime_ptr,
-    pos_base_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr, timestamps_ptr, thr_ptr,
-    stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
+def _jagged_attention_bwd_dkdv_kernel(
+    Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr,
+    timestamps_ptr, query_timestamps_ptr, thr_ptr, stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
     H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads, key_blocks,
-    KV_PASS: tl.constexpr, DETERMINISTIC: tl.constexpr, SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr,
-    TB: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DK_ptr, DV_ptr, DPos_ptr, DTime_ptr, pos_base_ptr,
+    SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DETERMINISTIC: tl.constexpr, TB: tl.constexpr,
 ):
-    """KV_PASS: program = one key block -> dk, dv and the bias gradients. Else: one query block -> dq.
+    """Program = one key block of one (sequence, head) -> its dk, dv and the bias gradients.
 
     Bias gradients, DETERMINISTIC=False: fp32 atomics straight into DPos_ptr [pos_heads, 2M-1] and
     DTime_ptr [time_heads, num_buckets+1]. DETERMINISTIC=True: DPos_ptr is the pos scratch, where
@@ -260,111 +295,119 @@ def _jagged_attention_bwd_kernel(
     and nt - qt - 1 (c - r <= 0), which query block qt + 1 touches next: the walk keeps the second in
     `carry` and stores each block once, complete. DTime_ptr is the time scratch [B*H, key_blocks, num_buckets+1].
     """
-    pid = tl.program_id(0) % key_blocks  # 1-D grid, block fastest (as in the forward)
-    bh = tl.program_id(0) // key_blocks
-    b = bh // H
-    h = bh % H
-    start = tl.load(offsets_ptr + b).to(tl.int64)
-    L = (tl.load(offsets_ptr + b + 1).to(tl.int64) - start).to(tl.int32)
-    OWN: tl.constexpr = BLOCK_N if KV_PASS else BLOCK_M
-    if pid * OWN < L:
-        n_t = 0
-        if HAS_TARGETS:
-            n_t = tl.load(targets_ptr + b).to(tl.int32)
-        max_id = L - n_t + tl.where(contextual_len > 0, 1 - contextual_len, 0)
+    pid, b, h, bh, start, L, max_id = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS)
+    if pid * BLOCK_N < L:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         hp = h if pos_heads > 1 else 0
         ht = h if time_heads > 1 else 0
-        if KV_PASS:
-            offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < L
-            id_n = _ids(offs_n, L, max_id, contextual_len)
-            k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
-            v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
-            dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-            dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
-            offs_blk = tl.arange(0, BLOCK_N)
-            if DETERMINISTIC and HAS_POS:
-                nt = tl.cdiv(L, BLOCK_N)
-                pos_row = DPos_ptr + tl.load(pos_base_ptr + b) + (h * nt + pid).to(tl.int64) * (nt + 1) * BLOCK_N
-                carry = tl.zeros((BLOCK_N,), tl.float32)
-            if DETERMINISTIC and HAS_TIME:
-                time_part = tl.zeros((TB,), tl.float32)
-            for i0 in range(0, L, BLOCK_M):
-                upper = tl.zeros((BLOCK_N,), tl.float32)
-                lower = tl.zeros((BLOCK_N,), tl.float32)
-                offs_m = i0 + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < L
-                id_m = _ids(offs_m, L, max_id, contextual_len)
-                vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
-                if tl.max(vis.to(tl.int32)) > 0:
-                    q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
-                    do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
-                    lse = tl.zeros((BLOCK_M,), tl.float32)
-                    delta = tl.zeros((BLOCK_M,), tl.float32)
-                    if SOFTMAX:
-                        lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
-                        delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
-                    p, ds, bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
-                                                scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb,
-                                                timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
-                                                MAX_BUCKETS, PRECISION)
-                    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-                    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * scale
-                    if HAS_POS:
-                        if DETERMINISTIC:
-                            upper, lower = _diagonal_sums(ds, BLOCK_N)
-                        else:
-                            rel = offs_n[None, :] - offs_m[:, None] + M - 1
-                            # relaxed: only the sum matters (the kernel's end orders it), no fence per add.
-                            tl.atomic_add(DPos_ptr + hp * stride_pb + rel, ds, mask=vis, sem="relaxed")
-                    if HAS_TIME:
-                        if DETERMINISTIC:
-                            time_part += _bucket_sums(ds, bucket, num_buckets, TB)
-                        else:
-                            tl.atomic_add(DTime_ptr + ht * stride_tb + bucket, ds, mask=vis, sem="relaxed")
-                if DETERMINISTIC and HAS_POS:
-                    # Skipped (fully masked) query blocks still store: every scratch block is written.
-                    tl.store(pos_row + (nt - i0 // BLOCK_M) * BLOCK_N + offs_blk, carry + upper)
-                    carry = lower
-            if DETERMINISTIC and HAS_POS:
-                tl.store(pos_row + offs_blk, carry)
-            if DETERMINISTIC and HAS_TIME:
-                offs_tb = tl.arange(0, TB)
-                tl.store(DTime_ptr + (bh.to(tl.int64) * key_blocks + pid) * (num_buckets + 1) + offs_tb, time_part,
-                         mask=offs_tb <= num_buckets)
-            tl.store(DK_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                     dk.to(DK_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
-            tl.store(DV_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                     dv.to(DV_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < Dv))
-        else:
-            offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < L
+        id_n = _ids(offs_n, L, max_id, contextual_len)
+        k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+        v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+        offs_blk = tl.arange(0, BLOCK_N)
+        if DETERMINISTIC and HAS_POS:
+            nt = tl.cdiv(L, BLOCK_N)
+            pos_row = DPos_ptr + tl.load(pos_base_ptr + b) + (h * nt + pid).to(tl.int64) * (nt + 1) * BLOCK_N
+            carry = tl.zeros((BLOCK_N,), tl.float32)
+        if DETERMINISTIC and HAS_TIME:
+            time_part = tl.zeros((TB,), tl.float32)
+        for i0 in range(0, L, BLOCK_M):
+            upper = tl.zeros((BLOCK_N,), tl.float32)
+            lower = tl.zeros((BLOCK_N,), tl.float32)
+            offs_m = i0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < L
             id_m = _ids(offs_m, L, max_id, contextual_len)
-            q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
-            do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
-            lse = tl.zeros((BLOCK_M,), tl.float32)
-            delta = tl.zeros((BLOCK_M,), tl.float32)
-            if SOFTMAX:
-                lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
-                delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
-            dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-            for j0 in range(0, L, BLOCK_N):
-                offs_n = j0 + tl.arange(0, BLOCK_N)
-                col_ok = offs_n < L
-                id_n = _ids(offs_n, L, max_id, contextual_len)
-                vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
-                if tl.max(vis.to(tl.int32)) > 0:
-                    k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
-                    v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
-                    _p, ds, _bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
-                                                  scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr,
-                                                  stride_tb, timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
-                                                  HAS_TIME, MAX_BUCKETS, PRECISION)
-                    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
-            tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                     dq.to(DQ_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+            vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
+            if tl.max(vis.to(tl.int32)) > 0:
+                q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+                do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
+                lse = tl.zeros((BLOCK_M,), tl.float32)
+                delta = tl.zeros((BLOCK_M,), tl.float32)
+                if SOFTMAX:
+                    lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+                    delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+                p, ds, bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
+                                            scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb,
+                                            timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
+                                            MAX_BUCKETS, PRECISION)
+                vis_t = tl.trans(vis.to(tl.int32))
+                dv += _masked_dot(tl.trans(p), vis_t, do, BLOCK_M, PRECISION)
+                dk += _masked_dot(tl.trans(ds), vis_t, q, BLOCK_M, PRECISION) * scale
+                if HAS_POS:
+                    if DETERMINISTIC:
+                        upper, lower = _diagonal_sums(ds, BLOCK_N)
+                    else:
+                        rel = offs_n[None, :] - offs_m[:, None] + M - 1
+                        # relaxed: only the sum matters (the kernel's end orders it), no fence per add.
+                        tl.atomic_add(DPos_ptr + hp * stride_pb + rel, ds, mask=vis, sem="relaxed")
+                if HAS_TIME:
+                    if DETERMINISTIC:
+                        time_part += _bucket_sums(ds, bucket, num_buckets, TB)
+                    else:
+                        tl.atomic_add(DTime_ptr + ht * stride_tb + bucket, ds, mask=vis, sem="relaxed")
+            if DETERMINISTIC and HAS_POS:
+                # Skipped (fully masked) query blocks still store: every scratch block is written.
+                tl.store(pos_row + (nt - i0 // BLOCK_M) * BLOCK_N + offs_blk, carry + upper)
+                carry = lower
+        if DETERMINISTIC and HAS_POS:
+            tl.store(pos_row + offs_blk, carry)
+        if DETERMINISTIC and HAS_TIME:
+            offs_tb = tl.arange(0, TB)
+            tl.store(DTime_ptr + (bh.to(tl.int64) * key_blocks + pid) * (num_buckets + 1) + offs_tb, time_part,
+                     mask=offs_tb <= num_buckets)
+        tl.store(DK_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                 dk.to(DK_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
+        tl.store(DV_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
+                 dv.to(DV_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < Dv))
+
+
+@triton.jit
+def _jagged_attention_bwd_dq_kernel(
+    Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr,
+    timestamps_ptr, query_timestamps_ptr, thr_ptr, stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
+    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads, key_blocks,
+    DQ_ptr,
+    SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Program = one query block of one (sequence, head) -> its dq (no atomics: it owns its rows)."""
+    pid, b, h, bh, start, L, max_id = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS)
+    if pid * BLOCK_M < L:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        hp = h if pos_heads > 1 else 0
+        ht = h if time_heads > 1 else 0
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < L
+        id_m = _ids(offs_m, L, max_id, contextual_len)
+        q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+        do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
+        lse = tl.zeros((BLOCK_M,), tl.float32)
+        delta = tl.zeros((BLOCK_M,), tl.float32)
+        if SOFTMAX:
+            lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+            delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for j0 in range(0, L, BLOCK_N):
+            offs_n = j0 + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < L
+            id_n = _ids(offs_n, L, max_id, contextual_len)
+            vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
+            if tl.max(vis.to(tl.int32)) > 0:
+                k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+                v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
+                _p, ds, _bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
+                                              scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr,
+                                              stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
+                                              HAS_TIME, MAX_BUCKETS, PRECISION)
+                dq += _masked_dot(ds, vis.to(tl.int32), k, BLOCK_N, PRECISION) * scale
+        tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
+                 dq.to(DQ_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -372,7 +415,7 @@ def _pos_bias_grad_reduce_kernel(Scratch_ptr, pos_base_ptr, offsets_ptr, DPos_pt
                                  stride_pb, key_blocks, BLOCK: tl.constexpr):
     """Program (m + key_blocks, hp): block m of relative positions j - i in (BLOCK*m, BLOCK*(m+1)], m in [-key_blocks,
     key_blocks), of dpos[hp]: the sum over sequences b, heads h of group hp (every h when pos_heads == 1)
-    and key blocks kt of the KV programs' scratch blocks (layout in _jagged_attention_bwd_kernel), in
+    and key blocks kt of the dkdv programs' scratch blocks (layout in _jagged_attention_bwd_dkdv_kernel), in
     that fixed order. FLOPs: one add per scratch float; bytes: the scratch read once, dpos written once."""
     m = tl.program_id(0) - key_blocks
     hp = tl.program_id(1)
@@ -405,19 +448,21 @@ def _bucket_thresholds(num_buckets: int, device) -> torch.Tensor:
 
 
 def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
-            time_bias, timestamps):
+            time_bias, timestamps, query_timestamps):
     N, H, D = q.shape
     Dv = v.shape[2]
     dummy = q.new_empty((1,), dtype=torch.float32)
     num_buckets = time_bias.shape[1] - 1 if time_bias is not None else 0
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
     block, num_warps = _launch_config(q.dtype, block_d, block_dv)
+    timestamps_arg = timestamps.long() if timestamps is not None else seq_offsets.long()
     args = dict(
         offsets_ptr=seq_offsets,
         targets_ptr=num_targets if num_targets is not None else seq_offsets,
         pos_bias_ptr=pos_bias.float().contiguous() if pos_bias is not None else dummy,
         time_bias_ptr=time_bias.float().contiguous() if time_bias is not None else dummy,
-        timestamps_ptr=timestamps.long() if timestamps is not None else seq_offsets.long(),
+        timestamps_ptr=timestamps_arg,
+        query_timestamps_ptr=query_timestamps.long() if query_timestamps is not None else timestamps_arg,
         thr_ptr=_bucket_thresholds(num_buckets, q.device),
         stride_qn=H * D, stride_qh=D, stride_vn=H * Dv, stride_vh=Dv,
         stride_pb=pos_bias.shape[1] if pos_bias is not None else 0,
@@ -437,7 +482,7 @@ def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, co
 
 
 def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-                         max_attn_len, pos_bias, time_bias, timestamps):
+                         max_attn_len, pos_bias, time_bias, timestamps, query_timestamps=None):
     N, H, _ = q.shape
     check_head_dims(q.dtype, q.shape[2], v.shape[2])
     out = torch.empty((N, H, v.shape[2]), dtype=q.dtype, device=q.device)
@@ -446,7 +491,7 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
     if N == 0 or num_seqs == 0 or H == 0:
         return out, lse
     args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
-                   pos_bias, time_bias, timestamps)
+                   pos_bias, time_bias, timestamps, query_timestamps)
     grid = (triton.cdiv(max_seq_len, args["BLOCK_M"]) * num_seqs * H,)
     _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
     return out, lse
@@ -465,7 +510,8 @@ def _pos_scratch_bases(seq_offsets, num_heads: int, block: int) -> tuple[torch.T
 
 
 def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
-                         contextual_len, max_attn_len, pos_bias, time_bias, timestamps, deterministic):
+                         contextual_len, max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,
+                         deterministic):
     N, H, D = q.shape
     check_head_dims(q.dtype, D, v.shape[2])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -474,7 +520,7 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
     num_seqs = seq_offsets.numel() - 1
     if N > 0 and num_seqs > 0 and H > 0:
         args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
-                       max_attn_len, pos_bias, time_bias, timestamps)
+                       max_attn_len, pos_bias, time_bias, timestamps, query_timestamps)
         if kind == "softmax":
             delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # [N, H]
         else:
@@ -491,14 +537,13 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
             # with fp32's 16). Zeroed: programs past their sequence's end store nothing.
             time_out = torch.zeros((num_seqs * H, key_blocks, time_bias.shape[1]), dtype=torch.float32,
                                    device=q.device)
-        common = (q, k, v, grad_out, lse, delta, dq, dk, dv,
-                  pos_out if pos_out is not None else delta, time_out if time_out is not None else delta, pos_bases)
-        num_buckets = args["num_buckets"]
-        for kv_pass in (True, False):
-            grid = (key_blocks * num_seqs * H,)
-            _jagged_attention_bwd_kernel[grid](*common, key_blocks=key_blocks, KV_PASS=kv_pass,
-                                               DETERMINISTIC=deterministic,
-                                               TB=triton.next_power_of_2(num_buckets + 1), **args)
+        grid = (key_blocks * num_seqs * H,)
+        inputs = dict(Q_ptr=q, K_ptr=k, V_ptr=v, DO_ptr=grad_out, Lse_ptr=lse, Delta_ptr=delta, key_blocks=key_blocks)
+        _jagged_attention_bwd_dkdv_kernel[grid](
+            **inputs, DK_ptr=dk, DV_ptr=dv, DPos_ptr=pos_out if pos_out is not None else delta,
+            DTime_ptr=time_out if time_out is not None else delta, pos_base_ptr=pos_bases,
+            DETERMINISTIC=deterministic, TB=triton.next_power_of_2(args["num_buckets"] + 1), **args)
+        _jagged_attention_bwd_dq_kernel[grid](**inputs, DQ_ptr=dq, **args)
         if deterministic and pos_bias is not None:
             _pos_bias_grad_reduce_kernel[(2 * key_blocks, pos_bias.shape[0])](
                 pos_out, pos_bases, seq_offsets, dpos, num_seqs, H, max_seq_len, pos_bias.shape[0],

@@ -12,7 +12,7 @@ a stable sort, so duplicates keep position order: deterministic sums) and cuts t
 rows (segments); one program per unique row sums its gradient rows in fp32 and writes the row
 once: the dense gradient, or the optimizer step on the weight row and its state. No atomics.
 
-Bounds checks run on the host before the launch (gem_kernels.reference.embedding_bag.kept_mask);
+Bounds checks run on the host before the launch (gem_kernels._embedding_bag.kept_mask);
 the kernels drop out-of-range indices.
 
 Roofline: forward FLOPs 2 * N * D, bytes N * D * s + B * sum D * s + indices; backward with
@@ -23,7 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.embedding_bag import MEAN, NONE, OPT_ADAM, OPT_NONE, OPT_ROWWISE_ADAGRAD, OPT_SGD, kept_mask
+from .._embedding_bag import MEAN, NONE, OPT_ADAM, OPT_NONE, OPT_ROWWISE_ADAGRAD, OPT_SGD, kept_mask, segments
+
+# The option codes as constants the kernels can name (gem_kernels/_embedding_bag.py).
+POOL_MEAN: tl.constexpr = tl.constexpr(MEAN)
+POOL_NONE: tl.constexpr = tl.constexpr(NONE)
+OPTIM_NONE: tl.constexpr = tl.constexpr(OPT_NONE)
+OPTIM_SGD: tl.constexpr = tl.constexpr(OPT_SGD)
+OPTIM_ROWWISE_ADAGRAD: tl.constexpr = tl.constexpr(OPT_ROWWISE_ADAGRAD)
 
 
 @triton.jit
@@ -48,7 +55,7 @@ def _embedding_bag_fwd_kernel(
     b, w_off, d_begin, D, rows, start, stop = _program_bag(B, w_off_ptr, d_off_ptr, r_off_ptr, offsets_ptr)
     d = tl.arange(0, BLOCK_D)
     col = d < D
-    if POOLING == 2:
+    if POOLING == POOL_NONE:
         for p in range(start, stop):
             idx = tl.load(indices_ptr + p).to(tl.int64)
             valid = (idx >= 0) & (idx < rows)
@@ -70,7 +77,7 @@ def _embedding_bag_fwd_kernel(
                 tile = tile * tl.load(psw_ptr + p, mask=valid, other=0.0)[:, None]
             acc += tl.sum(tile, axis=0)
             kept += tl.sum(tl.where(valid, 1.0, 0.0), axis=0)
-        if POOLING == 1:
+        if POOLING == POOL_MEAN:
             acc = acc / tl.maximum(kept, 1.0)
         tl.store(out_ptr + b * output_dim + d_begin + d, acc.to(out_ptr.dtype.element_ty), mask=col)
 
@@ -94,7 +101,7 @@ def _embedding_bag_bwd_kernel(
     first = tl.load(seg_ptr + u)
     last = tl.load(seg_ptr + u + 1)
     g = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if POOLING == 2:  # grad_output [N, D]: the index's own row
+    if POOLING == POOL_NONE:  # grad_output [N, D]: the index's own row
         grad_cols = grad_ptr + d
     else:  # grad_output [B, sum D]: the bag's row, table t's columns
         grad_cols = grad_ptr + d_begin + d
@@ -102,14 +109,14 @@ def _embedding_bag_bwd_kernel(
         p = tl.load(order_ptr + i)
         src = tl.load(src_row_ptr + p)
         g += tl.load(grad_cols + src * grad_stride, mask=col, other=0.0).to(tl.float32) * tl.load(scale_ptr + p)
-    if OPTIMIZER == 0:
+    if OPTIMIZER == OPTIM_NONE:
         tl.store(weights_ptr + element + d, g.to(weights_ptr.dtype.element_ty), mask=col)
     else:
         w = tl.load(weights_ptr + element + d, mask=col, other=0.0).to(tl.float32)
         g = g + weight_decay * w
-        if OPTIMIZER == 1:
+        if OPTIMIZER == OPTIM_SGD:
             w = w - lr * g
-        elif OPTIMIZER == 2:
+        elif OPTIMIZER == OPTIM_ROWWISE_ADAGRAD:
             state = tl.load(m1_ptr + global_row) + tl.sum(g * g, axis=0) / D.to(tl.float32)
             tl.store(m1_ptr + global_row, state)
             w = w - (lr / (tl.sqrt(state) + eps)) * g
@@ -129,17 +136,24 @@ def _embedding_bag_psw_bwd_kernel(
     POOLING: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Gradient of per_sample_weights: one program per (table, bag), as the forward; for each index
-    the dot of its weight row with the bag's gradient row (pooling "none": the index's own row)."""
+    the dot of its weight row with the bag's gradient row (pooling "none": the index's own row; mean:
+    the bag's gradient row divided by its kept length)."""
     b, w_off, d_begin, D, rows, start, stop = _program_bag(B, w_off_ptr, d_off_ptr, r_off_ptr, offsets_ptr)
     d = tl.arange(0, BLOCK_D)
     col = d < D
-    if POOLING != 2:
+    if POOLING != POOL_NONE:
         g = tl.load(grad_ptr + b * grad_stride + d_begin + d, mask=col, other=0.0).to(tl.float32)
+    if POOLING == POOL_MEAN:  # mean: the bag's weighted sum is divided by its kept length, so is each gradient
+        kept = 0.0
+        for p in range(start, stop):
+            idx = tl.load(indices_ptr + p).to(tl.int64)
+            kept += tl.where((idx >= 0) & (idx < rows), 1.0, 0.0)
+        g = g / tl.maximum(kept, 1.0)
     for p in range(start, stop):
         idx = tl.load(indices_ptr + p).to(tl.int64)
         valid = (idx >= 0) & (idx < rows)
         row = tl.load(weights_ptr + w_off + idx * D + d, mask=col & valid, other=0.0).to(tl.float32)
-        if POOLING == 2:
+        if POOLING == POOL_NONE:
             g = tl.load(grad_ptr + p * grad_stride + d, mask=col, other=0.0).to(tl.float32)
         tl.store(out_ptr + p, tl.sum(row * g, axis=0))
 
@@ -179,30 +193,9 @@ def embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, ind
     return out
 
 
-def _segments(rows_offsets, indices, offsets, per_sample_weights, pooling, num_tables):
-    """Host-side sort: (segment starts, sorted order, table and global row per segment, src row and scale per index)."""
-    batch = (offsets.numel() - 1) // num_tables
-    kept, bag_ids = kept_mask(rows_offsets, indices, offsets, 2)
-    tables = bag_ids // max(batch, 1)
-    global_rows = rows_offsets[:-1][tables] + indices.long()
-    scale = per_sample_weights.float() if per_sample_weights.numel() else torch.ones(indices.numel(), device=indices.device)
-    if pooling == MEAN:
-        counts = torch.zeros(num_tables * batch, device=indices.device).index_add_(0, bag_ids, kept.float())
-        scale = scale / counts.clamp(min=1)[bag_ids]
-    src_rows = torch.arange(indices.numel(), device=indices.device) if pooling == NONE else bag_ids % max(batch, 1)
-    positions = kept.nonzero().squeeze(1)
-    sorted_rows, perm = torch.sort(global_rows[positions], stable=True)
-    order = positions[perm]
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    seg = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=indices.device)
-    seg[1:] = counts.cumsum(0)
-    seg_tables = torch.searchsorted(rows_offsets, unique_rows, right=True) - 1
-    return seg, order, seg_tables, unique_rows, src_rows, scale
-
-
 def _launch_backward(grad_output, weights, momentum1, momentum2, weights_offsets, D_offsets, rows_offsets, indices,
                      offsets, per_sample_weights, pooling, optimizer, hyper=(0.0,) * 7):
-    seg, order, seg_tables, unique_rows, src_rows, scale = _segments(rows_offsets, indices, offsets,
+    seg, order, seg_tables, unique_rows, src_rows, scale = segments(rows_offsets, indices, offsets,
                                                                      per_sample_weights, pooling,
                                                                      weights_offsets.numel())
     if unique_rows.numel() == 0:

@@ -1,4 +1,5 @@
-"""Triton kernels of the interaction family: dot interaction, the cross layer's epilogues, fm_compress.
+"""Triton kernels of the interaction family: dot interaction, the cross layer's epilogues, fm_compress,
+feature_mix_norm.
 
 Work decomposition:
 - dot_interaction: the F features of a sample are cut into T = cdiv(F, BLOCK_T) tiles of BLOCK_T =
@@ -26,8 +27,8 @@ Work decomposition:
   [BLOCK_F, BLOCK_K] fp32 registers over the program's samples and are written once per program,
   [programs, F, k] each, summed by torch. grad of the LayerNorm bias is grad_out summed over the
   batch (torch). The X chunk [BLOCK_F, BLOCK_D] is bounded by FM_TILE_ELEMS (BLOCK_D is 16 from
-  F = 33 up); S, Y, grad_S and the accumulators are [pow2(F), pow2(k) >= 16] each, which at
-  F = 256 still spills ~100-300 bytes per thread (ptxas, sm_90a, 8 warps).
+  F = 33 up); S, Y, grad_S and the accumulators are [pow2(F), pow2(k) >= 16] each, so very wide F
+  spills registers (measured figures: bench/results/notes-interaction.md).
 
 - feature_mix_norm: one program per (sample, BLOCK_O rows of the O outputs), BLOCK_D = pow2(D)
   columns (the LayerNorm spans a whole row): S = M X_b accumulates over F in BLOCK_F chunks with
@@ -43,9 +44,11 @@ X tile once per tile pair it is in (T + 1 times) and the backward reads all of a
 sym(G) once per row tile and D chunk (X T times, G 2T times per D chunk): re-reads of one sample's
 F*D + P elements that L2 serves, not DRAM traffic. fm_compress fwd 4*B*F*D*k FLOPs,
 (B*F*D + B*F*k)*s bytes; bwd 8*B*F*D*k FLOPs plus the recomputed 4*B*F*D*k, B*(F*k + 2*F*D)*s
-bytes plus 2*programs*F*k*4 bytes of fp32 partials, independent of B (per-sample partials were
-3*B*F*k*4 bytes written and read back, more than X itself at small D). See gem_kernels.flops.
-Both ops are memory bound for D <= ~128 on an H100/H200.
+bytes plus 2*programs*F*k*4 bytes of fp32 partials, independent of B (per-sample partials would be
+3*B*F*k*4 bytes written and read back, more than X itself at small D). feature_mix_norm fwd
+2*B*O*F*D (+ ~8*B*O*D) FLOPs, (B*F*D + B*O_fm*D + B*O*D + O*F + 2*D)*s bytes; bwd 4*B*O*F*D FLOPs
+(+ the recomputed S), about twice the forward's bytes plus grad_S's. See gem_kernels.flops.
+All are memory bound for D <= ~128 on an H100/H200.
 
 tl.dot operands are upcast to fp32 (exact for fp16/bf16 inputs; the CPU interpreter also needs it).
 Every tl.dot names its input precision: Triton's NVIDIA default for fp32 operands is one-pass TF32
@@ -53,9 +56,9 @@ Every tl.dot names its input precision: Triton's NVIDIA default for fp32 operand
 would pass the CPU tests and fail the GPU's fp32 tolerances. fp32 inputs take "tf32x3" (3xTF32:
 about fp32's accuracy, still on the tensor cores). fp16/bf16 inputs keep one-pass "tf32": their values
 are exact in TF32, and fm_compress's fp32 intermediates (X^T Y, grad S) lose no more in TF32's 10
-mantissa bits than eager fp16/bf16, which rounds them to 10 or 7. (ptxas, sm_90a: tf32x3 raises the
-fp32 fm_compress kernels' spills at F >= 128, to 596 B forward and 2.9 KB backward per thread at
-F = 256; fp32 there is for checking, bf16 for speed.)
+mantissa bits than eager fp16/bf16, which rounds them to 10 or 7. tf32x3 costs the fp32
+fm_compress kernels registers (they spill at F >= 128; figures in bench/results/notes-interaction.md):
+fp32 there is for checking, bf16 for speed.
 """
 
 import torch

@@ -1,0 +1,76 @@
+"""What every embedding_bag backend shares: the option codes and the host-side preparation.
+
+The codes are the integers the kernels take for the string options; the C++ and CUDA kernels
+read the same values from csrc/include/gem_kernels/embedding_bag_codes.h (a test compares the two),
+the Triton kernels as named tl.constexpr. The preparation runs on the host side of a launch
+(torch ops on the indices' device): the bounds check and the kept mask (ops/ for the cuda kernels,
+triton/, reference/) and the backward's sort into per-row segments (triton/; the cuda kernels
+build the same segments in C++, csrc/cuda/embedding_bag.cu).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
+BOUNDS_CHECK_CODES = {"fatal": 0, "warn": 1, "skip": 2}
+OPTIMIZER_CODES = {"none": 0, "sgd": 1, "rowwise_adagrad": 2, "adam": 3}
+SUM, MEAN, NONE = (POOLING_CODES[k] for k in ("sum", "mean", "none"))
+FATAL, WARN, SKIP = (BOUNDS_CHECK_CODES[k] for k in ("fatal", "warn", "skip"))
+OPT_NONE, OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ADAM = (OPTIMIZER_CODES[k] for k in ("none", "sgd", "rowwise_adagrad", "adam"))
+
+
+def kept_mask(rows_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+              bounds_check: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [N] bool, bag id [N] int64 in 0..T*B) of every index; applies the bounds-check mode.
+
+    fatal raises IndexError naming the table, bag and value of the first bad index; warn warns once
+    and drops the bad ones; skip drops them silently. Negative indices are out of range.
+    """
+    num_tables = rows_offsets.numel() - 1
+    num_bags = offsets.numel() - 1
+    batch = num_bags // max(num_tables, 1)
+    offsets = offsets.long()
+    bag_ids = torch.repeat_interleave(torch.arange(num_bags, device=indices.device), offsets.diff(),
+                                      output_size=indices.numel())
+    table_rows = rows_offsets.long().diff().to(indices.device)
+    idx = indices.long()
+    limit = table_rows[bag_ids // batch] if indices.numel() else idx
+    kept = (idx >= 0) & (idx < limit)
+    if bounds_check != SKIP and not bool(kept.all()):
+        i = int((~kept).nonzero()[0, 0])
+        bag = int(bag_ids[i])
+        t, b = bag // batch, bag % batch
+        message = (f"indices[{i}] = {int(idx[i])} is out of range for table {t} "
+                   f"(num_embeddings={int(table_rows[t])}) in bag {b}")
+        if bounds_check == FATAL:
+            raise IndexError(message)
+        warnings.warn(f"embedding_bag: dropping {int((~kept).sum())} out-of-range indices; first: {message}",
+                      stacklevel=2)
+    return kept, bag_ids
+
+
+def segments(rows_offsets, indices, offsets, per_sample_weights, pooling, num_tables):
+    """The backward's host-side sort of the kept lookups by global row (rows_offsets[t] + row;
+    stable, so duplicates keep position order and their sums are deterministic):
+    (segment starts [U+1], sorted order of the kept positions, table [U] and global row [U] of each
+    segment, the grad_output row and the scale of each index [N])."""
+    batch = (offsets.numel() - 1) // num_tables
+    kept, bag_ids = kept_mask(rows_offsets, indices, offsets, SKIP)
+    tables = bag_ids // max(batch, 1)
+    global_rows = rows_offsets[:-1][tables] + indices.long()
+    scale = per_sample_weights.float() if per_sample_weights.numel() else torch.ones(indices.numel(), device=indices.device)
+    if pooling == MEAN:
+        counts = torch.zeros(num_tables * batch, device=indices.device).index_add_(0, bag_ids, kept.float())
+        scale = scale / counts.clamp(min=1)[bag_ids]
+    src_rows = torch.arange(indices.numel(), device=indices.device) if pooling == NONE else bag_ids % max(batch, 1)
+    positions = kept.nonzero().squeeze(1)
+    sorted_rows, perm = torch.sort(global_rows[positions], stable=True)
+    order = positions[perm]
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    seg = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=indices.device)
+    seg[1:] = counts.cumsum(0)
+    seg_tables = torch.searchsorted(rows_offsets, unique_rows, right=True) - 1
+    return seg, order, seg_tables, unique_rows, src_rows, scale

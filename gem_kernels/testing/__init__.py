@@ -1,0 +1,1 @@
+"""Test and measurement helpers that ship with the package (importing torch only)."""

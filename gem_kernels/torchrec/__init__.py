@@ -1,0 +1,27 @@
+"""TorchRec front door: KeyedJaggedTensor in, KeyedTensor / dict[str, JaggedTensor] out, one fused
+embedding-bag call for all tables.
+
+The only package of gem_kernels that imports torchrec (``import gem_kernels`` never does); reach it
+as ``gem_kernels.torchrec`` or ``from gem_kernels.torchrec import FusedEmbeddingBagCollection``.
+"""
+
+INSTALL_HINT = (
+    "gem_kernels.torchrec needs TorchRec. On a machine without a GPU install it next to the CPU build of "
+    "FBGEMM: pip install fbgemm-gpu-cpu==1.9.0 && pip install --no-deps torchrec==1.9.2 tensordict "
+    "torchmetrics==1.0.3 pyre-extensions tqdm (plain `pip install torchrec` pulls the CUDA fbgemm-gpu)"
+)
+
+try:
+    import torchrec  # noqa: F401
+except ImportError as error:
+    raise ImportError(f"{INSTALL_HINT}; importing torchrec failed with: {error}") from error
+
+from .embedding_modules import FusedEmbeddingBagCollection, FusedEmbeddingCollection  # noqa: E402
+from .sharding import (  # noqa: E402
+    FusedEmbeddingBagCollectionSharder,
+    FusedEmbeddingCollectionSharder,
+    sharding_plan,
+)
+
+__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "FusedEmbeddingBagCollectionSharder",
+           "FusedEmbeddingCollectionSharder", "sharding_plan", "INSTALL_HINT"]

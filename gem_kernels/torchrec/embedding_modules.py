@@ -1,0 +1,382 @@
+"""``FusedEmbeddingBagCollection`` / ``FusedEmbeddingCollection``: TorchRec's EmbeddingBagCollection and
+EmbeddingCollection on one fused ``gem_kernels.embedding_bag`` call (FBGEMM's TBE design).
+
+Layout. The physical tables live back to back in one flat ``weights`` parameter (one "table" of the
+fused op each). The op wants the same number of bags in every table, so a table read by k features
+gets k*B bags (its features' bags one after the other) and tables with fewer features are padded
+with empty bags up to K*B, K = the most features on one table (K = 1, no padding, when no table is
+shared). Consequences:
+  - a fused optimizer sees every lookup of a physical table in one sort, so a row read by two
+    features is updated ONCE per step with the summed gradient (FBGEMM's TBE does the same);
+  - KJT values are passed to the op as they are when the KJT's keys come in the collection's
+    feature order (the usual case); otherwise they are gathered into that order first.
+
+Semantics follow TorchRec: output keys are the embedding names (``feature@table`` for a feature
+read by several tables), output values fp32; MEAN pooling with weights (``is_weighted``) is the
+weighted sum divided by the bag length (FBGEMM TBE). Tables with different poolings run in one
+call: the op pools by sum and mean tables carry a 1/length per-sample weight (with bounds_check
+"warn"/"skip" a dropped id then still counts in its bag's length, as FBGEMM's bounds check counts it).
+
+state_dict keys are TorchRec's (``embedding_bags.<table>.weight`` / ``embeddings.<table>.weight``,
+[rows, dim]), so a TorchRec checkpoint loads into these modules and theirs into TorchRec's. The
+fused optimizer's state is not in ``state_dict()`` (TorchRec keeps it in its fused optimizer too):
+``optimizer_state_dict()`` / ``load_optimizer_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    get_embedding_names_by_table,
+)
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+from ..nn.embedding_bag import _advise_huge_pages
+from ..ops.embedding_bag import embedding_bag
+from ..optim import OPTIMIZERS
+from .._embedding_bag import BOUNDS_CHECK_CODES
+
+_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+# The op's bounds-check message (reference, cpu and triton backends): renamed to table and feature names.
+_BAD_INDEX = re.compile(r"indices\[(\d+)\] = (-?\d+) is out of range for table (\d+) \(num_embeddings=(\d+)\) "
+                        r"in bag (\d+)")
+
+
+class _FusedCollection(nn.Module):
+    """What both collections share: the packed tables, the optimizer state, the KJT -> op layout,
+    the TorchRec state_dict keys."""
+
+    _PREFIX = ""  # "embedding_bags" / "embeddings": TorchRec's state_dict key of the tables
+
+    def __init__(self, tables, device, optimizer, bounds_check: str, backend: str | None, unpooled: bool):
+        super().__init__()
+        tables = list(tables)
+        if not tables:
+            raise ValueError("tables must be a non-empty list of TorchRec embedding configs, got []")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique, got {names}")
+        if bounds_check not in BOUNDS_CHECK_CODES:
+            raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
+        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
+            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        dtypes = set()
+        for t in tables:
+            if t.data_type not in _DTYPES:
+                raise ValueError(f"table {t.name!r}: data_type must be one of {[d.name for d in _DTYPES]}, got "
+                                 f"{t.data_type}")
+            dtypes.add(_DTYPES[t.data_type])
+            if not t.feature_names:
+                t.feature_names = [t.name]  # as TorchRec's modules do
+        if len(dtypes) != 1:
+            raise ValueError(f"every table must have the same data_type (one packed buffer), got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        self._configs = tables
+        self.optimizer, self.bounds_check, self.backend = optimizer, bounds_check, backend
+        self._table_names = names
+        self._feature_names = [list(t.feature_names) for t in tables]
+        self._embedding_names_by_table = get_embedding_names_by_table(tables)
+        self._embedding_names = [e for names_t in self._embedding_names_by_table for e in names_t]
+        # Lookups in output order: (table, slot of the feature within the table, feature, embedding name).
+        self._lookups = [(t, j, f, e) for t, (fs, es) in enumerate(zip(self._feature_names,
+                                                                         self._embedding_names_by_table))
+                         for j, (f, e) in enumerate(zip(fs, es))]
+        self._flat_features = [f for _, _, f, _ in self._lookups]
+        self._slots_per_table = max(len(fs) for fs in self._feature_names)  # K
+        rows = [t.num_embeddings for t in tables]
+        dims = [t.embedding_dim for t in tables]
+        if unpooled and len(set(dims)) != 1:
+            raise ValueError(f"every table of an EmbeddingCollection must have the same embedding_dim, got {dims}")
+        sizes = [r * d for r, d in zip(rows, dims)]
+        cumsum = lambda xs: [0] + torch.tensor(xs, dtype=torch.int64).cumsum(0).tolist()  # noqa: E731
+        self._weight_offsets, self._rows, self._dims = cumsum(sizes)[:-1], rows, dims
+        self._column_offsets = cumsum(dims)
+        self.output_dim = dims[0] if unpooled else sum(dims)
+        meta = dict(dtype=torch.int64, device=device)
+        self.register_buffer("weights_offsets", torch.tensor(self._weight_offsets, **meta), persistent=False)
+        self.register_buffer("D_offsets", torch.tensor(cumsum(dims), **meta), persistent=False)
+        self.register_buffer("rows_offsets", torch.tensor(cumsum(rows), **meta), persistent=False)
+        self.weights = nn.Parameter(torch.empty(sum(sizes), dtype=dtype, device=device))
+        name = optimizer.name if optimizer is not None else None
+        state = dict(dtype=torch.float32, device=device)
+        self.register_buffer("momentum1", torch.zeros({"rowwise_adagrad": sum(rows), "adam": sum(sizes)}.get(name, 0),
+                                                      **state), persistent=False)
+        self.register_buffer("momentum2", torch.zeros(sum(sizes) if name == "adam" else 0, **state), persistent=False)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        for buffer in (self.weights, self.momentum1, self.momentum2):
+            _advise_huge_pages(buffer)
+        self.register_state_dict_post_hook(_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_load_state_dict_hook)
+        self.reset_parameters()
+
+    # -- tables -----------------------------------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        """Each table by its config's ``init_fn`` (TorchRec's default: U(-sqrt(1/rows), sqrt(1/rows)));
+        optimizer state to zero."""
+        if self.weights.device.type == "meta":
+            return
+        with torch.no_grad():
+            for t, config in enumerate(self._configs):
+                if config.init_fn is not None:
+                    config.init_fn(self.weight(config.name))
+            self.momentum1.zero_()
+            self.momentum2.zero_()
+            self.step.zero_()
+
+    def weight(self, table: str) -> torch.Tensor:
+        """Table ``table`` as a [rows, dim] view into the packed ``weights`` (writes go to the module)."""
+        if table not in self._table_names:
+            raise KeyError(f"no table {table!r}; tables: {self._table_names}")
+        t = self._table_names.index(table)
+        start = self._weight_offsets[t]
+        return self.weights[start:start + self._rows[t] * self._dims[t]].view(self._rows[t], self._dims[t])
+
+    def fused_parameter_names(self) -> list[str]:
+        """Parameters updated inside the backward (their ``.grad`` stays None): empty without an optimizer."""
+        return ["weights"] if self.optimizer is not None else []
+
+    def optimizer_state_dict(self) -> dict:
+        """The fused optimizer's state: momentum1/momentum2 (packed like the tables) and step."""
+        return {"momentum1": self.momentum1.clone(), "momentum2": self.momentum2.clone(), "step": self.step.clone()}
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for key in ("momentum1", "momentum2", "step"):
+                mine = getattr(self, key)
+                if state[key].shape != mine.shape:
+                    raise ValueError(f"{key} must have shape {tuple(mine.shape)}, got {tuple(state[key].shape)}")
+                mine.copy_(state[key])
+
+    # -- KJT -> the op's layout ----------------------------------------------------------------------
+
+    def _op_inputs(self, features: KeyedJaggedTensor, with_weights: bool):
+        """(indices, offsets, per-sample weights or None, lengths [lookups, B], B) in the op's layout."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a torchrec KeyedJaggedTensor, got {type(features).__name__}")
+        keys = features.keys()
+        missing = [f for f in self._flat_features if f not in keys]
+        if missing:
+            raise ValueError(f"features is missing the keys {sorted(set(missing))} (it has {keys})")
+        batch = features.stride()
+        values = features.values()
+        weights = features.weights() if with_weights else None
+        lengths = features.lengths().view(len(keys), batch)
+        if list(keys) != self._flat_features:  # gather the values into the collection's feature order
+            select = [keys.index(f) for f in self._flat_features]
+            values, weights, lengths = _select_features(values, weights, lengths, select)
+        # Slot (table t, feature j) is row t*K + j of the bag layout; the rest are empty bags.
+        slots = self._slots_per_table
+        if slots == 1:
+            bag_lengths = lengths
+        else:
+            pad = len(self._lookups)
+            order = [pad] * (len(self._configs) * slots)
+            for i, (t, j, _, _) in enumerate(self._lookups):
+                order[t * slots + j] = i
+            bag_lengths = torch.cat([lengths, lengths.new_zeros(1, batch)])[torch.tensor(order, device=lengths.device)]
+        bag_lengths = bag_lengths.reshape(-1)
+        offsets = torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]).to(values.dtype)
+        return values, offsets, weights, bag_lengths, lengths, batch
+
+    def _lookup(self, values, offsets, psw, pooling: str, batch: int) -> torch.Tensor:
+        def run():
+            return embedding_bag(self.weights, self.weights_offsets, self.D_offsets, self.rows_offsets, values,
+                                 offsets, psw, output_dim=self.output_dim, pooling=pooling,
+                                 bounds_check=self.bounds_check, optimizer=self.optimizer, momentum1=self.momentum1,
+                                 momentum2=self.momentum2, step=self.step, backend=self.backend)
+
+        if torch.compiler.is_compiling():  # a compiled graph raises the op's own message (table number, bag)
+            return run()
+        try:
+            return run()
+        except IndexError as error:
+            raise self._name_bad_index(error, batch) from None
+
+    def _name_bad_index(self, error: IndexError, batch: int) -> IndexError:
+        """The op's message names table t and bag (slot) b; TorchRec users want names."""
+        match = _BAD_INDEX.search(str(error))
+        if match is None:
+            return error
+        value, t, rows, bag = int(match.group(2)), int(match.group(3)), int(match.group(4)), int(match.group(5))
+        j, sample = divmod(bag, max(batch, 1))
+        feature = self._feature_names[t][j] if j < len(self._feature_names[t]) else "?"
+        return IndexError(f"feature {feature!r}: id {value} is out of range for table {self._table_names[t]!r} "
+                          f"(num_embeddings={rows}) in sample {sample}")
+
+    def extra_repr(self) -> str:
+        return (f"tables={self._table_names}, rows={sum(self._rows)}, dims={sorted(set(self._dims))}, "
+                f"dtype={self.weights.dtype}, optimizer={self.optimizer}, bounds_check={self.bounds_check!r}")
+
+
+def _select_features(values, weights, lengths, select: list[int]):
+    """The features ``select`` (indices into the KJT's keys, repeats allowed) of a KJT's values,
+    weights and [F, B] lengths, in that order."""
+    device = lengths.device
+    totals = lengths.sum(1)
+    starts = totals.cumsum(0) - totals
+    index = torch.tensor(select, dtype=torch.int64, device=device)
+    seg_lengths = totals[index]
+    # A permutation keeps the number of values (a static size, so torch.compile needs no data read).
+    size = values.numel() if sorted(select) == list(range(lengths.shape[0])) else int(seg_lengths.sum())
+    seg_starts = seg_lengths.cumsum(0) - seg_lengths
+    shift = torch.repeat_interleave(starts[index] - seg_starts, seg_lengths, output_size=size)
+    gather = torch.arange(size, device=device) + shift
+    return values[gather], (weights[gather] if weights is not None else None), lengths[index]
+
+
+def _state_dict_hook(module: _FusedCollection, state_dict: dict, prefix: str, local_metadata) -> None:
+    flat = state_dict.pop(prefix + "weights")
+    for t, name in enumerate(module._table_names):
+        start = module._weight_offsets[t]
+        state_dict[f"{prefix}{module._PREFIX}.{name}.weight"] = (
+            flat[start:start + module._rows[t] * module._dims[t]].view(module._rows[t], module._dims[t]))
+
+
+def _load_state_dict_hook(module: _FusedCollection, state_dict: dict, prefix: str, local_metadata, strict: bool,
+                          missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """TorchRec's per-table keys -> the packed ``weights`` (absent tables keep their values and are
+    reported missing)."""
+    if prefix + "weights" in state_dict:
+        return
+    pieces = []
+    for t, name in enumerate(module._table_names):
+        key = f"{prefix}{module._PREFIX}.{name}.weight"
+        current = module.weight(name).detach()
+        if key not in state_dict:
+            missing_keys.append(key)
+            pieces.append(current.reshape(-1))
+            continue
+        value = state_dict.pop(key)
+        if tuple(value.shape) != tuple(current.shape):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, the shape "
+                              f"in the current model is {tuple(current.shape)}.")
+            pieces.append(current.reshape(-1))
+            continue
+        pieces.append(value.detach().to(device=current.device, dtype=current.dtype).reshape(-1))
+    state_dict[prefix + "weights"] = torch.cat(pieces)
+
+
+class FusedEmbeddingBagCollection(_FusedCollection):
+    """TorchRec's ``EmbeddingBagCollection`` (KJT in, KeyedTensor out) as one fused lookup.
+
+    ``ebc(features) -> KeyedTensor`` with keys, order and values exactly as TorchRec's module:
+    per table, per feature in ``feature_names``, the [B, dim] pooled bag (SUM or MEAN; weighted
+    with ``is_weighted`` from the KJT's weights; weighted MEAN = weighted sum / length). ``optimizer``:
+    None (``weights`` gets a dense gradient for any torch optimizer) or a ``gem_kernels.optim`` rule,
+    applied inside the backward once per touched row (rows shared by features summed first).
+    ``bounds_check``: "fatal" raises IndexError naming the feature and table of an out-of-range id.
+    """
+
+    _PREFIX = "embedding_bags"
+
+    def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
+                 bounds_check: str = "fatal", backend: str | None = None):
+        tables = list(tables)
+        if not all(isinstance(t, EmbeddingBagConfig) for t in tables):
+            raise ValueError(f"tables must be a list of torchrec EmbeddingBagConfig, got {tables!r}")
+        for t in tables:
+            if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"table {t.name!r}: pooling must be SUM or MEAN, got {t.pooling}")
+        super().__init__(tables, device, optimizer, bounds_check, backend, unpooled=False)
+        self._is_weighted = bool(is_weighted)
+        poolings = {t.pooling for t in tables}
+        # One pooling: the op's own. Mixed: sum, with 1/length per-sample weights on the mean tables.
+        self._pooling = "mean" if poolings == {PoolingType.MEAN} else "sum"
+        self._mean_tables = [t.pooling == PoolingType.MEAN for t in tables] if len(poolings) > 1 else None
+        self._lengths_per_embedding = [self._dims[t] for t, _, _, _ in self._lookups]
+
+    @classmethod
+    def from_torchrec(cls, ebc: EmbeddingBagCollection, optimizer=None, bounds_check: str = "fatal",
+                      backend: str | None = None) -> "FusedEmbeddingBagCollection":
+        """A fused copy of a TorchRec ``EmbeddingBagCollection`` (same configs, weights, device)."""
+        if not isinstance(ebc, EmbeddingBagCollection):
+            raise ValueError(f"ebc must be a torchrec EmbeddingBagCollection, got {type(ebc).__name__}")
+        configs = ebc.embedding_bag_configs()
+        device = next(iter(ebc.embedding_bags.values())).weight.device
+        module = cls(configs, is_weighted=ebc.is_weighted(), device=device, optimizer=optimizer,
+                     bounds_check=bounds_check, backend=backend)
+        with torch.no_grad():
+            for config in configs:
+                module.weight(config.name).copy_(ebc.embedding_bags[config.name].weight)
+        return module
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        values, offsets, psw, bag_lengths, _, batch = self._op_inputs(features, self._is_weighted)
+        slots = self._slots_per_table
+        if self._mean_tables is not None:
+            slot_is_mean = torch.tensor([m for m in self._mean_tables for _ in range(slots)], device=values.device)
+            bag_scale = torch.where(slot_is_mean.repeat_interleave(batch), 1.0 / bag_lengths.clamp(min=1).float(), 1.0)
+            scale = torch.repeat_interleave(bag_scale, bag_lengths, output_size=values.numel())
+            psw = scale if psw is None else psw * scale
+        out = self._lookup(values, offsets, psw, self._pooling, batch)
+        if slots > 1 or len(self._lookups) != len(self._configs):
+            out3 = out.view(slots, batch, self.output_dim)
+            c = self._column_offsets
+            out = torch.cat([out3[j, :, c[t]:c[t + 1]] for t, j, _, _ in self._lookups], dim=1)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out.float())
+
+
+class FusedEmbeddingCollection(_FusedCollection):
+    """TorchRec's ``EmbeddingCollection`` (KJT in, dict[str, JaggedTensor] out, no pooling) as one
+    fused lookup; every table has the same embedding_dim (as TorchRec requires). Keys, order and
+    values as TorchRec's module; ``need_indices`` puts the ids in each JaggedTensor's weights."""
+
+    _PREFIX = "embeddings"
+
+    def __init__(self, tables: list[EmbeddingConfig], device=None, optimizer=None, bounds_check: str = "fatal",
+                 backend: str | None = None, need_indices: bool = False):
+        tables = list(tables)
+        if not all(isinstance(t, EmbeddingConfig) for t in tables):
+            raise ValueError(f"tables must be a list of torchrec EmbeddingConfig, got {tables!r}")
+        super().__init__(tables, device, optimizer, bounds_check, backend, unpooled=True)
+        self._need_indices = bool(need_indices)
+
+    @classmethod
+    def from_torchrec(cls, ec: EmbeddingCollection, optimizer=None, bounds_check: str = "fatal",
+                      backend: str | None = None) -> "FusedEmbeddingCollection":
+        """A fused copy of a TorchRec ``EmbeddingCollection`` (same configs, weights, device)."""
+        if not isinstance(ec, EmbeddingCollection):
+            raise ValueError(f"ec must be a torchrec EmbeddingCollection, got {type(ec).__name__}")
+        configs = ec.embedding_configs()
+        device = next(iter(ec.embeddings.values())).weight.device
+        module = cls(configs, device=device, optimizer=optimizer, bounds_check=bounds_check, backend=backend,
+                     need_indices=ec.need_indices())
+        with torch.no_grad():
+            for config in configs:
+                module.weight(config.name).copy_(ec.embeddings[config.name].weight)
+        return module
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._configs
+
+    def embedding_dim(self) -> int:
+        return self.output_dim
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return self._embedding_names_by_table
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        values, offsets, _, _, lengths, batch = self._op_inputs(features, False)
+        out = self._lookup(values, offsets, None, "none", batch).float()
+        # The op's rows follow the values, which are in lookup order: one piece per lookup.
+        totals = lengths.sum(1).tolist()
+        pieces = torch.split(out, totals)
+        ids = torch.split(values, totals) if self._need_indices else [None] * len(totals)
+        return {e: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i])
+                for i, (_, _, _, e) in enumerate(self._lookups)}
