@@ -68,6 +68,8 @@ def _child(names: list[str], backend: str, device: str, conn) -> None:
         conn.send(("start", name))
         outcome, detail = fuzz_cases.run_case(fuzz_cases.CASES[name], backend, device)
         conn.send(("done", name, outcome, detail))
+        if device == "cuda" and "CUDA error" in detail:
+            os._exit(0)  # a faulted CUDA context fails every later call: the rest runs in a fresh child
     conn.send(("end",))
     conn.close()
 
@@ -97,7 +99,8 @@ def run_all(backend: str, device: str, names: list[str]) -> dict[str, tuple[str,
             proc.kill()
         proc.join(5)
         if current is not None and outcome_of_current is not None:
-            results[batch[current]] = (outcome_of_current, detail.format(code=proc.exitcode))
+            if batch[current] not in results:  # (a child that ended itself after reporting keeps its result)
+                results[batch[current]] = (outcome_of_current, detail.format(code=proc.exitcode))
             rest = batch[current + 1:]
         else:
             rest = [n for n in batch if n not in results]
