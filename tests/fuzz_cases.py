@@ -1493,7 +1493,7 @@ def _native_cases():
             n = sum(lengths)
             x = dict(q=torch.randn(n, H, D, device=d), k=torch.randn(n, H, D, device=d),
                      v=torch.randn(n, H, Dv, device=d), off=_offsets(list(lengths), device=d), msl=max(lengths),
-                     kind="softmax", causal=True, nt=None, ctx=0, mal=0, pb=None, tb=None, ts=None)
+                     kind="softmax", causal=True, nt=None, ctx=0, mal=0, pb=None, tb=None, ts=None, qts=None)
             for k_, v in change.items():
                 x[k_] = v(d) if callable(v) else v
             return x
@@ -1501,18 +1501,18 @@ def _native_cases():
 
     def at_fwd(x, b):
         return ops.jagged_attention_fwd_native(x["q"], x["k"], x["v"], x["off"], x["msl"], x["kind"], x["causal"], 0.5,
-                                               x["nt"], x["ctx"], x["mal"], x["pb"], x["tb"], x["ts"])
+                                               x["nt"], x["ctx"], x["mal"], x["pb"], x["tb"], x["ts"], x["qts"])
 
     def at_bwd(x, b):
         out, lse = ops.jagged_attention_fwd_native(x["q"], x["k"], x["v"], t(x["q"].device, [0, 3, 5]), 3, "softmax",
-                                                   True, 0.5, None, 0, 0, None, None, None)
+                                                   True, 0.5, None, 0, 0, None, None, None, None)
         if "out" in x:
             out = x["out"]
         if "lse" in x:
             lse = x["lse"]
         return ops.jagged_attention_bwd_native(out, x["q"], x["k"], x["v"], out, lse, x["off"], x["msl"], x["kind"],
                                                x["causal"], 0.5, x["nt"], x["ctx"], x["mal"], x["pb"], x["tb"],
-                                               x["ts"], False)
+                                               x["ts"], x["qts"], False)
 
     at_breaks = {
         "ok": {},
@@ -1534,6 +1534,9 @@ def _native_cases():
         "time_bias_no_ts": dict(tb=lambda d: torch.zeros(2, 3, device=d)),
         "timestamps_short": dict(tb=lambda d: torch.zeros(2, 3, device=d),
                                  ts=lambda d: torch.zeros(2, dtype=torch.int64, device=d)),
+        "query_timestamps_short": dict(tb=lambda d: torch.zeros(2, 3, device=d),
+                                       ts=lambda d: torch.zeros(5, dtype=torch.int64, device=d),
+                                       qts=lambda d: torch.zeros(2, dtype=torch.int64, device=d)),
         "time_bias_empty": dict(tb=lambda d: torch.zeros(2, 0, device=d),
                                 ts=lambda d: torch.zeros(5, dtype=torch.int64, device=d)),
         "k_shape": dict(k=lambda d: torch.randn(5, 2, 3, device=d)),
