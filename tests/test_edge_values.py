@@ -12,9 +12,10 @@ import torch
 import gem_kernels as gk
 from gem_kernels.ops.interaction import IMPLEMENTED as INTERACTION_BACKENDS
 
-from .utils import assert_close, device_backend_params, offsets_from_lengths
+from .utils import assert_close, device_backend_params, offsets_from_lengths, reference_params
 
-BACKEND_PARAMS = device_backend_params()
+# Validation and N = 0 are the reference's own behaviour too: it runs with the kernels here.
+BACKEND_PARAMS = device_backend_params() + reference_params()
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer settings
@@ -164,7 +165,7 @@ def test_native_jagged_to_padded_rejects_unholdable_pad_value():
 # cross_layer with N = 0: valid for both forms, output [B, 0], every gradient empty
 # ---------------------------------------------------------------------------------------------
 
-CROSS_PARAMS = device_backend_params(INTERACTION_BACKENDS)
+CROSS_PARAMS = device_backend_params(tuple(b for b in INTERACTION_BACKENDS if b != "reference")) + reference_params()
 
 
 @pytest.mark.parametrize("rank", [None, 1, 3], ids=["full", "rank1", "rank3"])

@@ -39,7 +39,7 @@ CASE_TIMEOUT_S = float(os.environ.get("GK_FUZZ_CASE_TIMEOUT", "30"))
 # Address space a child may add to what it inherits: the cases need a few MB; a kernel that sizes
 # an allocation from a bad argument gets a MemoryError-like failure instead of taking the machine.
 MEMORY_LIMIT_BYTES = int(os.environ.get("GK_FUZZ_MEMORY_MB", "1536")) << 20
-BATCH = 60
+BATCH = 150  # cases per child: a fork and its first calls cost more than a case
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 SUMMARY: list[str] = []  # printed by tests/conftest.py's terminal summary
@@ -68,6 +68,8 @@ def _child(names: list[str], backend: str, device: str, conn) -> None:
         conn.send(("start", name))
         outcome, detail = fuzz_cases.run_case(fuzz_cases.CASES[name], backend, device)
         conn.send(("done", name, outcome, detail))
+        if device == "cuda" and "CUDA error" in detail:
+            os._exit(0)  # a faulted CUDA context fails every later call: the rest runs in a fresh child
     conn.send(("end",))
     conn.close()
 
@@ -97,7 +99,8 @@ def run_all(backend: str, device: str, names: list[str]) -> dict[str, tuple[str,
             proc.kill()
         proc.join(5)
         if current is not None and outcome_of_current is not None:
-            results[batch[current]] = (outcome_of_current, detail.format(code=proc.exitcode))
+            if batch[current] not in results:  # (a child that ended itself after reporting keeps its result)
+                results[batch[current]] = (outcome_of_current, detail.format(code=proc.exitcode))
             rest = batch[current + 1:]
         else:
             rest = [n for n in batch if n not in results]
@@ -161,14 +164,19 @@ def test_fuzz(backend, device, request):
     assert not missing, f"{len(missing)} cases never reported: {missing[:5]}"
     counts = collections.Counter(outcome for outcome, _ in results.values())
     line = (f"fuzz {backend} on {device}: {len(names)} cases in {elapsed:.0f} s: " + ", ".join(
-                f"{cls} {counts.get(cls, 0)}" for cls in fuzz_cases.OK_CLASSES + fuzz_cases.FAIL_CLASSES))
+                f"{cls} {counts.get(cls, 0)}"
+                for cls in fuzz_cases.OK_CLASSES + fuzz_cases.KNOWN_CLASSES + fuzz_cases.FAIL_CLASSES))
+    known = sorted(n for n, r in results.items() if r[0] in fuzz_cases.KNOWN_CLASSES)
+    if known:
+        line += f"\n  known issues ({len(known)}, GK_FUZZ_STRICT=1 fails them): " + ", ".join(known)
     SUMMARY.append(line)
     print("\n" + line)
     out = ROOT / "build"
     out.mkdir(exist_ok=True)
     (out / f"fuzz_counts_{request.node.callspec.id}.json").write_text(json.dumps(
         dict(backend=backend, device=device, seconds=round(elapsed, 1), counts=counts,
-             failures={n: r for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES}), indent=1))
+             failures={n: r for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES},
+             known_issues={n: r for n, r in results.items() if r[0] in fuzz_cases.KNOWN_CLASSES}), indent=1))
     failures = sorted((n, r) for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES)
     assert not failures, f"{len(failures)} fuzz cases failed on {backend}:\n" + "\n".join(
         f"  {cls:22s} {name}: {detail}" for name, (cls, detail) in failures)
