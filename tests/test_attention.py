@@ -341,7 +341,7 @@ def test_triton_refuses_head_dims_beyond_shared_memory(device, backend):
     v = torch.ones(2, 1, 1025, device=device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Dqk = 4, Dv = 1025 are above the triton backend's limit of 1024 for bfloat16"):
         jagged_attention_bwd(v, q.bfloat16(), q.bfloat16(), v, v, None, torch.tensor([0, 2], device=device), 2,
-                             "hstu", True, 0.5, None, 0, 0, None, None, None, False)
+                             "hstu", True, 0.5, None, 0, 0, None, None, None, None, False)
     inputs = make_inputs([3, 2], D=512, device=device)
     _check_against_reference(inputs, backend, torch.float32, kind="softmax")
 
