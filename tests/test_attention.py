@@ -676,6 +676,15 @@ def test_scale_beyond_fp32_agrees_across_backends(device, backend, kind):
 
 
 @pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+def test_hstu_scores_below_minus_88(device, backend):
+    """HSTU silu(s) for s < -88, where exp(-s) overflows fp32: ~0 (the cpu kernel's fast exp wrapped
+    around past 88 and gave silu(s) ~ s)."""
+    inputs = _issue19_inputs(device)
+    out, _ = _agree_with_reference(inputs, backend, kind="hstu", scale=200.0)
+    assert bool(out.isfinite().all())
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
 def test_all_minus_inf_row_outputs_zero(device, backend):
     """A softmax row whose visible scores are all -inf outputs 0 with lse -inf (the convention every
     backend shares); rows with some finite score are unaffected."""
