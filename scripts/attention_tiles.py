@@ -118,7 +118,7 @@ def main() -> int:
 
     def bwd():
         return tri.jagged_attention_bwd(do, q, k, v, out, lse, offsets, max_len, "hstu", True, scale, None, 0, 0,
-                                        None, None, None, False)
+                                        None, None, None, None, False)
 
     want = bwd()
     try:

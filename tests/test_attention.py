@@ -388,7 +388,7 @@ def test_triton_refuses_head_dims_beyond_shared_memory(device, backend):
     v = torch.ones(2, 1, 1025, device=device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Dqk = 4, Dv = 1025 are above the triton backend's limit of 1024 for bfloat16"):
         jagged_attention_bwd(v, q.bfloat16(), q.bfloat16(), v, v, None, torch.tensor([0, 2], device=device), 2,
-                             "hstu", True, 0.5, None, 0, 0, None, None, None, False)
+                             "hstu", True, 0.5, None, 0, 0, None, None, None, None, False)
     inputs = make_inputs([3, 2], D=512, device=device)
     _check_against_reference(inputs, backend, torch.float32, kind="softmax")
 
@@ -720,6 +720,15 @@ def test_scale_beyond_fp32_agrees_across_backends(device, backend, kind):
     inputs = _issue19_inputs(device, pos_heads=1)
     inputs["k"][3, 1] = 0.0  # <q_i, k_3> = 0: inf * 0 = NaN for the rows that see key 3
     _agree_with_reference(inputs, backend, kind=kind, scale=1e300)
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+def test_hstu_scores_below_minus_88(device, backend):
+    """HSTU silu(s) for s < -88, where exp(-s) overflows fp32: ~0 (the cpu kernel's fast exp wrapped
+    around past 88 and gave silu(s) ~ s)."""
+    inputs = _issue19_inputs(device)
+    out, _ = _agree_with_reference(inputs, backend, kind="hstu", scale=200.0)
+    assert bool(out.isfinite().all())
 
 
 @pytest.mark.parametrize("device,backend", ALL_BACKENDS)
