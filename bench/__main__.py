@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -97,6 +98,18 @@ def list_families(names: list[str], quick: bool, device) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGINT must raise KeyboardInterrupt whatever disposition this process inherited: one started in
+    # the background by a non-interactive shell (`python -m bench &` in a script, CI) inherits SIGINT
+    # as *ignored*, Python then leaves it ignored, and `timeout -s INT` (scripts/gpu_check.sh) or a
+    # Ctrl-C to the group cannot stop the run. Restored on return (tests call main in-process).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["distributed"]:  # gloo processes, not in-process cases: its own driver
         from bench import distributed

@@ -392,12 +392,21 @@ def pct_of_peak(row: dict, peaks: dict) -> float | None:
     return None
 
 
+# A median of fewer timed calls than this is flagged in the table and gives no speedup for a goal.
+MIN_REPEATS_FOR_GOALS = 5
+
+
 def fill_speedups(rows: list[dict]) -> None:
-    """speedup_vs_baseline = baseline's median ms / this impl's median ms, within each case's rows."""
+    """speedup_vs_baseline = baseline's median ms / this impl's median ms, within each case's rows.
+    speedup_for_goals: the same, only when both medians come from >= MIN_REPEATS_FOR_GOALS calls
+    (else None; the row's few_repeats flag says why)."""
     by_impl = {row["impl"]: row for row in rows}
     for row in rows:
         base = by_impl.get(row["baseline"])
         row["speedup_vs_baseline"] = base["ms"] / row["ms"] if base and row["ms"] > 0 else None
+        row["few_repeats"] = row["repeats"] < MIN_REPEATS_FOR_GOALS
+        trusted = base is not None and not row["few_repeats"] and base["repeats"] >= MIN_REPEATS_FOR_GOALS
+        row["speedup_for_goals"] = row["speedup_vs_baseline"] if trusted else None
 
 
 # ---------------------------------------------------------------------------------------------

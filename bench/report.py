@@ -96,7 +96,7 @@ def table_lines(rows: list[dict]) -> list[str]:
         if r["pct_peak"] is not None:
             pct += " (bw)" if r["peak"] == "bandwidth" else " (mm)"
         cells = [r["family"], r["op"], r["shape"], r["dtype"], r["impl"], f"{r['ms']:.3f}",
-                 f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}", f"{r['repeats']}{'*' if r['capped'] else ''}",
+                 f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}", f"{r['repeats']}{'*' if r['capped'] else ''}{' (few)' if r.get('few_repeats') else ''}",
                  _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), pct, f"{speedup} vs {r['baseline']}",
                  _fmt(r.get("page_faults_per_call"), ".0f")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -128,7 +128,8 @@ def _above_peak(rows: list[dict]) -> list[str]:
                         "and caches serve what repeats (hot embedding rows, a working set that fits in L2/L3)",
            "matmul": "matmul rows: the matmul roof was measured low (load from other processes during both "
                      "measurements), or the op's matmuls are shaped better for the BLAS than the square one"}
-    return [f"- {len(above)} rows are above 100 % of their measured peak; "
+    named = ", ".join(f"{r['op']} [{r['shape']}] {r['impl']} {r['pct_peak']:.0f} %" for r in above)
+    return [f"- {len(above)} rows are above 100 % of their measured peak ({named}); "
             + "; ".join(why[k] for k in kinds)]
 
 
@@ -150,7 +151,8 @@ def markdown(result: dict) -> str:
         f"- mode: {'quick' if result['quick'] else 'full'}; families: "
         + ", ".join(f"{f['name']} {f['status']} ({f['seconds']:.1f} s)" for f in result["families"]),
         "",
-        "ms = median; n = timed repeats (* = stopped by the per-impl time cap); GB/s = minimum bytes / median time; "
+        "ms = median; n = timed repeats (* = stopped by the per-impl time cap; (few) = under 5: a noisy median, "
+        "its speedup is used for no goal); GB/s = minimum bytes / median time; "
         "% peak of the measured copy bandwidth (bw) or the dtype's matmul peak (mm); "
         "speedup = baseline ms / impl ms; faults/call = minor page faults per call (CPU: first touches of fresh "
         "output pages, which glibc maps anew for every block over 32 MiB).",

@@ -1,16 +1,18 @@
-"""The arches of the GEM-like model, each built "eager" (TorchRec's modules, plain PyTorch) or "fused"
-(gem_kernels), with the same parameters on the same seed.
+"""The arches of the GEM-like model, each built "eager" or "fused" with the same parameters on the
+same seed. They differ only in their leaves:
 
-| arch        | eager                                          | fused                                        |
-|-------------|------------------------------------------------|----------------------------------------------|
-| sparse      | torchrec EmbeddingBagCollection + RowwiseAdagrad | gk FusedEmbeddingBag, ExactRowwiseAdagrad in the backward |
-| sequence    | torchrec EmbeddingCollection, HSTULayer on the reference (padded PyTorch) backend | gk FusedEmbeddingBag(pooling "none"), HSTULayer on the fused jagged kernels |
-| interaction | WukongStack / dot on the reference backend     | WukongStack / gk.dot_interaction fused       |
-"""
+| leaf                 | eager                                     | fused                                  |
+|----------------------|-------------------------------------------|----------------------------------------|
+| sparse tables        | torchrec EmbeddingBagCollection + RowwiseAdagrad | gk.torchrec.FusedEmbeddingBagCollection, ExactRowwiseAdagrad in the backward |
+| sequence embeddings  | torchrec EmbeddingCollection + RowwiseAdagrad | gk.torchrec.FusedEmbeddingCollection, likewise |
+| HSTU layers          | ReferenceHSTULayer (padded plain PyTorch) | gk.nn.HSTULayer (jagged fused attention) |
+| Wukong / dot         | ReferenceWukongStack / EagerDotInteraction | gk.nn.WukongStack / gk.nn.DotInteraction |
+
+gk.swap converts each eager leaf into its fused twin (converters registered below), so
+`gk.swap(GemModel(cfg, "eager"), optimizer=gk.optim.ExactRowwiseAdagrad(lr))` is the fused model."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -18,18 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import gem_kernels
+import gem_kernels.swap
 from gem_kernels.nn import HSTULayer, WukongStack
 
 from .config import GemConfig
 from .data import Batch, sparse_feature_names
 
 KERNELS = ("eager", "fused")
-# The gem_kernels backend of the gk.nn modules: the reference backend (padded plain PyTorch, the
-# paper's formulation) is the eager baseline; None lets gem_kernels pick its fused kernel.
-BACKEND = {"eager": "reference", "fused": None}
-# HSTULayer.forward takes query_timestamps once the attention op has them (generative-recommenders'
-# time bias: bucket(ts of the query's next item - ts of the key)).
-HSTU_QUERY_TIMESTAMPS = "query_timestamps" in inspect.signature(HSTULayer.forward).parameters
 
 
 def check_kernels(kernels: str) -> None:
@@ -94,6 +91,77 @@ def init_table(num_rows: int, dim: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# The eager leaves and their swap converters. Eager and fused differ only in these leaves (and in
+# TorchRec's collections vs gk.torchrec's, which gk.swap converts itself), so gk.swap turns an eager
+# GemModel into the fused one, module by module, with the same state_dict keys.
+# ---------------------------------------------------------------------------------------------
+
+
+class ReferenceHSTULayer(HSTULayer):
+    """gk.nn.HSTULayer pinned to the reference backend (padded plain PyTorch): the eager baseline."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, backend="reference", **kwargs)
+        self.init_args, self.init_kwargs = args, kwargs
+
+
+class ReferenceWukongStack(WukongStack):
+    """gk.nn.WukongStack pinned to the reference backend (the paper's formulation in plain PyTorch)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, backend="reference", **kwargs)
+        self.init_args, self.init_kwargs = args, kwargs
+
+
+class EagerDotInteraction(nn.Module):
+    """DLRM's dot interaction in plain PyTorch: x [R, F, D] -> [R, F*(F-1)/2], <x_i, x_j> for i < j, row-major."""
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        num_features = features.shape[1]
+        gram = torch.bmm(features, features.transpose(1, 2))
+        i, j = torch.triu_indices(num_features, num_features, offset=1, device=features.device)
+        return gram[:, i, j]
+
+
+def _to_fused(fused_type):
+    def convert(module: nn.Module, *, optimizer, backend) -> nn.Module:
+        param = next(module.parameters())
+        with torch.random.fork_rng(devices=[]):
+            new = fused_type(*module.init_args, **module.init_kwargs, backend=backend)
+        new.to(device=param.device, dtype=param.dtype).load_state_dict(module.state_dict())
+        return new
+    return convert
+
+
+gem_kernels.swap.register(ReferenceHSTULayer, _to_fused(HSTULayer))
+gem_kernels.swap.register(ReferenceWukongStack, _to_fused(WukongStack))
+gem_kernels.swap.register(EagerDotInteraction,
+                          lambda module, *, optimizer, backend: gem_kernels.nn.DotInteraction(backend=backend))
+
+
+def eager_collection_types() -> tuple[type, ...]:
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    return EmbeddingBagCollection, EmbeddingCollection
+
+
+def is_eager_module(module: nn.Module) -> bool:
+    return type(module) in (*eager_collection_types(), ReferenceHSTULayer, ReferenceWukongStack, EagerDotInteraction)
+
+
+def _collection(eager, kernels: str, cfg: GemConfig) -> nn.Module:
+    """TorchRec's collection as built (eager), or gk.torchrec's fused twin of it with row-wise Adagrad
+    in the backward (the same tables, the same state_dict keys)."""
+    if kernels == "eager":
+        return eager
+    from gem_kernels.torchrec import FusedEmbeddingBagCollection, FusedEmbeddingCollection
+
+    fused_type = FusedEmbeddingBagCollection if type(eager).__name__ == "EmbeddingBagCollection" else FusedEmbeddingCollection
+    with _own_rng():
+        return fused_type.from_torchrec(eager, optimizer=gem_kernels.optim.ExactRowwiseAdagrad(lr=cfg.sparse_lr))
+
+
+# ---------------------------------------------------------------------------------------------
 # Sparse arch: one sum-pooled bag per table and user -> [B, T, D].
 # ---------------------------------------------------------------------------------------------
 
@@ -101,97 +169,63 @@ def init_table(num_rows: int, dim: int) -> torch.Tensor:
 class SparseArch(nn.Module):
     """Sum pooling of every table's bag: out[b, t] = sum_{i in bag(t, b)} W_t[i], [B, T, D].
 
-    eager: torchrec's EmbeddingBagCollection (its tables are trained by the model's eager
-    RowwiseAdagrad); fused: one gk FusedEmbeddingBag for all tables, row-wise Adagrad in its backward.
+    eager: torchrec's EmbeddingBagCollection (the model's eager RowwiseAdagrad trains its tables);
+    fused: gk.torchrec.FusedEmbeddingBagCollection (one fused call, row-wise Adagrad in the backward).
     """
 
-    def __init__(self, cfg: GemConfig, kernels: str, device=None):
+    def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
         check_kernels(kernels)
-        self.kernels, self.num_tables, self.dim = kernels, cfg.num_tables, cfg.embedding_dim
-        tables = [init_table(rows, cfg.embedding_dim) for rows in cfg.num_embeddings_per_table]
-        if kernels == "eager":
-            from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
-            configs = [EmbeddingBagConfig(name=f"table_{t}", embedding_dim=cfg.embedding_dim, num_embeddings=rows,
-                                          feature_names=[name], pooling=PoolingType.SUM)
-                       for t, (rows, name) in enumerate(zip(cfg.num_embeddings_per_table,
-                                                            sparse_feature_names(cfg.num_tables)))]
-            with _own_rng():
-                self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
-            with torch.no_grad():
-                for t, table in enumerate(tables):
-                    self.ebc.embedding_bags[f"table_{t}"].weight.copy_(table)
-        else:
-            specs = [gem_kernels.TableSpec(rows, cfg.embedding_dim) for rows in cfg.num_embeddings_per_table]
-            with _own_rng():
-                self.ebc = gem_kernels.FusedEmbeddingBag(specs, pooling="sum", bounds_check="fatal",
-                                                         optimizer=gem_kernels.optim.ExactRowwiseAdagrad(lr=cfg.sparse_lr))
-            with torch.no_grad():
-                for t, table in enumerate(tables):
-                    self.ebc.weight(t).copy_(table)
-        if device is not None:
-            self.to(device)
+        self.num_tables, self.dim = cfg.num_tables, cfg.embedding_dim
+        tables = [init_table(rows, cfg.embedding_dim) for rows in cfg.num_embeddings_per_table]
+        configs = [EmbeddingBagConfig(name=f"table_{t}", embedding_dim=cfg.embedding_dim, num_embeddings=rows,
+                                      feature_names=[name], pooling=PoolingType.SUM)
+                   for t, (rows, name) in enumerate(zip(cfg.num_embeddings_per_table,
+                                                        sparse_feature_names(cfg.num_tables)))]
+        with _own_rng():
+            ebc = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+        with torch.no_grad():
+            for t, table in enumerate(tables):
+                ebc.embedding_bags[f"table_{t}"].weight.copy_(table)
+        self.ebc = _collection(ebc, kernels, cfg)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        if self.kernels == "eager":
-            pooled = self.ebc(batch.sparse_features()).values()
-        else:
-            pooled = self.ebc(batch.sparse_values, batch.sparse_offsets)
-        return pooled.view(batch.batch_size, self.num_tables, self.dim)
-
-    def embedding_parameters(self) -> list[nn.Parameter]:
-        """The tables a separate (eager) sparse optimizer must train; [] when fused."""
-        return list(self.ebc.parameters()) if self.kernels == "eager" else []
+        return self.ebc(batch.sparse_features()).values().view(batch.batch_size, self.num_tables, self.dim)
 
 
 class SequenceEmbeddings(nn.Module):
     """Item + action embedding of every token (pooling "none"): ids [N], actions [N] -> [N, D].
 
-    eager: torchrec EmbeddingCollection (tables "item_table", "action_table"); fused: one gk
-    FusedEmbeddingBag(pooling="none") over both tables, row-wise Adagrad in its backward. The action
-    table has num_actions + 1 rows: the last is "candidate" (no action yet).
+    eager: torchrec EmbeddingCollection (tables "item_table", "action_table"); fused:
+    gk.torchrec.FusedEmbeddingCollection (row-wise Adagrad in the backward). The action table has
+    num_actions + 1 rows: the last is "candidate" (no action yet).
     """
 
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
-        self.kernels = kernels
+        from torchrec import EmbeddingCollection, EmbeddingConfig
+
         rows = (cfg.num_items, cfg.num_actions + 1)
         tables = [init_table(r, cfg.embedding_dim) for r in rows]
-        if kernels == "eager":
-            from torchrec import EmbeddingCollection, EmbeddingConfig
-
-            configs = [EmbeddingConfig(name=name, embedding_dim=cfg.embedding_dim, num_embeddings=r,
-                                       feature_names=[feature])
-                       for name, feature, r in zip(("item_table", "action_table"), ("item", "action"), rows)]
-            with _own_rng():
-                self.ec = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
-            with torch.no_grad():
-                for name, table in zip(("item_table", "action_table"), tables):
-                    self.ec.embeddings[name].weight.copy_(table)
-        else:
-            specs = [gem_kernels.TableSpec(r, cfg.embedding_dim) for r in rows]
-            with _own_rng():
-                self.ec = gem_kernels.FusedEmbeddingBag(specs, pooling="none", bounds_check="fatal",
-                                                        optimizer=gem_kernels.optim.ExactRowwiseAdagrad(lr=cfg.sparse_lr))
-            with torch.no_grad():
-                for t, table in enumerate(tables):
-                    self.ec.weight(t).copy_(table)
+        names = ("item_table", "action_table")
+        configs = [EmbeddingConfig(name=name, embedding_dim=cfg.embedding_dim, num_embeddings=r, feature_names=[feature])
+                   for name, feature, r in zip(names, ("item", "action"), rows)]
+        with _own_rng():
+            ec = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
+        with torch.no_grad():
+            for name, table in zip(names, tables):
+                ec.embeddings[name].weight.copy_(table)
+        self.ec = _collection(ec, kernels, cfg)
 
     def forward(self, ids: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
         n = ids.numel()
         lengths = torch.tensor([n, n], dtype=torch.int64, device=ids.device)
-        if self.kernels == "eager":
-            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-            out = self.ec(KeyedJaggedTensor(keys=["item", "action"], values=torch.cat([ids, actions]), lengths=lengths))
-            return out["item"].values() + out["action"].values()
-        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        both = self.ec(torch.cat([ids, actions]), offsets)
-        return both[:n] + both[n:]
-
-    def embedding_parameters(self) -> list[nn.Parameter]:
-        return list(self.ec.parameters()) if self.kernels == "eager" else []
+        out = self.ec(KeyedJaggedTensor(keys=["item", "action"], values=torch.cat([ids, actions]), lengths=lengths))
+        return out["item"].values() + out["action"].values()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +279,8 @@ class SequenceArch(nn.Module):
 
     Contextual tokens (InterFormer): Linear([dense_out, pooled sparse tokens]) -> contextual_len
     tokens of width D, prepended to each history. Items and actions are embedded together, then
-    num_hstu_layers gk.nn.HSTULayer with relative position and log-time bias; the candidates are the
+    num_hstu_layers gk.nn.HSTULayer with relative position and log-time bias (generative-recommenders'
+    convention: bucket(timestamp of the query's next item - timestamp of the key)); the candidates are the
     targets (num_targets = K_b), so each sees the history and itself, never another candidate.
     use_sequence=False: a candidate's token is its own (item + action) embedding.
     """
@@ -259,10 +294,10 @@ class SequenceArch(nn.Module):
         self.embeddings = SequenceEmbeddings(cfg, kernels)
         if cfg.use_sequence:
             self.context = nn.Linear((cfg.num_tables + 1) * dim, c * dim) if c else None
+            layer_type = ReferenceHSTULayer if kernels == "eager" else HSTULayer
             self.layers = nn.ModuleList(
-                HSTULayer(dim, cfg.num_heads, cfg.hstu_linear_dim, cfg.hstu_attention_dim, causal=True,
-                          contextual_len=c, max_seq_len=self.max_len, num_time_buckets=cfg.num_time_buckets,
-                          backend=BACKEND[kernels])
+                layer_type(dim, cfg.num_heads, cfg.hstu_linear_dim, cfg.hstu_attention_dim, causal=True,
+                           contextual_len=c, max_seq_len=self.max_len, num_time_buckets=cfg.num_time_buckets)
                 for _ in range(cfg.num_hstu_layers))
         self.norm = nn.LayerNorm(dim)
 
@@ -282,27 +317,15 @@ class SequenceArch(nn.Module):
             rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
         source = torch.cat(rows)
         x = source.new_zeros(layout.total, dim).index_copy(0, layout.rows, source)
-        extra = dict(query_timestamps=layout.query_timestamps) if HSTU_QUERY_TIMESTAMPS else {}
         for layer in self.layers:
             x = layer(x, layout.seq_offsets, self.max_len, num_targets=layout.num_targets,
-                      timestamps=layout.timestamps, **extra)
+                      timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
         return self.norm(x[layout.candidate_rows])
-
-    def embedding_parameters(self) -> list[nn.Parameter]:
-        return self.embeddings.embedding_parameters()
 
 
 # ---------------------------------------------------------------------------------------------
 # Interaction arch: per (user, candidate) row, F = T + 2 tokens -> Wukong or dot -> over arch.
 # ---------------------------------------------------------------------------------------------
-
-
-def dot_interaction_eager(features: torch.Tensor) -> torch.Tensor:
-    """features [R, F, D] -> [R, F*(F-1)/2]: <features[:, i], features[:, j]> for i < j, row-major."""
-    num_features = features.shape[1]
-    gram = torch.bmm(features, features.transpose(1, 2))
-    i, j = torch.triu_indices(num_features, num_features, offset=1, device=features.device)
-    return gram[:, i, j]
 
 
 class InteractionArch(nn.Module):
@@ -312,20 +335,16 @@ class InteractionArch(nn.Module):
     def __init__(self, cfg: GemConfig, kernels: str):
         super().__init__()
         check_kernels(kernels)
-        self.interaction, self.kernels = cfg.interaction, kernels
         if cfg.interaction == "wukong":
-            self.wukong = WukongStack(cfg.wukong_layers, cfg.num_features, cfg.wukong_fm_out, cfg.wukong_lcb_out,
-                                      cfg.embedding_dim, cfg.wukong_fm_rank, list(cfg.wukong_mlp),
-                                      backend=BACKEND[kernels])
+            stack_type = ReferenceWukongStack if kernels == "eager" else WukongStack
+            self.interaction = stack_type(cfg.wukong_layers, cfg.num_features, cfg.wukong_fm_out, cfg.wukong_lcb_out,
+                                          cfg.embedding_dim, cfg.wukong_fm_rank, list(cfg.wukong_mlp))
+        else:
+            self.interaction = EagerDotInteraction() if kernels == "eager" else gem_kernels.nn.DotInteraction()
         self.over_arch = mlp((cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers, final_activation=True)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.interaction == "wukong":
-            interactions = self.wukong(tokens).flatten(1)
-        elif self.kernels == "fused":
-            interactions = gem_kernels.dot_interaction(tokens)
-        else:
-            interactions = dot_interaction_eager(tokens)
+        interactions = self.interaction(tokens).flatten(1)
         return self.over_arch(torch.cat([tokens[:, 0], interactions], dim=1))
 
 

@@ -147,14 +147,15 @@ class GemConfig:
 
     @classmethod
     def large(cls) -> "GemConfig":
-        """One H200 in bf16: 16 tables x 1M rows and 2M items at D = 256 (~5 GB of fp32 tables with
-        their row-wise state), histories up to 1024, 8 HSTU layers of 4 heads."""
-        return cls(num_dense=64, dense_arch_layers=(512, 256), num_embeddings_per_table=(1_000_000,) * 16,
-                   embedding_dim=256, max_bag_size=32, num_items=2_000_000, num_actions=8, max_seq_len=1024,
-                   seq_len_median=400.0, seq_len_sigma=0.7, max_num_candidates=32, contextual_len=4,
+        """One H200 in bf16: 8 tables x 500k rows and 1M items at D = 256 (~6 GB of fp32 tables
+        with their row-wise state), histories up to 512 (median 200), 8 HSTU layers of 4 heads,
+        batch 256 users (the eager baseline's padded attention must fit too)."""
+        return cls(num_dense=64, dense_arch_layers=(512, 256), num_embeddings_per_table=(500_000,) * 8,
+                   embedding_dim=256, max_bag_size=32, num_items=1_000_000, num_actions=8, max_seq_len=512,
+                   seq_len_median=200.0, seq_len_sigma=0.7, max_num_candidates=32, contextual_len=4,
                    num_hstu_layers=8, num_heads=4, hstu_linear_dim=64, hstu_attention_dim=64, num_time_buckets=64,
                    wukong_layers=3, wukong_fm_out=16, wukong_lcb_out=16, wukong_fm_rank=32,
-                   wukong_mlp=(2048, 2048), over_arch_layers=(2048, 1024, 512), batch_size=512)
+                   wukong_mlp=(2048, 2048), over_arch_layers=(2048, 1024, 512), batch_size=256)
 
 
 PRESETS = {"tiny": GemConfig.tiny, "small": GemConfig.small, "large": GemConfig.large}

@@ -47,7 +47,7 @@ class ShardableSparseArch(nn.Module):
         self.ebc = FusedEmbeddingBagCollection(configs, optimizer=arch.ebc.optimizer, bounds_check="fatal")
         with torch.no_grad():
             for t in range(cfg.num_tables):
-                self.ebc.weight(f"table_{t}").copy_(arch.ebc.weight(t))
+                self.ebc.weight(f"table_{t}").copy_(arch.ebc.weight(f"table_{t}"))
         self.num_tables, self.dim = cfg.num_tables, cfg.embedding_dim
 
     def forward(self, batch) -> torch.Tensor:
@@ -74,7 +74,7 @@ class ShardableSequenceEmbeddings(nn.Module):
         self.ec = FusedEmbeddingCollection(configs, optimizer=embeddings.ec.optimizer, bounds_check="fatal")
         with torch.no_grad():
             for t, name in enumerate(("item_table", "action_table")):
-                self.ec.weight(name).copy_(embeddings.ec.weight(t))
+                self.ec.weight(name).copy_(embeddings.ec.weight(name))
 
     def forward(self, ids: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

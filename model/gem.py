@@ -8,10 +8,12 @@ import time
 import torch
 from torch import nn
 
-from gem_kernels import FusedEmbeddingBag, flops
+from gem_kernels import flops
 
 from .archs import (
     InteractionArch,
+    eager_collection_types,
+    is_eager_module,
     RowwiseAdagrad,
     SequenceArch,
     SequenceLayout,
@@ -82,7 +84,7 @@ class GemModel(nn.Module):
     def __init__(self, cfg: GemConfig, kernels: str = "fused", seed: int = 0):
         super().__init__()
         check_kernels(kernels)
-        self.cfg, self.kernels = cfg, kernels
+        self.cfg = cfg
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.dense_arch = mlp((cfg.num_dense,) + cfg.dense_arch_layers + (cfg.embedding_dim,),
@@ -113,23 +115,45 @@ class GemModel(nn.Module):
         _mark(timer, "heads")
         return loss
 
+    @property
+    def kernels(self) -> str:
+        """"eager" while any eager leaf is left (TorchRec's collections, the reference-backend
+        modules), else "fused" (also after gk.swap of an eager model)."""
+        return "eager" if any(is_eager_module(m) for m in self.modules()) else "fused"
+
     def embedding_parameters(self) -> list[nn.Parameter]:
-        """The tables an eager sparse optimizer trains ([] for fused: they update in the backward)."""
-        return self.sparse_arch.embedding_parameters() + self.sequence_arch.embedding_parameters()
+        """The tables of TorchRec's eager collections, which a separate sparse optimizer trains (the
+        fused collections update theirs in the backward)."""
+        eager = eager_collection_types()
+        return [p for m in self.modules() if type(m) in eager for p in m.parameters()]
+
+    def fused_parameters(self) -> list[nn.Parameter]:
+        """Parameters updated inside the backward (no optimizer may hold them)."""
+        return [getattr(m, name) for m in self.modules() if hasattr(m, "fused_parameter_names")
+                for name in m.fused_parameter_names()]
 
     def dense_parameters(self) -> list[nn.Parameter]:
-        tables = {id(p) for p in self.embedding_parameters()}
-        fused = {id(p) for m in self.modules() if isinstance(m, FusedEmbeddingBag) and m.optimizer is not None
-                 for p in m.parameters(recurse=False)}
-        return [p for p in self.parameters() if id(p) not in tables and id(p) not in fused]
+        skip = {id(p) for p in self.embedding_parameters() + self.fused_parameters()}
+        return [p for p in self.parameters() if id(p) not in skip]
 
     def make_optimizers(self) -> list[torch.optim.Optimizer]:
-        """Adam for the dense parameters; for eager, row-wise Adagrad on the tables (fused: none,
-        the tables' row-wise Adagrad runs inside the backward and its state is in state_dict())."""
+        """Adam for the dense parameters; row-wise Adagrad for the eager collections' tables (the
+        fused collections run theirs in the backward: see fused_optimizer_state_dict)."""
         optimizers: list[torch.optim.Optimizer] = [torch.optim.Adam(self.dense_parameters(), lr=self.cfg.dense_lr)]
         if self.embedding_parameters():
             optimizers.append(RowwiseAdagrad(self.embedding_parameters(), lr=self.cfg.sparse_lr))
         return optimizers
+
+    def fused_optimizer_state_dict(self) -> dict[str, dict]:
+        """The in-backward optimizers' state (row-wise Adagrad sums, step) per fused collection."""
+        return {name: m.optimizer_state_dict() for name, m in self.named_modules() if hasattr(m, "optimizer_state_dict")}
+
+    def load_fused_optimizer_state_dict(self, state: dict[str, dict]) -> None:
+        modules = {name: m for name, m in self.named_modules() if hasattr(m, "load_optimizer_state_dict")}
+        if set(state) != set(modules):
+            raise ValueError(f"fused optimizer state is for modules {sorted(state)}, this model has {sorted(modules)}")
+        for name, module in modules.items():
+            module.load_optimizer_state_dict(state[name])
 
     def compile_arches(self, **kwargs) -> None:
         """torch.compile every dense arch in place (state_dict keys unchanged); the embedding

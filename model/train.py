@@ -153,12 +153,13 @@ def evaluate(model: GemModel, batches: list[Batch], amp_dtype: torch.dtype | Non
 
 def save_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer], step: int,
                     losses: list[float]) -> Path:
-    """model.state_dict() (parameters and the fused tables' optimizer state), every optimizer's
-    state_dict, the next step and the losses so far."""
+    """model.state_dict(), the fused collections' in-backward optimizer state, every (dense, eager
+    sparse) optimizer's state_dict, the next step and the losses so far."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_FILE
     torch.save({"step": step, "kernels": model.kernels, "config": dataclasses.asdict(model.cfg),
-                "model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
+                "model": model.state_dict(), "fused_optimizers": model.fused_optimizer_state_dict(),
+                "optimizers": [o.state_dict() for o in optimizers],
                 "losses": losses}, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
     return path
@@ -171,6 +172,7 @@ def load_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.opt
         raise ValueError(f"checkpoint {directory} is of kernels={state['kernels']!r} and another config; "
                          f"this run is kernels={model.kernels!r}")
     model.load_state_dict(state["model"])
+    model.load_fused_optimizer_state_dict(state["fused_optimizers"])
     if len(state["optimizers"]) != len(optimizers):
         raise ValueError(f"checkpoint has {len(state['optimizers'])} optimizers, this model {len(optimizers)}")
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
@@ -235,7 +237,8 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
             bar.set_postfix(loss=f"{loss_value:.4f}", ex_s=f"{data.batch_size / elapsed_ms * 1e3:.0f}")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             auc_history.append({"step": step + 1, **evaluate(model, held_out, amp_dtype)})
-            bar.write(f"step {step + 1}: held-out AUC {auc_history[-1]}") if hasattr(bar, "write") else None
+            print(f"step {step + 1}: held-out AUC " + ", ".join(f"{task} {auc_history[-1][task]:.4f}"
+                                                              for task in model.cfg.task_names), file=sys.stderr)
         if args.checkpoint is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             save_checkpoint(args.checkpoint, model, optimizers, step + 1, losses)
     if args.checkpoint is not None:

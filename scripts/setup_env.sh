@@ -43,9 +43,11 @@ fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 echo "[setup] building gem_kernels._C (GEM_KERNELS_CUDA=${GEM_KERNELS_CUDA:-auto})"
 start=$(date +%s)
-if ! python -m pip show -q gem_kernels >/dev/null 2>&1; then
-  python -m pip install -q --no-build-isolation --no-deps -e . > build.log 2>&1 || { cat build.log; exit 1; }
-else
-  python setup.py -q build_ext --inplace > build.log 2>&1 || { cat build.log; exit 1; }
-fi
+# One build path, whoever runs first (bench.sh or test.sh): build_ext --inplace keeps its objects in
+# build/ and ninja recompiles only what changed. (`pip install -e .` builds in a temporary folder, so
+# a later build_ext --inplace used to compile the whole extension a second time.)
+python setup.py -q build_ext --inplace > build.log 2>&1 || { cat build.log; exit 1; }
+# Importable from any directory in this venv, as an editable install would make it, with no build.
+site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+[ "$(cat "$site/gem_kernels_repo.pth" 2>/dev/null)" = "$ROOT" ] || echo "$ROOT" > "$site/gem_kernels_repo.pth"
 echo "[setup] extension ready in $(( $(date +%s) - start ))s"

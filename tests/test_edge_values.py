@@ -209,3 +209,37 @@ def test_native_cross_layer_tells_rank_by_shape():
     grads = torch.ops.gem_kernels.cross_layer_backward_native(torch.randn(3, 0), x, x, torch.randn(0, 2),
                                                               torch.randn(2, 0), z, torch.randn(3, 2))
     assert [tuple(g.shape) for g in grads] == [(3, 0), (3, 0), (0, 2), (2, 0), (0,)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct calls of the CPU TBE's backward ops check what the forward checked for the Python op
+# ---------------------------------------------------------------------------------------------
+
+
+def _tbe_native_args(**change):
+    args = dict(weights=torch.randn(43), w_off=torch.tensor([0, 15]), d_off=torch.tensor([0, 3, 7]),
+                r_off=torch.tensor([0, 5, 12]), indices=torch.tensor([0, 4, 4, 1, 6, 0, 2]),
+                offsets=torch.tensor([0, 3, 4, 4, 7]), psw=torch.empty(0), grad=torch.randn(2, 7))
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(grad=torch.randn(1, 1)), "grad_output has 1 rows"),
+    (dict(grad=torch.randn(2, 3)), "grad_output is too narrow"),
+    (dict(offsets=torch.tensor([0, 3, 2, 4, 7])), "offsets must be nondecreasing"),
+    (dict(offsets=torch.tensor([0, 3, 4, 4, 9])), r"offsets\[-1\] must equal the number of rows 7"),
+    (dict(d_off=torch.tensor([-5, 3, 7])), r"D_offsets\[0\] and rows_offsets\[0\] must be 0"),
+    (dict(d_off=torch.tensor([0, 2**61, 2**62 + 3]), r_off=torch.tensor([0, 4, 8])), "does not fit in weights"),
+], ids=["grad_rows", "grad_narrow", "offsets_decreasing", "offsets_last", "d_off_first", "rows_x_D_overflow"])
+@pytest.mark.parametrize("op", ["backward", "backward_fused"])
+def test_native_tbe_backward_checks_direct_calls(op, change, match):
+    a = _tbe_native_args(**change)
+    meta = (a["w_off"], a["d_off"], a["r_off"], a["indices"], a["offsets"], a["psw"])
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        if op == "backward":
+            torch.ops.gem_kernels.embedding_bag_backward_native(a["grad"], a["weights"], *meta, 0)
+        else:
+            torch.ops.gem_kernels.embedding_bag_backward_fused_native(
+                a["grad"], a["weights"], torch.empty(0), torch.empty(0), torch.zeros((), dtype=torch.int64), *meta, 0,
+                1, 0.1, 0.0, 0.0, 0.0, 0.0)

@@ -13,9 +13,9 @@ native_returned are right; crash, hang, unclear_error, accepted_bad_input, rejec
 garbage fail the test, which lists every such case with its detail. The counts per class are
 printed at the end of the pytest run (tests/conftest.py) and written to build/fuzz_counts_<id>.json.
 
-Test ids: `fuzz-host` runs the cpu backend's cases on the C++ CPU kernels, and under CI's
-GK_CUDA_EMU=1 pass (which selects ids containing "cpu") the emulated CUDA kernels run instead: the
-id of that pass is `fuzz-cpu_backend_cuda_emulated`, so the first pass does not repeat there.
+Test ids name no "cpu" (`fuzz-host` runs the cpu backend), so CI's GK_CUDA_EMU=1 pass, which selects
+ids containing "cpu", does not run the fuzz a second time: the CUDA kernels are fuzzed on a GPU
+(`fuzz-cuda-cuda`, scripts/gpu_check.sh). The children run on one thread each and WORKERS at a time.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .utils import CUDA_EMULATION, _skip_reason
+from .utils import _skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE_TIMEOUT_S = float(os.environ.get("GK_FUZZ_CASE_TIMEOUT", "30"))
@@ -40,7 +40,7 @@ CASE_TIMEOUT_S = float(os.environ.get("GK_FUZZ_CASE_TIMEOUT", "30"))
 # an allocation from a bad argument gets a MemoryError-like failure instead of taking the machine.
 MEMORY_LIMIT_BYTES = int(os.environ.get("GK_FUZZ_MEMORY_MB", "1536")) << 20
 BATCH = 60
-WORKERS = max(1, min(2, os.cpu_count() or 1))
+WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 SUMMARY: list[str] = []  # printed by tests/conftest.py's terminal summary
 
@@ -54,8 +54,9 @@ def _vm_size() -> int:
 
 
 def _child(names: list[str], backend: str, device: str, conn) -> None:
-    limit = _vm_size() + MEMORY_LIMIT_BYTES
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if device == "cpu":  # a CUDA context reserves far more address space than it uses: no limit there
+        limit = _vm_size() + MEMORY_LIMIT_BYTES
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     torch.set_num_threads(1)
     import warnings
@@ -73,6 +74,9 @@ def _child(names: list[str], backend: str, device: str, conn) -> None:
 
 def run_all(backend: str, device: str, names: list[str]) -> dict[str, tuple[str, str]]:
     """{case name: (outcome, detail)} for every name, run in forked children."""
+    # The forkserver inherits this: torch.cuda.is_available() there then does not initialise CUDA,
+    # which would make every forked child's CUDA calls fail.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.fuzz_server"])
     pending = collections.deque(names[i:i + BATCH] for i in range(0, len(names), BATCH))
@@ -135,12 +139,9 @@ def _params():
                             ("reference", "cuda")):
         reason = _skip_reason(device, backend)
         if backend == "cpu":
-            test_id = "fuzz-cpu_backend_cuda_emulated" if CUDA_EMULATION else "fuzz-host"
+            test_id = "fuzz-host"
         else:
             test_id = f"fuzz-{backend}-{device}" if device == "cuda" else f"fuzz-{backend}"
-        if CUDA_EMULATION and backend != "cpu":
-            # The emulation pass selects ids containing "cpu"; only the cpu backend changes there.
-            test_id = f"fuzz-{backend}-{device}-unchanged_by_emulation"
         marks = [pytest.mark.skip(reason=reason)] if reason else []
         if backend == "triton" and device == "cpu":
             continue  # the interpreter: covered by the GPU run, too slow for the 2-minute budget
@@ -159,15 +160,14 @@ def test_fuzz(backend, device, request):
     missing = [n for n in names if n not in results]
     assert not missing, f"{len(missing)} cases never reported: {missing[:5]}"
     counts = collections.Counter(outcome for outcome, _ in results.values())
-    line = (f"fuzz {backend} on {device}{' (CUDA emulation)' if CUDA_EMULATION and backend == 'cpu' else ''}: "
-            f"{len(names)} cases in {elapsed:.0f} s: " + ", ".join(
+    line = (f"fuzz {backend} on {device}: {len(names)} cases in {elapsed:.0f} s: " + ", ".join(
                 f"{cls} {counts.get(cls, 0)}" for cls in fuzz_cases.OK_CLASSES + fuzz_cases.FAIL_CLASSES))
     SUMMARY.append(line)
     print("\n" + line)
     out = ROOT / "build"
     out.mkdir(exist_ok=True)
     (out / f"fuzz_counts_{request.node.callspec.id}.json").write_text(json.dumps(
-        dict(backend=backend, device=device, emulated=CUDA_EMULATION, seconds=round(elapsed, 1), counts=counts,
+        dict(backend=backend, device=device, seconds=round(elapsed, 1), counts=counts,
              failures={n: r for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES}), indent=1))
     failures = sorted((n, r) for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES)
     assert not failures, f"{len(failures)} fuzz cases failed on {backend}:\n" + "\n".join(

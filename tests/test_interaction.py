@@ -28,13 +28,15 @@ from .utils import (
     assert_close,
     assert_close_vs_eager,
     cpu_kernel_only,
+    cuda_kernel_params,
     interpreter_rounding_factor,
     device_backend_params,
     poison_allocator,
     randn_nonzero,
+    reference_params,
 )
 
-BACKEND_PARAMS = device_backend_params(IMPLEMENTED)
+BACKEND_PARAMS = device_backend_params(tuple(b for b in IMPLEMENTED if b != "reference"))
 
 # The Triton interpreter is slow: its backend runs a reduced set of the shapes below.
 TRITON_MAX_ELEMS = 12000
@@ -61,6 +63,24 @@ def _check_all(actual_out, expected_out, actual_grads, expected_grads, dtype, na
     for name, a, e in zip(names, actual_grads, expected_grads):
         assert a.shape == e.shape and a.dtype == e.dtype, name
         assert_close(a, e, dtype, msg=lambda m, name=name: f"grad {name}: {m}", **tol)
+
+
+def _check_vs_exact_and_eager(out, grads, leaves, g, eager_fn, dtype, names, factor=1):
+    """fp16/bf16 by FlashAttention's rule: `out` and `grads` (of `leaves` for grad_out `g`) against
+    the eager formulation in fp64 (exact), at most twice the error of the same eager formulation
+    run in `dtype`, plus a rounding-sized atol."""
+    leaves64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    exact = eager_fn(*leaves64)
+    # materialize_grads: the eager formulation skips an fm with no rows (zero gradient).
+    exact_grads = torch.autograd.grad(exact, leaves64, g.double(), materialize_grads=True)
+    leaves_d = [t.detach().clone().requires_grad_(True) for t in leaves]
+    eager = eager_fn(*leaves_d)
+    eager_grads = torch.autograd.grad(eager, leaves_d, g, materialize_grads=True)
+    assert out.dtype == dtype and out.shape == exact.shape
+    assert_close_vs_eager(out, exact, eager, dtype, "out", factor)
+    for name, a, e, ea in zip(names, grads, exact_grads, eager_grads):
+        assert a.dtype == dtype and a.shape == e.shape, name
+        assert_close_vs_eager(a, e, ea, dtype, f"grad {name}", factor)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,10 +140,15 @@ def _check_dot_interaction(B, F, D, dtype, self_interaction, device, backend):
     P = num_pairs(F, self_interaction)
     poison_allocator(B * max(P, F * D) * 4, device)
     out = gk.dot_interaction(x, self_interaction, backend=backend)
-    expected = gk.dot_interaction(x, self_interaction, backend="reference")
     assert out.shape == (B, P)
     g = randn_nonzero(B, P, dtype=dtype, device=device)
     poison_allocator(B * F * D * 4, device)
+    if dtype != torch.float32:
+        _check_vs_exact_and_eager(out, _grads(out, x, g), [x], g,
+                                  lambda x: ref.eager_dot_interaction(x, self_interaction), dtype, ["x"],
+                                  interpreter_rounding_factor(backend, device, dtype))
+        return
+    expected = gk.dot_interaction(x, self_interaction, backend="reference")
     _check_all(out, expected, _grads(out, x, g), _grads(expected, x, g), dtype, ["x"])
 
 
@@ -148,6 +173,18 @@ def test_dot_interaction_large_num_features(device, backend, num_features, dtype
     F = 256 and above): the CUDA backward tiles sym(G), the Triton kernels tile both directions in
     64-row tiles; 300 and D = 40 leave partial row and column tiles."""
     _check_dot_interaction(3, num_features, 40, dtype, self_interaction, device, backend)
+
+
+@pytest.mark.parametrize("device,backend", cuda_kernel_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_dot_interaction_cuda_rows_past_48k_shared_memory(device, backend, dtype, self_interaction):
+    """The CUDA forward keeps x's rows in shared memory only while F * (D + 1) * 4 <= 48 KiB, and
+    reads them through L1 past it: F = 12, D = 1100 (52,848 bytes) takes that second kernel at a
+    size the CPU emulation (GK_CUDA_EMU=1, id "cpu-cuda_emulated") runs in CI."""
+    F, D = 12, 1100
+    assert F * (D + 1) * 4 > 48 * 1024
+    _check_dot_interaction(3, F, D, dtype, self_interaction, device, backend)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
@@ -215,11 +252,15 @@ def _check_fm_compress(B, F, D, k, dtype, device, backend):
     lb = randn_nonzero(F * k, dtype=dtype, device=device).requires_grad_(True)
     poison_allocator(B * F * max(D, k) * 4, device)
     out = gk.fm_compress(x, y, lw, lb, backend=backend)
-    expected = gk.fm_compress(x, y, lw, lb, backend="reference")
     g = randn_nonzero(B, F * k, dtype=dtype, device=device)
     inputs = (x, y, lw, lb)
-    _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype,
-               ["x", "y", "ln_weight", "ln_bias"])
+    names = ["x", "y", "ln_weight", "ln_bias"]
+    if dtype != torch.float32:
+        _check_vs_exact_and_eager(out, _grads(out, inputs, g), inputs, g, ref.eager_fm_compress, dtype, names,
+                                  interpreter_rounding_factor(backend, device, dtype))
+        return
+    expected = gk.fm_compress(x, y, lw, lb, backend="reference")
+    _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype, names)
 
 
 # k = 11 and 16 run the cpu's 8 x 8 register transposes (with a partial block at k = 11, D = 20).
@@ -245,12 +286,16 @@ def _check_feature_mix_norm(B, F, D, O, Ofm, dtype, device, backend):
     inputs = [t.requires_grad_(True) for t in (x, mix, fm, lw, lb)]
     poison_allocator(B * max(O, F) * D * 4, device)
     out = gk.feature_mix_norm(*inputs, backend=backend)
-    expected = gk.feature_mix_norm(*inputs, backend="reference")
     assert out.shape == (B, O, D)
     g = randn_nonzero(B, O, D, dtype=dtype, device=device)
     poison_allocator(B * max(O, F) * D * 4, device)
-    _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype,
-               ["x", "mix", "fm", "ln_weight", "ln_bias"])
+    names = ["x", "mix", "fm", "ln_weight", "ln_bias"]
+    if dtype != torch.float32:
+        _check_vs_exact_and_eager(out, _grads(out, inputs, g), inputs, g, ref.eager_feature_mix_norm, dtype, names,
+                                  interpreter_rounding_factor(backend, device, dtype))
+        return
+    expected = gk.feature_mix_norm(*inputs, backend="reference")
+    _check_all(out, expected, _grads(out, inputs, g), _grads(expected, inputs, g), dtype, names)
 
 
 # (B, F, D, O, O_fm): no fm rows, all rows fm, F = 1, D = 1 (the LayerNorm of one value is its bias),
@@ -269,13 +314,70 @@ def test_feature_mix_norm(device, backend, shape, dtype):
     _check_feature_mix_norm(*shape, dtype, device, backend)
 
 
-@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("device,backend", reference_params() + BACKEND_PARAMS)
 def test_feature_mix_norm_defaults(device, backend):
     """fm, ln_weight and ln_bias default to none, 1 and 0: torch's LayerNorm of mix @ x."""
     x, mix = randn_nonzero(3, 4, 8, device=device), randn_nonzero(5, 4, device=device)
     out = gk.feature_mix_norm(x, mix, backend=backend)
     expected = torch.nn.functional.layer_norm(torch.matmul(mix, x), (8,))
     assert_close(out, expected, torch.float32, atol=1e-5, rtol=1e-5)
+
+
+def _interaction_case(op, shape, dtype, device="cpu"):
+    """(leaves in `dtype`, op(*leaves, backend=...), eager formulation eager(*leaves)) for one of the
+    shapes the backends are tested on."""
+    mk = lambda *s, scale=1.0: (randn_nonzero(*s, device=device) * scale).to(dtype)  # noqa: E731
+    if op in ("dot_interaction", "dot_interaction_self"):
+        si = op == "dot_interaction_self"
+        return ([mk(*shape)], lambda x, backend: gk.dot_interaction(x, si, backend=backend),
+                lambda x: ref.eager_dot_interaction(x, si))
+    if op == "cross_layer":
+        B, N, rank = shape
+        if rank is None:
+            leaves = [mk(B, N), mk(B, N, scale=N ** -0.5), mk(N, N, scale=N ** -0.5), mk(N, scale=N ** -0.5)]
+            return (leaves, lambda x0, xl, w, b, backend: gk.cross_layer(x0, xl, w, b, backend=backend),
+                    lambda x0, xl, w, b: ref.eager_cross_layer(x0, xl, w, b))
+        leaves = [mk(B, N), mk(B, N, scale=N ** -0.5), mk(N, rank, scale=rank ** -0.5), mk(rank, N, scale=N ** -0.5),
+                  mk(N, scale=N ** -0.5)]
+        return (leaves, lambda x0, xl, u, v, b, backend: gk.cross_layer(x0, xl, (u, v), b, backend=backend),
+                lambda x0, xl, u, v, b: ref.eager_cross_layer(x0, xl, (u, v), b))
+    if op == "fm_compress":
+        B, F, D, k = shape
+        leaves = [mk(B, F, D), mk(F, k), mk(F * k), mk(F * k)]
+        return (leaves, lambda x, y, w, b, backend: gk.fm_compress(x, y, w, b, backend=backend),
+                lambda x, y, w, b: ref.eager_fm_compress(x, y, w, b))
+    B, F, D, O, Ofm = shape
+    leaves = [mk(B, F, D), mk(O, F, scale=F ** -0.5), mk(B, Ofm, D), mk(D), mk(D)]
+    return (leaves, lambda x, m, fm, w, b, backend: gk.feature_mix_norm(x, m, fm, w, b, backend=backend),
+            lambda x, m, fm, w, b: ref.eager_feature_mix_norm(x, m, fm, w, b))
+
+
+REFERENCE_CASES = ([("dot_interaction", s) for s in DOT_SHAPES] + [("dot_interaction_self", s) for s in DOT_SHAPES]
+                   + [("cross_layer", s) for s in CROSS_SHAPES] + [("fm_compress", s) for s in FM_SHAPES]
+                   + [("feature_mix_norm", s) for s in MIX_SHAPES])
+
+
+@pytest.mark.parametrize("op,shape", REFERENCE_CASES, ids=[f"{o}-{'x'.join(map(str, s))}" for o, s in REFERENCE_CASES])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_reference_matches_eager_on_every_shape(op, shape, dtype):
+    """The reference twins (hand-written backward, fp32 math) on every shape and dtype the backends
+    are compared with them on, against autograd through the eager formulations in fp64: in fp32
+    within the fp32 tolerance, in fp16/bf16 by FlashAttention's rule (error at most twice that of
+    eager in the same dtype, plus a rounding-sized atol)."""
+    leaves, fn, eager_fn = _interaction_case(op, shape, dtype)
+    leaves = [t.requires_grad_(True) for t in leaves]
+    out = fn(*leaves, backend="reference")
+    g = randn_nonzero(*out.shape, dtype=dtype)
+    grads = _grads(out, leaves, g)
+    names = [f"grad {i}" for i in range(len(leaves))]
+    leaves64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    exact = eager_fn(*leaves64)
+    # materialize_grads: the eager formulation skips an fm with no rows (zero gradient).
+    exact_grads = torch.autograd.grad(exact, leaves64, g.double(), materialize_grads=True)
+    if dtype == torch.float32:
+        _check_all(out, exact.float(), grads, [e.float() for e in exact_grads], dtype, names)
+        return
+    _check_vs_exact_and_eager(out, grads, leaves, g, eager_fn, dtype, names)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(("triton",)))
@@ -400,7 +502,7 @@ def test_fm_compress_saves_products_only_for_a_backward(monkeypatch):
     assert seen == [False, False, True] and out.requires_grad
 
 
-@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
+@pytest.mark.parametrize("device,backend", reference_params() + BACKEND_PARAMS)
 def test_fm_compress_default_layernorm_params(device, backend):
     x = randn_nonzero(3, 4, 8, device=device)
     y = randn_nonzero(4, 2, device=device)
@@ -612,7 +714,7 @@ def _module_vs_reference(module, x, backend):
     return out
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params(tuple(b for b in IMPLEMENTED if b != "reference")))
+@pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
 def test_modules_match_reference(device, backend):
     torch.manual_seed(1)
     x = randn_nonzero(5, 6, 8, device=device)

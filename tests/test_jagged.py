@@ -16,6 +16,7 @@ from .utils import (
     offsets_from_lengths,
     poison_allocator,
     randn_nonzero,
+    reference_params,
 )
 
 # (lengths, max_len): empty batch, zero-length sequences, L = 1, odd sizes, truncation, max_len 0.
@@ -51,15 +52,35 @@ def loop_padded_to_jagged(padded, offsets):
     return out
 
 
+def _loop_grad(out, inp, grad):
+    """The gradient through a loop oracle; a loop that copied nothing has none (zeros)."""
+    if not out.requires_grad:
+        return torch.zeros_like(inp)
+    return torch.autograd.grad(out, inp, grad)[0]
+
+
 @pytest.mark.parametrize("lengths,max_len", CASES)
 @pytest.mark.parametrize("feat", [(), (3,)])
-def test_reference_matches_loop(lengths, max_len, feat):
-    offsets = offsets_from_lengths(lengths)
-    values = randn_nonzero(int(offsets[-1]), *feat)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_reference_matches_loop(lengths, max_len, feat, dtype, index_dtype):
+    """The reference, forward and both gradients, against the loop (autograd through its copies)."""
+    offsets = offsets_from_lengths(lengths, index_dtype)
+    values = randn_nonzero(int(offsets[-1]), *feat, dtype=dtype).requires_grad_(True)
     padded = gk.jagged_to_padded(values, offsets, max_len, pad_value=-3.0, backend="reference")
-    torch.testing.assert_close(padded, loop_jagged_to_padded(values, offsets, max_len, -3.0), rtol=0, atol=0)
-    torch.testing.assert_close(gk.padded_to_jagged(padded, offsets, backend="reference"),
-                               loop_padded_to_jagged(padded, offsets), rtol=0, atol=0)
+    expected = loop_jagged_to_padded(values, offsets, max_len, -3.0)
+    assert padded.dtype == dtype
+    torch.testing.assert_close(padded, expected, rtol=0, atol=0)
+    grad = randn_nonzero(*padded.shape, dtype=dtype)
+    torch.testing.assert_close(torch.autograd.grad(padded, values, grad)[0], _loop_grad(expected, values, grad),
+                               rtol=0, atol=0)
+    dense = randn_nonzero(*padded.shape, dtype=dtype).requires_grad_(True)
+    jagged = gk.padded_to_jagged(dense, offsets, backend="reference")
+    expected = loop_padded_to_jagged(dense, offsets)
+    torch.testing.assert_close(jagged, expected, rtol=0, atol=0)
+    grad = randn_nonzero(*jagged.shape, dtype=dtype)
+    torch.testing.assert_close(torch.autograd.grad(jagged, dense, grad)[0], _loop_grad(expected, dense, grad),
+                               rtol=0, atol=0)
 
 
 def _inputs(lengths, feat, dtype, index_dtype, device):
@@ -106,7 +127,7 @@ def test_forward_and_backward(device, backend, lengths, max_len, feat, dtype, in
     torch.testing.assert_close(grad_dense, expected_grad_dense, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params())
+@pytest.mark.parametrize("device,backend", reference_params() + device_backend_params())
 def test_roundtrip_and_total_len(device, backend):
     values, offsets = _inputs([4, 0, 9, 2], (5,), torch.float32, torch.int64, device)
     padded = gk.jagged_to_padded(values, offsets, 9, backend=backend)
@@ -114,13 +135,13 @@ def test_roundtrip_and_total_len(device, backend):
     torch.testing.assert_close(back, values, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params())
+@pytest.mark.parametrize("device,backend", reference_params() + device_backend_params())
 def test_noncontiguous_inputs(device, backend):
     values, offsets = _inputs([3, 6, 1], (8,), torch.float32, torch.int32, device)
     values_t = values.t().contiguous().t()  # same values, column-major
     assert not values_t.is_contiguous()
     torch.testing.assert_close(gk.jagged_to_padded(values_t, offsets, 6, backend=backend),
-                               gk.jagged_to_padded(values, offsets, 6, backend="reference"), rtol=0, atol=0)
+                               loop_jagged_to_padded(values, offsets.cpu(), 6, 0.0), rtol=0, atol=0)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

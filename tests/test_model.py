@@ -169,14 +169,11 @@ def _model_pair(cfg=TINY, seed=0):
 
 
 def _tables(model: GemModel) -> list[torch.Tensor]:
-    """Every embedding table's [rows, D] weight, in one order for both kernels."""
-    if model.kernels == "eager":
-        bags = model.sparse_arch.ebc.embedding_bags
-        seq = model.sequence_arch.embeddings.ec.embeddings
-        return [bags[f"table_{t}"].weight for t in range(len(bags))] + [seq["item_table"].weight,
-                                                                         seq["action_table"].weight]
-    sparse, seq = model.sparse_arch.ebc, model.sequence_arch.embeddings.ec
-    return [sparse.weight(t) for t in range(sparse.num_tables)] + [seq.weight(0), seq.weight(1)]
+    """Every embedding table's [rows, D] weight, in one order for both kernels (TorchRec's keys)."""
+    state = model.state_dict()
+    names = [f"sparse_arch.ebc.embedding_bags.table_{t}.weight" for t in range(model.cfg.num_tables)]
+    names += [f"sequence_arch.embeddings.ec.embeddings.{t}.weight" for t in ("item_table", "action_table")]
+    return [state[name] for name in names]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -187,6 +184,7 @@ def test_eager_and_fused_same_loss_and_gradients(cfg):
     eager, fused = _model_pair(cfg)
     for a, b in zip(_tables(eager), _tables(fused)):
         assert torch.equal(a, b)
+    assert list(eager.state_dict()) == list(fused.state_dict())  # TorchRec's keys both ways
     dense_names = [n for n, _ in eager.named_parameters() if "sparse_arch" not in n and ".ec." not in n]
     assert dense_names == [n for n, _ in fused.named_parameters() if "sparse_arch" not in n and ".ec." not in n]
     opt_eager, opt_fused = eager.make_optimizers(), fused.make_optimizers()
@@ -257,6 +255,28 @@ def test_all_histories_empty():
     assert_close(fused.loss(b), eager.loss(b), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_swap_turns_the_eager_model_into_the_fused_one(cfg):
+    """gk.swap(eager GemModel, ExactRowwiseAdagrad) replaces every eager leaf with its fused twin:
+    the same module types and state_dict keys as GemModel(kernels="fused"), and the same losses
+    over two training steps."""
+    eager, fused = _model_pair(cfg)
+    report = gem_kernels.swap(eager, optimizer=gem_kernels.optim.ExactRowwiseAdagrad(lr=cfg.sparse_lr))
+    paths = {path for path, _, _ in report.replaced}
+    assert {"sparse_arch.ebc", "sequence_arch.embeddings.ec", "interaction_arch.interaction"} <= paths
+    assert all(f"sequence_arch.layers.{i}" in paths for i in range(cfg.num_hstu_layers))
+    assert eager.kernels == "fused" and not eager.embedding_parameters()
+    assert [type(m) for m in eager.modules()] == [type(m) for m in fused.modules()]
+    assert list(eager.state_dict()) == list(fused.state_dict())
+    assert sorted(report.fused_parameters) == ["sequence_arch.embeddings.ec.weights", "sparse_arch.ebc.weights"]
+    data = SyntheticBatches(cfg, 32, seed=9)
+    opt_swapped, opt_fused = eager.make_optimizers(), fused.make_optimizers()
+    for i in range(2):
+        a, b = train_step(eager, data[i], opt_swapped), train_step(fused, data[i], opt_fused)
+        assert_close(a, b, dtype=torch.float32)
+    assert not gem_kernels.swap(eager).replaced  # a second swap changes nothing
+
+
 # ----------------------------------------------------------------------------------- learning, AUC
 
 
@@ -325,7 +345,8 @@ def test_checkpoint_resume_gives_the_same_losses(kernels, tmp_path):
     # The checkpoint holds the fused tables' optimizer state (fused) or the eager table optimizer.
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     if kernels == "fused":
-        assert float(state["model"]["sparse_arch.ebc.momentum1"].abs().sum()) > 0
+        assert float(state["fused_optimizers"]["sparse_arch.ebc"]["momentum1"].abs().sum()) > 0
+        assert float(state["fused_optimizers"]["sequence_arch.embeddings.ec"]["momentum1"].abs().sum()) > 0
     else:
         assert len(state["optimizers"]) == 2 and state["optimizers"][1]["state"]
 

@@ -429,7 +429,7 @@ def _dataset(batch_size=16, seed=0):
 
     return RandomRecDataset(keys=[f"f{i}" for i in range(len(TABLE_ROWS))], batch_size=batch_size,
                             hash_sizes=TABLE_ROWS, ids_per_feature=3, num_dense=5, manual_seed=seed,
-                            num_generated_batches=4)
+                            num_generated_batches=4, num_batches=4)
 
 
 def _dlrm(kind):

@@ -38,9 +38,19 @@ def _skip_reason(device: str, backend: str) -> str | None:
     return _backend.unavailable_reason(backend)
 
 
-def device_backend_params(backends=_backend.BACKENDS):
+# The backends a comparison test runs: every one but the reference, which is what they are compared
+# with. The reference itself is checked against independent oracles (loops, torch.nn modules,
+# torch.optim, eager autograd), never against itself.
+KERNEL_BACKENDS = tuple(b for b in _backend.BACKENDS if b != "reference")
+
+
+def device_backend_params(backends=KERNEL_BACKENDS):
     """pytest params (device, backend) for every pair that makes sense, skipped with the reason
-    when this machine cannot run it (never silently dropped)."""
+    when this machine cannot run it (never silently dropped). Never the reference: a test comparing
+    a backend with the reference would compare the reference with itself (see reference_params)."""
+    if "reference" in backends:
+        raise ValueError("device_backend_params: the reference is compared with an oracle, not with itself; "
+                         "use reference_params() for a test of the reference's own behaviour")
     params = []
     for device in DEVICES:
         for backend in backends:
@@ -53,6 +63,21 @@ def device_backend_params(backends=_backend.BACKENDS):
             if device == "cuda":
                 marks.append(pytest.mark.gpu)
             params.append(pytest.param(device, backend, marks=marks, id=f"{device}-{backend}"))
+    return params
+
+
+def reference_params(devices=DEVICES):
+    """pytest params (device, "reference") for tests of the reference's own behaviour against an
+    oracle (a loop, zeros, torch.nn). The cpu id is "reference" (not "cpu-..."): the GK_CUDA_EMU pass,
+    which selects ids containing "cpu", has no CUDA code to run in them."""
+    params = []
+    for device in devices:
+        reason = _skip_reason(device, "reference")
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        if device == "cuda":
+            marks.append(pytest.mark.gpu)
+        params.append(pytest.param(device, "reference", marks=marks,
+                                   id="reference" if device == "cpu" else f"{device}-reference"))
     return params
 
 
@@ -107,20 +132,43 @@ def interpreter_rounding_factor(backend: str, device, dtype: torch.dtype) -> int
     return 2 if interpreted and dtype == torch.bfloat16 else 1
 
 
+def assert_rounded_once(actual: torch.Tensor, expected32: torch.Tensor, dtype: torch.dtype,
+                        rounding_factor: int = 1) -> None:
+    """For kernels that accumulate in fp32 and cast once (pooling, scatter-add of rows): `actual` in
+    `dtype` is the fp32 `expected32` rounded to `dtype`, up to fp32 reassociation, element by element.
+    `rounding_factor`: see interpreter_rounding_factor."""
+    expected32 = expected32.detach().float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected32)
+        return
+    # NOTE: half an ulp of each element, plus fp32's reassociation noise (which can tip a rounding).
+    bound = rounding_factor * 0.5 * torch.finfo(dtype).eps * expected32.abs() + 1e-5 * (1 + expected32.abs())
+    err = (actual.detach().float() - expected32).abs()
+    worst = int(torch.argmax(err - bound)) if err.numel() else 0
+    assert bool((err <= bound).all()), (f"max error {err.max().item()} beyond a rounding of the fp32 result "
+                                        f"(worst element {worst}: {actual.flatten()[worst].item()} vs "
+                                        f"{expected32.flatten()[worst].item()})")
+
+
+def rounding_atol(expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """FlashAttention's atol, `2 * |(out_ref + 0.3 - 0.3) - out_ref|` in `dtype`: one rounding's
+    worth at the magnitude of the values, not a fixed table entry."""
+    if not expected.numel():
+        return 0.0
+    e = expected.detach().to(dtype)
+    return 2 * ((e + 0.3 - 0.3) - e).abs().max().item()
+
+
 def assert_close_vs_eager(actual: torch.Tensor, expected: torch.Tensor, eager: torch.Tensor,
                           dtype: torch.dtype, msg: str = "", rounding_factor: int = 1) -> None:
-    """FlashAttention's rule for kernels whose intermediates live in the I/O dtype (e.g. GEMMs in
-    bf16): the max error of `actual` against the fp32 `expected` is at most twice the max error of
-    the same-dtype eager computation `eager`, plus the dtype's atol. `rounding_factor` (see
-    interpreter_rounding_factor) scales the bound for backends whose casts truncate.
-
-    NOTE: eager's error is floored at half an ulp of the largest output (the rounding of the final
-    cast, which any implementation may pay): on a tensor of a few elements eager can land on the
-    exact value by luck, and twice a near-zero error would demand more than the dtype can hold."""
-    expected = expected.float()
-    err = (actual.float() - expected).abs().max().item() if actual.numel() else 0.0
-    eager_err = (eager.float() - expected).abs().max().item() if eager.numel() else 0.0
-    half_ulp = 0.5 * torch.finfo(dtype).eps * (expected.abs().max().item() if expected.numel() else 0.0)
-    bound = rounding_factor * max(2 * eager_err, half_ulp) + TOLERANCES[dtype]["atol"]
-    assert err <= bound, (f"{msg}: max error {err} > {rounding_factor} x max(2 x eager's {eager_err}, half an ulp "
-                          f"{half_ulp}) + atol")
+    """FlashAttention's rule: the max error of `actual` against the fp32 `expected` is at most twice
+    the max error of the same computation done eagerly in `dtype` (`eager`), plus a rounding-sized
+    atol (rounding_atol). `rounding_factor` (see interpreter_rounding_factor) scales the bound for
+    backends whose casts truncate."""
+    expected = expected.detach().float()
+    err = (actual.detach().float() - expected).abs().max().item() if actual.numel() else 0.0
+    eager_err = (eager.detach().float() - expected).abs().max().item() if eager.numel() else 0.0
+    atol = rounding_atol(expected, dtype)
+    bound = rounding_factor * (2 * eager_err + atol)
+    assert err <= bound, (f"{msg}: max error {err} > {rounding_factor} x (2 x eager's {eager_err} + rounding "
+                          f"atol {atol})")

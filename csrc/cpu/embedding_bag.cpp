@@ -147,10 +147,15 @@ Meta read_meta(const at::Tensor& weights_offsets, const at::Tensor& D_offsets, c
   TORCH_CHECK((offsets.numel() - 1) % T == 0, "offsets must have T*B+1 elements");
   Meta m{weights_offsets.data_ptr<int64_t>(), D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(), T,
          (offsets.numel() - 1) / T, 0};
+  // Output columns start at D_offsets[0] and optimizer state rows at rows_offsets[0]: both must be
+  // 0 for a direct call (which skips the Python checks) to stay inside its buffers.
+  TORCH_CHECK(m.d_off[0] == 0 && m.r_off[0] == 0, "D_offsets[0] and rows_offsets[0] must be 0");
   for (int64_t t = 0; t < T; ++t) {
     const int64_t D = m.d_off[t + 1] - m.d_off[t];
     const int64_t rows = m.r_off[t + 1] - m.r_off[t];
-    TORCH_CHECK(D >= 1 && rows >= 1 && m.w_off[t] >= 0 && m.w_off[t] + rows * D <= weights.numel(),
+    // rows <= (numel - w_off) / D: rows * D itself may overflow int64 for garbage metadata.
+    TORCH_CHECK(D >= 1 && rows >= 1 && m.w_off[t] >= 0 && m.w_off[t] <= weights.numel() &&
+                    rows <= (weights.numel() - m.w_off[t]) / D,
                 "table ", t, " does not fit in weights");
     TORCH_CHECK(rows < (int64_t(1) << 31), "table ", t, " has more than 2^31 rows");
     m.max_D = std::max(m.max_D, D);
@@ -190,6 +195,20 @@ void check_offsets_values(const at::Tensor& offsets, int64_t total) {
     TORCH_CHECK_VALUE(off[n - 1] == total, "offsets[-1] must equal the number of rows ", total, ", got ",
                       static_cast<int64_t>(off[n - 1]));
   });
+}
+
+// grad_output of a backward: [B, D_offsets[-1]] pooled or [N, max D] for pooling none, as the forward
+// wrote it; the Python op passes exactly that, a direct call may not.
+void check_grad_output(const at::Tensor& grad_output, const at::Tensor& weights, const Meta& m, int64_t N,
+                       int64_t pooling) {
+  GK_CHECK_CPU(grad_output);
+  GK_CHECK_CONTIGUOUS(grad_output);
+  GK_CHECK_DIM(grad_output, 2);
+  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
+  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
+  TORCH_CHECK(grad_output.size(0) == (pooling == kNone ? N : m.B), "grad_output has ", grad_output.size(0),
+              " rows, expected ", pooling == kNone ? N : m.B);
+  TORCH_CHECK(grad_output.size(1) >= (pooling == kNone ? m.max_D : m.d_off[m.T]), "grad_output is too narrow");
 }
 
 // Forward-style work items: (table t, bags [b_begin, b_end) of kBagsPerChunk), table-major, handed
@@ -514,11 +533,11 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
                                       const at::Tensor& offsets, const at::Tensor& per_sample_weights,
                                       int64_t pooling) {
   check_common(weights, indices, offsets, per_sample_weights);
-  GK_CHECK_CPU(grad_output);
-  GK_CHECK_CONTIGUOUS(grad_output);
-  GK_CHECK_DIM(grad_output, 2);
-  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
   const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  // The forward checked these for the Python op; a direct call of this op is checked here (one
+  // serial pass over the offsets, microseconds).
+  check_grad_output(grad_output, weights, m, indices.numel(), pooling);
+  check_offsets_values(offsets, indices.numel());
   auto grad_weights = empty_for_streaming_write(weights.sizes(), weights.options()).zero_();
   GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_backward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_backward_cpu_idx", [&] {
@@ -683,12 +702,10 @@ void embedding_bag_backward_fused_cpu(const at::Tensor& grad_output, const at::T
                                       int64_t optimizer, double lr, double eps, double beta1, double beta2,
                                       double weight_decay) {
   check_common(weights, indices, offsets, per_sample_weights);
-  GK_CHECK_CPU(grad_output);
-  GK_CHECK_CONTIGUOUS(grad_output);
-  GK_CHECK_DIM(grad_output, 2);
-  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), "grad_output must have weights' dtype");
   TORCH_CHECK(optimizer >= kOptSgd && optimizer <= kOptAdam, "bad optimizer code ", optimizer);
   const Meta m = read_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  check_grad_output(grad_output, weights, m, indices.numel(), pooling);  // as in embedding_bag_backward_cpu
+  check_offsets_values(offsets, indices.numel());
   for (const auto* t : {&momentum1, &momentum2}) {
     GK_CHECK_CPU(*t);
     GK_CHECK_CONTIGUOUS(*t);

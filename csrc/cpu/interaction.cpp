@@ -356,9 +356,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
                                                                const at::Tensor& u, const at::Tensor& v,
                                                                const at::Tensor& bias) {
   GK_CHECK_CPU(x0);
-  interaction_checks::cross_layer(x0, xl, u, v, bias);
+  const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const int64_t B = x0.size(0), N = x0.size(1);
-  const bool low_rank = v.numel() > 0;
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
   auto out = at::empty_like(xl);
@@ -381,9 +380,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
     const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
     const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
   GK_CHECK_CPU(x0);
-  interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
+  const bool low_rank = interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
   const int64_t B = x0.size(0), N = x0.size(1);
-  const bool low_rank = v.numel() > 0;
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
   // Column sums of grad_z over fixed row chunks (deterministic), in fp32.

@@ -48,6 +48,8 @@ at::Tensor jagged_to_padded_cpu(const at::Tensor& values, const at::Tensor& offs
   const int64_t B = offsets.numel() - 1;
   const int64_t N = values.size(0);
   const int64_t D = values.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "jagged_to_padded_cpu_pad",
+                                  [&] { check_pad_value<scalar_t>(pad_value); });
   auto out = empty_for_streaming_write({B, max_len, D}, values.options());
   if (out.numel() == 0) return out;
 

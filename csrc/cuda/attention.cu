@@ -253,7 +253,8 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
 // row_delta (softmax). Each thread owns whole pairs: no reduction across threads.
 __device__ __forceinline__ void grad_tile(const float* sq, const float* sk, const float* sv, const float* sdo,
                                           const float* row_lse, const float* row_delta, float* sp, float* sds,
-                                          unsigned char* svis, int* sbucket, int64_t i0, int64_t bm, int64_t j0, int64_t bn,
+                                          unsigned char* svis, int* sbucket, int64_t i0, int64_t bm, int64_t j0,
+                                          int64_t bn,
                                           int64_t start, int64_t hp, int64_t ht, int64_t max_id, const AttnArgs& a) {
   for (int idx = threadIdx.x; idx < kBlockM * kBlockN; idx += blockDim.x) {
     const int r = idx / kBlockN, c = idx % kBlockN;

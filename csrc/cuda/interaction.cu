@@ -228,9 +228,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cuda(const at::Tensor
                                                                 const at::Tensor& u, const at::Tensor& v,
                                                                 const at::Tensor& bias) {
   GK_CHECK_CUDA(x0);
-  interaction_checks::cross_layer(x0, xl, u, v, bias);
+  const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const c10::cuda::CUDAGuard guard(x0.device());
-  const bool low_rank = v.numel() > 0;
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
   auto out = at::empty_like(xl);
@@ -249,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
     const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
     const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
   GK_CHECK_CUDA(x0);
-  interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
+  const bool low_rank = interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
   const c10::cuda::CUDAGuard guard(x0.device());
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
@@ -265,7 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   }
   auto grad_bias = grad_z.sum(0, /*keepdim=*/false, at::kFloat).to(x0.scalar_type());
   at::Tensor grad_u, grad_v, grad_xl;
-  if (v.numel() > 0) {
+  if (low_rank) {
     grad_u = at::mm(grad_z.t(), p);
     auto grad_p = at::mm(grad_z, u);
     grad_v = at::mm(grad_p.t(), xl);

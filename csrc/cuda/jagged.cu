@@ -105,6 +105,8 @@ at::Tensor jagged_to_padded_cuda(const at::Tensor& values, const at::Tensor& off
   check_jagged_args(values, offsets);
   GK_CHECK_DIM(values, 2);
   TORCH_CHECK(max_len >= 0, "max_len must be >= 0, got ", max_len);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "jagged_to_padded_cuda_pad",
+                                  [&] { check_pad_value<scalar_t>(pad_value); });
   const c10::cuda::CUDAGuard guard(values.device());
   const int64_t B = offsets.numel() - 1;
   const int64_t D = values.size(1);

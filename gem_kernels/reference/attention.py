@@ -141,6 +141,8 @@ def _softmax_weights(scores, valid):
     visible scores are all -inf gets p = 0 and lse = -inf (FlashAttention's convention, which the
     kernels share: exp(-inf) = 0, the sum 0 is not divided by). m is a constant shift (detached)."""
     neg_inf = float("-inf")
+    if scores.shape[-1] == 0:  # every sequence empty: nothing to reduce (amax refuses an empty dim)
+        return scores, scores.new_full(scores.shape[:-1], neg_inf)
     row_max = torch.where(valid, scores, neg_inf).amax(-1, keepdim=True)
     shift = torch.where(row_max == neg_inf, 0.0, row_max).detach()
     # Invisible pairs: exp(-inf) = 0, whose gradient is 0 * 0 (selecting after exp would give 0 * inf).

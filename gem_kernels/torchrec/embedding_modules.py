@@ -14,7 +14,8 @@ shared). Consequences:
 Semantics follow TorchRec: output keys are the embedding names (``feature@table`` for a feature
 read by several tables), output values fp32; MEAN pooling with weights (``is_weighted``) is the
 weighted sum divided by the bag length (FBGEMM TBE). Tables with different poolings run in one
-call: the op pools by sum and mean tables carry a 1/length per-sample weight.
+call: the op pools by sum and mean tables carry a 1/length per-sample weight (with bounds_check
+"warn"/"skip" a dropped id then still counts in its bag's length, as FBGEMM's bounds check counts it).
 
 state_dict keys are TorchRec's (``embedding_bags.<table>.weight`` / ``embeddings.<table>.weight``,
 [rows, dim]), so a TorchRec checkpoint loads into these modules and theirs into TorchRec's. The

@@ -12,3 +12,21 @@
 #define GK_CHECK_INDEX(x)                                                                   \
   TORCH_CHECK((x).scalar_type() == at::kInt || (x).scalar_type() == at::kLong, #x          \
               " must be int32 or int64, got ", (x).scalar_type())
+
+#include <cmath>
+#include <limits>
+
+namespace gem_kernels {
+
+// A pad value that scalar_t can hold: +-inf, NaN, or a finite value within its range (torch's rule
+// for filling with a Python scalar; the front door's check_pad_value). A cast would turn 1e6 into
+// inf in fp16 without a word.
+template <typename scalar_t>
+inline void check_pad_value(double pad_value) {
+  const double hi = static_cast<double>(std::numeric_limits<scalar_t>::max());
+  TORCH_CHECK_VALUE(!std::isfinite(pad_value) || std::abs(pad_value) <= hi, "pad_value is out of range for ",
+                    c10::CppTypeToScalarType<scalar_t>::value, " (finite values in [", -hi, ", ", hi, "]), got ",
+                    pad_value);
+}
+
+}  // namespace gem_kernels

@@ -51,25 +51,36 @@ inline void dot_interaction_backward(const at::Tensor& grad_out, const at::Tenso
               "grad_out must be [B, P]");
 }
 
-// x0, xl [B, N]; u [N, N] (full rank, v empty) or [N, r] with v [r, N]; bias [N].
-inline void cross_layer(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u, const at::Tensor& v,
+// x0, xl [B, N]; u [N, N] (full rank, v an empty 1-D tensor) or [N, r] with v [r, N]; bias [N].
+// Low rank is told by v's shape, not its size: a low-rank v [r, N] is itself empty when N = 0.
+// Returns whether the layer is low rank.
+inline bool cross_layer(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u, const at::Tensor& v,
                         const at::Tensor& bias) {
   floats_like({{&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"}, {&bias, "bias"}}, x0);
   GK_CHECK_DIM(x0, 2);
   TORCH_CHECK(xl.sizes() == x0.sizes(), "xl must have x0's shape");
   const int64_t N = x0.size(1);
-  const bool low_rank = v.numel() > 0;
+  const bool low_rank = v.dim() == 2;
+  TORCH_CHECK(low_rank || v.numel() == 0, "v must be [r, N] (low rank) or an empty 1-D tensor (full rank)");
   TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank || u.size(1) == N), "u must be [N, N] or [N, r]");
-  TORCH_CHECK(!low_rank || (v.dim() == 2 && v.size(0) == u.size(1) && v.size(1) == N), "v must be empty or [r, N]");
+  TORCH_CHECK(!low_rank || (v.size(0) == u.size(1) && v.size(1) == N), "v must be [r, N]");
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");
+  return low_rank;
 }
 
-inline void cross_layer_backward(const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl,
+inline bool cross_layer_backward(const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl,
                                  const at::Tensor& u, const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
   floats_like({{&grad_out, "grad_out"}, {&x0, "x0"}, {&xl, "xl"}, {&u, "u"}, {&v, "v"}, {&z, "z"}, {&p, "p"}}, x0);
   GK_CHECK_DIM(x0, 2);
   TORCH_CHECK(grad_out.sizes() == x0.sizes() && xl.sizes() == x0.sizes() && z.sizes() == x0.sizes(),
               "grad_out, xl and z must have x0's shape");
+  const int64_t B = x0.size(0), N = x0.size(1);
+  const bool low_rank = v.dim() == 2;  // as in the forward
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == N && (low_rank ? v.size(0) == u.size(1) && v.size(1) == N
+                                                          : v.numel() == 0 && u.size(1) == N),
+              "u and v must be ([N, N], empty) or ([N, r], [r, N])");
+  TORCH_CHECK(!low_rank || (p.dim() == 2 && p.size(0) == B && p.size(1) == u.size(1)), "p must be [B, r]");
+  return low_rank;
 }
 
 // x [B, F, D], y [F, k], ln_weight and ln_bias [F*k].
