@@ -9,8 +9,8 @@ CPU it counts the calls that would sync with the same code on CUDA tensors
 backend with the front door taking its CUDA-tensor branches (checks the CUDA kernels need in
 Python) while the CPU kernels compute; syncs inside the CUDA launchers are not seen there.
 
-Each row counts the second call (the first may warm caches); the model step includes the
-optimizer and `train_step`'s own `float(loss)`.
+Each row counts the second call (the first may warm caches); the model step (GemConfig.tiny(),
+batch 32) includes the optimizers' steps.
 """
 
 from __future__ import annotations
@@ -102,11 +102,12 @@ def _model_cases(device: torch.device):
 
     for interaction in ("dot", "wukong"):
         cfg = dataclasses.replace(GemConfig.tiny(), interaction=interaction)
-        batch = SyntheticBatches(cfg, 32, seed=0)[0].to(device)
+        batch = SyntheticBatches(cfg, batch_size=32)[0].to(device)
         for kernels in ("eager", "fused"):
             model = GemModel(cfg, kernels=kernels, seed=0).to(device)
             optimizers = model.make_optimizers()
-            yield f"train_step {interaction} {kernels}", lambda m=model, o=optimizers: train_step(m, batch, o)
+            yield (f"train_step {interaction} {kernels}",
+                   lambda m=model, o=optimizers, b=batch: train_step(m, b, o))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

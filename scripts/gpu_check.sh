@@ -84,5 +84,8 @@ log "attention tiles rc=$?"
 log "regression suite"
 timeout -k 5 120 "$PY" -m pytest bench/regression --benchmark-only -q --benchmark-max-time=0.05 -p no:cacheprovider >> "$OUT/summary.txt" 2>&1
 log "regression suite rc=$?"
+log "host syncs per op and per training step (set_sync_debug_mode)"
+timeout -k 5 120 "$PY" -m bench.host_syncs --device cuda --json "$OUT/host-syncs-cuda.json" >> "$OUT/summary.txt" 2>&1
+log "host syncs rc=$?"
 rm -f "$OUT"/latest-*  # duplicates of the timestamped results
 ls "$OUT" >> "$OUT/summary.txt"

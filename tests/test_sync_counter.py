@@ -40,8 +40,8 @@ def test_sees_the_checks_inside_custom_ops():
     values, offsets = torch.randn(5, 2), offsets_from_lengths([2, 0, 3])
     with SyncCounter("cpu") as syncs:
         gk.jagged_to_padded(values, offsets, 3, backend="reference")
-    assert syncs.by_kind["item"] >= 2, dict(syncs.where)
-    assert any("item" in where for where in syncs.where["item"])
+    # The forward op reads the offsets summary in one copy (gem_kernels/_validate.py).
+    assert syncs.where["tolist"]["gem_kernels._validate"] == 1, dict(syncs.where)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="set_sync_debug_mode needs a GPU")

@@ -151,10 +151,10 @@ def _load_rows(ptr, rows, row_ok, stride_n, col0, cols, width, UPCAST: tl.conste
 
 
 @triton.jit
-def _program(blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS: tl.constexpr):
+def _program(blocks, H, offsets_ptr, targets_ptr, contextual_len, pos_heads, time_heads, HAS_TARGETS: tl.constexpr):
     """The prologue of every attention program: 1-D grid, block fastest, (block, sequence b, head h);
-    the sequence's start row and length L, and the largest position id (targets and the contextual
-    prefix share ids, see reference/attention.py)."""
+    the sequence's start row and length L, the largest position id (targets and the contextual
+    prefix share ids, see reference/attention.py), and the bias rows of head h (hp, ht)."""
     pid = tl.program_id(0) % blocks
     bh = tl.program_id(0) // blocks
     b = bh // H
@@ -165,7 +165,9 @@ def _program(blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS: t
     if HAS_TARGETS:
         n_t = tl.load(targets_ptr + b).to(tl.int32)
     max_id = L - n_t + tl.where(contextual_len > 0, 1 - contextual_len, 0)
-    return pid, b, h, bh, start, L, max_id
+    hp = h if pos_heads > 1 else 0
+    ht = h if time_heads > 1 else 0
+    return pid, b, h, bh, start, L, max_id, hp, ht
 
 
 @triton.jit
@@ -178,8 +180,8 @@ def _jagged_attention_fwd_kernel(
     HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m, b, h, bh, start, L, max_id = _program(tl.cdiv(M, BLOCK_M), H, offsets_ptr, targets_ptr, contextual_len,
-                                                 HAS_TARGETS)
+    pid_m, b, h, bh, start, L, max_id, hp, ht = _program(tl.cdiv(M, BLOCK_M), H, offsets_ptr, targets_ptr,
+                                                         contextual_len, pos_heads, time_heads, HAS_TARGETS)
     if pid_m * BLOCK_M < L:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
@@ -190,8 +192,6 @@ def _jagged_attention_fwd_kernel(
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-        hp = h if pos_heads > 1 else 0
-        ht = h if time_heads > 1 else 0
         for j0 in range(0, L, BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
             id_n = _ids(offs_n, L, max_id, contextual_len)
@@ -275,6 +275,17 @@ def _bucket_sums(ds, bucket, num_buckets, TB: tl.constexpr):
 
 
 @triton.jit
+def _row_stats(Lse_ptr, Delta_ptr, rows, row_ok, H, h, BLOCK_M: tl.constexpr, SOFTMAX: tl.constexpr):
+    """The backward's per-row softmax statistics (lse, delta = <dO, O>) of head h; zeros for HSTU."""
+    lse = tl.zeros((BLOCK_M,), tl.float32)
+    delta = tl.zeros((BLOCK_M,), tl.float32)
+    if SOFTMAX:
+        lse = tl.load(Lse_ptr + rows * H + h, mask=row_ok, other=0.0)
+        delta = tl.load(Delta_ptr + rows * H + h, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
 def _jagged_attention_bwd_dkdv_kernel(
     Q_ptr, K_ptr, V_ptr, DO_ptr, Lse_ptr, Delta_ptr, offsets_ptr, targets_ptr, pos_bias_ptr, time_bias_ptr,
     timestamps_ptr, query_timestamps_ptr, thr_ptr, stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
@@ -295,12 +306,11 @@ def _jagged_attention_bwd_dkdv_kernel(
     and nt - qt - 1 (c - r <= 0), which query block qt + 1 touches next: the walk keeps the second in
     `carry` and stores each block once, complete. DTime_ptr is the time scratch [B*H, key_blocks, num_buckets+1].
     """
-    pid, b, h, bh, start, L, max_id = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS)
+    pid, b, h, bh, start, L, max_id, hp, ht = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len,
+                                                       pos_heads, time_heads, HAS_TARGETS)
     if pid * BLOCK_N < L:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        hp = h if pos_heads > 1 else 0
-        ht = h if time_heads > 1 else 0
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < L
         id_n = _ids(offs_n, L, max_id, contextual_len)
@@ -325,11 +335,7 @@ def _jagged_attention_bwd_dkdv_kernel(
             if tl.max(vis.to(tl.int32)) > 0:
                 q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
                 do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
-                lse = tl.zeros((BLOCK_M,), tl.float32)
-                delta = tl.zeros((BLOCK_M,), tl.float32)
-                if SOFTMAX:
-                    lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
-                    delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+                lse, delta = _row_stats(Lse_ptr, Delta_ptr, start + offs_m, row_ok, H, h, BLOCK_M, SOFTMAX)
                 p, ds, bucket = _tile_grads(q, k, v, do, lse, delta, offs_m, offs_n, vis, start, L, hp, ht,
                                             scale, inv_m, M, pos_bias_ptr, stride_pb, time_bias_ptr, stride_tb,
                                             timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS, HAS_TIME,
@@ -376,22 +382,17 @@ def _jagged_attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Program = one query block of one (sequence, head) -> its dq (no atomics: it owns its rows)."""
-    pid, b, h, bh, start, L, max_id = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len, HAS_TARGETS)
+    pid, b, h, bh, start, L, max_id, hp, ht = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len,
+                                                       pos_heads, time_heads, HAS_TARGETS)
     if pid * BLOCK_M < L:
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        hp = h if pos_heads > 1 else 0
-        ht = h if time_heads > 1 else 0
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < L
         id_m = _ids(offs_m, L, max_id, contextual_len)
         q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
         do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
-        lse = tl.zeros((BLOCK_M,), tl.float32)
-        delta = tl.zeros((BLOCK_M,), tl.float32)
-        if SOFTMAX:
-            lse = tl.load(Lse_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
-            delta = tl.load(Delta_ptr + (start + offs_m) * H + h, mask=row_ok, other=0.0)
+        lse, delta = _row_stats(Lse_ptr, Delta_ptr, start + offs_m, row_ok, H, h, BLOCK_M, SOFTMAX)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for j0 in range(0, L, BLOCK_N):
             offs_n = j0 + tl.arange(0, BLOCK_N)
