@@ -22,10 +22,13 @@ from .utils import (
     device_backend_params,
     offsets_from_lengths,
     poison_allocator,
+    reference_params,
 )
 
 # Every backend has forward and backward; each is tested against the reference.
 BACKENDS = tuple(b for b in IMPLEMENTED if b != "reference")
+# Tests against an independent oracle (a formula, the NaN rule) run the reference too, under its own id.
+WITH_REFERENCE = device_backend_params(BACKENDS) + reference_params()
 NUM_BUCKETS = 8
 
 
@@ -515,7 +518,7 @@ def _gr_batch(lengths, max_seq_len, num_buckets, seed=0, H=2, D=4, Dv=3):
     return qkv, offsets, ts, pos_w, ts_w
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params(IMPLEMENTED))
+@pytest.mark.parametrize("device,backend", WITH_REFERENCE)
 @pytest.mark.parametrize("kind", ["hstu", "softmax"])
 def test_query_timestamps_reproduce_gr_relative_bucketed_time_bias(device, backend, kind):
     """jagged_attention with query_timestamps = the next item's timestamp (GR's padded "next", see
@@ -555,7 +558,7 @@ def test_query_timestamps_reproduce_gr_relative_bucketed_time_bias(device, backe
     assert (plain.detach().cpu() - expected.detach()).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("device,backend", device_backend_params(IMPLEMENTED))
+@pytest.mark.parametrize("device,backend", WITH_REFERENCE)
 def test_query_timestamps_default_and_explicit_equal(device, backend):
     """query_timestamps=timestamps is the default, bit for bit, forward and backward."""
     inputs = make_inputs([6, 0, 9], device=device, time_heads=2, pos_heads=1)
@@ -597,7 +600,7 @@ def test_modules_pass_query_timestamps():
 # NaN, Inf and extreme values (issue 19): the rule of jagged_attention's docstring, on every backend
 # ------------------------------------------------------------------------------------------------
 
-ALL_BACKENDS = device_backend_params(IMPLEMENTED)
+ALL_BACKENDS = WITH_REFERENCE
 
 
 def _issue19_inputs(device, *, pos_heads=None, D=4, Dv=3, seed=0):
