@@ -70,7 +70,7 @@ def main() -> int:
     def fwd(kind, bm, bn, warps, stages):
         out = torch.empty_like(v)
         lse = torch.empty((n, H) if kind == "softmax" else (0,), dtype=torch.float32, device=device)
-        launch = tri._common(q, v, offsets, max_len, kind, True, scale, None, 0, 0, None, None, None)
+        launch = tri._common(q, v, offsets, max_len, kind, True, scale, None, 0, 0, None, None, None, None)
         launch.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
         if stages is not None:
             launch["num_stages"] = stages
