@@ -138,22 +138,26 @@ def feature_mix_norm(batch: int, num_in: int, num_out: int, num_fm: int, dim: in
 
 def wukong_layer(batch: int, num_in: int, num_fm_out: int, num_lcb_out: int, dim: int, fm_rank: int,
                  mlp_hidden: list[int], elem_bytes: int, backward: bool = False) -> tuple[int, int]:
-    """(flops, bytes) of one WukongLayer: fm_compress, the FMB MLP, the LCB and residual
-    projections over the feature axis and the final LayerNorm (~8 FLOPs per output element).
-    Bytes: the input, the parameters and the output once. Backward doubles the matmul FLOPs."""
+    """(flops, bytes) of one WukongLayer: fm_compress (its products and LayerNorm), the FMB MLP's
+    matmuls, the LCB and residual projections over the feature axis and the final LayerNorm (~8
+    FLOPs per output element forward, ~12 backward, as feature_mix_norm counts it). Bias adds,
+    ReLUs and the identity residual's add are elementwise and not counted, as for every other MLP
+    of the model (model.archs.mlp_flops). Bytes: the input, the parameters and the output once.
+    Backward: twice the matmul FLOPs (grad input, grad weight) and fm_compress's backward."""
     num_out = num_fm_out + num_lcb_out
-    fm_flops, _ = fm_compress(batch, num_in, dim, fm_rank, elem_bytes)
-    sizes = [num_in * fm_rank, *mlp_hidden, num_fm_out * dim]
-    mlp_params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
+    fm_flops = fm_compress(batch, num_in, dim, fm_rank, elem_bytes, backward=backward)[0] if num_fm_out else 0
+    sizes = [num_in * fm_rank, *mlp_hidden, num_fm_out * dim] if num_fm_out else []
+    mlp_weights = sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))
+    mlp_params = mlp_weights + sum(sizes[1:])
     # LCB and the residual projection are one [num_out, num_in] matrix over the feature axis (the
     # identity residual is an add: then only the LCB rows multiply).
     proj_rows = num_out if num_out != num_in else num_lcb_out
-    matmul = 2 * batch * mlp_params + 2 * batch * proj_rows * num_in * dim
+    matmul = 2 * batch * mlp_weights + 2 * batch * proj_rows * num_in * dim
     out_elems = batch * num_out * dim
     params = mlp_params + proj_rows * num_in + num_in * fm_rank * 3 + 2 * dim
     flops_ = fm_flops + matmul + 8 * out_elems
     bytes_ = (batch * num_in * dim + out_elems + params) * elem_bytes
     if backward:
-        flops_ += 2 * fm_flops + 2 * matmul + 12 * out_elems
+        flops_ += 2 * matmul + 12 * out_elems
         bytes_ += (out_elems + batch * num_in * dim + params) * elem_bytes
     return flops_, bytes_

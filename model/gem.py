@@ -168,8 +168,9 @@ class GemModel(nn.Module):
         backward; HSTU attention flops.jagged_attention over the real lengths (causal half,
         backward 2.5x forward); Wukong layers flops.wukong_layer, the dot interaction
         flops.dot_interaction; embedding bags their pooling adds and the row-wise Adagrad update
-        (flops.embedding_bag, embedding_bag_backward_rowwise_adagrad). Norms, activations and the
-        loss are not counted.
+        (flops.embedding_bag, embedding_bag_backward_rowwise_adagrad). Bias adds, activations,
+        the loss and norms are not counted, except the Wukong layers' LayerNorms (8 FLOPs per
+        element forward, 12 backward, as flops.wukong_layer counts its fused ops).
         """
         cfg = self.cfg
         dim, num_users = cfg.embedding_dim, batch.batch_size

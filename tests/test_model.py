@@ -387,6 +387,59 @@ def test_flops_per_step_counts_the_real_jagged_work():
     assert one.flops_per_step(b) - dot.flops_per_step(b) == wukong_flops - dot_flops + over_first
 
 
+def _plain_wukong_layer(layer, x: torch.Tensor) -> torch.Tensor:
+    """One WukongLayer in plain PyTorch on its parameters (FlopCounterMode cannot see inside the fused
+    ops): the FMB's optimised FM, LayerNorm and MLP, the LCB plus the residual as the one projection
+    M = feature_mix() [num_out, num_in], or the LCB rows alone plus the identity, and the LayerNorm."""
+    fn = torch.nn.functional
+    s = torch.bmm(x, torch.matmul(x.transpose(1, 2), layer.fm_y)).flatten(1)
+    fm = layer.fm_mlp(fn.layer_norm(s, s.shape[1:], layer.fm_norm.weight, layer.fm_norm.bias, layer.fm_norm.eps))
+    fm = fm.view(x.shape[0], layer.num_fm_out, layer.dim)
+    if layer.residual_weight is None:
+        mixed = x + torch.cat([fm, torch.matmul(layer.lcb_weight, x)], 1)
+    else:
+        mixed = torch.matmul(layer.feature_mix(), x) + fn.pad(fm, (0, 0, 0, layer.num_lcb_out))
+    return fn.layer_norm(mixed, (layer.dim,), layer.norm.weight, layer.norm.bias, layer.norm.eps)
+
+
+def test_flops_per_step_wukong_counts_its_layers():
+    """flops.wukong_layer (what flops_per_step sums over the Wukong stack) against torch's
+    FlopCounterMode on the layers' forward and backward in plain PyTorch: an independent count of
+    every matmul. FlopCounterMode counts matmuls only, so the two LayerNorms of each layer are added
+    at the count's written convention, 8 FLOPs per normalised element forward and 12 backward (over
+    F*k per row for the FMB's, num_out*dim for the output's); bias adds, ReLUs and residual adds
+    count in neither. Layer 1 projects its residual (5 -> 8 features), layer 2 adds it (8 -> 8)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = dataclasses.replace(TINY, wukong_layers=2)
+    layers = GemModel(cfg, "fused").interaction_arch.interaction.layers
+    assert layers[0].residual_weight is not None and layers[1].residual_weight is None
+    rows = 7
+    x = torch.randn(rows, cfg.num_features, cfg.embedding_dim, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        out = x
+        for layer in layers:
+            out = _plain_wukong_layer(layer, out)
+        out.sum().backward()
+    assert all(p.grad is not None for layer in layers for p in layer.parameters())
+    norms = sum(rows * (layer.num_in * cfg.wukong_fm_rank + layer.num_out * layer.dim) * (8 + 12) for layer in layers)
+    counted = sum(gem_kernels.flops.wukong_layer(rows, layer.num_in, cfg.wukong_fm_out, cfg.wukong_lcb_out,
+                                                 cfg.embedding_dim, cfg.wukong_fm_rank, list(cfg.wukong_mlp), 4,
+                                                 backward=True)[0] for layer in layers)
+    assert counted == counter.get_total_flops() + norms
+    # flops_per_step adds exactly these layers to the dot model's count, less the dot interaction.
+    b = SyntheticBatches(cfg, 16, seed=0)[0]
+    wukong_rows = int(b.num_candidates.sum())
+    stack = sum(gem_kernels.flops.wukong_layer(wukong_rows, layer.num_in, cfg.wukong_fm_out, cfg.wukong_lcb_out,
+                                               cfg.embedding_dim, cfg.wukong_fm_rank, list(cfg.wukong_mlp), 4,
+                                               backward=True)[0] for layer in layers)
+    dot_cfg = dataclasses.replace(cfg, interaction="dot")
+    dot = gem_kernels.flops.dot_interaction(wukong_rows, cfg.num_features, cfg.embedding_dim, False, 4, backward=True)[0]
+    over_first = 3 * 2 * wukong_rows * (cfg.interaction_width - dot_cfg.interaction_width) * cfg.over_arch_layers[0]
+    assert (GemModel(cfg, "fused").flops_per_step(b) - GemModel(dot_cfg, "fused").flops_per_step(b)
+            == stack - dot + over_first)
+
+
 def test_phase_timer_marks_every_component():
     model = GemModel(TINY, kernels="fused")
     timer = PhaseTimer(torch.device("cpu"))

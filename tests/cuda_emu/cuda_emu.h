@@ -2,19 +2,25 @@
 //
 // tests/cuda_emu/build.py rewrites each .cu file a little (kernel<<<...>>>(args) becomes
 // ::emu::launch(kernel, ...)(args); `extern __shared__ T name[]` becomes a pointer to the launch's
-// dynamic shared memory) and compiles it as C++ with this header forced in front. The kernels then
+// dynamic shared memory; each static `__shared__ T name[N]...;` in a __global__ function becomes a
+// reference to the block's copy of it, see static_smem below) and compiles it as C++ with this
+// header forced in front. The kernels then
 // run on CPU tensors, with CUDA's semantics where they matter for correctness:
 // - every thread of a block is a fiber (ucontext) on one OS thread; a fiber runs until it reaches a
-//   barrier (__syncthreads, __syncthreads_or, __syncwarp, a warp shuffle) or returns;
-// - the fibers waiting at a barrier resume in a random order (fixed seed; GK_CUDA_EMU_SEED picks
-//   another), and the blocks of a grid run in a random order: code that reads shared or global
-//   memory another thread writes without a barrier in between sees a stale value in about half the
-//   interleavings;
-// - dynamic shared memory is filled with NaN before every block, so reading what no thread of
-//   this block wrote gives NaN;
+//   barrier (__syncthreads, __syncthreads_or, __syncwarp, a warp shuffle), an atomicAdd, or returns;
+// - the fibers waiting at a barrier resume in a random order, a fiber at an atomicAdd resumes at a
+//   random place among the ready ones (so float atomics sum in a random order, as on the GPU), and
+//   the blocks of a grid run in a random order: code that reads shared or global memory another
+//   thread writes without a barrier in between sees a stale value in about half the interleavings.
+//   The order is a function of GK_CUDA_EMU_SEED (default 0, read at every launch) and the number of
+//   launches since the seed last changed: the same seed replays the same interleavings;
+// - shared memory, dynamic and static, is poisoned before every block, so reading what no thread
+//   of this block wrote gives NaN (float, double, Half, BFloat16 arrays) or bytes 0xA5 (integer and
+//   other arrays: int32 -1515870811, uint8 165; the dynamic buffer is NaN as float throughout);
 // - launches check CUDA's limits: no zero or oversized grid/block dimension, at most 1024 threads,
-//   dynamic shared memory over 48 KiB only after cudaFuncSetAttribute allowed it (H100/H200 limit
-//   227 KiB);
+//   at most 48 KiB of static __shared__ arrays, static + dynamic shared memory at most 48 KiB
+//   unless cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raised the dynamic part, which it can
+//   up to 227 KiB (H100/H200) less the static arrays; cudaFuncGetAttributes reports the static bytes;
 // - a warp shuffle or __syncwarp with a lane of the warp exited or missing, or a barrier some
 //   threads never reach (deadlock), fails the launch with an exception.
 // Thread-level memory races inside one barrier interval are not detected beyond that ordering.
@@ -36,6 +42,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -66,7 +73,7 @@ constexpr cudaError_t cudaSuccess = 0;
 constexpr cudaError_t cudaErrorInvalidValue = 1;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 struct cudaFuncAttributes {
-  size_t sharedSizeBytes;  // static __shared__ arrays: not measured here, reported as 0
+  size_t sharedSizeBytes;  // static __shared__ arrays (the sum of their sizes, each 16-byte aligned)
 };
 struct cudaDeviceProp {
   size_t sharedMemPerBlockOptin;
@@ -102,13 +109,50 @@ namespace emu {
 
 constexpr int64_t kMaxThreads = 1024;
 constexpr int64_t kDefaultSmem = 48 * 1024;
-constexpr int64_t kMaxSmemOptIn = 227 * 1024;  // H100 / H200 dynamic shared memory per block
+constexpr int64_t kMaxSmemOptIn = 227 * 1024;  // H100 / H200 shared memory per block (static + dynamic)
+constexpr int64_t kMaxStaticSmem = 48 * 1024;  // ptxas refuses more static __shared__ per kernel
+constexpr size_t kSmemAlign = 16;
 constexpr size_t kStackBytes = 256 * 1024;
 
 // Dynamic shared memory opt-ins, per kernel function (cudaFuncSetAttribute).
 inline std::unordered_map<const void*, int64_t>& smem_opt_in() {
   static std::unordered_map<const void*, int64_t> map;
   return map;
+}
+
+inline size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// The static __shared__ arrays of each kernel, registered while the library loads (see static_smem):
+// kernel -> (declaration tag -> bytes). Their sum is the kernel's static shared memory.
+inline std::unordered_map<const void*, std::unordered_map<const void*, size_t>>& static_smem_registry() {
+  static std::unordered_map<const void*, std::unordered_map<const void*, size_t>> map;
+  return map;
+}
+
+inline int64_t static_smem_bytes(const void* kernel) {
+  const auto it = static_smem_registry().find(kernel);
+  if (it == static_smem_registry().end()) return 0;
+  size_t total = 0;
+  for (const auto& decl : it->second) total += round_up(decl.second, kSmemAlign);
+  return static_cast<int64_t>(total);
+}
+
+// What CUDA refuses for `kernel` launched with `dynamic` bytes of dynamic shared memory ("" if nothing).
+inline std::string smem_limit_error(const void* kernel, int64_t dynamic) {
+  const int64_t stat = static_smem_bytes(kernel);
+  if (stat > kMaxStaticSmem) {
+    return std::to_string(stat) + " bytes of static __shared__ arrays, above CUDA's 49152 per kernel";
+  }
+  const auto it = smem_opt_in().find(kernel);
+  const bool opted_in = it != smem_opt_in().end();
+  // The dynamic part may use what the static arrays leave of 48 KiB, or what the opt-in set instead.
+  const int64_t max_dynamic = opted_in ? it->second : kDefaultSmem - stat;
+  if (dynamic <= max_dynamic) return "";
+  return std::to_string(stat) + " bytes of static __shared__ arrays + " + std::to_string(dynamic) +
+         " bytes of dynamic shared memory, " + std::to_string(stat + max_dynamic) +
+         " allowed (48 KiB for both by default; cudaFuncSetAttribute(MaxDynamicSharedMemorySize) raises the "
+         "dynamic part up to 227 KiB less the static arrays)" +
+         (opted_in ? "; opted in to " + std::to_string(it->second) + " bytes of dynamic" : "");
 }
 
 struct Fiber {
@@ -139,7 +183,10 @@ struct Block {
   std::vector<uint64_t> shuffle_slots;  // one per thread
   std::mt19937_64 rng;
   std::string error;
+  const void* kernel = nullptr;
   std::vector<unsigned char> dynamic_smem;
+  // The static __shared__ arrays this block reached so far: declaration tag -> storage.
+  std::unordered_map<const void*, std::unique_ptr<unsigned char[]>> static_smem;
 };
 
 inline Block*& current_block() {
@@ -155,6 +202,45 @@ T* dynamic_smem() {
 inline void fail(const std::string& message) {
   Block& blk = *current_block();
   if (blk.error.empty()) blk.error = message;
+}
+
+// What no thread wrote yet: NaN for floating-point elements, bytes 0xA5 for anything else.
+template <typename E>
+void poison(unsigned char* data, size_t bytes) {
+  if constexpr (std::is_same_v<E, float> || std::is_same_v<E, double> || std::is_same_v<E, c10::Half> ||
+                std::is_same_v<E, c10::BFloat16>) {
+    const E nan = static_cast<E>(std::numeric_limits<float>::quiet_NaN());
+    for (size_t i = 0; i + sizeof(E) <= bytes; i += sizeof(E)) std::memcpy(data + i, &nan, sizeof(E));
+  } else {
+    std::memset(data, 0xA5, bytes);
+  }
+}
+
+// Registers the static __shared__ declaration D (a local struct that build.py writes next to it:
+// D::type is the array type, D::kernel() the __global__ function it is in) while the library loads,
+// so that launches and cudaFuncGetAttributes know each kernel's static shared memory beforehand.
+template <typename D>
+struct StaticSmemDecl {
+  static const bool registered;
+};
+template <typename D>
+const bool StaticSmemDecl<D>::registered =
+    (static_smem_registry()[D::kernel()][&StaticSmemDecl<D>::registered] = sizeof(typename D::type), true);
+
+// The storage of static __shared__ declaration D in the running block: poisoned when the first
+// thread of the block reaches the declaration, the same for every thread of the block.
+template <typename D>
+typename D::type& static_smem() {
+  using T = typename D::type;
+  Block& blk = *current_block();
+  const void* tag = &StaticSmemDecl<D>::registered;
+  auto& slot = blk.static_smem[tag];
+  if (slot == nullptr) {
+    if (blk.kernel != D::kernel()) fail("a static __shared__ array of another kernel (an emulation bug)");
+    slot.reset(new unsigned char[round_up(sizeof(T), kSmemAlign)]);
+    poison<std::remove_cv_t<std::remove_all_extents_t<T>>>(slot.get(), sizeof(T));
+  }
+  return *reinterpret_cast<T*>(slot.get());
 }
 
 // Back to the scheduler; returns when this fiber is resumed.
@@ -239,23 +325,30 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = warpSize) {
   return out;
 }
 
-// One OS thread runs all fibers and switches only at barriers, so plain read-modify-write is atomic.
+// A thread at an atomic resumes at a random place among the threads ready to run, so that atomics of
+// one barrier interval interleave (and float sums round) in a random order, as on the GPU. One OS
+// thread runs all fibers, so the read-modify-write after the switch is atomic.
 template <typename T>
 T atomicAdd(T* address, T value) {
+  emu::Block& blk = *emu::current_block();
+  std::uniform_int_distribution<size_t> place(0, blk.ready.size());
+  blk.ready.insert(blk.ready.begin() + static_cast<std::ptrdiff_t>(place(blk.rng)), blk.current);
+  emu::yield_to_scheduler();
   const T old = *address;
   *address = old + value;
   return old;
 }
 
 template <typename Kernel>
-cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, Kernel) {
-  attr->sharedSizeBytes = 0;
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, Kernel kernel) {
+  attr->sharedSizeBytes = static_cast<size_t>(emu::static_smem_bytes(reinterpret_cast<const void*>(kernel)));
   return cudaSuccess;
 }
 
 template <typename Kernel>
 cudaError_t cudaFuncSetAttribute(Kernel kernel, cudaFuncAttribute attr, int value) {
-  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > emu::kMaxSmemOptIn) {
+  const int64_t stat = emu::static_smem_bytes(reinterpret_cast<const void*>(kernel));
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value + stat > emu::kMaxSmemOptIn) {
     return cudaErrorInvalidValue;
   }
   emu::smem_opt_in()[reinterpret_cast<const void*>(kernel)] = value;
@@ -264,18 +357,25 @@ cudaError_t cudaFuncSetAttribute(Kernel kernel, cudaFuncAttribute attr, int valu
 
 namespace emu {
 
-// GK_CUDA_EMU_SEED (default 0) picks another set of interleavings: rerun with a few seeds to try more.
-inline uint64_t seed() {
-  static const uint64_t value = [] {
-    const char* env = std::getenv("GK_CUDA_EMU_SEED");
-    return env != nullptr ? std::strtoull(env, nullptr, 10) : 0ull;
-  }();
-  return value;
-}
-
-inline uint64_t launch_count() {
-  static uint64_t count = 0;
-  return count++;
+// The seed of the next launch's interleavings: GK_CUDA_EMU_SEED (default 0), read at every launch,
+// mixed with the number of launches since it last changed, so that one seed replays one schedule.
+inline uint64_t next_launch_seed() {
+  static bool started = false;
+  static uint64_t seed = 0, launches = 0;
+  const char* env = std::getenv("GK_CUDA_EMU_SEED");
+  uint64_t value = 0;
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    value = std::strtoull(env, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && *env != '-', "GK_CUDA_EMU_SEED must be a non-negative integer, got '", env,
+                      "'");
+  }
+  if (!started || value != seed) {
+    started = true;
+    seed = value;
+    launches = 0;
+  }
+  return (0x9E3779B97F4A7C15ull ^ launches++) + 0xD1B54A32D192ED03ull * seed;
 }
 
 template <typename... Params>
@@ -293,7 +393,7 @@ class Launcher {
     const int64_t blocks = static_cast<int64_t>(grid_.x) * grid_.y * grid_.z;
     std::vector<int64_t> order(blocks);
     for (int64_t i = 0; i < blocks; ++i) order[i] = i;
-    std::mt19937_64 rng((0x9E3779B97F4A7C15ull ^ launch_count()) + 0xD1B54A32D192ED03ull * seed());
+    std::mt19937_64 rng(next_launch_seed());
     std::shuffle(order.begin(), order.end(), rng);
     for (int64_t linear : order) {
       dim3 bid(static_cast<unsigned>(linear % grid_.x), static_cast<unsigned>((linear / grid_.x) % grid_.y),
@@ -314,13 +414,8 @@ class Launcher {
     const int64_t threads = static_cast<int64_t>(block_.x) * block_.y * block_.z;
     if (threads == 0 || threads > kMaxThreads) bad("block of " + std::to_string(threads) + " threads");
     if (block_.z > 64) bad("block.z above 64");
-    int64_t allowed = kDefaultSmem;
-    const auto it = smem_opt_in().find(reinterpret_cast<const void*>(kernel_));
-    if (it != smem_opt_in().end()) allowed = std::max<int64_t>(allowed, it->second);
-    if (static_cast<int64_t>(smem_) > allowed) {
-      bad(std::to_string(smem_) + " bytes of dynamic shared memory, " + std::to_string(allowed) +
-          " allowed (cudaFuncSetAttribute raises the 48 KiB default up to 227 KiB)");
-    }
+    const std::string smem_error = smem_limit_error(reinterpret_cast<const void*>(kernel_), static_cast<int64_t>(smem_));
+    if (!smem_error.empty()) bad(smem_error);
   }
 
   struct Start {
@@ -349,6 +444,7 @@ class Launcher {
     const int n = static_cast<int>(block_.x * block_.y * block_.z);
     Block blk;
     blk.rng.seed(seed);
+    blk.kernel = reinterpret_cast<const void*>(kernel_);
     blk.fibers.resize(n);
     blk.alive = n;
     const int warps = (n + warpSize - 1) / warpSize;
