@@ -158,10 +158,16 @@ def test_run_family_drops_wrong_impls_and_computes_speedups():
         "fake", iter([_case({"slow": slow, "fast": lambda: x.clone(), "wrong": wrong, "broken": broken})]),
         torch.device("cpu"), settings, harness.Budget(30.0), peaks, "sha", "ts")
     assert result.status == "ok"
-    by_impl = {row["impl"]: row for row in result.rows}
+    by_impl = {row["impl"]: row for row in result.rows if row["status"] == "ok"}
     assert set(by_impl) == {"slow", "fast"}
     assert len(result.mismatches) == 1 and "wrong" in result.mismatches[0]
     assert any("broken" in e and "no kernel here" in e for e in result.errors)
+    # The failed impls keep a row, with the reason and no time.
+    failed = {row["impl"]: row for row in result.rows if row["status"] == "failed"}
+    assert set(failed) == {"wrong", "broken"}
+    assert "MISMATCH" in failed["wrong"]["failed"] and "no kernel here" in failed["broken"]["failed"]
+    assert all(row["ms"] is None and row["speedup_vs_baseline"] is None for row in failed.values())
+    assert by_impl["fast"]["verified_against"] == "slow" and by_impl["slow"]["verified_against"] is None
     slow_row, fast_row = by_impl["slow"], by_impl["fast"]
     assert slow_row["speedup_vs_baseline"] == pytest.approx(1.0)
     assert fast_row["speedup_vs_baseline"] == pytest.approx(slow_row["ms"] / fast_row["ms"])
@@ -176,7 +182,8 @@ def test_run_family_drops_wrong_impls_and_computes_speedups():
 def test_run_family_matmul_peak_and_skip_and_budget():
     settings = harness.Settings(min_repeats=2, min_time=0.0, max_time=0.1, warmup_time=0.0)
     peaks = {"copy_gbps": 10.0, "matmul_tflops": {"float32": 2.0}}
-    case = _case({"slow": lambda: time.sleep(0.002)}, flops=10**9, bytes=0, peak="matmul", reference=None)
+    case = _case({"slow": lambda: time.sleep(0.002)}, flops=10**9, bytes=0, peak="matmul", reference=None,
+                 unverified="sleeps, returns nothing")
     result = harness.run_family("mm", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0), peaks,
                                 "sha", "ts")
     (row,) = result.rows
