@@ -12,8 +12,16 @@ row-wise Adagrad step written in plain torch ops: what a user writes, torch.opti
 row-wise); "compile", the same loop under torch.compile; "fbgemm", fbgemm_gpu's
 SplitTableBatchedEmbeddingBagsCodegen (EXACT_ROWWISE_ADAGRAD, host weights on the CPU). Every impl of
 a case starts from the same weights; the harness checks each one's first output against the
-reference's before timing it. In the fwd+bwd+optimizer case that first output is the forward of the
-first step (the update itself is checked by tests/test_embedding_bag.py against the reference math).
+reference's before timing it. In the fwd+bwd+optimizer case that is the forward of the first step,
+and after it the updated rows of every table (the rows the first batch touched, and a sample of rows
+it did not touch, which must not move) and their row-wise Adagrad state.
+
+"compile" is primed on every input set before it is timed (its compile_s column: the seconds that
+took); the loop's Python-int slice bounds differ per batch, so each set is a graph of its own.
+
+Bytes: ``bytes`` is the floor (gem_kernels.flops.embedding_bag_floor: each distinct row read once,
+outputs written once), which "% of peak" divides by; ``formula_bytes`` is FBGEMM's benchmark formula
+(every lookup reads its row: B x sum(D) x L), its own GB/s column for comparison with FBGEMM's numbers.
 """
 
 from __future__ import annotations
@@ -143,7 +151,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     first_indices, first_offsets = (x.cpu() for x in batches[0])
     bounds = [(int(first_offsets[t * batch]), int(first_offsets[(t + 1) * batch])) for t in range(len(specs))]
     lookups = [hi - lo for lo, hi in bounds]
-    unique = [int(first_indices[lo:hi].unique().numel()) for lo, hi in bounds]
+    unique = flops.embedding_bag_distinct_rows(first_indices, first_offsets, len(specs), batch)
     shape = _shape(specs, batch, batches[0][0])
     _, fbgemm_why = _fbgemm_tbe(specs, None, "sum", reason_only=True)
     if device.type != "cpu" and fbgemm_why is None:
@@ -174,10 +182,11 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     if fbgemm_why is None:
         tbe, _ = _fbgemm_tbe(specs, lambda t: module.weight(t).detach(), "sum")
         impls["fbgemm"] = rotate(arg_sets, lambda i, o, _: _no_grad(lambda: tbe(i, o)))
-    case_flops, case_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
-    yield Case(op="embedding_bag fwd", shape=shape, dtype=dtype, flops=case_flops, bytes=case_bytes, impls=impls,
-               baseline="eager-loop", peak="bandwidth", notes=list(notes), reference="reference"
-               if "reference" in backends else None, tolerance=tolerance)
+    case_flops, formula_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
+    floor_bytes = flops.embedding_bag_floor(first_indices, first_offsets, dims, batch, 4)
+    yield Case(op="embedding_bag fwd", shape=shape, dtype=dtype, flops=case_flops, bytes=floor_bytes,
+               formula_bytes=formula_bytes, impls=impls, baseline="eager-loop", peak="bandwidth", notes=list(notes),
+               reference="reference", tolerance=tolerance, compiled=[n for n in impls if n == "compile"])
     del impls, loop, bags
     if fbgemm_why is None:
         del tbe
@@ -187,13 +196,29 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     grad_sets = [torch.randn(batch, module.output_dim, generator=gen).to(device) for _ in batches]
     arg_sets = [(i, o, _table_offsets(o, len(specs), batch), g) for (i, o), g in zip(batches, grad_sets)]
     optimizer = gk.optim.ExactRowwiseAdagrad(lr=LR, eps=EPS)
-    impls = {}
+    # What the first step changes, read after the verification call: the rows batch 0 touched, a
+    # sample of rows it did not touch (they must not move), and the row-wise state of both.
+    touched = [first_indices[lo:hi].unique().to(device) for lo, hi in bounds]
+    untouched = [_untouched_sample(spec.num_embeddings, ids.cpu(), SEED + t).to(device)
+                 for t, (spec, ids) in enumerate(zip(specs, touched))]
+
+    def reader(weight_of, momentum_of):
+        def read():
+            with torch.no_grad():
+                return {"rows": [weight_of(t)[touched[t]].clone() for t in range(len(specs))],
+                        "momentum": [momentum_of(t)[touched[t]].clone() for t in range(len(specs))],
+                        "untouched rows": [weight_of(t)[untouched[t]].clone() for t in range(len(specs))],
+                        "untouched momentum": [momentum_of(t)[untouched[t]].clone() for t in range(len(specs))]}
+        return read
+
+    impls, state = {}, {}
     for backend in backends:
         fused = gk.FusedEmbeddingBag(specs, pooling="sum", dtype=dtype, device=device, optimizer=optimizer,
                                      backend=backend)
         with torch.no_grad():
             fused.weights.copy_(module.weights)
         impls[backend] = rotate(arg_sets, lambda i, o, _, g, m=fused: _fused_step(m, i, o, g))
+        state[backend] = reader(fused.weight, lambda t, m=fused: _rows_slice(m.momentum1, specs, t))
     for name in ("eager-loop",) if quick else ("eager-loop", "compile"):
         bags = _eager_bags(module, copy=True)
         states = [torch.zeros(b.num_embeddings, device=device) for b in bags]
@@ -201,16 +226,36 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         fwd = loop if name == "eager-loop" else torch.compile(loop, dynamic=False)
         impls[name] = rotate(arg_sets, lambda i, o, tables, g, fwd=fwd, bags=bags, states=states:
                              _eager_step(fwd, bags, states, i, tables, g))
+        state[name] = reader(lambda t, bags=bags: bags[t].weight, lambda t, states=states: states[t])
     if fbgemm_why is None:
         tbe, _ = _fbgemm_tbe(specs, lambda t: module.weight(t).detach(), "sum")
         impls["fbgemm"] = rotate(arg_sets, lambda i, o, _, g: _fbgemm_step(tbe, i, o, g))
+        state["fbgemm"] = reader(lambda t: tbe.split_embedding_weights()[t],
+                                 lambda t: tbe.split_optimizer_states()[t][0])
     fwd_flops, fwd_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
     bwd_flops, bwd_bytes = flops.embedding_bag_backward_rowwise_adagrad(lookups, unique, dims, batch, 4, 8)
+    floor_bytes = flops.embedding_bag_floor(first_indices, first_offsets, dims, batch, 4, rowwise_adagrad=True)
     yield Case(op="embedding_bag fwd+bwd+rowwise_adagrad", shape=shape, dtype=dtype, flops=fwd_flops + bwd_flops,
-               bytes=fwd_bytes + bwd_bytes, impls=impls, baseline="eager-loop", peak="bandwidth",
+               bytes=floor_bytes, formula_bytes=fwd_bytes + bwd_bytes, impls=impls, baseline="eager-loop",
+               peak="bandwidth",
                notes=notes + ["eager-loop/compile: nn.EmbeddingBag(sparse=True) per table + row-wise Adagrad in "
                               "torch ops (compile: the forward loop compiled)"],
-               reference="reference" if "reference" in backends else None, tolerance=tolerance)
+               reference="reference", tolerance=tolerance, state=state,
+               compiled=[n for n in impls if n == "compile"])
+
+
+def _rows_slice(per_row: torch.Tensor, specs, t: int) -> torch.Tensor:
+    """Table t's part of a packed per-row buffer (FusedEmbeddingBag's row-wise momentum1)."""
+    start = sum(s.num_embeddings for s in specs[:t])
+    return per_row[start:start + specs[t].num_embeddings]
+
+
+def _untouched_sample(num_rows: int, touched: torch.Tensor, seed: int, size: int = 64) -> torch.Tensor:
+    """Up to ``size`` row ids of a table that ``touched`` does not hold."""
+    free = torch.ones(num_rows, dtype=torch.bool)
+    free[touched] = False
+    ids = free.nonzero().flatten()
+    return ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))[:size]]
 
 
 def _no_grad(fn):

@@ -30,8 +30,10 @@ def padded_to_jagged(offsets: torch.Tensor, max_len: int, dim: int, elem_bytes: 
 
 
 def embedding_bag(lookups: list[int], dims: list[int], batch: int, elem_bytes: int, index_bytes: int) -> tuple[int, int]:
-    """(flops, bytes) of a pooled multi-table lookup, FBGEMM's minimum bytes: every looked-up row read
-    once, the [B, sum D] output written once, plus the indices and offsets. lookups[t]: indices of table t."""
+    """(flops, bytes) of a pooled multi-table lookup, by FBGEMM's benchmark formula (B x sum(D) x L):
+    every lookup reads its row, the [B, sum D] output written once, plus the indices and offsets.
+    lookups[t]: indices of table t. Comparable with FBGEMM's published GB/s, but not a floor: a row
+    looked up twice need not be read twice (``embedding_bag_floor`` counts it once)."""
     rows_read = sum(n * d for n, d in zip(lookups, dims))
     indices = sum(lookups) * index_bytes + (len(dims) * batch + 1) * index_bytes
     return 2 * rows_read, (rows_read + batch * sum(dims)) * elem_bytes + indices
@@ -47,6 +49,41 @@ def embedding_bag_backward_rowwise_adagrad(lookups: list[int], unique_rows: list
     grad_read = batch * sum(dims) * elem_bytes
     flops_ = 2 * sum(n * d for n, d in zip(lookups, dims)) + 6 * updated
     return flops_, grad_read + 2 * updated * elem_bytes + 2 * sum(unique_rows) * 4 + indices
+
+
+def embedding_bag_distinct_rows(indices: torch.Tensor, offsets: torch.Tensor, num_tables: int,
+                                batch: int) -> list[int]:
+    """Distinct row ids of each table in a batch: table t's ids are indices[offsets[t*B]:offsets[(t+1)*B]]
+    (feature-major offsets [T*B+1], ids local to their table)."""
+    bounds = offsets.cpu()
+    ids = indices.cpu()
+    return [int(ids[int(bounds[t * batch]):int(bounds[(t + 1) * batch])].unique().numel()) for t in range(num_tables)]
+
+
+def embedding_bag_floor(indices: torch.Tensor, offsets: torch.Tensor, dims: list[int], batch: int, elem_bytes: int,
+                        *, rowwise_adagrad: bool = False) -> int:
+    """Minimum bytes of a pooled multi-table lookup: each distinct row of each table read once (a
+    row looked up twice is in cache or registers the second time), the [B, sum D] output written
+    once, the indices and offsets read once. With ``rowwise_adagrad``, forward + backward + the fused
+    update: the backward's bytes of ``embedding_bag_backward_rowwise_adagrad`` are added (grad_output
+    read, every distinct row and its fp32 state read and written once, the indices again).
+
+    The floor under skewed (Zipf) ids is far below FBGEMM's every-lookup formula (``embedding_bag``),
+    and it is what "% of peak" divides by: no implementation can move fewer bytes, so no row passes
+    100 % of the copy peak by reusing cached rows. indices/offsets as the op takes them (their
+    element size is the index bytes); dims[t]: embedding dim of table t."""
+    num_tables = len(dims)
+    unique = embedding_bag_distinct_rows(indices, offsets, num_tables, batch)
+    index_bytes = indices.element_size() * indices.numel() + offsets.element_size() * offsets.numel()
+    nbytes = (sum(u * d for u, d in zip(unique, dims)) + batch * sum(dims)) * elem_bytes + index_bytes
+    if rowwise_adagrad:
+        bounds = offsets.cpu()
+        lookups = [int(bounds[(t + 1) * batch]) - int(bounds[t * batch]) for t in range(num_tables)]
+        nbytes += embedding_bag_backward_rowwise_adagrad(lookups, unique, dims, batch, elem_bytes,
+                                                         indices.element_size())[1]
+    return nbytes
+
+
 def jagged_attention(offsets: torch.Tensor, num_heads: int, dim_qk: int, dim_v: int, elem_bytes: int, *,
                      causal: bool = True, backward: bool = False) -> tuple[int, int]:
     """(flops, bytes) of jagged attention over the real (unpadded) sequences.
