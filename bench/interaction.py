@@ -63,12 +63,13 @@ def _cases_of(op: str, shape: str, dtype: torch.dtype, fwd: tuple[int, int], fwd
     peak = "matmul"
     yield Case(op=op, shape=shape, dtype=dtype, flops=fwd[0], bytes=fwd[1],
                impls={name: rotate(input_sets, fn) for name, fn in impls.items()}, baseline="eager", peak=peak,
-               reference="eager", tolerance=TOLERANCE[dtype])
+               reference="eager", tolerance=TOLERANCE[dtype], compiled=[n for n in impls if n == "compile"])
     sets = [(inputs, grad) for inputs, grad in zip(input_sets, grad_sets)]
     yield Case(op=f"{op} fwd+bwd", shape=shape, dtype=dtype, flops=fwd_bwd[0], bytes=fwd_bwd[1],
                impls={name: rotate(sets, lambda inputs, grad, fn=fn: _fwd_bwd(fn, inputs, grad, params))
                       for name, fn in impls.items()},
-               baseline="eager", peak=peak, reference="eager", tolerance=TOLERANCE[dtype])
+               baseline="eager", peak=peak, reference="eager", tolerance=TOLERANCE[dtype],
+               compiled=[n for n in impls if n == "compile"])
 
 
 def _eager_wukong(layer: gk.nn.WukongLayer) -> Callable:
@@ -173,7 +174,8 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                    dtype=dtype, flops=work[0], bytes=work[1],
                    impls={name: rotate(sets, lambda inputs, grad, fn=fn: _fwd_bwd(fn, inputs, grad, params))
                           for name, fn in impls.items()},
-                   baseline="eager", peak="matmul", reference="eager", tolerance=TOLERANCE[dtype])
+                   baseline="eager", peak="matmul", reference="eager", tolerance=TOLERANCE[dtype],
+                   compiled=[n for n in impls if n == "compile"])
 
     # Each op's headline shape first, then the larger ones, so a tight budget still covers every op.
     if quick:
