@@ -354,15 +354,16 @@ def _minor_faults() -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _flatten(out: Any) -> list[torch.Tensor]:
+def _flatten(out: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(where, tensor) pairs of a nest: where is the index/key path, e.g. "[1]['momentum'][3]"."""
     if isinstance(out, torch.Tensor):
-        return [out]
+        return [(path, out)]
     if isinstance(out, (int, float)):
-        return [torch.tensor(float(out))]
+        return [(path, torch.tensor(float(out)))]
     if isinstance(out, (tuple, list)):
-        return [t for item in out for t in _flatten(item)]
+        return [t for i, item in enumerate(out) for t in _flatten(item, f"{path}[{i}]")]
     if isinstance(out, dict):
-        return [t for key in sorted(out) for t in _flatten(out[key])]
+        return [t for key in sorted(out) for t in _flatten(out[key], f"{path}[{key!r}]")]
     raise TypeError(f"cannot compare an output of type {type(out).__name__}")
 
 
@@ -397,7 +398,8 @@ def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtyp
         return str(exc)
     if len(got) != len(want):
         return f"{len(got)} output tensors, reference has {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, ((where, g), (_, w)) in enumerate(zip(got, want)):
+        i = f"{i} {where}" if where else i
         g, w = g.detach(), w.detach()
         if g.shape != w.shape:
             return f"output {i}: shape {tuple(g.shape)}, reference {tuple(w.shape)}"

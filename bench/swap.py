@@ -8,12 +8,17 @@ machine (``ROW_CAP``), dim D, B = 2048, bags of about 20 ids (RandomRecDataset: 
   torchrec_adagrad  TorchRec as the user has it: the unsharded EmbeddingBagCollection, dense
                     gradients, torch.optim.Adagrad on every parameter (the speedup baseline);
   torchrec_dmp      TorchRec's fused path: DistributedModelParallel on one process (gloo), FBGEMM's
-                    TBE with fused row-wise Adagrad for the tables, Adagrad for the rest;
+                    TBE with fused row-wise Adagrad for the tables, TorchRec's RowWiseAdagrad for the
+                    tables the planner shards data-parallel, Adagrad for the rest;
   swap_rowwise      gk.swap(model, optimizer=gk.optim.ExactRowwiseAdagrad): the tables update in the
                     backward, torch.optim.Adagrad on the dense parameters;
   swap_none         gk.swap(model) (optimizer=None): torch.optim.Adagrad on every parameter.
 The same impls are timed per component (sparse arch forward+backward+update; interaction
-forward+backward) so the step's time can be attributed. Before timing, the baseline and
+forward+backward) so the step's time can be attributed. Each of these cases verifies every impl
+before timing it, from fresh models with the same weights: the first step's loss (or pooled
+embeddings), the gradients of the dense parameters and, for the tables, their gradients (Adagrad
+impls) or their updated rows (row-wise impls: against FBGEMM's row-wise rule applied to the
+baseline's table gradients), plus a sample of untouched rows, which must not move. Before timing, the baseline and
 swap_rowwise / swap_none train ``LOSS_STEPS`` steps from the same weights on the same batches: the
 notes give their loss curves (swap_none must equal the baseline; swap_rowwise uses FBGEMM's
 row-wise Adagrad, a different rule, so its curve is compared within noise).
@@ -121,9 +126,106 @@ def _dmp(quick: bool, device: torch.device, state_dict):
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR, "eps": 1e-8})
     dmp = DistributedModelParallel(model, device=device)
     dmp.load_state_dict(state_dict)
-    tables = {n for n, _ in dmp.named_parameters() if ".embedding_bags." in n}
+    # The planner shards small tables data-parallel, and those get no optimizer in the backward
+    # (only the fused TBE tables do): they need one of their own, the same row-wise rule, else they
+    # never train (the verification caught exactly that). The optimizers: [dense, data-parallel tables].
+    fused = set(dmp.fused_optimizer.params)
+    tables = {n: p for n, p in dmp.named_parameters() if ".embedding_bags." in n}
     dense = [p for n, p in dmp.named_parameters() if n not in tables]
-    return dmp, [torch.optim.Adagrad(dense, lr=LR)]
+    data_parallel = [p for n, p in tables.items() if n not in fused]
+    return dmp, [torch.optim.Adagrad(dense, lr=LR)] + ([RowWiseAdagrad(data_parallel, lr=LR, eps=1e-8)]
+                                                        if data_parallel else [])
+
+
+TABLE_PARAM = "sparse_arch.embedding_bag_collection.embedding_bags.t{}.weight"
+ROWWISE = ("torchrec_dmp", "swap_rowwise")  # impls whose tables follow FBGEMM's row-wise Adagrad
+
+
+def _fresh_models(quick: bool, device: torch.device, notes: list[str]) -> dict:
+    """name -> (model, optimizers), every model with the same initial weights (_dlrm seeds)."""
+    base = _dlrm(quick, device)
+    models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=LR)])}
+    try:
+        models["torchrec_dmp"] = _dmp(quick, device, base.state_dict())
+    except Exception as exc:  # reported, the other impls still run
+        notes.append(f"torchrec_dmp not timed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    models["swap_rowwise"] = _swapped(base, gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8))[:2]
+    models["swap_none"] = _swapped(base, None)[:2]
+    return models
+
+
+def _module(name: str, model):
+    return model.module if name == "torchrec_dmp" else model
+
+
+def _table(model, t: int) -> torch.Tensor:
+    weight = model.state_dict()[TABLE_PARAM.format(t)]
+    if hasattr(weight, "local_shards"):  # DMP on one process: one shard holds the whole table
+        (shard,) = weight.local_shards()
+        weight = shard.tensor
+    return weight.detach()
+
+
+def _table_grad(module, t: int) -> torch.Tensor:
+    params = dict(module.named_parameters())
+    name = TABLE_PARAM.format(t)
+    if name in params:
+        grad = params[name].grad
+    else:  # gk's collection packs the tables into one parameter: table t's slice of its gradient
+        ebc = module.sparse_arch.embedding_bag_collection
+        start, rows, dim = ebc._weight_offsets[t], ebc._rows[t], ebc._dims[t]
+        grad = ebc.weights.grad[start:start + rows * dim].view(rows, dim)
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def _touched(batch, num_rows: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per table: the row ids the batch looks up, and a sample of ids it does not (they must not move)."""
+    features = batch.sparse_features.to_dict()
+    touched, untouched = [], []
+    for t, rows in enumerate(num_rows):
+        ids = features[f"f{t}"].values().unique()
+        touched.append(ids)
+        free = torch.ones(rows, dtype=torch.bool, device=ids.device)
+        free[ids] = False
+        untouched.append(free.nonzero().flatten()[:64])
+    return touched, untouched
+
+
+def _state_readers(models: dict, batch, dense: bool) -> dict:
+    """name -> reader of what the verification step changed. Adagrad impls: the gradients of the
+    dense parameters (``dense``) and of the touched table rows; row-wise impls: the dense gradients
+    and the updated rows. The baseline's reader also gives the row-wise update of its own table
+    gradients (FBGEMM's EXACT_ROWWISE_ADAGRAD from zero state), which the row-wise impls must match.
+    Updated rows under element-wise Adagrad are not compared: its first step is lr * sign(g), which
+    float noise flips where g is near zero."""
+    base = models["torchrec_adagrad"][0]
+    touched, untouched = _touched(batch, [_table(base, t).shape[0] for t in range(len(CRITEO_ROWS))])
+    initial = [_table(base, t)[rows].clone() for t, rows in enumerate(touched)]
+    initial_free = [_table(base, t)[rows].clone() for t, rows in enumerate(untouched)]
+
+    def reader(name, model):
+        module = _module(name, model)
+
+        def read():
+            params = dict(module.named_parameters())
+            state = {"untouched rows": [_table(model, t)[rows].clone() for t, rows in enumerate(untouched)]}
+            if dense:
+                state["dense grads"] = {n: p.grad.clone() for n, p in params.items()
+                                        if not n.startswith("sparse_arch.") and p.grad is not None}
+            if name in ROWWISE:
+                state["rows (row-wise Adagrad)"] = [_table(model, t)[rows].clone() for t, rows in enumerate(touched)]
+                return state
+            state["table grads"] = [_table_grad(module, t)[rows].clone() for t, rows in enumerate(touched)]
+            if name == "torchrec_adagrad":
+                state["untouched rows"] = initial_free  # the expectation; its own rows are compared by the others
+                rowwise = []
+                for w0, g in zip(initial, state["table grads"]):
+                    rowwise.append(w0 - LR * g / (g.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-8))
+                state["rows (row-wise Adagrad)"] = rowwise
+            return state
+        return read
+
+    return {name: reader(name, model) for name, (model, _) in models.items()}
 
 
 def _loss_curves(base, swaps: dict, batches: list, quick: bool) -> list[str]:
@@ -175,14 +277,7 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
         log(f"[swap] {name}: " + "; ".join(f"{p} {o} -> {n}" for p, o, n in report.replaced))
     notes = _loss_curves(base, {"swap_rowwise": rowwise[:2], "swap_none": none[:2]}, batches, quick)
     # Fresh models for the timing (the loss-curve run changed those above).
-    base = _dlrm(quick, device)
-    models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=LR)])}
-    try:
-        models["torchrec_dmp"] = _dmp(quick, device, base.state_dict())
-    except Exception as exc:  # reported, the other impls still run
-        notes.append(f"torchrec_dmp not timed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    models["swap_rowwise"] = _swapped(base, gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8))[:2]
-    models["swap_none"] = _swapped(base, None)[:2]
+    models = _fresh_models(quick, device, notes)
     rows = sum(t.num_embeddings for t in _tables(quick))
     lookups = sum(b.sparse_features.values().numel() for b in batches) // len(batches)
     shape = (f"B={BATCH[quick]}, 26 tables, {rows / 1e6:.2f}M rows x D={DIM[quick]}, "
@@ -190,7 +285,8 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     args = [(b,) for b in batches]
     yield Case(op="DLRM train step", shape=shape, dtype=torch.float32, flops=0, bytes=0,
                impls={name: rotate(args, lambda b, m=m, o=o: _step(m, o, b)) for name, (m, o) in models.items()},
-               baseline="torchrec_adagrad", notes=notes)
+               baseline="torchrec_adagrad", notes=notes, reference="torchrec_adagrad",
+               state=_state_readers(models, batches[0], dense=True), tolerance=dict(atol=1e-4, rtol=1e-3))
 
     def sparse_step(model, optimizers, batch, grad):
         out = model.sparse_arch(batch.sparse_features)
@@ -202,18 +298,23 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
         return out.detach()
 
     grads = [torch.randn(BATCH[quick], 26, DIM[quick], device=device) for _ in batches]
+    # Fresh models again: the train-step case's timing moved each impl's weights its own way.
+    models = _fresh_models(quick, device, [])
     sparse_opts = {}
     for name, (model, _) in models.items():
         module = model.module if name == "torchrec_dmp" else model
         table_params = [p for n, p in module.sparse_arch.named_parameters()]
-        sparse_opts[name] = ([] if name in ("torchrec_dmp", "swap_rowwise")
-                             else [torch.optim.Adagrad(table_params, lr=LR)])
+        if name == "torchrec_dmp":
+            sparse_opts[name] = models[name][1][1:]  # the data-parallel tables' optimizer, if any
+        else:
+            sparse_opts[name] = [] if name == "swap_rowwise" else [torch.optim.Adagrad(table_params, lr=LR)]
     yield Case(op="sparse arch fwd+bwd+update", shape=shape, dtype=torch.float32, flops=0, bytes=0,
                impls={name: rotate([(b, g) for b, g in zip(batches, grads)],
                                    lambda b, g, m=(m.module if name == "torchrec_dmp" else m), o=sparse_opts[name]:
                                    sparse_step(m, o, b, g))
                       for name, (m, _) in models.items()},
-               baseline="torchrec_adagrad")
+               baseline="torchrec_adagrad", reference="torchrec_adagrad",
+               state=_state_readers(models, batches[0], dense=False), tolerance=dict(atol=1e-4, rtol=1e-3))
 
     num_f = 26
     inter_inputs = [(torch.randn(BATCH[quick], DIM[quick], device=device, requires_grad=True),
