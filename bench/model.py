@@ -1,6 +1,11 @@
 """Bench of the whole GEM-like model: one training step (forward, backward, every optimizer), for the
 config that fits the device (CPU: `small`; GPU: `large` in bf16).
 
+Verification: every impl's first timed-set step is compared with eager's before timing: the loss,
+the dense parameters' gradients (captured just before the dense optimizer's first step), the dense
+parameters after the step, and for every embedding table which rows the step changed and their
+values (eager's TorchRec row-wise Adagrad against the fused in-backward update).
+
 Impls: "eager" (TorchRec's collections + RowwiseAdagrad, gem_kernels' reference backend for HSTU
 and Wukong: the baseline), "fused" (gk.torchrec collections with row-wise Adagrad in the backward,
 the fused jagged HSTU attention and interaction) and "fused+compile" (the fused model with every
@@ -38,7 +43,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     batch_size = max(cfg.batch_size // 4, 8) if quick else cfg.batch_size
     data = SyntheticBatches(cfg, batch_size, seed=0)
     batches = [data[i].to(device) for i in range(2 if quick else 3)]
-    impls, notes = {}, []
+    impls, notes, state = {}, [], {}
     names = IMPLS
     if device.type == "cpu":
         # Measured 2026-12-04 on the 2-core dev VM under load: inductor took 533 s to compile the
@@ -55,6 +60,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         # The component split first (also the warm-up, and compilation), then the model is put back
         # to its initial state: every impl's timed run starts from the same weights.
         initial = {k: v.clone() for k, v in model.state_dict().items()}
+        initial_tables = {k: v for k, v in initial.items() if _is_table(k)}
         initial_fused = model.fused_optimizer_state_dict()
         optimizers, timer, split = model.make_optimizers(), PhaseTimer(device), []
         for i in range(2 if quick else 3):
@@ -69,10 +75,44 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         optimizers = model.make_optimizers()
         step = (lambda b, m=model, o=optimizers: train_step(m, b, o, amp))
         impls[impl] = rotate([(b,) for b in batches], step)
+        state[impl] = _step_state(model, optimizers[0], initial_tables)
     flops = int(sum(model.flops_per_step(b) for b in batches) // len(batches))
     rows = sum(b.candidate_ids.numel() for b in batches) / len(batches)
     notes.append(f"examples/s = {batch_size} users (each with K >= 1 candidates, {rows:.0f} rows) / step time")
     yield Case(op=f"GEM train step ({cfg.interaction}, HSTU {cfg.num_hstu_layers} layers)",
                shape=f"{name} cfg, batch={batch_size} users, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params",
                dtype=amp or torch.float32, flops=flops, bytes=0, impls=impls, baseline="eager", peak="matmul",
-               notes=notes, reference="eager", tolerance=dict(atol=2e-2 if amp else 1e-4, rtol=2e-2 if amp else 1e-4))
+               notes=notes, reference="eager", state=state,
+               tolerance=dict(atol=2e-2 if amp else 1e-4, rtol=2e-2 if amp else 1e-3))
+
+
+def _is_table(key: str) -> bool:
+    return key.endswith(".weight") and (".embedding_bags." in key or ".embeddings." in key)
+
+
+def _step_state(model, dense_optimizer, initial_tables: dict):
+    """A reader of what the first step changed: dense gradients (a one-shot hook snapshots them
+    before the dense optimizer's first step; the step zeroes them after), dense parameters, and per
+    table the ids of the rows that moved and their values (state_dict keys are TorchRec's for both
+    the eager and the fused collections)."""
+    grads: dict = {}
+    dense = {id(p) for p in model.dense_parameters()}
+
+    def snapshot(optimizer, args, kwargs):
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                      if id(p) in dense and p.grad is not None})
+        handle.remove()
+
+    handle = dense_optimizer.register_step_pre_hook(snapshot)
+
+    def read():
+        current = model.state_dict()
+        moved = {}
+        for key, before in initial_tables.items():
+            after = current[key].detach()
+            rows = (after != before).reshape(after.shape[0], -1).any(1).nonzero().flatten()
+            moved[key] = (rows, after[rows].clone())
+        return {"dense grads": grads,
+                "dense params": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in dense},
+                "tables (moved rows, values)": moved}
+    return read
