@@ -7,19 +7,26 @@ One module per op family (bench/<family>.py, registered in bench/__main__.py FAM
 
 a generator that builds each case's inputs lazily and yields a ``Case`` (op, shape, dtype, analytic
 flops and minimum bytes from gem_kernels.flops, ``impls`` = zero-arg callables doing one iteration
-each, the ``baseline`` impl the speedup divides by, the ``peak`` kind, optional ``notes`` and an
-optional ``reference`` impl every other impl's output must match before it is timed). Inputs are
-rotated (``harness.rotate``) so caches do not flatter. A family that cannot run here raises
-``harness.SkipFamily(reason)``.
+each, the ``baseline`` impl the speedup divides by, the ``peak`` kind, optional ``notes``, and
+either a ``reference`` impl every other impl's output must match before it is timed (fwd+bwd impls
+return their gradients too; ``state`` readers add updated tables and optimizer state) or an
+``unverified="why"`` reason; ``compiled`` names the torch.compile'd impls, primed on every input set
+before timing). Inputs are rotated (``harness.rotate``) so caches do not flatter. A family that
+cannot run here raises ``harness.SkipFamily(reason)``.
 
 A run measures the machine's peaks once (bench/peaks.py), times every impl of every case
 (bench/harness.py), prints progress to stderr and the table to stdout, and writes
-bench/results/<device>-<timestamp>.{json,md,png} and latest-<device>.{json,md,png} (bench/report.py).
+bench/results/<device>-<timestamp>.{json,md,png} (the png: a roofline of each case's gem_kernels impl
+and best peer), <device>-<timestamp>-speedup.png (speedups per family) and latest-<device>.* copies
+(bench/report.py; ``python -m bench.report RUN.json`` redraws the markdown and figures).
 
 Reading the output: ``ms`` is the median of the timed repeats (p10-p90 shows the spread, ``n`` the
-count; ``*`` marks an impl stopped by its time cap); GB/s and TFLOP/s divide the analytic minimum
-bytes / FLOPs by the median time; % peak is relative to the measured copy bandwidth ("bw") for
-data-movement ops or to the dtype's measured matmul peak ("mm"); speedup = baseline ms / impl ms.
+count; ``*`` marks an impl stopped by its time cap); compile_s is the untimed compile-and-prime time
+of a compiled impl; GB/s (floor) and TFLOP/s divide the analytic floor of bytes / FLOPs by the median
+time, GB/s (FBGEMM formula) FBGEMM's every-lookup bytes (embedding bags); % peak is relative to the
+measured copy bandwidth ("bw", floor bytes) for data-movement ops or to the dtype's measured matmul
+peak ("mm"); speedup = baseline ms / impl ms; verified names what the impl matched (or FAILED /
+UNVERIFIED with why).
 On CPU the impls of a case are timed interleaved (round-robin), so load from other processes hits all
 alike, and faults/call counts minor page faults per call: glibc maps every block over 32 MiB afresh,
 so an op returning a large tensor (a padded batch) pays a first-touch fault per page on every call,

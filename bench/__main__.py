@@ -82,8 +82,10 @@ def list_families(names: list[str], quick: bool, device) -> int:
         cases = module.cases(quick, device)
         try:
             for case in cases:
+                check = f"verified vs {case.reference}" if case.reference else f"UNVERIFIED: {case.unverified}"
+                compiled = f"; compiled: {', '.join(case.compiled)}" if case.compiled else ""
                 print(f"  {case.op:<28} {dtype_name(case.dtype):<9} {case.shape}  impls: {', '.join(case.impls)}"
-                      f"  (baseline {case.baseline})")
+                      f"  (baseline {case.baseline}; {check}{compiled})")
                 for note in case.notes:
                     print(f"    note: {note}")
         except SkipFamily as exc:
@@ -210,13 +212,17 @@ def _main(argv: list[str] | None) -> int:
             print(f"note [{f.name}]: {note}")
         for err in f.errors:
             print(f"ERROR [{f.name}]: {err}")
-    print(f"results: {paths['json']} (+ .md, .png; latest-{device.type}.*), "
+    print(f"results: {paths['json']} (+ .md, .png roofline, -speedup.png; latest-{device.type}.*), "
           f"{time.perf_counter() - run_start:.0f} s in all")
     mismatches = [m for f in families for m in f.mismatches]
     if mismatches:
         print(f"!!! {len(mismatches)} impl(s) gave WRONG ANSWERS and were not timed:", file=sys.stderr)
         for m in mismatches:
             print(f"!!!   {m}", file=sys.stderr)
+    recompiled = [r for r in result["rows"] if (r.get("failed") or "").startswith("RecompileError")]
+    for r in recompiled:
+        print(f"!!! {r['failed']}", file=sys.stderr)
+    if mismatches or recompiled:
         return 1
     if interrupted:
         print("!!! interrupted: the results above and in the files are partial", file=sys.stderr)
