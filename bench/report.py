@@ -149,7 +149,7 @@ def _above_peak(rows: list[dict]) -> list[str]:
         return []
     kinds = sorted({r["peak"] for r in above})
     why = {"bandwidth": "bandwidth rows: the floor counts every distinct byte once from memory, and a working set "
-                        "that fits in L2/L3 is served faster than the copy peak (a copy far larger than the caches)",
+                        "that fits in L2/L3 is served faster than the measured peak (a transfer far larger than the caches)",
            "matmul": "matmul rows: the matmul roof was measured low (load from other processes during both "
                      "measurements), or the op's matmuls are shaped better for the BLAS than the square one"}
     named = ", ".join(f"{r['op']} [{r['shape']}] {r['impl']} {r['pct_peak']:.0f} %" for r in above)

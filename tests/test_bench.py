@@ -363,3 +363,233 @@ def test_rows_with_few_repeats_are_flagged_and_give_no_goal_speedup():
     rows = [row("eager", 4.0, 2), row("fused", 1.0, 10)]
     harness.fill_speedups(rows)
     assert [r["speedup_for_goals"] for r in rows] == [None, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 18: compiled impls, the embedding floor, verification of fwd+bwd and state, figures
+# ---------------------------------------------------------------------------------------------
+
+PEAKS = {"copy_gbps": 10.0, "matmul_tflops": {"float32": 1.0}}
+
+
+def _run(cases, settings=None):
+    settings = settings or harness.Settings(min_repeats=3, min_time=0.0, max_time=0.2, warmup_time=0.0)
+    return harness.run_family("fake", iter(cases), torch.device("cpu"), settings, harness.Budget(60.0), PEAKS,
+                              "sha", "ts")
+
+
+def _compiled_double():
+    torch._dynamo.reset()
+    return torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+
+
+def test_compiled_impl_is_primed_on_every_input_set_and_reaches_five_repeats():
+    fn = _compiled_double()
+    sets = [(torch.ones(3),), (torch.ones(5),)]  # a graph per shape (dynamic=False)
+    # A time cap far below one call's worth: the compiled impl still gets MIN_REPEATS_FOR_GOALS calls.
+    settings = harness.Settings(min_repeats=50, min_time=10.0, max_time=1e-6, warmup_time=0.0)
+    case = _case({"slow": harness.rotate(sets, lambda x: x * 2), "compiled": harness.rotate(sets, fn)},
+                 compiled=["compiled"], tolerance=None)
+    result = _run([case], settings)
+    rows = {row["impl"]: row for row in result.rows}
+    assert not result.errors, result.errors
+    assert rows["compiled"]["status"] == "ok" and rows["compiled"]["compiled"]
+    assert rows["compiled"]["compile_s"] > 0 and rows["slow"]["compile_s"] is None
+    assert rows["compiled"]["repeats"] >= harness.MIN_REPEATS_FOR_GOALS
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
+def test_compiled_impl_that_recompiles_while_timed_fails_with_recompile_error(marked):
+    fn = _compiled_double()
+    size = iter(range(2, 10_000))  # a new shape every call: a compile on every call, timed ones included
+    case = _case({"slow": lambda: torch.ones(3), "compiled": lambda: fn(torch.ones(next(size)))[:0] + 1},
+                 reference=None, unverified="a shape-changing fake", compiled=["compiled"] if marked else [])
+    result = _run([case])
+    rows = {row["impl"]: row for row in result.rows}
+    assert rows["slow"]["status"] == "ok"
+    assert rows["compiled"]["status"] == "failed" and rows["compiled"]["ms"] is None
+    assert rows["compiled"]["failed"].startswith("RecompileError: copy [n=8] impl 'compiled'")
+
+
+def test_run_exits_nonzero_when_a_row_recompiled(tmp_path, monkeypatch):
+    import bench.__main__ as bench_main
+
+    class fake:
+        @staticmethod
+        def cases(quick, device):
+            fn = _compiled_double()
+            size = iter(range(2, 10_000))
+            yield _case({"slow": lambda: torch.ones(3), "compiled": lambda: fn(torch.ones(next(size)))[:0] + 1},
+                        reference=None, unverified="fake", compiled=["compiled"])
+
+    monkeypatch.setattr(bench_main, "FAMILIES", {"fake": "x"})
+    monkeypatch.setattr(bench_main, "load_family", lambda name: (fake, None))
+    assert bench_main.main(["--quick", "--no-thp", "--out", str(tmp_path)]) == 1
+
+
+def test_case_needs_a_reference_or_an_unverified_reason():
+    with pytest.raises(ValueError, match="unverified"):
+        _case({"slow": lambda: 1.0}, reference=None)
+    with pytest.raises(ValueError, match="unverified"):
+        _case({"slow": lambda: 1.0}, unverified="both given")
+    with pytest.raises(ValueError, match="compiled"):
+        _case({"slow": lambda: 1.0}, compiled=["missing"])
+    result = _run([_case({"slow": lambda: 1.0}, reference=None, unverified="returns nothing comparable")])
+    (row,) = result.rows
+    assert row["unverified"] == "returns nothing comparable" and row["verified_against"] is None
+    from bench import report
+
+    assert "UNVERIFIED: returns nothing comparable" in report.table_lines(result.rows)[-1]
+
+
+def _fwd_bwd_impl(grad_error=0.0):
+    x = torch.arange(1.0, 9.0, requires_grad=True)
+
+    def step():
+        out = (x * x).sum()
+        (grad,) = torch.autograd.grad(out, [x])
+        return out.detach(), [grad + grad_error]
+    return step
+
+
+def test_a_wrong_gradient_fails_the_case_before_timing():
+    calls = {"wrong": 0}
+    wrong = _fwd_bwd_impl(grad_error=1e-2)
+
+    def counted():
+        calls["wrong"] += 1
+        return wrong()
+
+    result = _run([_case({"slow": _fwd_bwd_impl(), "ok": _fwd_bwd_impl(), "wrong": counted},
+                         tolerance=dict(atol=1e-4, rtol=0))])
+    rows = {row["impl"]: row for row in result.rows}
+    assert rows["ok"]["status"] == "ok" and rows["ok"]["verified_against"] == "slow"
+    assert rows["wrong"]["status"] == "failed" and "MISMATCH" in rows["wrong"]["failed"]
+    assert "[1][0]" in rows["wrong"]["failed"]  # the path of the gradient in the output
+    assert calls["wrong"] == 1  # verified once, never timed
+
+
+def test_a_wrong_state_after_the_update_fails_the_case():
+    tables = {name: torch.zeros(4) for name in ("slow", "ok", "wrong")}
+
+    def update(name, step):
+        def run():
+            tables[name] += step
+            return torch.ones(2)  # the outputs agree; only the update differs
+        return run
+
+    state = {name: (lambda name=name: {"table": tables[name]}) for name in tables}
+    result = _run([_case({"slow": update("slow", 1.0), "ok": update("ok", 1.0), "wrong": update("wrong", 2.0)},
+                         state=state)])
+    rows = {row["impl"]: row for row in result.rows}
+    assert rows["ok"]["status"] == "ok"
+    assert rows["wrong"]["status"] == "failed" and "['table']" in rows["wrong"]["failed"]
+
+
+def test_compare_reads_only_the_keys_an_impl_returns():
+    want = {"a": torch.ones(2), "b": torch.zeros(2)}
+    assert harness.compare({"a": torch.ones(2)}, want, None, torch.float32) is None
+    assert "reference has no" in harness.compare({"c": torch.ones(2)}, want, None, torch.float32)
+    assert "['b']" in harness.compare({"b": torch.ones(2)}, want, None, torch.float32)
+
+
+def test_embedding_bag_floor_counts_each_distinct_row_once():
+    from gem_kernels import flops
+
+    # 2 tables (D 4 and 8), B = 2: table 0 bags [1, 1, 2] and [1], table 1 bags [] and [5, 5].
+    indices = torch.tensor([1, 1, 2, 1, 5, 5])
+    offsets = torch.tensor([0, 3, 4, 4, 6])
+    dims, batch, elem = [4, 8], 2, 4
+    assert flops.embedding_bag_distinct_rows(indices, offsets, 2, batch) == [2, 1]
+    rows = (2 * 4 + 1 * 8) * elem  # rows 1 and 2 of table 0, row 5 of table 1: once each
+    output = batch * (4 + 8) * elem
+    index = 6 * 8 + 5 * 8
+    assert flops.embedding_bag_floor(indices, offsets, dims, batch, elem) == rows + output + index
+    # FBGEMM's formula reads a row per lookup: 4 lookups of D 4, 2 of D 8.
+    _, formula = flops.embedding_bag([4, 2], dims, batch, elem, 8)
+    assert formula == (4 * 4 + 2 * 8) * elem + output + index
+    assert flops.embedding_bag_floor(indices, offsets, dims, batch, elem) < formula
+    # Distinct ids (table 0 rows 1-4, table 1 rows 5-6): the floor is the formula.
+    distinct = torch.tensor([1, 2, 3, 4, 5, 6])
+    assert flops.embedding_bag_floor(distinct, offsets, dims, batch, elem) == formula
+    # With the fused row-wise Adagrad step: grad_output read, each distinct row and its fp32 state
+    # read and written once, the indices again.
+    backward = output + 2 * (2 * 4 + 1 * 8) * elem + 2 * 3 * 4 + index
+    assert flops.embedding_bag_floor(indices, offsets, dims, batch, elem, rowwise_adagrad=True) == (
+        rows + output + index + backward)
+
+
+def test_embedding_bag_bench_rows_use_the_floor_for_pct_of_peak():
+    from bench import embedding_bag
+
+    fwd = next(embedding_bag.cases(True, torch.device("cpu")))
+    assert fwd.formula_bytes > fwd.bytes > 0  # Zipf ids repeat: the floor is below FBGEMM's formula
+    timing = harness.Timing([1e-3] * 5, capped=False)
+    row = harness.make_row("embedding_bag", fwd, "cpu", timing, torch.device("cpu"), PEAKS, "sha", "ts")
+    assert row["gbps"] == pytest.approx(fwd.bytes / 1e-3 / 1e9)
+    assert row["gbps_formula"] == pytest.approx(fwd.formula_bytes / 1e-3 / 1e9)
+    assert row["pct_peak"] == pytest.approx(100 * row["gbps"] / PEAKS["copy_gbps"])
+
+
+def test_attention_fwd_bwd_impls_return_gradients_and_are_verified():
+    from bench import attention
+
+    cases = attention.cases(True, torch.device("cpu"))
+    next(cases)
+    fwd_bwd = next(cases)
+    assert fwd_bwd.op.endswith("fwd_bwd") and fwd_bwd.reference == "reference"
+    out, grads = fwd_bwd.impls["sdpa"]()
+    assert out.dim() == 3 and len(grads) == 3 and all(g.shape == out.shape for g in grads)  # jagged layout
+    cases.close()
+
+
+def _fake_result(tmp_path):
+    def row(op, impl, ms, status="ok", **kw):
+        r = {"family": "fam", "op": op, "shape": "n=8", "dtype": "float32", "device": "cpu", "impl": impl,
+             "status": status, "failed": kw.get("failed"), "verified_against": kw.get("against", "eager"),
+             "unverified": kw.get("unverified"), "compiled": impl == "compile", "compile_s": kw.get("compile_s"),
+             "ms": ms, "ms_p10": ms, "ms_p90": ms, "repeats": 10 if ms else 0, "capped": False,
+             "page_faults_per_call": None, "flops": kw.get("flops", 0), "bytes": 1000, "formula_bytes": kw.get("fb"),
+             "tflops": kw.get("flops", 0) / ms / 1e9 if ms and kw.get("flops") else None,
+             "gbps": 1000 / ms / 1e6 if ms else None, "gbps_formula": kw["fb"] / ms / 1e6 if ms and kw.get("fb") else None,
+             "peak": "bandwidth", "pct_peak": 10.0 if ms else None, "baseline": "eager"}
+        return r
+
+    rows = [row("gather", "eager", 2.0, against=None, fb=5000), row("gather", "cpu", 1.0, fb=5000),
+            row("gather", "compile", 1.5, compile_s=12.5, fb=5000),
+            row("gather", "wrong", None, status="failed", failed="MISMATCH vs 'eager': output 0 differs"),
+            row("mm", "eager", 4.0, against=None, flops=10**9), row("mm", "cpu", 1.0, flops=10**9),
+            row("step", "eager", 3.0, against=None, unverified="no reference here"),
+            row("step", "fused", 2.0, against=None, unverified="no reference here")]
+    harness.fill_speedups(rows[:4])
+    harness.fill_speedups(rows[4:6])
+    harness.fill_speedups(rows[6:])
+    result = {"timestamp": "20261205T000000Z", "git_sha": "sha", "quick": True, "argv": [],
+              "machine": {"device": "cpu", "cpu_model": "fake", "cpu_cores": 2, "torch_threads": 2, "gpu": None,
+                          "torch": "2", "torch_cuda": None, "triton": None, "fbgemm_gpu": None, "gem_kernels": "0",
+                          "gem_kernels_backends": ["cpu"]},
+              "peaks": {"copy_gbps": 10.0, "matmul_tflops": {"float32": 1.0}, "sizes": {"matmul_n": 8, "copy_mib": 1}},
+              "settings": {}, "loadavg_1min": {"start": 0.5, "end": 0.5}, "thp_mem_alloc": True,
+              "families": [{"name": "fam", "status": "ok", "seconds": 1.0, "notes": [], "errors": [], "mismatches": []}],
+              "rows": rows}
+    return result
+
+
+def test_report_writes_two_figures_and_redraws_them_from_the_json(tmp_path):
+    from bench import report
+
+    paths = report.write(_fake_result(tmp_path), tmp_path)
+    stem = "cpu-20261205T000000Z"
+    assert paths["png"] == tmp_path / f"{stem}.png" and paths["speedup_png"] == tmp_path / f"{stem}-speedup.png"
+    for name in (f"{stem}.png", f"{stem}-speedup.png", "latest-cpu.png", "latest-cpu-speedup.png", "latest-cpu.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    md = paths["md"].read_text()
+    for text in ("GB/s (floor)", "GB/s (FBGEMM formula)", "compile_s", "| 12.5 |", "FAILED: MISMATCH",
+                 "UNVERIFIED: no reference here", "| vs eager |", "| reference |", "-speedup.png"):
+        assert text in md, text
+    # Redraw from the JSON alone, through the command line.
+    for path in (paths["png"], paths["speedup_png"], paths["md"]):
+        path.unlink()
+    assert report.main([str(paths["json"])]) == 0
+    assert paths["png"].stat().st_size > 0 and paths["speedup_png"].stat().st_size > 0
+    assert paths["md"].read_text() == md
