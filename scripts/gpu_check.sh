@@ -16,7 +16,9 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[gpu_check $(date +%T)] $*" | tee -a "$OUT/summary.txt"; }
 
-# At most 8 files come back from $OUT: summary, build, tests and bench logs, and the bench's json/md/png.
+# At most 8 files come back from $OUT: summary, build, tests and bench logs, host syncs, model, and the
+# bench's JSON; its markdown and two figures are redrawn here from that JSON:
+#   python -m bench.report gpu_out/cuda-<timestamp>.json   (writes .md, .png roofline, -speedup.png)
 { nvidia-smi; "$PY" -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"; } \
   >> "$OUT/summary.txt" 2>&1
 
@@ -84,5 +86,6 @@ log "attention tiles rc=$?"
 log "regression suite"
 timeout -k 5 40 "$PY" -m pytest bench/regression --benchmark-only -q --benchmark-max-time=0.05 -p no:cacheprovider >> "$OUT/summary.txt" 2>&1
 log "regression suite rc=$?"
-rm -f "$OUT"/latest-*  # duplicates of the timestamped results
+# Duplicates of the timestamped results, and what `python -m bench.report` redraws from the JSON.
+rm -f "$OUT"/latest-* "$OUT"/cuda-*.md "$OUT"/cuda-*.png
 ls "$OUT" >> "$OUT/summary.txt"
