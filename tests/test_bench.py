@@ -396,6 +396,8 @@ def test_compiled_impl_is_primed_on_every_input_set_and_reaches_five_repeats():
     assert rows["compiled"]["status"] == "ok" and rows["compiled"]["compiled"]
     assert rows["compiled"]["compile_s"] > 0 and rows["slow"]["compile_s"] is None
     assert rows["compiled"]["repeats"] >= harness.MIN_REPEATS_FOR_GOALS
+    assert rows["slow"]["repeats"] >= harness.MIN_REPEATS_FOR_GOALS  # the baseline its speedup divides
+    assert rows["compiled"]["speedup_for_goals"] is not None
 
 
 @pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
