@@ -330,6 +330,7 @@ def roofline(result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     peaks = result["peaks"]
     bw = peaks["copy_gbps"]
@@ -401,7 +402,7 @@ def roofline(result: dict, path: Path) -> None:
     # Right: data movement (GB/s against the copy peak) and whole steps (TFLOP/s, no byte count).
     others = [(n, f, m, p) for n, f, m, p in pairs if not (f["flops"] and f["bytes"])]
     movement = [(n, f, m, p) for n, f, m, p in others if f["bytes"]]
-    steps = [(n, f, m, p) for n, f, m, p in others if not f["bytes"] and f["flops"]]
+    unplotted = [n for n, f, _, _ in others if not f["bytes"]]
     rows_y = []
     for i, (n, first, mine, peer) in enumerate(movement):
         rows_y.append((i, n))
@@ -416,6 +417,9 @@ def roofline(result: dict, path: Path) -> None:
         bx.set_xscale("log")
         values = [r["gbps"] for _, _, m, p in movement for r in (m, p) if r is not None and r["gbps"]] + [bw]
         bx.set_xlim(min(values) / 2, max(values) * 2)
+        bx.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        bx.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        bx.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         bx.set_xlabel("GB/s (floor bytes / median time); dashed: measured copy peak")
         bx.grid(True, axis="x", which="both", alpha=0.3)
     else:
@@ -423,8 +427,8 @@ def roofline(result: dict, path: Path) -> None:
         bx.set_xticks([])
         bx.set_yticks([])
     title = "data-movement ops (0 FLOPs)"
-    if steps:
-        title += "; " + ", ".join(f"#{n} (no byte count, see key)" for n, _, _, _ in steps)
+    if unplotted:
+        title += f"\nnot plotted (no byte count; times in the key): {', '.join(f'#{n}' for n in unplotted)}"
     bx.set_title(title, fontsize=9)
     kx.axis("off")
     kx.text(0, 1, "\n".join(key_lines), family="monospace", fontsize=7.5, va="top", ha="left", transform=kx.transAxes)
