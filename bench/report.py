@@ -101,7 +101,7 @@ def verified_text(row: dict) -> str:
     if row.get("verified_against"):
         return f"vs {row['verified_against']}"
     if "verified_against" in row:
-        return "reference"
+        return "(is the reference)"
     return "?"  # a row from before verification was recorded
 
 
@@ -169,7 +169,8 @@ LEGEND = (
     "speedup = baseline ms / impl ms; faults/call = minor page faults per call (CPU: first touches of fresh output "
     "pages, which glibc maps anew for every block over 32 MiB); verified = the impl whose output (and gradients, "
     "updated tables and optimizer state where the case has them) this impl matched before it was timed, "
-    "UNVERIFIED with the case's reason, or FAILED with why (not timed).")
+    "(is the reference) for the impl the others were checked against, UNVERIFIED with the case's reason, or "
+    "FAILED with why (not timed).")
 
 
 def markdown(result: dict) -> str:
