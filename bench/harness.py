@@ -390,7 +390,10 @@ def _align(actual: Any, expected: Any) -> Any:
 
 def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtype: torch.dtype) -> str | None:
     """None when ``actual`` matches ``expected`` (tensors, numbers, or nests of them), else why not.
-    Where both hold a dict, only the keys of ``actual``'s are compared (see ``_align``)."""
+    Where both hold a dict, only the keys of ``actual``'s are compared (see ``_align``). ``tolerance``:
+    atol, rtol as torch.isclose, and optionally atol_per_max: atol is at least that fraction of each
+    expected tensor's largest |value| (for sums over a batch, whose small elements carry the
+    reassociation error of large terms)."""
     tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(dtype, dict(atol=1e-4, rtol=1e-4))
     try:
         got, want = _flatten(actual), _flatten(_align(actual, expected))
@@ -404,7 +407,10 @@ def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtyp
         if g.shape != w.shape:
             return f"output {i}: shape {tuple(g.shape)}, reference {tuple(w.shape)}"
         g64, w64 = g.double().cpu(), w.double().cpu()
-        bad = ~torch.isclose(g64, w64, atol=tol["atol"], rtol=tol["rtol"], equal_nan=False)
+        atol = tol["atol"]
+        if tol.get("atol_per_max") and w64.numel():
+            atol = max(atol, tol["atol_per_max"] * float(w64.abs().max()))
+        bad = ~torch.isclose(g64, w64, atol=atol, rtol=tol["rtol"], equal_nan=False)
         if bad.any():
             diff = (g64 - w64).abs()
             diff[diff.isnan()] = float("inf")
@@ -413,7 +419,7 @@ def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtyp
             rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist() if bad.dim() else []
             where = f"; rows {rows[:8]}{' ...' if len(rows) > 8 else ''} ({len(rows)} of {bad.shape[0]})" if rows else ""
             return (f"output {i}: {int(bad.sum())} of {g.numel()} elements differ "
-                    f"(max abs err {float(diff.max()):.3g}, atol={tol['atol']}, rtol={tol['rtol']}){where}")
+                    f"(max abs err {float(diff.max()):.3g}, atol={atol:.3g}, rtol={tol['rtol']}){where}")
     return None
 
 

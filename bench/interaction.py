@@ -29,7 +29,11 @@ from .harness import Case, rotate
 
 SEED = 0
 # Fused and eager sum in different orders; relative differences of fp32 reassociation.
-TOLERANCE = {torch.float32: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
+# NOTE: atol_per_max: parameter gradients are sums over the whole batch (B=4096 x 27 rows), ~1e3 in
+# magnitude, and an element near zero in such a tensor carries the reassociation error of its large
+# terms: measured 4.5e-3 (4.6e-6 of the tensor's max) between inductor and eager on the WukongLayer
+# LayerNorm gradients, past atol 2e-3. So atol is at least 2e-5 of the tensor's largest |value|.
+TOLERANCE = {torch.float32: dict(atol=2e-3, rtol=2e-3, atol_per_max=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
              torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
 

@@ -488,6 +488,15 @@ def test_a_wrong_state_after_the_update_fails_the_case():
     assert rows["wrong"]["status"] == "failed" and "['table']" in rows["wrong"]["failed"]
 
 
+def test_compare_atol_per_max_scales_with_the_tensor():
+    want = torch.tensor([1000.0, 0.0])
+    got = torch.tensor([1000.0, 4e-3])  # reassociation noise of a batch sum, on its small element
+    assert harness.compare(got, want, dict(atol=2e-3, rtol=2e-3), torch.float32) is not None
+    assert harness.compare(got, want, dict(atol=2e-3, rtol=2e-3, atol_per_max=2e-5), torch.float32) is None
+    assert harness.compare(torch.tensor([1000.0, 5e-2]), want, dict(atol=2e-3, rtol=2e-3, atol_per_max=2e-5),
+                           torch.float32) is not None  # 50x the noise: still a mismatch
+
+
 def test_compare_reads_only_the_keys_an_impl_returns():
     want = {"a": torch.ones(2), "b": torch.zeros(2)}
     assert harness.compare({"a": torch.ones(2)}, want, None, torch.float32) is None
