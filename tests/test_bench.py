@@ -248,6 +248,8 @@ def test_quick_jagged_run_writes_results(tmp_path):
     for ext in ("md", "png"):
         assert stem.with_suffix(f".{ext}").stat().st_size > 0
         assert (tmp_path / f"latest-cpu.{ext}").exists()
+    assert (tmp_path / f"{stem.name}-speedup.png").stat().st_size > 0
+    assert (tmp_path / "latest-cpu-speedup.png").exists()
     result = json.loads(jsons[0].read_text())
     peaks = result["peaks"]
     assert peaks["copy_gbps"] > 0 and peaks["matmul_tflops"]["float32"] > 0
@@ -269,6 +271,8 @@ def test_quick_jagged_run_writes_results(tmp_path):
         assert row["device"] == "cpu" and row["baseline"] == "aten"
         assert row["gbps"] > 0
         assert row["page_faults_per_call"] is not None and row["page_faults_per_call"] >= 0
+        assert row["status"] == "ok" and row["verified_against"] in ("reference", None)
+        assert row["compile_s"] is None and row["gbps_formula"] is None
     cpu_rows = [r for r in rows if r["impl"] == "cpu" and r["op"] == "jagged_to_padded"]
     assert cpu_rows, "the cpu backend was not timed"
     aten = {(r["op"], r["shape"], r["dtype"]): r["ms"] for r in rows if r["impl"] == "aten"}
