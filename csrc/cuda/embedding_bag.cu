@@ -34,11 +34,11 @@ namespace {
 
 constexpr int kWarps = 4;      // bags (or unique rows) per block
 constexpr int kPerLane = 4;    // columns per lane per chunk: 128 columns per warp pass
-// Rows of a bag whose loads a warp issues before it adds any of them. One row at a time left one
-// row's D * s bytes in flight per warp (ptx: each load behind its own branch, no unrolling across
+// Rows of a bag whose loads a warp issues before it adds any of them. With one row at a time a warp
+// keeps one row's D * s bytes in flight (each load sits behind its own branch, no unrolling across
 // indices): at 48 registers (42 warps / SM) about 60% of an H200's HBM bandwidth by Little's law at
-// D = 128, 30% at D = 64. Four rows in flight at ~80 registers (24 warps / SM) is ~2.3x the bytes
-// in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
+// D = 128, 30% at D = 64. Four rows at 64 registers (ptxas, sm_90a: 32 warps / SM) keep ~3x the
+// bytes in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
 constexpr int kRowsInFlight = 4;
 
 // Bag tb = t * B + b of the bag-per-warp kernels: (table t, bag b, t's D, t's row count).
@@ -163,7 +163,7 @@ struct OptimizerArgs {
 // The summed gradient of columns d0 + lane + 32 j (j < kPerLane; 0 past D) of a unique row, whose
 // lookups are order[first:last] (pooling decides which grad_output row src_rows[p] and columns from
 // column0 they read). Each lookup's order -> src_rows, scale chain is loaded once per chunk, then
-// its kPerLane columns together (a chain per column, as before, left one load in flight behind it).
+// its kPerLane columns together (a chain per column would leave one load in flight behind it).
 template <typename scalar_t>
 __device__ __forceinline__ void segment_grad(float (&g)[kPerLane], const scalar_t* __restrict__ grad,
                                              int64_t grad_stride, int64_t column0, int64_t d0, int64_t D, int lane,
