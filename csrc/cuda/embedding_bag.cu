@@ -41,14 +41,22 @@ constexpr int kPerLane = 4;    // columns per lane per chunk: 128 columns per wa
 // bytes in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
 constexpr int kRowsInFlight = 4;
 
-// Bag tb = t * B + b of the bag-per-warp kernels: (table t, bag b, t's D, t's row count).
+// The bag a warp of the bag-per-warp kernels owns (warp threadIdx.y of block blockIdx.x): bag
+// tb = t * B + b, table t's D, row count and first weight. valid is false for the warps past the
+// last bag, which read nothing.
+template <typename scalar_t>
 struct WarpBag {
-  int64_t t, b, D, rows;
+  int64_t tb, t, b, D, rows;
+  const scalar_t* table;
+  bool valid;
 };
 
-__device__ __forceinline__ WarpBag warp_bag(int64_t tb, const TableMeta& m) {
+template <typename scalar_t>
+__device__ __forceinline__ WarpBag<scalar_t> warp_bag(const scalar_t* weights, const TableMeta& m) {
+  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
+  if (tb >= m.T * m.B) return {tb, 0, 0, 0, 0, nullptr, false};
   const int64_t t = tb / m.B;
-  return {t, tb - t * m.B, m.d_off[t + 1] - m.d_off[t], m.r_off[t + 1] - m.r_off[t]};
+  return {tb, t, tb - t * m.B, m.d_off[t + 1] - m.d_off[t], m.r_off[t + 1] - m.r_off[t], weights + m.w_off[t], true};
 }
 
 template <typename scalar_t, typename index_t>
@@ -56,11 +64,9 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
                                          const index_t* __restrict__ indices, const index_t* __restrict__ offsets,
                                          const float* __restrict__ psw, scalar_t* __restrict__ out,
                                          int64_t output_dim, int64_t pooling) {
-  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
-  if (tb >= m.T * m.B) return;
+  const auto [tb, t, b, D, rows, table, valid] = warp_bag(weights, m);
+  if (!valid) return;
   const int lane = threadIdx.x;
-  const auto [t, b, D, rows] = warp_bag(tb, m);
-  const scalar_t* table = weights + m.w_off[t];
   const int64_t start = offsets[tb];
   const int64_t stop = offsets[tb + 1];
   for (int64_t d0 = 0; d0 < D; d0 += 32 * kPerLane) {
@@ -129,11 +135,9 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
                                               const TableMeta m, const index_t* __restrict__ indices,
                                               const index_t* __restrict__ offsets, float* __restrict__ grad_psw,
                                               int64_t grad_stride, int64_t pooling) {
-  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
-  if (tb >= m.T * m.B) return;
+  const auto [tb, t, b, D, rows, table, valid] = warp_bag(weights, m);
+  if (!valid) return;
   const int lane = threadIdx.x;
-  const auto [t, b, D, rows] = warp_bag(tb, m);
-  const scalar_t* table = weights + m.w_off[t];
   // Mean pooling: the bag's output is divided by its kept length, so is every index's gradient.
   float scale = 1.f;
   if (pooling == kMean) {
