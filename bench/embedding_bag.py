@@ -171,8 +171,8 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     impls: dict[str, Callable] = {}
     for backend in backends:
         impls[backend] = rotate(arg_sets, lambda i, o, _, b=backend: _no_grad(
-            lambda: gk.embedding_bag(module.weights, module.weights_offsets, module.D_offsets, module.rows_offsets,
-                                     i, o, output_dim=module.output_dim, pooling="sum", backend=b)))
+            lambda: gk.embedding_bag(module.weights, module.table_meta, i, o, output_dim=module.output_dim,
+                                     pooling="sum", backend=b)))
     bags = _eager_bags(module, copy=False)
     loop = _loop_forward(bags, batch)
     impls["eager-loop"] = rotate(arg_sets, lambda i, o, tables: _no_grad(lambda: loop(i, tables)))

@@ -14,6 +14,7 @@ from ._backend import (
     use_backend,
 )
 from .ops.attention import jagged_attention
+from ._embedding_bag import TableLayout, TableMeta, pack_tables
 from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
@@ -53,6 +54,9 @@ __all__ = [
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",
+    "TableMeta",
+    "TableLayout",
+    "pack_tables",
     "swap",
     "SwapReport",
     "SwapSkip",

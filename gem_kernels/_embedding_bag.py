@@ -1,4 +1,9 @@
-"""What every embedding_bag backend shares: the option codes and the host-side preparation.
+"""What every embedding_bag backend shares: the table layout, the option codes and the host-side preparation.
+
+The layout (FBGEMM TBE) has one home: ``pack_tables`` builds a ``TableLayout`` (the Python ints
+the modules slice and size their buffers by) and its ``TableMeta`` (the three int64 tensors the ops
+take). The modules of gem_kernels.nn and gem_kernels.torchrec and the sharded kernel all build their
+layout with it.
 
 The codes are the integers the kernels take for the string options; the C++ and CUDA kernels
 read the same values from csrc/include/gem_kernels/embedding_bag_codes.h (a test compares the two),
@@ -11,6 +16,8 @@ build the same segments in C++, csrc/cuda/embedding_bag.cu).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +27,80 @@ OPTIMIZER_CODES = {"none": 0, "sgd": 1, "rowwise_adagrad": 2, "adam": 3}
 SUM, MEAN, NONE = (POOLING_CODES[k] for k in ("sum", "mean", "none"))
 FATAL, WARN, SKIP = (BOUNDS_CHECK_CODES[k] for k in ("fatal", "warn", "skip"))
 OPT_NONE, OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ADAM = (OPTIMIZER_CODES[k] for k in ("none", "sgd", "rowwise_adagrad", "adam"))
+
+
+class TableMeta(NamedTuple):
+    """The per-table tensors of the embedding_bag ops: T tables back to back in one flat ``weights``.
+
+    weights_offsets [T]    element offset of table t in ``weights``
+    D_offsets       [T+1]  column offset of table t in the pooled output; D_t = D_offsets[t+1] - D_offsets[t]
+    rows_offsets    [T+1]  cumulative rows; rows_t = rows_offsets[t+1] - rows_offsets[t] (also the row
+                           offset of table t in row-wise optimizer state)
+    All int64, on the weights' device. The ops' schemas take the three tensors in this order
+    (``*meta``); csrc/include/gem_kernels/table_meta.h is their C++ view.
+    """
+
+    weights_offsets: torch.Tensor
+    D_offsets: torch.Tensor
+    rows_offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where each table lives, in Python ints: what modules slice the packed buffer and size the
+    optimizer state by. ``meta(device)`` gives the same facts as the ops' tensors."""
+
+    rows: tuple[int, ...]
+    dims: tuple[int, ...]
+    weights_offsets: tuple[int, ...]  # [T]
+    D_offsets: tuple[int, ...]  # [T+1]
+    rows_offsets: tuple[int, ...]  # [T+1]
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows_offsets[-1]
+
+    @property
+    def num_elements(self) -> int:
+        return self.weights_offsets[-1] + self.rows[-1] * self.dims[-1]
+
+    def output_dim(self, pooled: bool) -> int:
+        """Columns of the op's output: every table's D side by side (pooled), or the one shared D."""
+        return self.D_offsets[-1] if pooled else self.dims[0]
+
+    def meta(self, device=None) -> TableMeta:
+        return TableMeta(*(torch.tensor(v, dtype=torch.int64, device=device)
+                           for v in (self.weights_offsets, self.D_offsets, self.rows_offsets)))
+
+    def table(self, flat: torch.Tensor, t: int) -> torch.Tensor:
+        """Table t of a buffer packed like the weights (weights, Adam's state) as a [rows_t, D_t] view."""
+        start, rows, dim = self.weights_offsets[t], self.rows[t], self.dims[t]
+        return flat[start:start + rows * dim].view(rows, dim)
+
+    def state_sizes(self, optimizer_name: str | None) -> tuple[int, int]:
+        """Elements of (momentum1, momentum2) for a fused optimizer: row-wise Adagrad one fp32 per
+        row, Adam two per weight element, SGD (or none) nothing."""
+        m1 = {"rowwise_adagrad": self.num_rows, "adam": self.num_elements}.get(optimizer_name, 0)
+        return m1, self.num_elements if optimizer_name == "adam" else 0
+
+
+def pack_tables(rows: list[int], dims: list[int]) -> TableLayout:
+    """The packed layout of tables ``rows[t] x dims[t]``, in order, back to back."""
+    rows, dims = tuple(int(r) for r in rows), tuple(int(d) for d in dims)
+    if not rows or len(rows) != len(dims):
+        raise ValueError(f"rows and dims must describe the same T >= 1 tables, got {len(rows)} and {len(dims)}")
+
+    def cumsum(xs):
+        out = [0]
+        for x in xs:
+            out.append(out[-1] + x)
+        return tuple(out)
+
+    return TableLayout(rows, dims, cumsum(r * d for r, d in zip(rows, dims))[:-1], cumsum(dims), cumsum(rows))
 
 
 def kept_mask(rows_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,

@@ -835,20 +835,15 @@ def _embedding_bag_cases():
         return make
 
     def meta(tables, device):
-        dims = [d for _, d in tables]
-        rows = [r for r, _ in tables]
-        sizes = [r * d for r, d in tables]
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        cum = lambda xs: [0] + torch.tensor(xs).cumsum(0).tolist()  # noqa: E731
-        return t(cum(sizes)[:-1]), t(cum(dims)), t(cum(rows))
+        return gk.pack_tables([r for r, _ in tables], [d for _, d in tables]).meta(device)
 
     def eb_call(pooling, bounds_check="fatal", tables=TABLES):
         def call(x, backend):
-            w_off, d_off, r_off = meta(tables, x["weights"].device)
             dims = [d for _, d in tables]
             out_dim = dims[0] if pooling == "none" else sum(dims)
-            return gk.embedding_bag(x["weights"], w_off, d_off, r_off, x["indices"], x["offsets"], x.get("psw"),
-                                    output_dim=out_dim, pooling=pooling, bounds_check=bounds_check, backend=backend)
+            return gk.embedding_bag(x["weights"], meta(tables, x["weights"].device), x["indices"], x["offsets"],
+                                    x.get("psw"), output_dim=out_dim, pooling=pooling, bounds_check=bounds_check,
+                                    backend=backend)
         return call
 
     def eb_oracle(pooling, tables=TABLES):
@@ -898,8 +893,8 @@ def _embedding_bag_cases():
             return x
 
         def call(x, backend):
-            return gk.embedding_bag(x["weights"], x["w_off"], x["d_off"], x["r_off"], x["indices"], x["offsets"],
-                                    x.get("psw"), output_dim=x["output_dim"], pooling=x["pooling"],
+            return gk.embedding_bag(x["weights"], gk.TableMeta(x["w_off"], x["d_off"], x["r_off"]), x["indices"],
+                                    x["offsets"], x.get("psw"), output_dim=x["output_dim"], pooling=x["pooling"],
                                     bounds_check=x["bounds_check"], backend=backend, **x["kw"])
         add(Case(name, "bad", make, call, names=names))
 

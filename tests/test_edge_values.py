@@ -109,8 +109,7 @@ def test_embedding_bag_output_dim_out_of_range(device, backend, value):
     indices = torch.tensor([0, 1, 3], device=device)
     offsets = torch.tensor([0, 2, 3], device=device)
     with pytest.raises(ValueError, match=r"^output_dim (is out of range|must be >= 0)"):
-        gk.embedding_bag(ebc.weights, ebc.weights_offsets, ebc.D_offsets, ebc.rows_offsets, indices, offsets,
-                         output_dim=value, backend=backend)
+        gk.embedding_bag(ebc.weights, ebc.table_meta, indices, offsets, output_dim=value, backend=backend)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,8 +79,7 @@ def make_batch(specs, batch, index_dtype=torch.int64, device="cpu", seed=0, max_
 
 
 def functional(module, indices, offsets, psw=None, backend=None, **kw):
-    return gk.embedding_bag(module.weights, module.weights_offsets, module.D_offsets, module.rows_offsets, indices,
-                            offsets, psw, output_dim=module.output_dim, pooling=module.pooling,
+    return gk.embedding_bag(module.weights, module.table_meta, indices, offsets, psw, output_dim=module.output_dim, pooling=module.pooling,
                             backend=backend or module.backend, **kw)
 
 
@@ -123,8 +122,7 @@ def test_reference_matches_nn_embedding_bag(pooling, with_psw, dtype, index_dtyp
     out.backward(grad)
     expected.backward(grad.float())
     for t, bag in enumerate(bags):
-        assert_rounded_once(module.weights.grad[module._weight_offsets[t]:][:bag.weight.numel()],
-                             bag.weight.grad.flatten(), dtype)
+        assert_rounded_once(module.layout.table(module.weights.grad, t), bag.weight.grad, dtype)
     if with_psw:  # fp32 per_sample_weights: the dot of a grad row with a dtype weight row, in fp32
         torch.testing.assert_close(psw.grad, oracle_psw.grad)
 
@@ -166,8 +164,7 @@ def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batc
     # FlashAttention's rule, whose eager in-dtype sum would round at every term).
     weights32 = module.weights.detach().float().requires_grad_(True)
     psw32 = psw.detach().clone().requires_grad_(True) if with_psw else None
-    expected = gk.embedding_bag(weights32, module.weights_offsets, module.D_offsets, module.rows_offsets, indices,
-                                offsets, psw32, output_dim=module.output_dim, pooling=module.pooling,
+    expected = gk.embedding_bag(weights32, module.table_meta, indices, offsets, psw32, output_dim=module.output_dim, pooling=module.pooling,
                                 backend="reference")
     assert out.shape == expected.shape and out.dtype == dtype
     factor = interpreter_rounding_factor(backend, device, dtype)
@@ -232,8 +229,7 @@ def test_weighted_mean_matches_oracle(device, backend, bounds_check):
     for b in range(batch):
         pieces = []
         for t, spec in enumerate(MIXED):
-            start = module._weight_offsets[t]
-            table = weights[start:start + spec.num_embeddings * spec.embedding_dim].view(-1, spec.embedding_dim)
+            table = module.layout.table(weights, t)
             acc, kept = torch.zeros(spec.embedding_dim, device=device), 0
             for p in range(int(offsets[t * batch + b]), int(offsets[t * batch + b + 1])):
                 if 0 <= int(indices[p]) < spec.num_embeddings:
@@ -282,7 +278,7 @@ def test_fused_optimizer_matches_reference(device, backend, optimizer, dtype, po
             m(indices, offsets, w).backward(grad)
             if w is not None:
                 expected = ref_eb.embedding_bag_per_sample_weights_backward(
-                    grad, before, m.weights_offsets, m.D_offsets, m.rows_offsets, indices, offsets,
+                    grad, before, *m.table_meta, indices, offsets,
                     ref_eb.POOLING_CODES[pooling])
                 torch.testing.assert_close(w.grad, expected, atol=1e-4, rtol=1e-4)
         assert module.weights.grad is None
@@ -395,7 +391,7 @@ def test_rowwise_adagrad_matches_loop(backend, weight_decay):
                 bag.weight.copy_(weights[t])
     for t in range(len(bags)):
         torch.testing.assert_close(module.weight(t).detach(), weights[t], atol=2e-5, rtol=2e-5)
-        r0 = int(module.rows_offsets[t])
+        r0 = module.layout.rows_offsets[t]
         torch.testing.assert_close(module.momentum1[r0:r0 + bags[t].num_embeddings], state[t])
 
 
@@ -469,8 +465,8 @@ def test_rejects_bad_input(backend, make, error, match):
 
 
 def _meta(module):
-    return dict(weights=module.weights.detach(), weights_offsets=module.weights_offsets, D_offsets=module.D_offsets,
-                rows_offsets=module.rows_offsets, output_dim=module.output_dim, pooling=module.pooling)
+    return dict(weights=module.weights.detach(), **module.table_meta._asdict(), output_dim=module.output_dim,
+                pooling=module.pooling)
 
 
 def _long(values):
@@ -509,8 +505,8 @@ def test_rejects_bad_table_metadata(backend, change, match):
     indices, offsets = make_batch(MIXED[:2], 4)
     args = dict(_meta(module), **change)
     with pytest.raises(ValueError, match=match):
-        gk.embedding_bag(args.pop("weights"), args.pop("weights_offsets"), args.pop("D_offsets"),
-                         args.pop("rows_offsets"), indices, offsets, backend=backend, **args)
+        tables = gk.TableMeta(*(args.pop(name) for name in gk.TableMeta._fields))
+        gk.embedding_bag(args.pop("weights"), tables, indices, offsets, backend=backend, **args)
 
 
 def test_rejects_bad_arguments():
@@ -544,7 +540,7 @@ def test_weight_views_and_state_dict_round_trip():
     for t, bag in enumerate(bags):
         assert module.weight(t).shape == bag.weight.shape
         torch.testing.assert_close(module.weight(t), bag.weight, rtol=0, atol=0)
-        assert module.weight(t).data_ptr() == module.weights.data_ptr() + module._weight_offsets[t] * 4
+        assert module.weight(t).data_ptr() == module.weights.data_ptr() + module.layout.weights_offsets[t] * 4
     indices, offsets = make_batch(MIXED, 3)
     module(indices, offsets).sum().backward()
     state = module.state_dict()
@@ -572,8 +568,7 @@ def test_from_embedding_bags_rejects_mixed_modes():
 
 def _op_args(module, indices, offsets, backend, optimizer_code=0):
     psw = torch.empty(0)
-    return (module.weights, module.momentum1, module.momentum2, module.step, module.weights_offsets,
-            module.D_offsets, module.rows_offsets, indices, offsets, psw, module.output_dim, 0, 0, optimizer_code,
+    return (module.weights, module.momentum1, module.momentum2, module.step, *module.table_meta, indices, offsets, psw, module.output_dim, 0, 0, optimizer_code,
             0.1, 1e-8, 0.9, 0.99, 0.0, backend)
 
 
@@ -590,13 +585,12 @@ def test_opcheck(backend, index_dtype):
     torch.library.opcheck(embedding_bag_op, tuple(args))
     grad = randn_nonzero(3, module.output_dim)
     torch.library.opcheck(embedding_bag_per_sample_weights_backward_op,
-                          (grad, module.weights.detach(), module.weights_offsets, module.D_offsets,
-                           module.rows_offsets, indices, offsets, 0, backend))
+                          (grad, module.weights.detach(), *module.table_meta, indices, offsets, 0, backend))
     adagrad = gk.FusedEmbeddingBag(MIXED[:3], optimizer=gk.optim.ExactRowwiseAdagrad(), backend=backend)
     grad = randn_nonzero(3, adagrad.output_dim)
     torch.library.opcheck(embedding_bag_backward_fused_op,
                           (grad, adagrad.weights.detach(), adagrad.momentum1, adagrad.momentum2, adagrad.step,
-                           adagrad.weights_offsets, adagrad.D_offsets, adagrad.rows_offsets, indices, offsets,
+                           *adagrad.table_meta, indices, offsets,
                            torch.empty(0), 0, 2, 0.1, 1e-8, 0.0, 0.0, 0.0, backend))
 
 
@@ -605,7 +599,7 @@ def test_opcheck_native_ops():
         pytest.skip("cpu backend unavailable here")
     module = gk.FusedEmbeddingBag(MIXED[:3])
     indices, offsets = make_batch(MIXED[:3], 3)
-    meta = (module.weights_offsets, module.D_offsets, module.rows_offsets)
+    meta = module.table_meta
     weights = module.weights.detach()
     torch.library.opcheck(torch.ops.gem_kernels.embedding_bag_forward_native.default,
                           (weights, *meta, indices, offsets, torch.empty(0), module.output_dim, 1, 0))

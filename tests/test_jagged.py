@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gem_kernels as gk
-from gem_kernels.ops.jagged import jagged_to_padded_op, padded_to_jagged_op
+from gem_kernels.ops.jagged import (jagged_to_padded_backward_op, jagged_to_padded_op, padded_to_jagged_backward_op,
+                                   padded_to_jagged_op)
 
 from .utils import (
     FLOAT_DTYPES,
@@ -269,6 +270,9 @@ def test_opcheck(backend, index_dtype):
     # total_len = -1: the output size is data dependent (an unbacked SymInt under tracing).
     torch.library.opcheck(padded_to_jagged_op, (dense, offsets, -1, backend),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    # The backward ops (each other's gradient, so double backward works too).
+    torch.library.opcheck(jagged_to_padded_backward_op, (dense, offsets, 9, backend))
+    torch.library.opcheck(padded_to_jagged_backward_op, (values, offsets, 4, backend))
 
 
 def test_opcheck_native_ops():

@@ -53,9 +53,7 @@ def make_kjt(keys, rows, batch, seed=0, weighted=False, max_len=4):
 
 
 def table_grad(fused, name):
-    t = fused._table_names.index(name)
-    start = fused._weight_offsets[t]
-    return fused.weights.grad[start:start + fused._rows[t] * fused._dims[t]].view(fused._rows[t], fused._dims[t])
+    return fused.layout.table(fused.weights.grad, fused._table_names.index(name))
 
 
 def assert_same_keyed(kt, expected):
@@ -182,7 +180,7 @@ def test_ebc_fused_rowwise_adagrad_updates_shared_rows_once():
                 weights[config.name], ebc.embedding_bags[config.name].weight.grad, states[config.name], touched, lr, eps)
             torch.testing.assert_close(fused.weight(config.name).detach(), weights[config.name])
             t = fused._table_names.index(config.name)
-            r0 = int(fused.rows_offsets[t])
+            r0 = fused.layout.rows_offsets[t]
             torch.testing.assert_close(fused.momentum1[r0:r0 + config.num_embeddings], states[config.name])
     assert int(fused.optimizer_state_dict()["step"]) == 2
 

@@ -58,8 +58,7 @@ def _cases():
     return {
         "jagged_to_padded": lambda be: gk.jagged_to_padded(values, offsets, 64, backend=be),
         "padded_to_jagged": lambda be: gk.padded_to_jagged(padded, offsets, backend=be),
-        "embedding_bag": lambda be: gk.embedding_bag(module.weights, module.weights_offsets, module.D_offsets,
-                                                     module.rows_offsets, indices, bag_offsets, None,
+        "embedding_bag": lambda be: gk.embedding_bag(module.weights, module.table_meta, indices, bag_offsets, None,
                                                      output_dim=module.output_dim, backend=be),
         "jagged_attention_softmax": lambda be: gk.jagged_attention(q, k, v, seq, 48, kind="softmax", backend=be),
         "jagged_attention_hstu": lambda be: gk.jagged_attention(q, k, v, seq, 48, kind="hstu", backend=be),

@@ -51,6 +51,7 @@
 #include "gem_kernels/cpu_alloc.h"
 #include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/parallel.h"
+#include "gem_kernels/table_meta.h"
 
 namespace gem_kernels {
 namespace {
@@ -126,31 +127,18 @@ inline void load_row(float* __restrict__ dst, const scalar_t* __restrict__ src, 
   }
 }
 
-struct Meta {
-  const int64_t* w_off;
-  const int64_t* d_off;
-  const int64_t* r_off;
-  int64_t T;
-  int64_t B;
+// The table metadata plus its widest table, its values checked: on the CPU a read is free.
+struct Meta : TableMeta {
   int64_t max_D;
 };
 
 Meta read_meta(const at::Tensor& weights_offsets, const at::Tensor& D_offsets, const at::Tensor& rows_offsets,
                const at::Tensor& offsets, const at::Tensor& weights) {
-  for (const auto* t : {&weights_offsets, &D_offsets, &rows_offsets}) {
-    GK_CHECK_CPU(*t);
-    GK_CHECK_CONTIGUOUS(*t);
-    TORCH_CHECK(t->scalar_type() == at::kLong, "metadata tensors must be int64");
-  }
-  const int64_t T = weights_offsets.numel();
-  TORCH_CHECK(T >= 1 && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1, "bad table metadata sizes");
-  TORCH_CHECK((offsets.numel() - 1) % T == 0, "offsets must have T*B+1 elements");
-  Meta m{weights_offsets.data_ptr<int64_t>(), D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(), T,
-         (offsets.numel() - 1) / T, 0};
+  Meta m{table_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights), 0};
   // Output columns start at D_offsets[0] and optimizer state rows at rows_offsets[0]: both must be
   // 0 for a direct call (which skips the Python checks) to stay inside its buffers.
   TORCH_CHECK(m.d_off[0] == 0 && m.r_off[0] == 0, "D_offsets[0] and rows_offsets[0] must be 0");
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < m.T; ++t) {
     const int64_t D = m.d_off[t + 1] - m.d_off[t];
     const int64_t rows = m.r_off[t + 1] - m.r_off[t];
     // rows <= (numel - w_off) / D: rows * D itself may overflow int64 for garbage metadata.

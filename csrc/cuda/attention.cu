@@ -141,6 +141,31 @@ __device__ __forceinline__ bool tile_visible(int64_t i0, int64_t bm, int64_t j0,
   return __syncthreads_or(any) != 0;
 }
 
+// What a block owns (grid x: b * H + h, grid y: a tile of kTile rows, queries or keys): sequence b's
+// rows [start, start + L) of the jagged tensors, head h, the tile's first row t0 and its row count
+// (<= 0: the tile starts past the sequence's end and the block returns before any other load), the
+// largest position id a key may be seen up to (max_id, see visible()) and the bias heads it reads.
+struct BlockTile {
+  int64_t b, h, start, L, t0, rows, max_id, hp, ht;
+};
+
+template <int kTile>
+__device__ __forceinline__ BlockTile block_tile(const AttnArgs& a) {
+  BlockTile t{};
+  t.b = blockIdx.x / a.H;
+  t.h = blockIdx.x % a.H;
+  t.start = a.offsets[t.b];
+  t.L = a.offsets[t.b + 1] - t.start;
+  t.t0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  t.rows = min(static_cast<int64_t>(kTile), t.L - t.t0);
+  if (t.rows <= 0) return t;
+  const int64_t n_targets = a.targets != nullptr ? a.targets[t.b] : 0;
+  t.max_id = t.L - n_targets + (a.contextual_len > 0 ? 1 - a.contextual_len : 0);
+  t.hp = a.pos_heads > 1 ? t.h : 0;
+  t.ht = a.time_heads > 1 ? t.h : 0;
+  return t;
+}
+
 template <typename scalar_t>
 __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, const scalar_t* __restrict__ k,
                                             const scalar_t* __restrict__ v, scalar_t* __restrict__ out,
@@ -158,17 +183,9 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   // is inf or NaN adds nothing (a zero weight times it would add 0 * inf = NaN).
   __shared__ unsigned char svis[kBlockM * kBlockN];
 
-  const int64_t bh = blockIdx.x;
-  const int64_t b = bh / H, h = bh % H;
-  const int64_t start = a.offsets[b];
-  const int64_t L = a.offsets[b + 1] - start;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kBlockM;
-  if (i0 >= L) return;  // uniform over the block
-  const int64_t n_targets = a.targets != nullptr ? a.targets[b] : 0;
-  const int64_t max_id = L - n_targets + (a.contextual_len > 0 ? 1 - a.contextual_len : 0);
-  const int64_t bm = min(static_cast<int64_t>(kBlockM), L - i0);
+  const auto [b, h, start, L, i0, bm, max_id, hp, ht] = block_tile<kBlockM>(a);
+  if (bm <= 0) return;  // uniform over the block
   const float neg_inf = -INFINITY;
-  const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
 
   load_rows(sq, q, start + i0, kBlockM, bm, H, h, D, D);
   for (int64_t idx = threadIdx.x; idx < kBlockM * Dv; idx += blockDim.x) sacc[idx] = 0.0f;
@@ -320,16 +337,8 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
   __shared__ float row_lse[kBlockM], row_delta[kBlockM];
   __shared__ unsigned char svis[kBlockM * kBlockN];
 
-  const int64_t bh = blockIdx.x;
-  const int64_t b = bh / H, h = bh % H;
-  const int64_t start = a.offsets[b];
-  const int64_t L = a.offsets[b + 1] - start;
-  const int64_t j0 = static_cast<int64_t>(blockIdx.y) * kBlockN;
-  if (j0 >= L) return;  // uniform over the block
-  const int64_t n_targets = a.targets != nullptr ? a.targets[b] : 0;
-  const int64_t max_id = L - n_targets + (a.contextual_len > 0 ? 1 - a.contextual_len : 0);
-  const int64_t bn = min(static_cast<int64_t>(kBlockN), L - j0);
-  const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
+  const auto [b, h, start, L, j0, bn, max_id, hp, ht] = block_tile<kBlockN>(a);
+  if (bn <= 0) return;  // uniform over the block
   // Deterministic pos window of this block (see BiasGradOut).
   const int64_t pos_width = L + kBlockN - 1;
   float* pos_window = nullptr;
@@ -408,7 +417,7 @@ __global__ void jagged_attention_bwd_kv_kernel(const scalar_t* __restrict__ q, c
   }
   for (int64_t m = threadIdx.x; m < time_width; m += blockDim.x) {
     if (g.deterministic) {
-      g.time_scratch[(bh * g.key_blocks + blockIdx.y) * time_width + m] = stime[m];
+      g.time_scratch[(static_cast<int64_t>(blockIdx.x) * g.key_blocks + blockIdx.y) * time_width + m] = stime[m];
     } else if (stime[m] != 0.0f) {
       atomicAdd(g.dtime + ht * time_width + m, stime[m]);
     }
@@ -433,16 +442,8 @@ __global__ void jagged_attention_bwd_q_kernel(const scalar_t* __restrict__ q, co
   __shared__ float row_lse[kBlockM], row_delta[kBlockM];
   __shared__ unsigned char svis[kBlockM * kBlockN];
 
-  const int64_t bh = blockIdx.x;
-  const int64_t b = bh / H, h = bh % H;
-  const int64_t start = a.offsets[b];
-  const int64_t L = a.offsets[b + 1] - start;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kBlockM;
-  if (i0 >= L) return;  // uniform over the block
-  const int64_t n_targets = a.targets != nullptr ? a.targets[b] : 0;
-  const int64_t max_id = L - n_targets + (a.contextual_len > 0 ? 1 - a.contextual_len : 0);
-  const int64_t bm = min(static_cast<int64_t>(kBlockM), L - i0);
-  const int64_t hp = a.pos_heads > 1 ? h : 0, ht = a.time_heads > 1 ? h : 0;
+  const auto [b, h, start, L, i0, bm, max_id, hp, ht] = block_tile<kBlockM>(a);
+  if (bm <= 0) return;  // uniform over the block
 
   load_rows(sq, q, start + i0, kBlockM, bm, H, h, D, D);
   load_rows(sdo, dout, start + i0, kBlockM, bm, H, h, Dv, Dv);

@@ -27,41 +27,46 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/embedding_bag_codes.h"
+#include "gem_kernels/table_meta.h"
 
 namespace gem_kernels {
 namespace {
 
 constexpr int kWarps = 4;      // bags (or unique rows) per block
 constexpr int kPerLane = 4;    // columns per lane per chunk: 128 columns per warp pass
-// Rows of a bag whose loads a warp issues before it adds any of them. One row at a time left one
-// row's D * s bytes in flight per warp (ptx: each load behind its own branch, no unrolling across
+// Rows of a bag whose loads a warp issues before it adds any of them. With one row at a time a warp
+// keeps one row's D * s bytes in flight (each load sits behind its own branch, no unrolling across
 // indices): at 48 registers (42 warps / SM) about 60% of an H200's HBM bandwidth by Little's law at
-// D = 128, 30% at D = 64. Four rows in flight at ~80 registers (24 warps / SM) is ~2.3x the bytes
-// in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
+// D = 128, 30% at D = 64. Four rows at 64 registers (ptxas, sm_90a: 32 warps / SM) keep ~3x the
+// bytes in flight per SM. A prediction from the PTX and ptxas, not yet measured on a GPU.
 constexpr int kRowsInFlight = 4;
 
-// Bag tb = t * B + b of the bag-per-warp kernels: (table t, bag b, t's D, t's row count).
+// The bag a warp of the bag-per-warp kernels owns (warp threadIdx.y of block blockIdx.x): bag
+// tb = t * B + b, table t's D, row count and first weight. valid is false for the warps past the
+// last bag, which read nothing.
+template <typename scalar_t>
 struct WarpBag {
-  int64_t t, b, D, rows;
+  int64_t tb, t, b, D, rows;
+  const scalar_t* table;
+  bool valid;
 };
 
-__device__ __forceinline__ WarpBag warp_bag(int64_t tb, int64_t B, const int64_t* __restrict__ d_off,
-                                            const int64_t* __restrict__ r_off) {
-  const int64_t t = tb / B;
-  return {t, tb - t * B, d_off[t + 1] - d_off[t], r_off[t + 1] - r_off[t]};
+template <typename scalar_t>
+__device__ __forceinline__ WarpBag<scalar_t> warp_bag(const scalar_t* weights, const TableMeta& m) {
+  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
+  if (tb >= m.T * m.B) return {tb, 0, 0, 0, 0, nullptr, false};
+  const int64_t t = tb / m.B;
+  return {tb, t, tb - t * m.B, m.d_off[t + 1] - m.d_off[t], m.r_off[t + 1] - m.r_off[t], weights + m.w_off[t], true};
 }
 
 template <typename scalar_t, typename index_t>
-__global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, const int64_t* __restrict__ w_off,
-                                         const int64_t* __restrict__ d_off, const int64_t* __restrict__ r_off,
+__global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, const TableMeta m,
                                          const index_t* __restrict__ indices, const index_t* __restrict__ offsets,
-                                         const float* __restrict__ psw, scalar_t* __restrict__ out, int64_t T,
-                                         int64_t B, int64_t output_dim, int64_t pooling) {
-  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
-  if (tb >= T * B) return;
+                                         const float* __restrict__ psw, scalar_t* __restrict__ out,
+                                         int64_t output_dim, int64_t pooling) {
+  const auto [tb, t, b, D, rows, table, valid] = warp_bag(weights, m);
+  if (!valid) return;
   const int lane = threadIdx.x;
-  const auto [t, b, D, rows] = warp_bag(tb, B, d_off, r_off);
-  const scalar_t* table = weights + w_off[t];
   const int64_t start = offsets[tb];
   const int64_t stop = offsets[tb + 1];
   for (int64_t d0 = 0; d0 < D; d0 += 32 * kPerLane) {
@@ -115,7 +120,7 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int64_t d = d0 + lane + 32 * j;
-      if (d < D) out[b * output_dim + d_off[t] + d] = static_cast<scalar_t>(acc[j] * scale);
+      if (d < D) out[b * output_dim + m.d_off[t] + d] = static_cast<scalar_t>(acc[j] * scale);
     }
   }
 }
@@ -127,15 +132,12 @@ __global__ void embedding_bag_fwd_kernel(const scalar_t* __restrict__ weights, c
 // FLOPs 2 * N * D; bytes N * D * s + B * sum D * s + N * (4 + i).
 template <typename scalar_t, typename index_t>
 __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ weights,
-                                              const int64_t* __restrict__ w_off, const int64_t* __restrict__ d_off,
-                                              const int64_t* __restrict__ r_off, const index_t* __restrict__ indices,
+                                              const TableMeta m, const index_t* __restrict__ indices,
                                               const index_t* __restrict__ offsets, float* __restrict__ grad_psw,
-                                              int64_t T, int64_t B, int64_t grad_stride, int64_t pooling) {
-  const int64_t tb = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.y;
-  if (tb >= T * B) return;
+                                              int64_t grad_stride, int64_t pooling) {
+  const auto [tb, t, b, D, rows, table, valid] = warp_bag(weights, m);
+  if (!valid) return;
   const int lane = threadIdx.x;
-  const auto [t, b, D, rows] = warp_bag(tb, B, d_off, r_off);
-  const scalar_t* table = weights + w_off[t];
   // Mean pooling: the bag's output is divided by its kept length, so is every index's gradient.
   float scale = 1.f;
   if (pooling == kMean) {
@@ -146,7 +148,7 @@ __global__ void embedding_bag_psw_grad_kernel(const scalar_t* __restrict__ grad,
   for (int64_t p = offsets[tb]; p < offsets[tb + 1]; ++p) {
     const int64_t idx = indices[p];
     const bool valid = idx >= 0 && idx < rows;  // warp-uniform
-    const scalar_t* g = pooling == kNone ? grad + p * grad_stride : grad + b * grad_stride + d_off[t];
+    const scalar_t* g = pooling == kNone ? grad + p * grad_stride : grad + b * grad_stride + m.d_off[t];
     float dot = 0.f;
     if (valid) {
       for (int64_t d = lane; d < D; d += 32) dot += static_cast<float>(g[d]) * static_cast<float>(table[idx * D + d]);
@@ -165,7 +167,7 @@ struct OptimizerArgs {
 // The summed gradient of columns d0 + lane + 32 j (j < kPerLane; 0 past D) of a unique row, whose
 // lookups are order[first:last] (pooling decides which grad_output row src_rows[p] and columns from
 // column0 they read). Each lookup's order -> src_rows, scale chain is loaded once per chunk, then
-// its kPerLane columns together (a chain per column, as before, left one load in flight behind it).
+// its kPerLane columns together (a chain per column would leave one load in flight behind it).
 template <typename scalar_t>
 __device__ __forceinline__ void segment_grad(float (&g)[kPerLane], const scalar_t* __restrict__ grad,
                                              int64_t grad_stride, int64_t column0, int64_t d0, int64_t D, int lane,
@@ -191,8 +193,7 @@ __device__ __forceinline__ void segment_grad(float (&g)[kPerLane], const scalar_
 template <typename scalar_t>
 __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ weights,
                                          float* __restrict__ m1, float* __restrict__ m2,
-                                         const int64_t* __restrict__ w_off, const int64_t* __restrict__ d_off,
-                                         const int64_t* __restrict__ r_off, const int64_t* __restrict__ seg,
+                                         const TableMeta m, const int64_t* __restrict__ seg,
                                          const int64_t* __restrict__ order, const int64_t* __restrict__ seg_tables,
                                          const int64_t* __restrict__ seg_rows, const int64_t* __restrict__ src_rows,
                                          const float* __restrict__ scale, int64_t num_unique, int64_t grad_stride,
@@ -202,9 +203,9 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
   const int lane = threadIdx.x;
   const int64_t t = seg_tables[u];
   const int64_t global_row = seg_rows[u];
-  const int64_t D = d_off[t + 1] - d_off[t];
-  const int64_t element = w_off[t] + (global_row - r_off[t]) * D;
-  const int64_t column0 = pooling == kNone ? 0 : d_off[t];
+  const int64_t D = m.d_off[t + 1] - m.d_off[t];
+  const int64_t element = m.w_off[t] + (global_row - m.r_off[t]) * D;
+  const int64_t column0 = pooling == kNone ? 0 : m.d_off[t];
   const int64_t first = seg[u];
   const int64_t last = seg[u + 1];
   // f(d, g) for every column d < D of the row this lane owns, g its summed gradient.
@@ -255,12 +256,6 @@ __global__ void embedding_bag_bwd_kernel(const scalar_t* __restrict__ grad, scal
   });
 }
 
-int64_t num_tables(const at::Tensor& weights_offsets) {
-  const int64_t T = weights_offsets.numel();
-  TORCH_CHECK(T >= 1, "weights_offsets must describe at least one table");
-  return T;
-}
-
 void check_cuda_args(const at::Tensor& weights, const at::Tensor& indices, const at::Tensor& offsets,
                      const at::Tensor& per_sample_weights) {
   for (const auto* t : {&weights, &indices, &offsets}) {
@@ -280,18 +275,16 @@ at::Tensor embedding_bag_forward_cuda(const at::Tensor& weights, const at::Tenso
                                       int64_t bounds_check) {
   check_cuda_args(weights, indices, offsets, per_sample_weights);
   const c10::cuda::CUDAGuard guard(weights.device());
-  const int64_t T = num_tables(weights_offsets);
-  const int64_t B = (offsets.numel() - 1) / T;
-  auto out = at::empty({pooling == kNone ? indices.numel() : B, output_dim}, weights.options());
-  if (T * B == 0 || out.numel() == 0) return out.zero_();
+  const TableMeta m = table_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
+  auto out = at::empty({pooling == kNone ? indices.numel() : m.B, output_dim}, weights.options());
+  if (m.T * m.B == 0 || out.numel() == 0) return out.zero_();
   const dim3 block(32, kWarps);
-  const dim3 grid(static_cast<unsigned>((T * B + kWarps - 1) / kWarps));
+  const dim3 grid(static_cast<unsigned>((m.T * m.B + kWarps - 1) / kWarps));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "embedding_bag_fwd_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_fwd_cuda_idx", [&] {
       embedding_bag_fwd_kernel<scalar_t, index_t><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-          weights.data_ptr<scalar_t>(), weights_offsets.data_ptr<int64_t>(), D_offsets.data_ptr<int64_t>(),
-          rows_offsets.data_ptr<int64_t>(), indices.data_ptr<index_t>(), offsets.data_ptr<index_t>(),
-          per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(), T, B,
+          weights.data_ptr<scalar_t>(), m, indices.data_ptr<index_t>(), offsets.data_ptr<index_t>(),
+          per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(),
           output_dim, pooling);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -304,10 +297,10 @@ struct Segments {
   at::Tensor seg, order, seg_tables, seg_rows, src_rows, scale;
 };
 
-Segments make_segments(const at::Tensor& rows_offsets, const at::Tensor& indices, const at::Tensor& offsets,
-                       const at::Tensor& per_sample_weights, int64_t pooling, int64_t T) {
+Segments make_segments(const TableMeta& m, const at::Tensor& rows_offsets, const at::Tensor& indices,
+                       const at::Tensor& offsets, const at::Tensor& per_sample_weights, int64_t pooling) {
   const int64_t N = indices.numel();
-  const int64_t B = (offsets.numel() - 1) / T;
+  const int64_t T = m.T, B = m.B;
   const auto long_opts = indices.options().dtype(at::kLong);
   auto bag_ids = at::repeat_interleave(at::arange(T * B, long_opts), offsets.to(at::kLong).diff(), 0,
                                        std::optional<int64_t>(N));
@@ -332,11 +325,10 @@ Segments make_segments(const at::Tensor& rows_offsets, const at::Tensor& indices
 }
 
 void launch_backward(const at::Tensor& grad_output, const at::Tensor& weights, const at::Tensor& momentum1,
-                     const at::Tensor& momentum2, const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
-                     const at::Tensor& rows_offsets, const at::Tensor& indices, const at::Tensor& offsets,
-                     const at::Tensor& per_sample_weights, int64_t pooling, const OptimizerArgs& o) {
-  const int64_t T = num_tables(weights_offsets);
-  const Segments s = make_segments(rows_offsets, indices, offsets, per_sample_weights, pooling, T);
+                     const at::Tensor& momentum2, const TableMeta& m, const at::Tensor& rows_offsets,
+                     const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& per_sample_weights,
+                     int64_t pooling, const OptimizerArgs& o) {
+  const Segments s = make_segments(m, rows_offsets, indices, offsets, per_sample_weights, pooling);
   const int64_t U = s.seg_rows.numel();
   if (U == 0) return;
   const dim3 block(32, kWarps);
@@ -345,8 +337,7 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& weights, c
     embedding_bag_bwd_kernel<scalar_t><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
         grad_output.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(),
         momentum1.numel() ? momentum1.data_ptr<float>() : nullptr,
-        momentum2.numel() ? momentum2.data_ptr<float>() : nullptr, weights_offsets.data_ptr<int64_t>(),
-        D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(), s.seg.data_ptr<int64_t>(),
+        momentum2.numel() ? momentum2.data_ptr<float>() : nullptr, m, s.seg.data_ptr<int64_t>(),
         s.order.data_ptr<int64_t>(), s.seg_tables.data_ptr<int64_t>(), s.seg_rows.data_ptr<int64_t>(),
         s.src_rows.data_ptr<int64_t>(), s.scale.data_ptr<float>(), U, grad_output.size(1), pooling, o);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -364,8 +355,9 @@ at::Tensor embedding_bag_backward_cuda(const at::Tensor& grad_output, const at::
   const c10::cuda::CUDAGuard guard(weights.device());
   auto grad_weights = at::zeros_like(weights);
   const at::Tensor none = at::empty({0}, weights.options().dtype(at::kFloat));
-  launch_backward(grad_output, grad_weights, none, none, weights_offsets, D_offsets, rows_offsets, indices, offsets,
-                  per_sample_weights, pooling, OptimizerArgs{kOptNone, 0, 0, 0, 0, 0, 0, 0});
+  launch_backward(grad_output, grad_weights, none, none,
+                  table_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights), rows_offsets, indices,
+                  offsets, per_sample_weights, pooling, OptimizerArgs{kOptNone, 0, 0, 0, 0, 0, 0, 0});
   return grad_weights;
 }
 
@@ -388,7 +380,8 @@ void embedding_bag_backward_fused_cuda(const at::Tensor& grad_output, const at::
     o.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step_value)));
     o.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, step_value)));
   }
-  launch_backward(grad_output, weights, momentum1, momentum2, weights_offsets, D_offsets, rows_offsets, indices,
+  launch_backward(grad_output, weights, momentum1, momentum2,
+                  table_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights), rows_offsets, indices,
                   offsets, per_sample_weights, pooling, o);
 }
 
@@ -404,18 +397,16 @@ at::Tensor embedding_bag_per_sample_weights_backward_cuda(const at::Tensor& grad
               "grad_output must be 2-D with weights' dtype");
   TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
   const c10::cuda::CUDAGuard guard(weights.device());
-  const int64_t T = num_tables(weights_offsets);
-  const int64_t B = (offsets.numel() - 1) / T;
+  const TableMeta m = table_meta(weights_offsets, D_offsets, rows_offsets, offsets, weights);
   auto grad_psw = at::zeros({indices.numel()}, weights.options().dtype(at::kFloat));
-  if (T * B == 0 || indices.numel() == 0) return grad_psw;
+  if (m.T * m.B == 0 || indices.numel() == 0) return grad_psw;
   const dim3 block(32, kWarps);
-  const dim3 grid(static_cast<unsigned>((T * B + kWarps - 1) / kWarps));
+  const dim3 grid(static_cast<unsigned>((m.T * m.B + kWarps - 1) / kWarps));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "embedding_bag_psw_grad_cuda", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_psw_grad_cuda_idx", [&] {
       embedding_bag_psw_grad_kernel<scalar_t, index_t><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-          grad_output.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(), weights_offsets.data_ptr<int64_t>(),
-          D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(), indices.data_ptr<index_t>(),
-          offsets.data_ptr<index_t>(), grad_psw.data_ptr<float>(), T, B, grad_output.size(1), pooling);
+          grad_output.data_ptr<scalar_t>(), weights.data_ptr<scalar_t>(), m, indices.data_ptr<index_t>(),
+          offsets.data_ptr<index_t>(), grad_psw.data_ptr<float>(), grad_output.size(1), pooling);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

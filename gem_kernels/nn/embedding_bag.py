@@ -12,7 +12,7 @@ from torch import nn
 from .._validate import FLOAT_DTYPES, INT64_MAX, check_int64
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
-from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
+from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES, TableLayout, TableMeta, pack_tables
 
 
 _HUGE_PAGE = 2 << 20
@@ -37,6 +37,21 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
             pass
 
 
+class PackedTables(nn.Module):
+    """A module whose tables are packed in one buffer: ``layout`` (a ``TableLayout``: Python ints, to
+    slice and size buffers by) and ``table_meta`` (its tensors for the op, held as non-persistent
+    buffers so that ``.to()`` moves them)."""
+
+    def _set_layout(self, layout: TableLayout, device) -> None:
+        self.layout = layout
+        for name, value in layout.meta(device)._asdict().items():
+            self.register_buffer(name, value, persistent=False)
+
+    @property
+    def table_meta(self) -> TableMeta:
+        return TableMeta(*(getattr(self, name) for name in TableMeta._fields))
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One table: ``num_embeddings`` rows of ``embedding_dim`` features."""
@@ -55,7 +70,7 @@ class TableSpec:
                              f"{self.embedding_dim} elements do not fit in int64")
 
 
-class FusedEmbeddingBag(nn.Module):
+class FusedEmbeddingBag(PackedTables):
     """T embedding bags in one packed weight buffer, with an optional optimizer fused into the backward.
 
     ``out = ebc(indices, offsets, per_sample_weights=None)``: indices [N] int32/int64 local to their
@@ -89,21 +104,13 @@ class FusedEmbeddingBag(nn.Module):
             raise ValueError(f"pooling 'none' needs every table to have the same embedding_dim, got {dims}")
         self.tables = tables
         self.pooling, self.bounds_check, self.optimizer, self.backend = pooling, bounds_check, optimizer, backend
-        rows = [t.num_embeddings for t in tables]
-        sizes = [r * d for r, d in zip(rows, dims)]
-        cumsum = lambda xs: [0] + torch.tensor(xs, dtype=torch.int64).cumsum(0).tolist()  # noqa: E731
-        self.output_dim = dims[0] if pooling == "none" else sum(dims)
-        self._weight_offsets = cumsum(sizes)[:-1]
-        meta = dict(dtype=torch.int64, device=device)
-        self.register_buffer("weights_offsets", torch.tensor(self._weight_offsets, **meta), persistent=False)
-        self.register_buffer("D_offsets", torch.tensor(cumsum(dims), **meta), persistent=False)
-        self.register_buffer("rows_offsets", torch.tensor(cumsum(rows), **meta), persistent=False)
-        self.weights = nn.Parameter(torch.empty(sum(sizes), dtype=dtype, device=device))
-        name = optimizer.name if optimizer is not None else None
+        self._set_layout(pack_tables([t.num_embeddings for t in tables], dims), device)
+        self.output_dim = self.layout.output_dim(pooled=pooling != "none")
+        self.weights = nn.Parameter(torch.empty(self.layout.num_elements, dtype=dtype, device=device))
+        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
         state = dict(dtype=torch.float32, device=device)
-        self.register_buffer("momentum1", torch.empty(
-            {"rowwise_adagrad": sum(rows), "adam": sum(sizes)}.get(name, 0), **state))
-        self.register_buffer("momentum2", torch.empty(sum(sizes) if name == "adam" else 0, **state))
+        self.register_buffer("momentum1", torch.empty(size1, **state))
+        self.register_buffer("momentum2", torch.empty(size2, **state))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         for buffer in (self.weights, self.momentum1, self.momentum2):
             _advise_huge_pages(buffer)
@@ -123,17 +130,14 @@ class FusedEmbeddingBag(nn.Module):
 
     def weight(self, t: int) -> torch.Tensor:
         """Table t as a [rows_t, D_t] view into the packed buffer (writes go to the module's weights)."""
-        spec = self.tables[t]
-        start = self._weight_offsets[t]
-        return self.weights[start:start + spec.num_embeddings * spec.embedding_dim].view(spec.num_embeddings,
-                                                                                         spec.embedding_dim)
+        return self.layout.table(self.weights, t)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        return embedding_bag(self.weights, self.weights_offsets, self.D_offsets, self.rows_offsets, indices, offsets,
-                             per_sample_weights, output_dim=self.output_dim, pooling=self.pooling,
-                             bounds_check=self.bounds_check, optimizer=self.optimizer, momentum1=self.momentum1,
-                             momentum2=self.momentum2, step=self.step, backend=self.backend)
+        return embedding_bag(self.weights, self.table_meta, indices, offsets, per_sample_weights,
+                             output_dim=self.output_dim, pooling=self.pooling, bounds_check=self.bounds_check,
+                             optimizer=self.optimizer, momentum1=self.momentum1, momentum2=self.momentum2,
+                             step=self.step, backend=self.backend)
 
     @classmethod
     def from_embedding_bags(cls, bags: list[nn.EmbeddingBag], optimizer=None, bounds_check: str = "fatal",
@@ -161,7 +165,7 @@ class FusedEmbeddingBag(nn.Module):
 
     def extra_repr(self) -> str:
         dims = sorted({t.embedding_dim for t in self.tables})
-        return (f"num_tables={self.num_tables}, rows={self.rows_offsets[-1].item()}, dims={dims}, "
+        return (f"num_tables={self.num_tables}, rows={self.layout.num_rows}, dims={dims}, "
                 f"pooling={self.pooling!r}, dtype={self.weights.dtype}, optimizer={self.optimizer}, "
                 f"bounds_check={self.bounds_check!r}")
 
@@ -204,7 +208,7 @@ class _SparseGradEmbeddingBag(torch.autograd.Function):
         return grad_weight, None, None, grad_psw, None
 
 
-class EmbeddingBag(nn.Module):
+class EmbeddingBag(PackedTables):
     """Drop-in for ``torch.nn.EmbeddingBag`` on the fused embedding-bag op (one table).
 
     Same constructor and call signature (``forward(input, offsets=None, per_sample_weights=None)``:
@@ -258,16 +262,11 @@ class EmbeddingBag(nn.Module):
         if not self.weight.is_contiguous():
             raise ValueError(f"weight must be contiguous (the fused update writes it in place), got stride "
                              f"{self.weight.stride()}")
-        meta = dict(dtype=torch.int64, device=self.weight.device)
-        self.register_buffer("weights_offsets", torch.zeros(1, **meta), persistent=False)
-        self.register_buffer("D_offsets", torch.tensor([0, embedding_dim], **meta), persistent=False)
-        self.register_buffer("rows_offsets", torch.tensor([0, num_embeddings], **meta), persistent=False)
-        name = optimizer.name if optimizer is not None else None
+        self._set_layout(pack_tables([num_embeddings], [embedding_dim]), self.weight.device)
+        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
         state = dict(dtype=torch.float32, device=self.weight.device)
-        size = num_embeddings * embedding_dim
-        self.register_buffer("momentum1", torch.zeros({"rowwise_adagrad": num_embeddings, "adam": size}.get(name, 0),
-                                                      **state), persistent=False)
-        self.register_buffer("momentum2", torch.zeros(size if name == "adam" else 0, **state), persistent=False)
+        self.register_buffer("momentum1", torch.zeros(size1, **state), persistent=False)
+        self.register_buffer("momentum2", torch.zeros(size2, **state), persistent=False)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=self.weight.device), persistent=False)
 
     def reset_parameters(self) -> None:
@@ -293,10 +292,10 @@ class EmbeddingBag(nn.Module):
 
     def _lookup(self, weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None) -> torch.Tensor:
-        return embedding_bag(weight.view(-1), self.weights_offsets, self.D_offsets, self.rows_offsets, indices,
-                             offsets, per_sample_weights, output_dim=self.embedding_dim, pooling=self.mode,
-                             bounds_check=self.bounds_check, optimizer=self.optimizer, momentum1=self.momentum1,
-                             momentum2=self.momentum2, step=self.step, backend=self.backend)
+        return embedding_bag(weight.view(-1), self.table_meta, indices, offsets, per_sample_weights,
+                             output_dim=self.embedding_dim, pooling=self.mode, bounds_check=self.bounds_check,
+                             optimizer=self.optimizer, momentum1=self.momentum1, momentum2=self.momentum2,
+                             step=self.step, backend=self.backend)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,11 +1,7 @@
 """Fused multi-table embedding bags (TBE): the front door (validation, torch.library ops, fakes, autograd).
 
-Packed layout (FBGEMM TBE): T tables back to back in one flat ``weights`` buffer, described by three
-int64 metadata tensors on the weights' device:
-  weights_offsets [T]    element offset of table t in ``weights``
-  D_offsets       [T+1]  column offset of table t in the pooled output; D_t = D_offsets[t+1] - D_offsets[t]
-  rows_offsets    [T+1]  cumulative rows; rows_t = rows_offsets[t+1] - rows_offsets[t] (also the row
-                         offset of table t in row-wise optimizer state)
+Packed layout (FBGEMM TBE): T tables back to back in one flat ``weights`` buffer, described by the
+three int64 tensors of a ``TableMeta`` (gem_kernels/_embedding_bag.py; ``pack_tables`` builds them).
 Bag b of table t is ``indices[offsets[t*B+b] : offsets[t*B+b+1]]`` (feature-major, TorchRec KJT).
 
 The forward op is differentiable w.r.t. ``weights`` and ``per_sample_weights``
@@ -30,6 +26,7 @@ from .._embedding_bag import (
     OPTIMIZER_CODES,
     POOLING_CODES,
     SKIP,
+    TableMeta,
     kept_mask,
 )
 
@@ -37,16 +34,14 @@ FAMILY = "embedding_bag"
 IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
-def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, weights_offsets: torch.Tensor, output_dim: int,
+def _output_shape(indices: torch.Tensor, offsets: torch.Tensor, num_tables: int, output_dim: int,
                   pooling: int) -> tuple:
     if pooling == NONE:
         return (indices.shape[0], output_dim)
-    num_tables = weights_offsets.shape[0]
     return ((offsets.shape[0] - 1) // num_tables if num_tables else 0, output_dim)
 
 
-def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
-                 rows_offsets: torch.Tensor, output_dim: int, pooling: int, momentum1: torch.Tensor,
+def check_tables(weights: torch.Tensor, meta: TableMeta, output_dim: int, pooling: int, momentum1: torch.Tensor,
                  optimizer: int) -> None:
     """Data checks of the table metadata (ValueError naming the table and the values): every table
     has D_t >= 1 and rows_t >= 1 and lies inside ``weights`` without overlapping another (a GPU
@@ -55,9 +50,9 @@ def check_tables(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets
 
     Reads the 3T+2 metadata values in one copy (one device sync on GPU, beside offsets' own): called
     inside the ops' real kernels only, never while tracing."""
-    num_tables = weights_offsets.numel()
-    meta = torch.cat([weights_offsets, D_offsets, rows_offsets]).tolist()
-    w_off, d_off, r_off = meta[:num_tables], meta[num_tables:2 * num_tables + 1], meta[2 * num_tables + 1:]
+    num_tables = meta.weights_offsets.numel()
+    values = torch.cat(meta).tolist()
+    w_off, d_off, r_off = values[:num_tables], values[num_tables:2 * num_tables + 1], values[2 * num_tables + 1:]
     if d_off[0] != 0 or r_off[0] != 0:
         raise ValueError(f"D_offsets[0] and rows_offsets[0] must be 0, got {d_off[0]} and {r_off[0]}")
     extents = []
@@ -100,21 +95,40 @@ def embedding_bag_op(weights: torch.Tensor, momentum1: torch.Tensor, momentum2: 
                      pooling: int, bounds_check: int, optimizer: int, lr: float, eps: float, beta1: float,
                      beta2: float, weight_decay: float, backend: str) -> torch.Tensor:
     """Forward. The optimizer state and scalars are inputs only so that the backward can reach them."""
-    check_tables(weights, weights_offsets, D_offsets, rows_offsets, output_dim, pooling, momentum1, optimizer)
+    meta = TableMeta(weights_offsets, D_offsets, rows_offsets)
+    check_tables(weights, meta, output_dim, pooling, momentum1, optimizer)
     native = native_kernels(backend)
     if native != "cpu":  # the C++ kernel checks them itself, same messages, without the ATen-op overhead
         check_offsets_values("offsets", offsets, indices.shape[0])
     if native == "cuda" and bounds_check != SKIP:  # the CUDA kernel only drops bad indices: raise/warn here
         kept_mask(rows_offsets, indices, offsets, bounds_check)
-    return kernel(FAMILY, "embedding_bag_forward", backend)(
-        weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, output_dim,
-        pooling, bounds_check)
+    return kernel(FAMILY, "embedding_bag_forward", backend)(weights, *meta, indices, offsets, per_sample_weights,
+                                                            output_dim, pooling, bounds_check)
+
+
+# Fake kernels: one per op, registered below each custom op and again for its native schema
+# (csrc/ops.cpp), whose arguments are the custom op's without `backend` (and, for the forward,
+# without the optimizer's). They read shapes only, so they name the arguments up to the last they need.
+def _forward_fake(weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
+                  output_dim, pooling, *_):
+    return weights.new_empty(_output_shape(indices, offsets, weights_offsets.shape[0], output_dim, pooling))
+
+
+def _backward_fake(grad_output, weights, *_):
+    return weights.new_empty(weights.shape)
+
+
+def _backward_fused_fake(*_):
+    return None
+
+
+def _per_sample_weights_backward_fake(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, *_):
+    return weights.new_empty(indices.shape, dtype=torch.float32)
 
 
 @embedding_bag_op.register_fake
-def _(weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
-      per_sample_weights, output_dim, pooling, bounds_check, optimizer, lr, eps, beta1, beta2, weight_decay, backend):
-    return weights.new_empty(_output_shape(indices, offsets, weights_offsets, output_dim, pooling))
+def _(weights, momentum1, momentum2, step, *rest):
+    return _forward_fake(weights, *rest)
 
 
 @torch.library.custom_op("gem_kernels::embedding_bag_backward", mutates_args=())
@@ -127,10 +141,7 @@ def embedding_bag_backward_op(grad_output: torch.Tensor, weights: torch.Tensor, 
         grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, pooling)
 
 
-@embedding_bag_backward_op.register_fake
-def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
-      pooling, backend):
-    return weights.new_empty(weights.shape)
+embedding_bag_backward_op.register_fake(_backward_fake)
 
 
 @torch.library.custom_op("gem_kernels::embedding_bag_backward_fused",
@@ -147,10 +158,7 @@ def embedding_bag_backward_fused_op(grad_output: torch.Tensor, weights: torch.Te
         per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay)
 
 
-@embedding_bag_backward_fused_op.register_fake
-def _(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices, offsets,
-      per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay, backend):
-    return None
+embedding_bag_backward_fused_op.register_fake(_backward_fused_fake)
 
 
 @torch.library.custom_op("gem_kernels::embedding_bag_per_sample_weights_backward", mutates_args=())
@@ -163,9 +171,7 @@ def embedding_bag_per_sample_weights_backward_op(grad_output: torch.Tensor, weig
         grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, pooling)
 
 
-@embedding_bag_per_sample_weights_backward_op.register_fake
-def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, pooling, backend):
-    return weights.new_empty(indices.shape, dtype=torch.float32)
+embedding_bag_per_sample_weights_backward_op.register_fake(_per_sample_weights_backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -189,52 +195,34 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad_output):
-    weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, saved_weights = ctx.saved_tensors
+    *meta, indices, offsets, per_sample_weights, saved_weights = ctx.saved_tensors
     grad_output = grad_output.contiguous()
     grad_weights = grad_psw = None
     if ctx.needs_input_grad[9]:
         weights = saved_weights if ctx.optimizer == OPT_NONE else ctx.state[0]
-        grad_psw = embedding_bag_per_sample_weights_backward_op(grad_output, weights, weights_offsets, D_offsets,
-                                                                rows_offsets, indices, offsets, ctx.pooling,
-                                                                ctx.backend)
+        grad_psw = embedding_bag_per_sample_weights_backward_op(grad_output, weights, *meta, indices, offsets,
+                                                                ctx.pooling, ctx.backend)
     if ctx.optimizer == OPT_NONE:
         if ctx.needs_input_grad[0]:
-            weights_meta = grad_output.new_empty(ctx.weights_shape, dtype=ctx.weights_dtype)
-            grad_weights = embedding_bag_backward_op(grad_output, weights_meta, weights_offsets, D_offsets,
-                                                     rows_offsets, indices, offsets, per_sample_weights, ctx.pooling,
-                                                     ctx.backend)
+            weights_like = grad_output.new_empty(ctx.weights_shape, dtype=ctx.weights_dtype)
+            grad_weights = embedding_bag_backward_op(grad_output, weights_like, *meta, indices, offsets,
+                                                     per_sample_weights, ctx.pooling, ctx.backend)
     else:
         weights, momentum1, momentum2, step = ctx.state
-        embedding_bag_backward_fused_op(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets,
-                                        rows_offsets, indices, offsets, per_sample_weights, ctx.pooling,
-                                        ctx.optimizer, *ctx.hyperparams, ctx.backend)
+        embedding_bag_backward_fused_op(grad_output, weights, momentum1, momentum2, step, *meta, indices, offsets,
+                                        per_sample_weights, ctx.pooling, ctx.optimizer, *ctx.hyperparams,
+                                        ctx.backend)
     return (grad_weights,) + (None,) * 8 + (grad_psw,) + (None,) * 10
 
 
 embedding_bag_op.register_autograd(_backward, setup_context=_setup)
 
 
-# Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
 if hasattr(torch.ops.gem_kernels, "embedding_bag_forward_native"):
-
-    @torch.library.register_fake("gem_kernels::embedding_bag_forward_native")
-    def _(weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights, output_dim,
-          pooling, bounds_check):
-        return weights.new_empty(_output_shape(indices, offsets, weights_offsets, output_dim, pooling))
-
-    @torch.library.register_fake("gem_kernels::embedding_bag_backward_native")
-    def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, per_sample_weights,
-          pooling):
-        return weights.new_empty(weights.shape)
-
-    @torch.library.register_fake("gem_kernels::embedding_bag_per_sample_weights_backward_native")
-    def _(grad_output, weights, weights_offsets, D_offsets, rows_offsets, indices, offsets, pooling):
-        return weights.new_empty(indices.shape, dtype=torch.float32)
-
-    @torch.library.register_fake("gem_kernels::embedding_bag_backward_fused_native")
-    def _(grad_output, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, indices,
-          offsets, per_sample_weights, pooling, optimizer, lr, eps, beta1, beta2, weight_decay):
-        return None
+    for _name, _fake in (("forward", _forward_fake), ("backward", _backward_fake),
+                         ("backward_fused", _backward_fused_fake),
+                         ("per_sample_weights_backward", _per_sample_weights_backward_fake)):
+        torch.library.register_fake(f"gem_kernels::embedding_bag_{_name}_native")(_fake)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,8 +236,7 @@ def _code(name: str, value: str, codes: dict) -> int:
     return codes[value]
 
 
-def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offsets: torch.Tensor,
-                  rows_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+def embedding_bag(weights: torch.Tensor, tables: TableMeta, indices: torch.Tensor, offsets: torch.Tensor,
                   per_sample_weights: torch.Tensor | None = None, *, output_dim: int, pooling: str = "sum",
                   bounds_check: str = "fatal", optimizer=None, momentum1: torch.Tensor | None = None,
                   momentum2: torch.Tensor | None = None, step: torch.Tensor | None = None,
@@ -264,7 +251,8 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
 
     Args:
         weights: flat [sum_t rows_t * D_t] float32/float16/bfloat16, the packed tables.
-        weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1] (see the module docstring).
+        tables: a ``TableMeta`` (weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1]); a
+            module's is ``module.table_meta``, ``pack_tables(rows, dims).meta(device)`` builds one.
         indices: [N] int32/int64, row ids local to their table.
         offsets: [T*B+1], indices' dtype; offsets[0] == 0, nondecreasing, offsets[-1] == N.
         per_sample_weights: [N] float or None, any pooling. It is differentiable:
@@ -286,12 +274,15 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
     check_tensor("weights", weights, dtypes=FLOAT_DTYPES, dims=(1,))
     if not weights.is_contiguous():  # the kernels update it in place, so it cannot be copied
         raise ValueError(f"weights must be contiguous, got stride {weights.stride()}")
-    for name, meta in (("weights_offsets", weights_offsets), ("D_offsets", D_offsets), ("rows_offsets", rows_offsets)):
+    if not isinstance(tables, tuple) or len(tables) != len(TableMeta._fields):
+        raise TypeError(f"tables must be a TableMeta {TableMeta._fields}, got {type(tables).__name__}")
+    tables = TableMeta(*tables)
+    for name, meta in tables._asdict().items():
         check_tensor(name, meta, dtypes=(torch.int64,), dims=(1,))
-    num_tables = weights_offsets.shape[0]
-    if D_offsets.shape[0] != num_tables + 1 or rows_offsets.shape[0] != num_tables + 1:
+    num_tables = tables.weights_offsets.shape[0]
+    if tables.D_offsets.shape[0] != num_tables + 1 or tables.rows_offsets.shape[0] != num_tables + 1:
         raise ValueError(f"D_offsets and rows_offsets must have T+1 = {num_tables + 1} elements, got "
-                         f"{D_offsets.shape[0]} and {rows_offsets.shape[0]}")
+                         f"{tables.D_offsets.shape[0]} and {tables.rows_offsets.shape[0]}")
     if num_tables < 1:
         raise ValueError("weights_offsets must describe at least one table, got 0")
     check_tensor("indices", indices, dtypes=INDEX_DTYPES, dims=(1,))
@@ -314,7 +305,7 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
                              f"{per_sample_weights.shape[0]}")
         per_sample_weights = per_sample_weights.float()
     check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
-                      weights_offsets=weights_offsets, D_offsets=D_offsets, rows_offsets=rows_offsets)
+                      **tables._asdict())
     if optimizer is None:
         opt_code, hyper = OPT_NONE, (0.0, 0.0, 0.0, 0.0, 0.0)
         momentum1 = momentum2 = step = weights.new_empty(0, dtype=torch.float32)
@@ -341,7 +332,6 @@ def embedding_bag(weights: torch.Tensor, weights_offsets: torch.Tensor, D_offset
             raise ValueError(f"momentum2 must have {need2} elements for {optimizer.name}, got {momentum2.shape[0]}")
         check_same_device(weights=weights, momentum1=momentum1, momentum2=momentum2, step=step)
     name = resolve_backend(backend, weights.device, FAMILY)
-    return embedding_bag_op(weights, momentum1, momentum2, step, weights_offsets.contiguous(), D_offsets.contiguous(),
-                            rows_offsets.contiguous(), indices.contiguous(), offsets.contiguous(),
-                            per_sample_weights.contiguous(), output_dim, pooling_code, bounds_code, opt_code, *hyper,
-                            name)
+    return embedding_bag_op(weights, momentum1, momentum2, step, *(m.contiguous() for m in tables),
+                            indices.contiguous(), offsets.contiguous(), per_sample_weights.contiguous(), output_dim,
+                            pooling_code, bounds_code, opt_code, *hyper, name)

@@ -18,6 +18,7 @@ from .._validate import (
     check_pad_value,
     check_same_device,
     check_tensor,
+    offsets_summary,
 )
 
 FAMILY = "jagged"
@@ -25,7 +26,10 @@ FAMILY = "jagged"
 
 # ---------------------------------------------------------------------------------------------
 # torch.library ops. Feature dims are flattened to one: values [N, D], padded [B, max_len, D].
-# `backend` is a concrete backend name, resolved by the public functions below.
+# `backend` is a concrete backend name, resolved by the public functions below. The forward ops
+# read the offsets once (one sync on a GPU); the backward ops run on the offsets the forward checked
+# and read nothing. The two conversions are each other's adjoint, so each backward op is the other
+# conversion's kernel, and the backward ops are each other's gradient (double backward).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -43,10 +47,12 @@ def _(values, offsets, max_len, pad_value, backend):
 
 @torch.library.custom_op("gem_kernels::padded_to_jagged", mutates_args=())
 def padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total_len: int, backend: str) -> torch.Tensor:
-    """total_len = -1 reads it from offsets[-1] (a data-dependent size under torch.compile)."""
-    check_offsets_values("offsets", offsets, total_len if total_len >= 0 else None)
+    """total_len = -1 reads it from offsets[-1] (a data-dependent size under torch.compile), in the
+    same copy as the checks."""
+    summary = offsets_summary(offsets).tolist()
+    check_offsets_values("offsets", offsets, total_len if total_len >= 0 else None, summary)
     if total_len < 0:
-        total_len = int(offsets[-1])
+        total_len = summary[2]
     return kernel(FAMILY, "padded_to_jagged", backend)(padded, offsets, total_len)
 
 
@@ -57,34 +63,58 @@ def _(padded, offsets, total_len, backend):
     return padded.new_empty((total_len, padded.shape[2]))
 
 
-def _jagged_to_padded_setup(ctx, inputs, output):
-    values, offsets, _max_len, _pad_value, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.total_len = values.shape[0]
-    ctx.backend = backend
+@torch.library.custom_op("gem_kernels::jagged_to_padded_backward", mutates_args=())
+def jagged_to_padded_backward_op(grad_padded: torch.Tensor, offsets: torch.Tensor, total_len: int,
+                                 backend: str) -> torch.Tensor:
+    """grad values [total_len, D]: padded_to_jagged of grad_padded, on the forward's checked offsets."""
+    return kernel(FAMILY, "padded_to_jagged", backend)(grad_padded, offsets, total_len)
 
 
-def _jagged_to_padded_backward(ctx, grad_padded):
+@jagged_to_padded_backward_op.register_fake
+def _(grad_padded, offsets, total_len, backend):
+    return grad_padded.new_empty((total_len, grad_padded.shape[2]))
+
+
+@torch.library.custom_op("gem_kernels::padded_to_jagged_backward", mutates_args=())
+def padded_to_jagged_backward_op(grad_values: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                                 backend: str) -> torch.Tensor:
+    """grad padded [B, max_len, D]: jagged_to_padded of grad_values (pad 0), on the forward's checked offsets."""
+    return kernel(FAMILY, "jagged_to_padded", backend)(grad_values, offsets, max_len, 0.0)
+
+
+@padded_to_jagged_backward_op.register_fake
+def _(grad_values, offsets, max_len, backend):
+    return grad_values.new_empty((offsets.shape[0] - 1, max_len, grad_values.shape[1]))
+
+
+def _setup_values_input(ctx, inputs, output):
+    """setup_context of the ops whose input is values [N, D] (jagged_to_padded, padded_to_jagged_backward)."""
+    ctx.save_for_backward(inputs[1])
+    ctx.total_len, ctx.backend, ctx.num_inputs = inputs[0].shape[0], inputs[-1], len(inputs)
+
+
+def _setup_padded_input(ctx, inputs, output):
+    """setup_context of the ops whose input is padded [B, max_len, D] (padded_to_jagged, jagged_to_padded_backward)."""
+    ctx.save_for_backward(inputs[1])
+    ctx.max_len, ctx.backend, ctx.num_inputs = inputs[0].shape[1], inputs[-1], len(inputs)
+
+
+def _grad_values(ctx, grad_padded):
     (offsets,) = ctx.saved_tensors
-    grad_values = padded_to_jagged_op(grad_padded.contiguous(), offsets, ctx.total_len, ctx.backend)
-    return grad_values, None, None, None, None
+    grad = jagged_to_padded_backward_op(grad_padded.contiguous(), offsets, ctx.total_len, ctx.backend)
+    return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
-def _padded_to_jagged_setup(ctx, inputs, output):
-    padded, offsets, _total_len, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.max_len = padded.shape[1]
-    ctx.backend = backend
-
-
-def _padded_to_jagged_backward(ctx, grad_values):
+def _grad_padded(ctx, grad_values):
     (offsets,) = ctx.saved_tensors
-    grad_padded = jagged_to_padded_op(grad_values.contiguous(), offsets, ctx.max_len, 0.0, ctx.backend)
-    return grad_padded, None, None, None
+    grad = padded_to_jagged_backward_op(grad_values.contiguous(), offsets, ctx.max_len, ctx.backend)
+    return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
-jagged_to_padded_op.register_autograd(_jagged_to_padded_backward, setup_context=_jagged_to_padded_setup)
-padded_to_jagged_op.register_autograd(_padded_to_jagged_backward, setup_context=_padded_to_jagged_setup)
+jagged_to_padded_op.register_autograd(_grad_values, setup_context=_setup_values_input)
+padded_to_jagged_op.register_autograd(_grad_padded, setup_context=_setup_padded_input)
+jagged_to_padded_backward_op.register_autograd(_grad_padded, setup_context=_setup_padded_input)
+padded_to_jagged_backward_op.register_autograd(_grad_values, setup_context=_setup_values_input)
 
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.

@@ -37,10 +37,10 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from ..nn.embedding_bag import _advise_huge_pages
+from ..nn.embedding_bag import PackedTables, _advise_huge_pages
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
-from .._embedding_bag import BOUNDS_CHECK_CODES
+from .._embedding_bag import BOUNDS_CHECK_CODES, pack_tables
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # The op's bounds-check message (reference, cpu and triton backends): renamed to table and feature names.
@@ -48,7 +48,7 @@ _BAD_INDEX = re.compile(r"indices\[(\d+)\] = (-?\d+) is out of range for table (
                         r"in bag (\d+)")
 
 
-class _FusedCollection(nn.Module):
+class _FusedCollection(PackedTables):
     """What both collections share: the packed tables, the optimizer state, the KJT -> op layout,
     the TorchRec state_dict keys."""
 
@@ -89,25 +89,16 @@ class _FusedCollection(nn.Module):
                          for j, (f, e) in enumerate(zip(fs, es))]
         self._flat_features = [f for _, _, f, _ in self._lookups]
         self._slots_per_table = max(len(fs) for fs in self._feature_names)  # K
-        rows = [t.num_embeddings for t in tables]
         dims = [t.embedding_dim for t in tables]
         if unpooled and len(set(dims)) != 1:
             raise ValueError(f"every table of an EmbeddingCollection must have the same embedding_dim, got {dims}")
-        sizes = [r * d for r, d in zip(rows, dims)]
-        cumsum = lambda xs: [0] + torch.tensor(xs, dtype=torch.int64).cumsum(0).tolist()  # noqa: E731
-        self._weight_offsets, self._rows, self._dims = cumsum(sizes)[:-1], rows, dims
-        self._column_offsets = cumsum(dims)
-        self.output_dim = dims[0] if unpooled else sum(dims)
-        meta = dict(dtype=torch.int64, device=device)
-        self.register_buffer("weights_offsets", torch.tensor(self._weight_offsets, **meta), persistent=False)
-        self.register_buffer("D_offsets", torch.tensor(cumsum(dims), **meta), persistent=False)
-        self.register_buffer("rows_offsets", torch.tensor(cumsum(rows), **meta), persistent=False)
-        self.weights = nn.Parameter(torch.empty(sum(sizes), dtype=dtype, device=device))
-        name = optimizer.name if optimizer is not None else None
+        self._set_layout(pack_tables([t.num_embeddings for t in tables], dims), device)
+        self.output_dim = self.layout.output_dim(pooled=not unpooled)
+        self.weights = nn.Parameter(torch.empty(self.layout.num_elements, dtype=dtype, device=device))
+        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
         state = dict(dtype=torch.float32, device=device)
-        self.register_buffer("momentum1", torch.zeros({"rowwise_adagrad": sum(rows), "adam": sum(sizes)}.get(name, 0),
-                                                      **state), persistent=False)
-        self.register_buffer("momentum2", torch.zeros(sum(sizes) if name == "adam" else 0, **state), persistent=False)
+        self.register_buffer("momentum1", torch.zeros(size1, **state), persistent=False)
+        self.register_buffer("momentum2", torch.zeros(size2, **state), persistent=False)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         for buffer in (self.weights, self.momentum1, self.momentum2):
             _advise_huge_pages(buffer)
@@ -134,9 +125,7 @@ class _FusedCollection(nn.Module):
         """Table ``table`` as a [rows, dim] view into the packed ``weights`` (writes go to the module)."""
         if table not in self._table_names:
             raise KeyError(f"no table {table!r}; tables: {self._table_names}")
-        t = self._table_names.index(table)
-        start = self._weight_offsets[t]
-        return self.weights[start:start + self._rows[t] * self._dims[t]].view(self._rows[t], self._dims[t])
+        return self.layout.table(self.weights, self._table_names.index(table))
 
     def fused_parameter_names(self) -> list[str]:
         """Parameters updated inside the backward (their ``.grad`` stays None): empty without an optimizer."""
@@ -187,10 +176,10 @@ class _FusedCollection(nn.Module):
 
     def _lookup(self, values, offsets, psw, pooling: str, batch: int) -> torch.Tensor:
         def run():
-            return embedding_bag(self.weights, self.weights_offsets, self.D_offsets, self.rows_offsets, values,
-                                 offsets, psw, output_dim=self.output_dim, pooling=pooling,
-                                 bounds_check=self.bounds_check, optimizer=self.optimizer, momentum1=self.momentum1,
-                                 momentum2=self.momentum2, step=self.step, backend=self.backend)
+            return embedding_bag(self.weights, self.table_meta, values, offsets, psw, output_dim=self.output_dim,
+                                 pooling=pooling, bounds_check=self.bounds_check, optimizer=self.optimizer,
+                                 momentum1=self.momentum1, momentum2=self.momentum2, step=self.step,
+                                 backend=self.backend)
 
         if torch.compiler.is_compiling():  # a compiled graph raises the op's own message (table number, bag)
             return run()
@@ -211,7 +200,7 @@ class _FusedCollection(nn.Module):
                           f"(num_embeddings={rows}) in sample {sample}")
 
     def extra_repr(self) -> str:
-        return (f"tables={self._table_names}, rows={sum(self._rows)}, dims={sorted(set(self._dims))}, "
+        return (f"tables={self._table_names}, rows={self.layout.num_rows}, dims={sorted(set(self.layout.dims))}, "
                 f"dtype={self.weights.dtype}, optimizer={self.optimizer}, bounds_check={self.bounds_check!r}")
 
 
@@ -234,9 +223,7 @@ def _select_features(values, weights, lengths, select: list[int]):
 def _state_dict_hook(module: _FusedCollection, state_dict: dict, prefix: str, local_metadata) -> None:
     flat = state_dict.pop(prefix + "weights")
     for t, name in enumerate(module._table_names):
-        start = module._weight_offsets[t]
-        state_dict[f"{prefix}{module._PREFIX}.{name}.weight"] = (
-            flat[start:start + module._rows[t] * module._dims[t]].view(module._rows[t], module._dims[t]))
+        state_dict[f"{prefix}{module._PREFIX}.{name}.weight"] = module.layout.table(flat, t)
 
 
 def _load_state_dict_hook(module: _FusedCollection, state_dict: dict, prefix: str, local_metadata, strict: bool,
@@ -290,7 +277,7 @@ class FusedEmbeddingBagCollection(_FusedCollection):
         # One pooling: the op's own. Mixed: sum, with 1/length per-sample weights on the mean tables.
         self._pooling = "mean" if poolings == {PoolingType.MEAN} else "sum"
         self._mean_tables = [t.pooling == PoolingType.MEAN for t in tables] if len(poolings) > 1 else None
-        self._lengths_per_embedding = [self._dims[t] for t, _, _, _ in self._lookups]
+        self._lengths_per_embedding = [self.layout.dims[t] for t, _, _, _ in self._lookups]
 
     @classmethod
     def from_torchrec(cls, ebc: EmbeddingBagCollection, optimizer=None, bounds_check: str = "fatal",
@@ -324,7 +311,7 @@ class FusedEmbeddingBagCollection(_FusedCollection):
         out = self._lookup(values, offsets, psw, self._pooling, batch)
         if slots > 1 or len(self._lookups) != len(self._configs):
             out3 = out.view(slots, batch, self.output_dim)
-            c = self._column_offsets
+            c = self.layout.D_offsets
             out = torch.cat([out3[j, :, c[t]:c[t + 1]] for t, j, _, _ in self._lookups], dim=1)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out.float())
 

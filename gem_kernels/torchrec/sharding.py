@@ -100,7 +100,6 @@ class _GemTBE(nn.Module):
         self.bags = FusedEmbeddingBag([TableSpec(r, c) for r, c in zip(rows, cols)], pooling=pooling, dtype=dtype,
                                       device=device, optimizer=options.optimizer,
                                       bounds_check=options.bounds_check, backend=options.backend)
-        self.rows, self.cols = list(rows), list(cols)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -110,23 +109,21 @@ class _GemTBE(nn.Module):
         return [self.bags.weight(t).detach() for t in range(self.bags.num_tables)]
 
     def weight_offsets(self) -> List[int]:
-        return list(self.bags._weight_offsets)
+        return list(self.bags.layout.weights_offsets)
 
     def get_optimizer_state(self) -> List[Dict[str, torch.Tensor]]:
         """Per table, FBGEMM's names: row-wise Adagrad ``sum`` [rows]; Adam ``exp_avg``,
         ``exp_avg_sq`` [rows, D]; SGD nothing."""
         name = self.bags.optimizer.name if self.bags.optimizer is not None else None
-        states, row = [], 0
-        for t, (rows, cols) in enumerate(zip(self.rows, self.cols)):
-            start = self.bags._weight_offsets[t]
+        layout, states = self.bags.layout, []
+        for t in range(layout.num_tables):
             if name == "rowwise_adagrad":
-                states.append({"sum": self.bags.momentum1[row:row + rows]})
+                states.append({"sum": self.bags.momentum1[layout.rows_offsets[t]:layout.rows_offsets[t + 1]]})
             elif name == "adam":
-                states.append({"exp_avg": self.bags.momentum1[start:start + rows * cols].view(rows, cols),
-                               "exp_avg_sq": self.bags.momentum2[start:start + rows * cols].view(rows, cols)})
+                states.append({"exp_avg": layout.table(self.bags.momentum1, t),
+                               "exp_avg_sq": layout.table(self.bags.momentum2, t)})
             else:
                 states.append({})
-            row += rows
         return states
 
     def get_learning_rate(self) -> float:
@@ -185,14 +182,14 @@ class _GemKernelMixin:
         # (TorchRec lists them together), so one slice covers them, as in FBGEMM's kernel.
         result: Dict[str, TableBatchedEmbeddingSlice] = {}
         counts = dict(self.table_name_to_count)
-        offsets = self._emb_module.weight_offsets()
+        layout = self._emb_module.bags.layout
         for t, table in enumerate(self._config.embedding_tables):
             if table.name not in counts:
                 continue
             count = counts.pop(table.name)
-            rows, dim = self._emb_module.rows[t], self._emb_module.cols[t]
-            weight = TableBatchedEmbeddingSlice(data=self._emb_module.bags.weights, start_offset=offsets[t],
-                                                end_offset=offsets[t] + count * rows * dim, num_embeddings=-1,
+            start, rows, dim = layout.weights_offsets[t], layout.rows[t], layout.dims[t]
+            weight = TableBatchedEmbeddingSlice(data=self._emb_module.bags.weights, start_offset=start,
+                                                end_offset=start + count * rows * dim, num_embeddings=-1,
                                                 embedding_dim=dim)
             weight._in_backward_optimizers = [self._optim]
             result[table.name] = weight

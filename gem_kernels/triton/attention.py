@@ -151,6 +151,22 @@ def _load_rows(ptr, rows, row_ok, stride_n, col0, cols, width, UPCAST: tl.conste
 
 
 @triton.jit
+def _store_rows(ptr, x, rows, row_ok, stride_n, col0, cols, width):
+    """Store x as the [rows, cols] tile of one head of a packed [N, H, width] tensor (_load_rows' twin),
+    in the tensor's dtype, nothing outside the sequence or past width."""
+    tl.store(ptr + rows[:, None] * stride_n + col0 + cols[None, :], x.to(ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (cols[None, :] < width))
+
+
+@triton.jit
+def _block(first, L, max_id, contextual_len, BLOCK: tl.constexpr):
+    """The BLOCK positions from ``first`` of a sequence of length L: (positions, inside the sequence,
+    position ids)."""
+    offs = first + tl.arange(0, BLOCK)
+    return offs, offs < L, _ids(offs, L, max_id, contextual_len)
+
+
+@triton.jit
 def _program(blocks, H, offsets_ptr, targets_ptr, contextual_len, pos_heads, time_heads, HAS_TARGETS: tl.constexpr):
     """The prologue of every attention program: 1-D grid, block fastest, (block, sequence b, head h);
     the sequence's start row and length L, the largest position id (targets and the contextual
@@ -183,21 +199,17 @@ def _jagged_attention_fwd_kernel(
     pid_m, b, h, bh, start, L, max_id, hp, ht = _program(tl.cdiv(M, BLOCK_M), H, offsets_ptr, targets_ptr,
                                                          contextual_len, pos_heads, time_heads, HAS_TARGETS)
     if pid_m * BLOCK_M < L:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m, row_ok, id_m = _block(pid_m * BLOCK_M, L, max_id, contextual_len, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        id_m = _ids(offs_m, L, max_id, contextual_len)
-        row_ok = offs_m < L
         q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
         for j0 in range(0, L, BLOCK_N):
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            id_n = _ids(offs_n, L, max_id, contextual_len)
+            offs_n, col_ok, id_n = _block(j0, L, max_id, contextual_len, BLOCK_N)
             vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
             if tl.max(vis.to(tl.int32)) > 0:  # skip fully masked tiles before any load
-                col_ok = offs_n < L
                 k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
                 v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
                 s, _bucket = _scores(q, k, offs_m, offs_n, vis, start, L, hp, ht, scale, M, pos_bias_ptr, stride_pb,
@@ -222,8 +234,7 @@ def _jagged_attention_fwd_kernel(
             l_safe = tl.where(l_i == 0, 1.0, l_i)
             acc = acc / l_safe[:, None]
             tl.store(Lse_ptr + (start + offs_m) * H + h, m_i + tl.log(l_safe), mask=row_ok)
-        tl.store(Out_ptr + (start + offs_m)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                 acc.to(Out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < Dv))
+        _store_rows(Out_ptr, acc, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv)
 
 
 @triton.jit
@@ -309,11 +320,9 @@ def _jagged_attention_bwd_dkdv_kernel(
     pid, b, h, bh, start, L, max_id, hp, ht = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len,
                                                        pos_heads, time_heads, HAS_TARGETS)
     if pid * BLOCK_N < L:
+        offs_n, col_ok, id_n = _block(pid * BLOCK_N, L, max_id, contextual_len, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < L
-        id_n = _ids(offs_n, L, max_id, contextual_len)
         k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
         v = _load_rows(V_ptr, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -328,9 +337,7 @@ def _jagged_attention_bwd_dkdv_kernel(
         for i0 in range(0, L, BLOCK_M):
             upper = tl.zeros((BLOCK_N,), tl.float32)
             lower = tl.zeros((BLOCK_N,), tl.float32)
-            offs_m = i0 + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < L
-            id_m = _ids(offs_m, L, max_id, contextual_len)
+            offs_m, row_ok, id_m = _block(i0, L, max_id, contextual_len, BLOCK_M)
             vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
             if tl.max(vis.to(tl.int32)) > 0:
                 q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
@@ -365,10 +372,8 @@ def _jagged_attention_bwd_dkdv_kernel(
             offs_tb = tl.arange(0, TB)
             tl.store(DTime_ptr + (bh.to(tl.int64) * key_blocks + pid) * (num_buckets + 1) + offs_tb, time_part,
                      mask=offs_tb <= num_buckets)
-        tl.store(DK_ptr + (start + offs_n)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                 dk.to(DK_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
-        tl.store(DV_ptr + (start + offs_n)[:, None] * stride_vn + h * stride_vh + offs_dv[None, :],
-                 dv.to(DV_ptr.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < Dv))
+        _store_rows(DK_ptr, dk, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D)
+        _store_rows(DV_ptr, dv, start + offs_n, col_ok, stride_vn, h * stride_vh, offs_dv, Dv)
 
 
 @triton.jit
@@ -385,19 +390,15 @@ def _jagged_attention_bwd_dq_kernel(
     pid, b, h, bh, start, L, max_id, hp, ht = _program(key_blocks, H, offsets_ptr, targets_ptr, contextual_len,
                                                        pos_heads, time_heads, HAS_TARGETS)
     if pid * BLOCK_M < L:
+        offs_m, row_ok, id_m = _block(pid * BLOCK_M, L, max_id, contextual_len, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < L
-        id_m = _ids(offs_m, L, max_id, contextual_len)
         q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
         do = _load_rows(DO_ptr, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv, UPCAST)
         lse, delta = _row_stats(Lse_ptr, Delta_ptr, start + offs_m, row_ok, H, h, BLOCK_M, SOFTMAX)
         dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for j0 in range(0, L, BLOCK_N):
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < L
-            id_n = _ids(offs_n, L, max_id, contextual_len)
+            offs_n, col_ok, id_n = _block(j0, L, max_id, contextual_len, BLOCK_N)
             vis = _visible(offs_m, offs_n, id_m, id_n, L, max_id, contextual_len, max_attn_len, CAUSAL)
             if tl.max(vis.to(tl.int32)) > 0:
                 k = _load_rows(K_ptr, start + offs_n, col_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
@@ -407,8 +408,7 @@ def _jagged_attention_bwd_dq_kernel(
                                               stride_tb, timestamps_ptr, query_timestamps_ptr, thr_ptr, num_buckets, SOFTMAX, HAS_POS,
                                               HAS_TIME, MAX_BUCKETS, PRECISION)
                 dq += _masked_dot(ds, vis.to(tl.int32), k, BLOCK_N, PRECISION) * scale
-        tl.store(DQ_ptr + (start + offs_m)[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                 dq.to(DQ_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        _store_rows(DQ_ptr, dq, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D)
 
 
 @triton.jit
