@@ -173,7 +173,8 @@ def _table_grad(module, t: int) -> torch.Tensor:
         grad = params[name].grad
     else:  # gk's collection packs the tables into one parameter: table t's slice of its gradient
         ebc = module.sparse_arch.embedding_bag_collection
-        start, rows, dim = ebc._weight_offsets[t], ebc._rows[t], ebc._dims[t]
+        layout = ebc.layout
+        start, rows, dim = layout.weights_offsets[t], layout.rows[t], layout.dims[t]
         grad = ebc.weights.grad[start:start + rows * dim].view(rows, dim)
     return grad.to_dense() if grad.is_sparse else grad
 
