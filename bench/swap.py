@@ -339,7 +339,8 @@ def loss_curves(steps: int, lr: float = LR, quick: bool = False, device: torch.d
         for name, (model, opts) in models.items():
             curves[name].append(float(_step(model, opts, batch)))
         if step == 0:
-            step1_params = {name: _param_diff(models[name][0], base, lr) for name in models if name != "torchrec_adagrad"}
+            step1_params = {name: _param_diff(model, base, lr) for name, (model, _) in models.items()
+                            if name != "torchrec_adagrad"}
         if (step + 1) % max(1, steps // 10) == 0:
             log(f"[swap loss] step {step + 1}/{steps}: " + ", ".join(f"{n} {c[-1]:.5f}" for n, c in curves.items())
                 + f" ({time.perf_counter() - started:.0f} s)")
