@@ -37,11 +37,12 @@ property of two correct fp32 implementations under Adagrad. Adagrad's first step
 (|g| + eps), does not scale with |g|: a relative rounding error r of g becomes an absolute error of
 about lr * r in the parameter. The fused embedding backward sums each row's contributions in
 another order than torch's, and where they nearly cancel (|g| << its terms) r is large. Measured at
-full size, lr 0.01, after step 1 (whose loss and dense gradients are bit-equal): table elements with
-|g| >= 1e-7 differ by at most 1.5e-8 (the weights' rounding), those with |g| < 1e-9 by up to 3.6e-4
-(0.04 lr). The trajectories then separate: the first element off by more than lr / 2 appears at step
-4, hundreds by step 12, and the loss difference goes 0 (steps 1-4) -> 8e-7 (step 5) -> 3e-6 (step
-12) -> up to ~1e-3 (the 100-step run, ``diff_at_steps``), while the curves stay within noise.
+full size, lr 0.01, after step 1 (whose loss and dense gradients are bit-equal): 3.3M of 54M
+elements differ, those with |g| >= 1e-7 by at most 1.5e-8 (the weights' rounding), those with
+|g| < 1e-9 by up to 3.6e-4 (0.04 lr). The trajectories then separate: the first element off by more
+than lr / 2 appears at step 4, hundreds by step 12; the loss difference is 0 at steps 1-4, 8e-7 at
+step 5, 3e-6 at step 12, first above 1e-4 at step 37 and at most 1.2e-3 (step 86) over 100 steps,
+while the tail means differ by 8e-5 against 2 SE = 1.2e-3 (bench/results/swap-loss-cpu.md).
 swap_rowwise uses FBGEMM's row-wise Adagrad (one accumulator per row), a different rule: it is held
 to the same test.
 """
