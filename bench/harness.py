@@ -97,6 +97,7 @@ class Case:
     state: dict[str, Callable[[], Any]] | None = None
     compiled: tuple[str, ...] = ()
     formula_bytes: int | None = None
+    examples: int | None = None  # examples (users, samples) one call processes: the row gets examples_per_s
 
     def __post_init__(self) -> None:
         if self.peak not in PEAK_KINDS:
@@ -485,6 +486,7 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         "tflops": case.flops / seconds / 1e12 if case.flops and seconds > 0 else None,
         "gbps": case.bytes / seconds / 1e9 if case.bytes and seconds > 0 else None,
         "gbps_formula": case.formula_bytes / seconds / 1e9 if case.formula_bytes and seconds > 0 else None,
+        "examples_per_s": case.examples / seconds if case.examples and seconds > 0 else None,
     })
     row["pct_peak"] = pct_of_peak(row, peaks)
     return row
@@ -589,8 +591,11 @@ def run_family(name: str, cases: Iterator[Case], device: torch.device, settings:
             for note in case.notes:
                 result.notes.append(f"{case.op} [{case.shape}]: {note}")
                 log(f"[{name} {case_no}] note: {note}")
-            result.rows.extend(_run_case(name, case_no, case, device, settings, budget, peaks, git_sha, timestamp,
-                                         result))
+            rows = _run_case(name, case_no, case, device, settings, budget, peaks, git_sha, timestamp, result)
+            result.rows.extend(rows)
+            if case.examples:
+                rates = ", ".join(f"{r['impl']} {r['examples_per_s']:,.0f}" for r in rows if r.get("examples_per_s"))
+                result.notes.append(f"{case.op} [{case.shape}]: examples/s ({case.examples} per call): {rates}")
     except SkipFamily as exc:
         result.status = "skipped" if not result.rows else "partial"
         result.notes.append(f"skipped: {exc}")

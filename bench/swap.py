@@ -2,9 +2,10 @@
 ``nn.TransformerEncoder`` over padded user histories.
 
 DLRM training step (issue 14): 26 tables with the Criteo Kaggle row counts capped to fit this
-machine (``ROW_CAP``), dim D, B = 2048, bags of about 20 ids (RandomRecDataset: uniform 1..39),
-13 dense features, dense arch [128, D], over arch [256, 1]; BCE loss. Impls of one step
-(forward, backward, optimizer):
+machine (``ROW_CAP``), dim D, B = 2048, bags of 20 ids (RandomRecDataset: its minimum bag length
+defaults to ids_per_feature; the case's shape gives the measured mean), 13 dense features, random
+labels, dense arch [128, D], over arch [256, 1]; BCE loss. Impls of one step (forward,
+backward, optimizer):
   torchrec_adagrad  TorchRec as the user has it: the unsharded EmbeddingBagCollection, dense
                     gradients, torch.optim.Adagrad on every parameter (the speedup baseline);
   torchrec_dmp      TorchRec's fused path: DistributedModelParallel on one process (gloo), FBGEMM's
@@ -18,15 +19,42 @@ forward+backward) so the step's time can be attributed. Each of these cases veri
 before timing it, from fresh models with the same weights: the first step's loss (or pooled
 embeddings), the gradients of the dense parameters and, for the tables, their gradients (Adagrad
 impls) or their updated rows (row-wise impls: against FBGEMM's row-wise rule applied to the
-baseline's table gradients), plus a sample of untouched rows, which must not move. Before timing, the baseline and
-swap_rowwise / swap_none train ``LOSS_STEPS`` steps from the same weights on the same batches: the
-notes give their loss curves (swap_none must equal the baseline; swap_rowwise uses FBGEMM's
-row-wise Adagrad, a different rule, so its curve is compared within noise).
+baseline's table gradients), plus a sample of untouched rows, which must not move.
 
 Encoder: 2 layers of nn.TransformerEncoderLayer (d_model 64, 4 heads, FF 128, dropout 0,
 batch_first) over B = 64 histories padded to L = 256, end padding at 30 % and 60 % density plus the
 causal mask; forward+backward, eager vs swapped (the attention core on the jagged rows). Outputs
 compared at valid positions (the swapped module writes zeros at padded ones).
+
+Loss curves (not part of the timed family: 100 steps take minutes on a CPU):
+
+    python -m bench.swap --loss-steps 100 [--lr 0.01] [--quick] [--out DIR] [--device cpu|cuda]
+
+trains torchrec_adagrad, swap_rowwise and swap_none from the same weights on the same fresh
+batches, with no time cap, and writes ``swap-loss-<device>.json`` and ``.md`` (per-step losses, and
+per impl its step-1 difference, max per-step |diff| and tail-mean difference vs the baseline, and a
+verdict). The rule an impl must pass:
+  1. step 1 equal to fp32 rounding: |loss_1 - baseline_1| <= STEP1_RTOL * |baseline_1|. Step 1 runs
+     on the initial weights for every impl, so it compares the forward alone; the fused ops sum in
+     another order than torch's, nothing else differs;
+  2. every loss finite (no divergence);
+  3. the curve within noise: over the last TAIL_FRACTION of the steps, |mean(impl) - mean(baseline)|
+     <= 2 SE, SE = sqrt(var(impl tail) / n + var(baseline tail) / n): what the batch-to-batch noise of
+     n steps alone moves a tail mean by.
+The same rule holds for swap_none, not per-step equality. Its update rule is the baseline's
+(torch.optim.Adagrad on every parameter), but per-step equality to 1e-4 over 100 steps is not a
+property of two correct fp32 implementations under Adagrad. Adagrad's first step, lr * g /
+(|g| + eps), does not scale with |g|: a relative rounding error r of g becomes an absolute error of
+about lr * r in the parameter. The fused embedding backward sums each row's contributions in
+another order than torch's, and where they nearly cancel (|g| << its terms) r is large. Measured at
+full size, lr 0.01, after step 1 (whose loss and dense gradients are bit-equal): 3.3M of 54M
+elements differ, those with |g| >= 1e-7 by at most 1.5e-8 (the weights' rounding), those with
+|g| < 1e-9 by up to 3.6e-4 (0.04 lr). The trajectories then separate: the first element off by more
+than lr / 2 appears at step 4, hundreds by step 12; the loss difference is 0 at steps 1-4, 8e-7 at
+step 5, 3e-6 at step 12, first above 1e-4 at step 37 and at most 1.2e-3 (step 86) over 100 steps,
+while the tail means differ by 8e-5 against 2 SE = 1.2e-3 (bench/results/swap-loss-cpu.md).
+swap_rowwise uses FBGEMM's row-wise Adagrad (one accumulator per row), a different rule: it is held
+to the same test.
 """
 
 from __future__ import annotations
@@ -50,13 +78,15 @@ CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683
 ROW_CAP = {False: 100_000, True: 5_000}
 DIM = {False: 64, True: 16}
 BATCH = {False: 2048, True: 256}
-IDS_PER_FEATURE = 20  # RandomRecDataset draws bag lengths uniform in [1, 2 * 20 - 1]: mean 20
+IDS_PER_FEATURE = 20  # RandomRecDataset: bag lengths uniform in [min_ids_per_feature, 20], the min defaulting to 20
 NUM_DENSE = 13
-LOSS_STEPS = {False: 100, True: 10}
-LOSS_SECONDS = {False: 150.0, True: 6.0}  # cap of the loss-curve run, so a busy machine still times
 LR = 0.01  # 0.05 made the dense Adagrad overshoot (loss ~270 at step 3 in the 16:41 run)
-# The whole family (loss curves + timing) in a few minutes; bench/__main__.py reads this.
-FAMILY_BUDGET = {False: 330.0, True: 24.0}
+# The whole timed family in a few minutes; bench/__main__.py reads this.
+FAMILY_BUDGET = {False: 600.0, True: 24.0}
+# Loss-curve rule (see the module docstring).
+STEP1_RTOL = 1e-5  # fp32 forward in another summation order; measured ~1e-7
+TAIL_FRACTION = 0.2
+LOSS_IMPLS = ("torchrec_adagrad", "swap_rowwise", "swap_none")
 
 
 def _tables(quick: bool):
@@ -76,14 +106,17 @@ def _dlrm(quick: bool, device: torch.device):
                 over_arch_layer_sizes=[256, 1], dense_device=device)
 
 
-def _batches(quick: bool, count: int, device: torch.device) -> list:
+def _dataset(quick: bool, count: int, generated: int):
     from torchrec.datasets.random import RandomRecDataset
 
     rows = [min(r, ROW_CAP[quick]) for r in CRITEO_ROWS]
-    data = RandomRecDataset(keys=[f"f{i}" for i in range(len(rows))], batch_size=BATCH[quick], hash_sizes=rows,
+    return RandomRecDataset(keys=[f"f{i}" for i in range(len(rows))], batch_size=BATCH[quick], hash_sizes=rows,
                             ids_per_feature=IDS_PER_FEATURE, num_dense=NUM_DENSE, manual_seed=0,
-                            num_generated_batches=count)
-    return [b.to(device) for _, b in zip(range(count), iter(data))]
+                            num_batches=count, num_generated_batches=generated)
+
+
+def _batches(quick: bool, count: int, device: torch.device) -> list:
+    return [b.to(device) for b in _dataset(quick, count, count)]
 
 
 def _step(model, optimizers, batch) -> float:
@@ -97,12 +130,12 @@ def _step(model, optimizers, batch) -> float:
     return loss.detach()
 
 
-def _swapped(model, optimizer):
+def _swapped(model, optimizer, lr: float = LR):
     model = copy.deepcopy(model)
     report = gk.swap(model, optimizer=optimizer)
     fused = set(report.fused_parameters)
     params = [p for n, p in model.named_parameters() if n not in fused]
-    return model, [torch.optim.Adagrad(params, lr=LR)], report
+    return model, [torch.optim.Adagrad(params, lr=lr)], report
 
 
 def _free_port() -> int:
@@ -149,8 +182,10 @@ def _fresh_models(quick: bool, device: torch.device, notes: list[str]) -> dict:
         models["torchrec_dmp"] = _dmp(quick, device, base.state_dict())
     except Exception as exc:  # reported, the other impls still run
         notes.append(f"torchrec_dmp not timed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    models["swap_rowwise"] = _swapped(base, gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8))[:2]
-    models["swap_none"] = _swapped(base, None)[:2]
+    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8)), ("swap_none", None)):
+        model, optimizers, report = _swapped(base, optimizer)
+        log(f"[swap] {name}: " + "; ".join(f"{p} {o} -> {n}" for p, o, n in report.replaced))
+        models[name] = (model, optimizers)
     return models
 
 
@@ -229,37 +264,6 @@ def _state_readers(models: dict, batch, dense: bool) -> dict:
     return {name: reader(name, model) for name, (model, _) in models.items()}
 
 
-def _loss_curves(base, swaps: dict, batches: list, quick: bool) -> list[str]:
-    """Train the baseline and each swapped model the same steps on the same batches: notes."""
-    models = {"torchrec_adagrad": (copy.deepcopy(base), None)} | swaps
-    curves = {name: [] for name in models}
-    optimizers = {name: opt or [torch.optim.Adagrad(m.parameters(), lr=LR)] for name, (m, opt) in models.items()}
-    start = time.perf_counter()
-    for step in range(LOSS_STEPS[quick]):
-        batch = batches[step % len(batches)]
-        for name, (model, _) in models.items():
-            curves[name].append(float(_step(model, optimizers[name], batch)))
-        if time.perf_counter() - start > LOSS_SECONDS[quick]:
-            break
-    steps = len(curves["torchrec_adagrad"])
-    base_curve = torch.tensor(curves["torchrec_adagrad"])
-    tail = max(1, steps // 10)
-    notes = []
-    for name, curve in curves.items():
-        c = torch.tensor(curve)
-        marks = ", ".join(f"{i + 1}: {c[i]:.4f}" for i in sorted({0, steps // 10, steps // 2, steps - 1}))
-        text = f"loss curve {name} over {steps} steps ({marks}; mean of the last {tail} {c[-tail:].mean():.4f})"
-        if name != "torchrec_adagrad":
-            diff = (c - base_curve).abs()
-            # Noise: how much the baseline's own loss moves between consecutive steps (batch to batch).
-            noise = base_curve.diff().abs().median().item() if steps > 1 else 0.0
-            text += (f"; vs baseline max |diff| {diff.max():.2e}, mean |diff| {diff.mean():.2e} (the baseline's "
-                     f"step-to-step noise, median |delta|: {noise:.2e})")
-        notes.append(text)
-    log(f"[swap] loss curves over {steps} steps in {time.perf_counter() - start:.0f} s")
-    return notes
-
-
 def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     try:
         import torchrec  # noqa: F401
@@ -271,13 +275,7 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
         raise SkipFamily(f"gem_kernels.torchrec is not available ({type(exc).__name__}: {exc})") from exc
 
     batches = _batches(quick, 4, device)
-    base = _dlrm(quick, device)
-    rowwise = _swapped(base, gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8))
-    none = _swapped(base, None)
-    for name, (_, _, report) in (("swap_rowwise", rowwise), ("swap_none", none)):
-        log(f"[swap] {name}: " + "; ".join(f"{p} {o} -> {n}" for p, o, n in report.replaced))
-    notes = _loss_curves(base, {"swap_rowwise": rowwise[:2], "swap_none": none[:2]}, batches, quick)
-    # Fresh models for the timing (the loss-curve run changed those above).
+    notes = ["loss curves: python -m bench.swap --loss-steps 100 (bench/results/swap-loss-<device>.md)"]
     models = _fresh_models(quick, device, notes)
     rows = sum(t.num_embeddings for t in _tables(quick))
     lookups = sum(b.sparse_features.values().numel() for b in batches) // len(batches)
@@ -286,7 +284,7 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     args = [(b,) for b in batches]
     yield Case(op="DLRM train step", shape=shape, dtype=torch.float32, flops=0, bytes=0,
                impls={name: rotate(args, lambda b, m=m, o=o: _step(m, o, b)) for name, (m, o) in models.items()},
-               baseline="torchrec_adagrad", notes=notes, reference="torchrec_adagrad",
+               baseline="torchrec_adagrad", notes=notes, reference="torchrec_adagrad", examples=BATCH[quick],
                state=_state_readers(models, batches[0], dense=True), tolerance=dict(atol=1e-4, rtol=1e-3))
 
     def sparse_step(model, optimizers, batch, grad):
@@ -314,7 +312,7 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
                                    lambda b, g, m=(m.module if name == "torchrec_dmp" else m), o=sparse_opts[name]:
                                    sparse_step(m, o, b, g))
                       for name, (m, _) in models.items()},
-               baseline="torchrec_adagrad", reference="torchrec_adagrad",
+               baseline="torchrec_adagrad", reference="torchrec_adagrad", examples=BATCH[quick],
                state=_state_readers(models, batches[0], dense=False), tolerance=dict(atol=1e-4, rtol=1e-3))
 
     num_f = 26
@@ -334,7 +332,26 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
                flops=0, bytes=0,
                impls={"torchrec_adagrad": rotate(inter_inputs, lambda d, s: inter_step(eager_inter, d, s)),
                       "swap_none": rotate(inter_inputs, lambda d, s: inter_step(fused_inter, d, s))},
-               baseline="torchrec_adagrad", reference="torchrec_adagrad", tolerance=dict(atol=1e-3, rtol=1e-3))
+               baseline="torchrec_adagrad", reference="torchrec_adagrad", tolerance=dict(atol=1e-3, rtol=1e-3),
+               examples=BATCH[quick])
+
+    # The rest of the step: the dense and over MLPs, the same eager modules in every impl (no swap
+    # touches them), timed once so that the components add up to the step.
+    over_in = [torch.randn(BATCH[quick], DIM[quick] + pairs, device=device, requires_grad=True) for _ in range(2)]
+    dense_in = [b.dense_features for b in batches[:2]]
+    mlps = models["torchrec_adagrad"][0]
+    mlp_params = [*mlps.dense_arch.parameters(), *mlps.over_arch.parameters()]
+
+    def mlp_step(dense, over):
+        loss = mlps.dense_arch(dense).sum() + mlps.over_arch(over).sum()
+        return torch.autograd.grad(loss, [over, *mlp_params])
+
+    yield Case(op="dense + over arch fwd+bwd", shape=f"B={BATCH[quick]}, 13 -> [128, {DIM[quick]}], "
+                                                     f"{DIM[quick] + pairs} -> [256, 1]",
+               dtype=torch.float32, flops=0, bytes=0, examples=BATCH[quick],
+               impls={"all impls (eager)": rotate(list(zip(dense_in, over_in)), mlp_step)},
+               baseline="all impls (eager)",
+               unverified="one impl: the same eager MLPs run in every impl; timed to attribute the step")
 
 
 def _encoder_cases(quick: bool, device: torch.device) -> Iterator[Case]:
@@ -368,7 +385,7 @@ def _encoder_cases(quick: bool, device: torch.device) -> Iterator[Case]:
                    dtype=torch.float32, flops=0, bytes=0,
                    impls={"eager": rotate(arg_sets, lambda x, p, v: fwd_bwd(eager, x, p, v)),
                           "swapped": rotate(arg_sets, lambda x, p, v: fwd_bwd(swapped, x, p, v))},
-                   baseline="eager", reference="eager", tolerance=dict(atol=1e-3, rtol=1e-3))
+                   baseline="eager", reference="eager", tolerance=dict(atol=1e-3, rtol=1e-3), examples=batch)
         if report.fallbacks != before:
             log(f"[swap] !!! the swapped encoder fell back {report.fallbacks - before} times: "
                 f"{report.fallback_reasons}")
@@ -383,3 +400,155 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss curves: python -m bench.swap --loss-steps N (see the module docstring)
+# ---------------------------------------------------------------------------------------------
+
+
+def _param_diff(model, base, lr: float) -> dict:
+    """How far ``model``'s parameters are from ``base``'s (same state_dict keys): the max |diff|, how
+    many elements differ, and how many by more than lr / 2 (an Adagrad step taken with the other sign)."""
+    got, want = model.state_dict(), base.state_dict()
+    max_diff, differing, flipped, total = 0.0, 0, 0, 0
+    for key, w in want.items():
+        if not (torch.is_tensor(w) and w.is_floating_point() and key in got):
+            continue
+        d = (got[key].detach().float() - w.detach().float()).abs()
+        max_diff = max(max_diff, float(d.max()) if d.numel() else 0.0)
+        differing += int((d > 0).sum())
+        flipped += int((d > lr / 2).sum())
+        total += d.numel()
+    return dict(max_abs_diff=max_diff, elements_differing=differing, elements_off_by_more_than_half_lr=flipped,
+                elements=total)
+
+
+def _curve_stats(curve: list[float], base: list[float]) -> dict:
+    c, b = torch.tensor(curve, dtype=torch.float64), torch.tensor(base, dtype=torch.float64)
+    diff = (c - b).abs()
+    steps = len(curve)
+    n = max(2, round(steps * TAIL_FRACTION))
+    tail_c, tail_b = c[-n:], b[-n:]
+    tail_diff = float(tail_c.mean() - tail_b.mean())
+    se = float((tail_c.var() / n + tail_b.var() / n).sqrt()) if steps >= 2 else 0.0
+    step1 = float(diff[0])
+    checks = {
+        "step1_equal_to_fp32_rounding": step1 <= STEP1_RTOL * abs(base[0]),
+        "finite": bool(c.isfinite().all()),
+        "tail_within_noise": abs(tail_diff) <= 2 * se,
+    }
+    marks = sorted({s for s in (1, 2, 3, 5, 10, 20, 50, 100, steps) if s <= steps})
+    return dict(step1_abs_diff=step1, step1_bound=STEP1_RTOL * abs(base[0]), max_abs_diff=float(diff.max()),
+                max_abs_diff_step=int(diff.argmax()) + 1, diff_at_steps={s: float(diff[s - 1]) for s in marks},
+                tail_steps=n, tail_mean=float(tail_c.mean()), tail_mean_diff=tail_diff, tail_se=se,
+                checks=checks, verdict="pass" if all(checks.values()) else "FAIL")
+
+
+def loss_curves(steps: int, lr: float = LR, quick: bool = False, device: torch.device | None = None) -> dict:
+    """Train the impls of LOSS_IMPLS ``steps`` steps from the same weights on the same fresh batches
+    (one batch drawn per step, shared), with no time cap; the result dict that main() writes."""
+    device = device or torch.device("cpu")
+    base = _dlrm(quick, device)
+    models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=lr)])}
+    reports = {}
+    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=lr, eps=1e-8)), ("swap_none", None)):
+        model, opts, report = _swapped(base, optimizer, lr)  # copies of the untrained weights
+        models[name] = (model, opts)
+        reports[name] = [f"{p}: {o} -> {n}" for p, o, n in report.replaced]
+    curves = {name: [] for name in models}
+    step1_params = {}
+    started = time.perf_counter()
+    for step, batch in enumerate(_dataset(quick, steps, -1)):
+        batch = batch.to(device)
+        for name, (model, opts) in models.items():
+            curves[name].append(float(_step(model, opts, batch)))
+        if step == 0:
+            step1_params = {name: _param_diff(model, base, lr) for name, (model, _) in models.items()
+                            if name != "torchrec_adagrad"}
+        if (step + 1) % max(1, steps // 10) == 0:
+            log(f"[swap loss] step {step + 1}/{steps}: " + ", ".join(f"{n} {c[-1]:.5f}" for n, c in curves.items())
+                + f" ({time.perf_counter() - started:.0f} s)")
+    from bench import report as bench_report
+
+    return dict(
+        timestamp=bench_report.utc_timestamp(), git_sha=bench_report.git_sha(), device=device.type,
+        torch_threads=torch.get_num_threads(), seconds=time.perf_counter() - started,
+        config=dict(steps=steps, lr=lr, quick=quick, batch=BATCH[quick], dim=DIM[quick], row_cap=ROW_CAP[quick],
+                    tables=len(CRITEO_ROWS), step1_rtol=STEP1_RTOL, tail_fraction=TAIL_FRACTION,
+                    optimizers={"torchrec_adagrad": f"torch.optim.Adagrad(lr={lr}) on every parameter",
+                                "swap_rowwise": f"gk.optim.ExactRowwiseAdagrad(lr={lr}, eps=1e-8) in the backward "
+                                                f"(tables), torch.optim.Adagrad(lr={lr}) on the dense parameters",
+                                "swap_none": f"torch.optim.Adagrad(lr={lr}) on every parameter"}),
+        swapped=reports, curves=curves,
+        stats={name: _curve_stats(curves[name], curves["torchrec_adagrad"]) | {"step1_params": step1_params[name]}
+               for name in models if name != "torchrec_adagrad"})
+
+
+def loss_table_lines(result: dict) -> list[str]:
+    cfg, curves = result["config"], result["curves"]
+    lines = [f"# gk.swap DLRM loss curves ({result['device']})", "",
+             f"{cfg['steps']} steps, lr {cfg['lr']}, B={cfg['batch']}, {cfg['tables']} tables (rows capped at "
+             f"{cfg['row_cap']:,}) x D={cfg['dim']}, same initial weights, same fresh batch per step, no time cap; "
+             f"git {result['git_sha']}, {result['timestamp']}, {result['torch_threads']} torch threads, "
+             f"{result['seconds']:.0f} s.", "",
+             "Rule (bench/swap.py docstring): step-1 |diff| <= "
+             f"{cfg['step1_rtol']:g} x |loss|, every loss finite, and over the last {cfg['tail_fraction']:.0%} of "
+             "the steps |tail-mean diff| <= 2 SE (SE of the difference of the two tail means from their "
+             "step-to-step variance).", "",
+             "| impl | step-1 abs diff | max per-step abs diff (step) | tail mean | tail-mean diff | 2 SE | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    base_tail = None
+    for name, s in result["stats"].items():
+        base_tail = s["tail_mean"] - s["tail_mean_diff"]
+        lines.append(f"| {name} | {s['step1_abs_diff']:.2e} | {s['max_abs_diff']:.2e} ({s['max_abs_diff_step']}) | "
+                     f"{s['tail_mean']:.5f} | {s['tail_mean_diff']:+.2e} | {2 * s['tail_se']:.2e} | "
+                     f"{s['verdict']} |")
+    if base_tail is not None:
+        lines.append(f"| torchrec_adagrad (baseline) | | | {base_tail:.5f} | | | |")
+    lines += ["", "Per-step |diff| vs the baseline growing over the steps, and the parameters after step 1:", ""]
+    for name, s in result["stats"].items():
+        growth = ", ".join(f"{k}: {v:.1e}" for k, v in s["diff_at_steps"].items())
+        p = s["step1_params"]
+        lines.append(f"- {name}: {growth}; after step 1 max |param diff| {p['max_abs_diff']:.2e}, "
+                     f"{p['elements_differing']:,} of {p['elements']:,} elements differ, "
+                     f"{p['elements_off_by_more_than_half_lr']:,} by > lr/2")
+    lines += ["", "| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    for i in range(len(next(iter(curves.values())))):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{c[i]:.6f}" for c in curves.values()) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench import report as bench_report
+
+    parser = argparse.ArgumentParser(prog="python -m bench.swap", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loss-steps", type=int, required=True, help="training steps of the loss curves")
+    parser.add_argument("--lr", type=float, default=LR, help=f"Adagrad learning rate of every impl (default {LR})")
+    parser.add_argument("--quick", action="store_true", help="the small DLRM of the quick bench")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="results directory (default: bench/results)")
+    args = parser.parse_args(argv)
+    if args.loss_steps < 1:
+        parser.error(f"--loss-steps must be >= 1, got {args.loss_steps}")
+    result = loss_curves(args.loss_steps, args.lr, args.quick, torch.device(args.device))
+    out = Path(args.out or bench_report.DEFAULT_OUT)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"swap-loss-{result['device']}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = loss_table_lines(result)
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:14 + 2 * len(result["stats"])]))
+    print(f"results: {stem.with_suffix('.json')}, {stem.with_suffix('.md')}")
+    return 0 if all(s["verdict"] == "pass" for s in result["stats"].values()) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -56,6 +56,13 @@ TORCH_LIBRARY(gem_kernels, m) {
         "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
+namespace gem_kernels {
+// cpu/attention.cpp: whether its softmax rows run on AVX2, and its exp (8 lanes at a time when
+// `vectorized` and AVX2, else the scalar one), for the tests of its accuracy.
+bool attention_avx2();
+at::Tensor attention_fast_exp(const at::Tensor& x, bool vectorized);
+}  // namespace gem_kernels
+
 namespace {
 
 bool with_cuda() {
@@ -71,4 +78,7 @@ bool with_cuda() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gem_kernels native kernels (ops are registered under torch.ops.gem_kernels)";
   m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled into this build");
+  m.def("attention_avx2", &gem_kernels::attention_avx2, "whether the CPU attention rows run on AVX2");
+  m.def("attention_fast_exp", &gem_kernels::attention_fast_exp, "the CPU attention kernel's exp (for tests)",
+        pybind11::arg("x"), pybind11::arg("vectorized"));
 }

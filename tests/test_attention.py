@@ -212,6 +212,7 @@ CASES = [
     ([9, 140, 3], {}, dict(contextual_len=5)),
     ([2, 140, 3], {}, dict(contextual_len=150)),  # every position is context
     ([9, 140, 3], {}, dict(max_attn_len=17)),
+    ([9, 260, 3], {}, dict(max_attn_len=70, causal=False)),  # a band across three 128-key tiles
     ([9, 140, 3], dict(pos_heads=2), {}),
     ([9, 140, 3], dict(pos_heads=1, M=150), {}),
     ([9, 140, 3], dict(time_heads=2), {}),
@@ -450,6 +451,31 @@ def test_cpu_backward_is_independent_of_thread_count():
         torch.set_num_threads(threads)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@cpu_kernel_only
+@pytest.mark.skipif("cpu" not in gk.available_backends(), reason="the C++ extension is not built")
+@pytest.mark.parametrize("vectorized", [True, False], ids=["cpu-avx2", "cpu-scalar"])
+def test_cpu_fast_exp_matches_exp(vectorized):
+    """The cpu kernel's exp (fast_exp8 on 8 AVX2 lanes, fast_exp on the rest) against exp in float64
+    (the exact value, which std::exp rounds to within 0.5 ulp) over its whole range, a length that
+    leaves a scalar tail, and the edge values the kernel relies on."""
+    from gem_kernels._backend import _C
+    from gem_kernels._build_info import BUILD_INFO
+
+    if BUILD_INFO.get("cpu_arch_flag") == "-march=x86-64-v3":
+        assert _C.attention_avx2()  # the default x86 build must take the vector path
+    x = torch.cat([torch.linspace(-87.0, 88.0, 200_003), torch.randn(997) * 4, torch.tensor([0.0, -0.0])])
+    got = _C.attention_fast_exp(x, vectorized).double()
+    exact = torch.exp(x.double())
+    rel = ((got - exact).abs() / exact).max().item()
+    assert rel < 2 * 2.0**-23, rel  # 2 ulp; measured 7.2e-8 on both paths
+    edges = torch.tensor([-math.inf, -1e30, -87.5, 88.5, 1e30, math.inf, math.nan, -math.nan, -87.0, 88.0,
+                          0.0, 1.0, -1.0, 2.0, 3.0, -3.0])  # 16: both paths see each edge in the 8-lane body
+    got = _C.attention_fast_exp(edges, vectorized)
+    assert torch.equal(got[:6], torch.tensor([0.0, 0.0, 0.0, math.inf, math.inf, math.inf]))
+    assert bool(got[6:8].isnan().all())
+    torch.testing.assert_close(got[8:].double(), torch.exp(edges[8:].double()), rtol=2 * 2.0**-23, atol=0)
 
 
 @pytest.mark.parametrize("device,backend", device_backend_params(BACKENDS))

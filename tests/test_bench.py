@@ -608,3 +608,41 @@ def test_report_writes_two_figures_and_redraws_them_from_the_json(tmp_path):
     assert report.main([str(paths["json"])]) == 0
     assert paths["png"].stat().st_size > 0 and paths["speedup_png"].stat().st_size > 0
     assert paths["md"].read_text() == md
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.swap loss curves (python -m bench.swap --loss-steps N)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_swap_loss_rule():
+    from bench import swap
+
+    g = torch.Generator().manual_seed(0)
+    base = (0.7 + 0.01 * torch.randn(50, generator=g, dtype=torch.float64)).tolist()
+    same = [b + 1e-7 for b in base]
+    stats = swap._curve_stats(same, base)
+    assert stats["verdict"] == "pass" and stats["tail_steps"] == 10
+    assert stats["max_abs_diff"] == pytest.approx(1e-7, rel=1e-3)
+    assert stats["diff_at_steps"].keys() == {1, 2, 3, 5, 10, 20, 50}
+    off_at_start = [base[0] + 1e-3] + same[1:]  # the forward differs: more than fp32 rounding
+    assert not swap._curve_stats(off_at_start, base)["checks"]["step1_equal_to_fp32_rounding"]
+    shifted = base[:40] + [b + 0.05 for b in base[40:]]  # tail mean 0.05 up, 2 SE ~ 0.009
+    assert not swap._curve_stats(shifted, base)["checks"]["tail_within_noise"]
+    diverged = base[:-1] + [float("nan")]
+    assert swap._curve_stats(diverged, base)["verdict"] == "FAIL"
+
+
+def test_swap_loss_cli_writes_results(tmp_path):
+    pytest.importorskip("torchrec")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "bench.swap", "--loss-steps", "3", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "swap-loss-cpu.json").read_text())
+    assert list(result["curves"]) == ["torchrec_adagrad", "swap_rowwise", "swap_none"]
+    assert all(len(c) == 3 for c in result["curves"].values())
+    # Step 1 runs every impl on the same initial weights and batch.
+    assert all(s["checks"]["step1_equal_to_fp32_rounding"] for s in result["stats"].values())
+    assert result["stats"]["swap_none"]["verdict"] == "pass"
+    assert "| swap_none |" in (tmp_path / "swap-loss-cpu.md").read_text()

@@ -248,9 +248,9 @@ def _padded_batch(lengths, length=7, dim=8, left=False, seed=0):
     return x, pad
 
 
-def _mha_pair(dim=8, heads=2, dropout=0.0):
+def _mha_pair(dim=8, heads=2, dropout=0.0, bias=True):
     torch.manual_seed(0)
-    eager = nn.Sequential(nn.MultiheadAttention(dim, heads, batch_first=True, dropout=dropout))
+    eager = nn.Sequential(nn.MultiheadAttention(dim, heads, batch_first=True, dropout=dropout, bias=bias))
     swapped = copy.deepcopy(eager)
     report = gk.swap(swapped)
     assert report.replaced == [("0", "MultiheadAttention", "gem_kernels.nn.MultiheadAttention")]
@@ -264,16 +264,16 @@ def _causal(length, kind):
 
 
 @pytest.mark.parametrize("masks", ["padding", "padding-float", "causal-bool", "causal-float", "causal-hint",
-                                   "padding+causal", "none"])
+                                   "padding+causal", "none", "padding+causal-no-bias"])
 def test_mha_fused_matches_eager(masks):
-    eager, swapped, report = _mha_pair()
+    eager, swapped, report = _mha_pair(bias="no-bias" not in masks)
     x, pad = _padded_batch([7, 3, 0, 5] if "padding" in masks else [7, 7, 7, 7])
     kw = dict(need_weights=False)
     if masks.startswith("padding"):
         kw["key_padding_mask"] = pad if masks != "padding-float" else torch.zeros(pad.shape).masked_fill(
             pad, float("-inf"))
     if "causal" in masks:
-        kw["attn_mask"] = _causal(7, "bool" if masks == "causal-bool" else "float")
+        kw["attn_mask"] = _causal(7, "bool" if masks.startswith("causal-bool") else "float")
         kw["is_causal"] = masks == "causal-hint"
     valid = (~pad).unsqueeze(-1).float()
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()

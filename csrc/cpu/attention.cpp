@@ -7,7 +7,11 @@
 // kBlockM x kBlockN score tile. A tile whose (i, j) ids make every pair invisible is skipped
 // before any arithmetic; one whose pairs are all visible skips the per-element mask. The two tile
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
-// that libtorch links (MKL on x86), the elementwise softmax/SiLU in auto-vectorised loops.
+// that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
+// backward) run on AVX2 (8 lanes, fast_exp8) where the build targets it, the SiLU rows in
+// auto-vectorised loops. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
+// so the masked half of a diagonal tile costs no exp.
 // The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
 // dk/dv of a key tile live in a per-thread accumulator, dq rows (owned by the item) are
 // accumulated in place, bias gradients go to per-item partial buffers that are reduced in a fixed
@@ -28,6 +32,17 @@
 #include <limits>
 #include <numeric>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// setup.py builds for x86-64-v3 (AVX2 + FMA) by default. A build for another target
+// (GEM_KERNELS_CPU_ARCH, aarch64) takes the scalar loops. No runtime dispatch: the whole extension
+// (at::vec, auto-vectorised loops) is compiled for the same -march, so a CPU without AVX2 could not
+// run it anyway.
+#define GK_ATTENTION_AVX2 1
+#else
+#define GK_ATTENTION_AVX2 0
+#endif
 
 #include "gem_kernels/attention.h"
 #include "gem_kernels/checks.h"
@@ -89,6 +104,111 @@ inline float fast_exp(float x) {
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
 inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
 
+#if GK_ATTENTION_AVX2
+// fast_exp on 8 lanes: the same range reduction and polynomial (with FMA), the same edge values.
+inline __m256 fast_exp8(__m256 x) {
+  const __m256 in = x;
+  // max/min return their second operand for a NaN lane: it is clamped like any value here and
+  // restored by the last select.
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                       _mm256_cmp_ps(in, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(in, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
+  return _mm256_blendv_ps(y, in, _mm256_cmp_ps(in, in, _CMP_UNORD_Q));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+#endif
+
+// max_keep_nan folded over x[0, n): NaN when any element is NaN, else the max (-inf when n = 0).
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  if (n >= 8) {
+    __m256 vmax = _mm256_set1_ps(m), vnan = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) {
+      const __m256 v = _mm256_loadu_ps(x + c);
+      vmax = _mm256_max_ps(vmax, v);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(vnan) != 0) return std::numeric_limits<float>::quiet_NaN();
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    m = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; c < n; ++c) m = max_keep_nan(m, x[c]);
+  return m;
+}
+
+// x[c] <- exp(x[c] - m), exactly 0 where x[c] is -inf (a masked score, even when m is +inf or
+// NaN); returns the sum of the new x[0, n).
+inline float exp_shifted_sum(float* x, int64_t n, float m) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float sum = 0.0f;
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  if (n >= 8) {
+    const __m256 vm = _mm256_set1_ps(m), vneg_inf = _mm256_set1_ps(neg_inf);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) {
+      const __m256 v = _mm256_loadu_ps(x + c);
+      const __m256 e = _mm256_blendv_ps(fast_exp8(_mm256_sub_ps(v, vm)), _mm256_setzero_ps(),
+                                        _mm256_cmp_ps(v, vneg_inf, _CMP_EQ_OQ));
+      _mm256_storeu_ps(x + c, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum8(vsum);
+  }
+#endif
+  for (; c < n; ++c) {
+    const float e = x[c] == neg_inf ? 0.0f : fast_exp(x[c] - m);
+    x[c] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+// The softmax backward of one row: p[c] <- exp(s[c] - lse), ds[c] <- p[c] * (ds[c] - delta) (ds
+// holds dP on entry). lse = +inf gives p = 0 (the caller's stand-in for a row with nothing visible).
+inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, float lse, float delta) {
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  const __m256 vl = _mm256_set1_ps(lse), vd = _mm256_set1_ps(delta);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 pv = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vl));
+    _mm256_storeu_ps(p + c, pv);
+    _mm256_storeu_ps(ds + c, _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_loadu_ps(ds + c), vd)));
+  }
+#endif
+  for (; c < n; ++c) {
+    const float pv = fast_exp(s[c] - lse);
+    p[c] = pv;
+    ds[c] = pv * (ds[c] - delta);
+  }
+}
+
 // out[r, :] += alpha * sum over visible c of w[r, c] * x[c, :] (w, vis: kBlockN-pitched tiles). The
 // masked products' slow path, taken for mixed tiles whose x rows hold an Inf or NaN: a BLAS product
 // of the zeroed weights would add 0 * inf = NaN from keys the row cannot see.
@@ -148,11 +268,17 @@ struct Params {
 struct SeqMask {
   std::vector<int64_t> ids;
   int64_t max_id = 0;
+  int64_t len = 0;
+  // No contextual prefix and no targets: ids are the positions, and query i sees exactly the keys
+  // of window(i) (see there).
+  bool banded = false;
   const Params* p = nullptr;
 
   void init(const Params& params, int64_t L, int64_t num_targets) {
     p = &params;
+    len = L;
     const int64_t c = params.contextual_len;
+    banded = c == 0 && num_targets == 0;
     max_id = L - num_targets + (c > 0 ? 1 - c : 0);
     ids.resize(L);
     for (int64_t pos = 0; pos < L; ++pos) {
@@ -170,6 +296,15 @@ struct SeqMask {
     if (!p->causal) d = d < 0 ? -d : d;
     if (d > 0 && (p->max_attn_len == 0 || d <= p->max_attn_len)) return true;
     return p->contextual_len > 0 && a == 0 && b < max_id;
+  }
+
+  // The keys [lo, hi) that query i sees under a banded mask: ids are positions (max_id = L never
+  // binds), so visible() reads j == i or 0 < d <= max_attn_len (or any d > 0 when it is 0), with
+  // d = i - j, or |i - j| when not causal.
+  void window(int64_t i, int64_t& lo, int64_t& hi) const {
+    const int64_t mal = p->max_attn_len;
+    lo = mal > 0 ? std::max<int64_t>(i - mal, 0) : 0;
+    hi = p->causal ? i + 1 : (mal > 0 ? std::min(i + mal + 1, len) : len);
   }
 
   // 0: no pair of the tile is visible; 2: every pair is; 1: mixed (ask visible()). From the id
@@ -198,6 +333,22 @@ struct SeqMask {
     return (diag || distance || context) ? 1 : 0;
   }
 };
+
+// The columns [begin, end) of one row of a tile outside which no pair is visible, and whether the
+// pairs within still need their vis flag asked (a mixed tile of a non-banded mask).
+struct RowSpan {
+  int64_t begin, end;
+  bool ask;
+};
+
+RowSpan row_span(const SeqMask& mask, int tile_kind, int64_t i, int64_t j0, int64_t bn) {
+  if (tile_kind == 2) return {0, bn, false};
+  if (!mask.banded) return {0, bn, true};
+  int64_t lo, hi;
+  mask.window(i, lo, hi);
+  lo = std::clamp<int64_t>(lo - j0, 0, bn);
+  return {lo, std::clamp<int64_t>(hi - j0, lo, bn), false};
+}
 
 inline int32_t time_bucket(const Params& p, int64_t dt) {
   const int64_t x = dt < 0 ? -dt : dt;
@@ -253,7 +404,14 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
     }
     if (tile_kind == 1) {
       uint8_t* vis = ws.vis.data() + r * kBlockN;
-      for (int64_t c = 0; c < bn; ++c) vis[c] = mask.visible(i0 + r, j0 + c) ? 1 : 0;
+      const RowSpan span = row_span(mask, tile_kind, i0 + r, j0, bn);
+      if (span.ask) {
+        for (int64_t c = 0; c < bn; ++c) vis[c] = mask.visible(i0 + r, j0 + c) ? 1 : 0;
+      } else {  // the masked products' slow path still reads vis
+        std::fill(vis, vis + span.begin, uint8_t{0});
+        std::fill(vis + span.begin, vis + span.end, uint8_t{1});
+        std::fill(vis + span.end, vis + bn, uint8_t{0});
+      }
     }
   }
 }
@@ -364,51 +522,90 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
 }
 
+// What the forward and the backward both start from: q, k, v and the biases as contiguous fp32,
+// the timestamps as int64, the parameters, and the sequences (checked against N and max_seq_len).
+// Params points into these tensors, so it lives beside them.
+struct Prepared {
+  at::Tensor q, k, v, pos_bias, time_bias, timestamps, query_timestamps;
+  Params p;
+  std::vector<SeqInfo> seqs;
+  int64_t N = 0;
+};
+
+Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                 const at::Tensor& seq_offsets, int64_t max_seq_len, c10::string_view kind, bool causal,
+                 double scale, const c10::optional<at::Tensor>& num_targets, int64_t contextual_len,
+                 int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+                 const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+                 const c10::optional<at::Tensor>& query_timestamps_in) {
+  check_qkv(q_in, k_in, v_in, seq_offsets);
+  Prepared in;
+  in.q = q_in.to(at::kFloat).contiguous();
+  in.k = k_in.to(at::kFloat).contiguous();
+  in.v = v_in.to(at::kFloat).contiguous();
+  in.pos_bias = as_float(pos_bias_in);
+  in.time_bias = as_float(time_bias_in);
+  in.timestamps = as_long(timestamps_in);
+  in.query_timestamps = as_long(query_timestamps_in);
+  in.p = make_params(in.q, in.v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, in.pos_bias,
+                     in.time_bias, in.timestamps, in.query_timestamps);
+  in.seqs = sequences(seq_offsets, num_targets);
+  in.N = in.q.size(0);
+  for (const auto& s : in.seqs) {
+    TORCH_CHECK(s.start + s.len <= in.N, "seq_offsets out of range");
+    TORCH_CHECK(s.len <= max_seq_len, "a sequence is longer than max_seq_len");
+  }
+  return in;
+}
+
+// One work item: head h of one sequence (rows [start, start + L)); q0, k0, v0 point at the item's
+// first row (row strides H * D and H * Dv).
+struct Item {
+  int64_t h, start, L;
+  const float *q0, *k0, *v0;
+};
+
+// Fills `it` and the workspace's mask for item b * H + h; false when the sequence is empty.
+bool begin_item(const Prepared& in, int64_t item, Workspace& ws, Item& it) {
+  const Params& p = in.p;
+  const SeqInfo& seq = in.seqs[item / p.H];
+  if (seq.len == 0) return false;
+  it.h = item % p.H;
+  it.start = seq.start;
+  it.L = seq.len;
+  it.q0 = in.q.const_data_ptr<float>() + (seq.start * p.H + it.h) * p.D;
+  it.k0 = in.k.const_data_ptr<float>() + (seq.start * p.H + it.h) * p.D;
+  it.v0 = in.v.const_data_ptr<float>() + (seq.start * p.H + it.h) * p.Dv;
+  ws.mask.init(p, seq.len, seq.targets);
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& seq_offsets,
     int64_t max_seq_len, c10::string_view kind, bool causal, double scale, const c10::optional<at::Tensor>& num_targets,
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in) {
-  check_qkv(q_in, k_in, v_in, seq_offsets);
-  const auto q = q_in.to(at::kFloat).contiguous();
-  const auto k = k_in.to(at::kFloat).contiguous();
-  const auto v = v_in.to(at::kFloat).contiguous();
-  const auto pos_bias = as_float(pos_bias_in);
-  const auto time_bias = as_float(time_bias_in);
-  const auto timestamps = as_long(timestamps_in);
-  const auto query_timestamps = as_long(query_timestamps_in);
-  const Params p = make_params(q, v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, pos_bias,
-                               time_bias, timestamps, query_timestamps);
-  const auto seqs = sequences(seq_offsets, num_targets);
-  const int64_t N = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
-  for (const auto& s : seqs) {
-    TORCH_CHECK(s.start + s.len <= N, "seq_offsets out of range");
-    TORCH_CHECK(s.len <= max_seq_len, "a sequence is longer than max_seq_len");
-  }
-  auto out = at::empty({N, H, Dv}, q.options());
-  auto lse = p.softmax ? at::empty({N, H}, q.options()) : at::empty({0}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const Prepared in = prepare(q_in, k_in, v_in, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+                              contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
+                              query_timestamps_in);
+  const Params& p = in.p;
+  const int64_t N = in.N, H = p.H, D = p.D, Dv = p.Dv;
+  auto out = at::empty({N, H, Dv}, in.q.options());
+  auto lse = p.softmax ? at::empty({N, H}, in.q.options()) : at::empty({0}, in.q.options());
   float* op = out.data_ptr<float>();
   float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
-    const int64_t b = item / H, h = item % H;
-    const SeqInfo& seq = seqs[b];
-    const int64_t L = seq.len;
-    if (L == 0) return;
-    ws.mask.init(p, L, seq.targets);
-    const float* q0 = qp + (seq.start * H + h) * D;
-    const float* k0 = kp + (seq.start * H + h) * D;
-    const float* v0 = vp + (seq.start * H + h) * Dv;
+  for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
+    Item it;
+    if (!begin_item(in, item, ws, it)) return;
+    const int64_t L = it.L, h = it.h;
     float* s = ws.s.data();
     float* acc = ws.acc.data();
     static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
-    nonfinite_tiles(v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
+    nonfinite_tiles(it.v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
     for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
       const int64_t bm = std::min(kBlockM, L - i0);
       std::fill(acc, acc + bm * Dv, 0.0f);
@@ -418,25 +615,22 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
         const int64_t bn = std::min(kBlockN, L - j0);
         const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
         if (tile_kind == 0) continue;
-        mm(false, true, bm, bn, D, 1.0f, q0 + i0 * H * D, H * D, k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
-        scores_tile(p, ws.mask, ws, seq.start, h, i0, bm, j0, bn, tile_kind);
+        mm(false, true, bm, bn, D, 1.0f, it.q0 + i0 * H * D, H * D, it.k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
+        scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
         for (int64_t r = 0; r < bm; ++r) {
           float* row = s + r * kBlockN;
           const uint8_t* vis = ws.vis.data() + r * kBlockN;
+          const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
+          // Outside the span the weights are 0 (the P V product takes the whole tile).
+          std::fill(row, row + span.begin, 0.0f);
+          std::fill(row + span.end, row + bn, 0.0f);
           if (p.softmax) {
-            if (tile_kind == 1)
-              for (int64_t c = 0; c < bn; ++c) row[c] = vis[c] ? row[c] : neg_inf;
-            float tile_max = neg_inf;
-            for (int64_t c = 0; c < bn; ++c) tile_max = max_keep_nan(tile_max, row[c]);
-            const float new_max = max_keep_nan(ws.row_max[r], tile_max);
+            if (span.ask)
+              for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : neg_inf;
+            const float new_max = max_keep_nan(ws.row_max[r], row_max(row + span.begin, span.end - span.begin));
             if (new_max == neg_inf) continue;  // nothing visible in this row yet
             const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
-            float sum = 0.0f;
-            for (int64_t c = 0; c < bn; ++c) {
-              const float e = row[c] == neg_inf ? 0.0f : fast_exp(row[c] - new_max);
-              row[c] = e;
-              sum += e;
-            }
+            const float sum = exp_shifted_sum(row + span.begin, span.end - span.begin, new_max);
             ws.row_sum[r] = ws.row_sum[r] * alpha + sum;
             ws.row_max[r] = new_max;
             if (alpha != 1.0f) {
@@ -444,10 +638,10 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
               for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
             }
           } else {
-            for (int64_t c = 0; c < bn; ++c) {
+            for (int64_t c = span.begin; c < span.end; ++c) {
               const float x = row[c];
               const float w = x / (1.0f + fast_exp(-x)) * inv_m;
-              row[c] = (tile_kind == 2 || vis[c]) ? w : 0.0f;
+              row[c] = (!span.ask || vis[c]) ? w : 0.0f;
             }
           }
         }
@@ -458,19 +652,19 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
               std::fill(s + r * kBlockN, s + r * kBlockN + bn, 0.0f);
         }
         if (tile_kind == 1 && ws.bad_v[j0 / kBlockN])
-          masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), v0 + j0 * H * Dv, H * Dv, acc, Dv);
+          masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), it.v0 + j0 * H * Dv, H * Dv, acc, Dv);
         else
-          mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
+          mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, it.v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
       }
       for (int64_t r = 0; r < bm; ++r) {
-        float* dst = op + ((seq.start + i0 + r) * H + h) * Dv;
+        float* dst = op + ((it.start + i0 + r) * H + h) * Dv;
         const float* a = acc + r * Dv;
         if (p.softmax) {
           // l == 0: every visible score is -inf (or none is visible): out 0, lse -inf. A NaN l stays NaN.
           const float l = ws.row_sum[r];
           const float inv = l == 0.0f ? 0.0f : 1.0f / l;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
-          lp[(seq.start + i0 + r) * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
+          lp[(it.start + i0 + r) * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
         } else {
           std::copy(a, a + Dv, dst);
         }
@@ -488,34 +682,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in, bool deterministic) {
   (void)deterministic;  // always: no atomics, fixed reduction order
-  check_qkv(q_in, k_in, v_in, seq_offsets);
-  const auto q = q_in.to(at::kFloat).contiguous();
-  const auto k = k_in.to(at::kFloat).contiguous();
-  const auto v = v_in.to(at::kFloat).contiguous();
+  const Prepared in = prepare(q_in, k_in, v_in, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+                              contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
+                              query_timestamps_in);
+  const Params& p = in.p;
+  const auto& seqs = in.seqs;
+  const int64_t N = in.N, H = p.H, D = p.D, Dv = p.Dv;
   const auto dout = grad_out_in.to(at::kFloat).contiguous();
-  const auto pos_bias = as_float(pos_bias_in);
-  const auto time_bias = as_float(time_bias_in);
-  const auto timestamps = as_long(timestamps_in);
-  const auto query_timestamps = as_long(query_timestamps_in);
-  const Params p = make_params(q, v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, pos_bias,
-                               time_bias, timestamps, query_timestamps);
-  const auto seqs = sequences(seq_offsets, num_targets);
-  const int64_t N = q.size(0), H = p.H, D = p.D, Dv = p.Dv;
-  TORCH_CHECK(dout.sizes() == v.sizes(), "grad_out must be [N, H, Dv]");
-  for (const auto& s : seqs) {
-    TORCH_CHECK(s.start + s.len <= N, "seq_offsets out of range");
-    TORCH_CHECK(s.len <= max_seq_len, "a sequence is longer than max_seq_len");
-  }
+  TORCH_CHECK(dout.sizes() == in.v.sizes(), "grad_out must be [N, H, Dv]");
   at::Tensor out, lse;
   if (p.softmax) {
     out = out_in.to(at::kFloat).contiguous();
     lse = lse_in.contiguous();
-    TORCH_CHECK(out.sizes() == v.sizes() && lse.numel() == N * H && lse.scalar_type() == at::kFloat,
+    TORCH_CHECK(out.sizes() == in.v.sizes() && lse.numel() == N * H && lse.scalar_type() == at::kFloat,
                 "softmax backward needs out [N, H, Dv] and fp32 lse [N, H]");
   }
-  auto dq = at::zeros({N, H, D}, q.options());
-  auto dk = at::empty({N, H, D}, q.options());
-  auto dv = at::empty({N, H, Dv}, q.options());
+  const auto options = in.q.options();
+  auto dq = at::zeros({N, H, D}, options);
+  auto dk = at::empty({N, H, D}, options);
+  auto dv = at::empty({N, H, Dv}, options);
   // Per-item bias-gradient partials: item (b, h) covers relative positions [-(L-1), L-1] of pos_bias
   // (2L-1 slots) and all time buckets.
   const int64_t num_items = static_cast<int64_t>(seqs.size()) * H;
@@ -526,9 +711,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   const int64_t time_width = p.time_bias ? p.num_buckets + 1 : 0;
   std::vector<float> time_part(num_items * time_width, 0.0f);
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   const float* dop = dout.data_ptr<float>();
   const float* outp = p.softmax ? out.data_ptr<float>() : nullptr;
   const float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
@@ -538,20 +720,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
 
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
-    const int64_t b = item / H, h = item % H;
-    const SeqInfo& seq = seqs[b];
-    const int64_t L = seq.len;
-    if (L == 0) return;
-    ws.mask.init(p, L, seq.targets);
+    Item it;
+    if (!begin_item(in, item, ws, it)) return;
+    const int64_t L = it.L, h = it.h;
     const int64_t qs = H * D, vs = H * Dv;  // row strides
-    const float* q0 = qp + (seq.start * H + h) * D;
-    const float* k0 = kp + (seq.start * H + h) * D;
-    const float* v0 = vp + (seq.start * H + h) * Dv;
-    const float* do0 = dop + (seq.start * H + h) * Dv;
-    float* dq0 = dqp + (seq.start * H + h) * D;
+    const float *q0 = it.q0, *k0 = it.k0, *v0 = it.v0;
+    const float* do0 = dop + (it.start * H + h) * Dv;
+    float* dq0 = dqp + (it.start * H + h) * D;
     if (p.softmax) {
       ws.delta.resize(L);
-      const float* o0 = outp + (seq.start * H + h) * Dv;
+      const float* o0 = outp + (it.start * H + h) * Dv;
       for (int64_t i = 0; i < L; ++i) {
         float acc = 0.0f;
         for (int64_t d = 0; d < Dv; ++d) acc += do0[i * vs + d] * o0[i * vs + d];
@@ -577,28 +755,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
         const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
         if (tile_kind == 0) continue;
         mm(false, true, bm, bn, D, 1.0f, q0 + i0 * qs, qs, k0 + j0 * qs, qs, 0.0f, s, kBlockN);
-        scores_tile(p, ws.mask, ws, seq.start, h, i0, bm, j0, bn, tile_kind);
+        scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
         mm(false, true, bm, bn, Dv, 1.0f, do0 + i0 * vs, vs, v0 + j0 * vs, vs, 0.0f, dpt, kBlockN);
         for (int64_t r = 0; r < bm; ++r) {
           const float* row = s + r * kBlockN;
           const uint8_t* vis = ws.vis.data() + r * kBlockN;
           float* prow = pr + r * kBlockN;
           float* drow = dpt + r * kBlockN;  // dP in, dS out
+          const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
+          const int64_t c0 = span.begin, c1 = span.end;
+          // Outside the span P and dS are 0, selected: dP of an invisible pair may be inf or NaN (v = inf).
+          std::fill(prow, prow + c0, 0.0f);
+          std::fill(prow + c1, prow + bn, 0.0f);
+          std::fill(drow, drow + c0, 0.0f);
+          std::fill(drow + c1, drow + bn, 0.0f);
           if (p.softmax) {
             // lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
-            const float l0 = lp[(seq.start + i0 + r) * H + h];
+            const float l0 = lp[(it.start + i0 + r) * H + h];
             const float l = l0 == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l0;
-            const float dl = ws.delta[i0 + r];
-            for (int64_t c = 0; c < bn; ++c) {
-              const bool on = tile_kind == 2 || vis[c];
-              // Selected, not multiplied: dP of an invisible pair may be inf or NaN (v = inf).
-              const float pv = on ? fast_exp(row[c] - l) : 0.0f;
-              prow[c] = pv;
-              drow[c] = on ? pv * (drow[c] - dl) : 0.0f;
-            }
+            softmax_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, l, ws.delta[i0 + r]);
+            if (span.ask)
+              for (int64_t c = c0; c < c1; ++c) {
+                prow[c] = vis[c] ? prow[c] : 0.0f;
+                drow[c] = vis[c] ? drow[c] : 0.0f;
+              }
           } else {
-            for (int64_t c = 0; c < bn; ++c) {
-              const bool on = tile_kind == 2 || vis[c];
+            for (int64_t c = c0; c < c1; ++c) {
+              const bool on = !span.ask || vis[c];
               const float x = row[c];
               const float sig = 1.0f / (1.0f + fast_exp(-x));
               prow[c] = on ? x * sig * inv_m : 0.0f;
@@ -608,11 +791,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
           if (pos_part_item != nullptr) {
             // j - i + L - 1 in [0, 2L-2] within the item's slots.
             float* dst = pos_part_item + (j0 - (i0 + r) + L - 1);
-            for (int64_t c = 0; c < bn; ++c) dst[c] += drow[c];
+            for (int64_t c = c0; c < c1; ++c) dst[c] += drow[c];
           }
           if (time_part_item != nullptr) {
             const int32_t* buckets = ws.bucket.data() + r * kBlockN;
-            for (int64_t c = 0; c < bn; ++c) time_part_item[buckets[c]] += drow[c];
+            for (int64_t c = c0; c < c1; ++c) time_part_item[buckets[c]] += drow[c];
           }
         }
         // Mixed tiles whose other operand holds an Inf or NaN take the masked path (see masked_mm).
@@ -632,16 +815,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
           mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * qs, qs, 1.0f, dq0 + i0 * qs, qs);
       }
       for (int64_t c = 0; c < bn; ++c) {
-        std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dkp + ((seq.start + j0 + c) * H + h) * D);
-        std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dvp + ((seq.start + j0 + c) * H + h) * Dv);
+        std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dkp + ((it.start + j0 + c) * H + h) * D);
+        std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dvp + ((it.start + j0 + c) * H + h) * Dv);
       }
     }
   });
 
   // Fixed-order reduction of the bias partials (item order b * H + h).
-  at::Tensor dpos = at::empty({0}, q.options());
+  at::Tensor dpos = at::empty({0}, options);
   if (p.pos_bias != nullptr) {
-    dpos = at::zeros({p.pos_heads, 2 * p.M - 1}, q.options());
+    dpos = at::zeros({p.pos_heads, 2 * p.M - 1}, options);
     float* dst = dpos.data_ptr<float>();
     for (int64_t it = 0; it < num_items; ++it) {
       const int64_t L = seqs[it / H].len;
@@ -652,9 +835,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     }
     dpos = dpos.to(pos_bias_in->scalar_type());
   }
-  at::Tensor dtime = at::empty({0}, q.options());
+  at::Tensor dtime = at::empty({0}, options);
   if (p.time_bias != nullptr) {
-    dtime = at::zeros({p.time_heads, time_width}, q.options());
+    dtime = at::zeros({p.time_heads, time_width}, options);
     float* dst = dtime.data_ptr<float>();
     for (int64_t it = 0; it < num_items; ++it) {
       float* row = dst + (p.time_heads == 1 ? 0 : it % H) * time_width;
@@ -668,6 +851,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
 }
 
 }  // namespace
+
+bool attention_avx2() { return GK_ATTENTION_AVX2 != 0; }
+
+at::Tensor attention_fast_exp(const at::Tensor& x_in, bool vectorized) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
+  const auto x = x_in.contiguous();
+  auto y = at::empty_like(x);
+  const float* src = x.const_data_ptr<float>();
+  float* dst = y.data_ptr<float>();
+  const int64_t n = x.numel();
+  int64_t i = 0;
+#if GK_ATTENTION_AVX2
+  if (vectorized)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fast_exp8(_mm256_loadu_ps(src + i)));
+#else
+  (void)vectorized;
+#endif
+  for (; i < n; ++i) dst[i] = fast_exp(src[i]);
+  return y;
+}
 
 TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
   m.impl("jagged_attention_fwd_native", &jagged_attention_fwd_cpu);
