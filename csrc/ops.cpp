@@ -61,6 +61,10 @@ namespace gem_kernels {
 // `vectorized` and AVX2, else the scalar one), for the tests of its accuracy.
 bool attention_avx2();
 at::Tensor attention_fast_exp(const at::Tensor& x, bool vectorized);
+// cpu/cpu_stream.cpp: whether large outputs take streaming stores (measured once), and the override
+// the tests use to run both paths; returns the previous mode (-1 = not decided yet).
+bool streaming_stores_pay_off();
+int64_t set_streaming_stores(int64_t mode);
 }  // namespace gem_kernels
 
 namespace {
@@ -81,4 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_avx2", &gem_kernels::attention_avx2, "whether the CPU attention rows run on AVX2");
   m.def("attention_fast_exp", &gem_kernels::attention_fast_exp, "the CPU attention kernel's exp (for tests)",
         pybind11::arg("x"), pybind11::arg("vectorized"));
+  m.def("streaming_stores", &gem_kernels::streaming_stores_pay_off,
+        "whether CPU kernels write outputs over 32 MiB with streaming stores (measured on first use, "
+        "or GEM_KERNELS_STREAMING_STORES=0/1)");
+  m.def("set_streaming_stores", &gem_kernels::set_streaming_stores,
+        "force the CPU store kind: 0 normal, 1 streaming, -1 measure again; returns the previous mode",
+        pybind11::arg("mode"));
 }

@@ -314,13 +314,49 @@ def test_torch_compile_inductor_data_dependent_size():
     torch.testing.assert_close(compiled(padded, offsets), fn(padded, offsets))
 
 
-@cpu_kernel_only
-@pytest.mark.parametrize("dtype,dim", [(torch.float32, 256), (torch.float16, 259), (torch.bfloat16, 513)])
-def test_cpu_large_outputs_use_streaming_path(dtype, dim):
-    """Outputs over 32 MiB take the streaming-store + huge-page path of the C++ kernels; odd dims
-    put every row at a different 32-byte phase."""
+@pytest.fixture
+def store_kind(request):
+    """Force the C++ kernels' store kind for outputs over 32 MiB (0 normal, 1 streaming), restored after."""
+    from gem_kernels import _backend
+
     if "cpu" not in gk.available_backends():
         pytest.skip("cpu backend unavailable here")
+    previous = _backend._C.set_streaming_stores(request.param)
+    yield request.param
+    _backend._C.set_streaming_stores(previous)
+
+
+@cpu_kernel_only
+def test_cpu_store_kind_is_measured_once_or_taken_from_the_environment(monkeypatch):
+    from gem_kernels import _backend
+
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    C = _backend._C
+    previous = C.set_streaming_stores(-1)
+    try:
+        for value, want in (("1", True), ("0", False)):
+            monkeypatch.setenv("GEM_KERNELS_STREAMING_STORES", value)
+            C.set_streaming_stores(-1)
+            assert C.streaming_stores() is want
+        monkeypatch.setenv("GEM_KERNELS_STREAMING_STORES", "1")
+        assert C.streaming_stores() is False  # decided once: the environment is read only before that
+        monkeypatch.delenv("GEM_KERNELS_STREAMING_STORES")
+        C.set_streaming_stores(-1)
+        assert C.streaming_stores() in (True, False)  # measured on this machine
+        with pytest.raises(RuntimeError, match="mode must be"):
+            C.set_streaming_stores(2)
+    finally:
+        C.set_streaming_stores(previous)
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("store_kind", [0, 1], ids=["normal_stores", "streaming_stores"], indirect=True)
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 256), (torch.float16, 259), (torch.bfloat16, 513)])
+def test_cpu_large_outputs_use_streaming_path(dtype, dim, store_kind):
+    """Outputs over 32 MiB take the huge-page path of the C++ kernels, with streaming or normal
+    stores (the machine decides; both are run here); odd dims put every row at a different 32-byte
+    phase."""
     elem = torch.empty((), dtype=dtype).element_size()
     max_len = (32 << 20) // (80 * dim * elem) + 1
     lengths = torch.randint(0, max_len + max_len // 5, (80,), generator=torch.Generator().manual_seed(1))

@@ -19,7 +19,17 @@ namespace gem_kernels {
 // Above this output size the cache cannot hold the result for the next op anyway.
 constexpr size_t kStreamingStoreMinBytes = size_t(32) << 20;
 
-inline bool use_streaming_stores(size_t output_bytes) { return output_bytes >= kStreamingStoreMinBytes; }
+// Whether streaming stores beat normal ones on this machine for a large freshly allocated output
+// (cpu/cpu_stream.cpp). It depends on the machine: a fresh page is zeroed by the OS at its first
+// touch, and where that leaves the page in cache, normal stores hit it while streaming stores
+// flush it (measured, jagged_to_padded at 537 MB: 52 ms normal vs 86 ms streaming on a 2-core Xeon
+// VM, where a 2-core EPYC VM ran the streaming version faster than aten's normal stores). So it is
+// measured once per process, on first use; GEM_KERNELS_STREAMING_STORES=0/1 decides instead.
+bool streaming_stores_pay_off();
+
+inline bool use_streaming_stores(size_t output_bytes) {
+  return output_bytes >= kStreamingStoreMinBytes && streaming_stores_pay_off();
+}
 
 // Copies `bytes` from src to dst (no overlap). Streams when `stream`, else memcpy.
 inline void copy_bytes(void* dst, const void* src, size_t bytes, bool stream) {
