@@ -11,7 +11,7 @@ each, the ``baseline`` impl the speedup divides by, the ``peak`` kind, optional 
 either a ``reference`` impl every other impl's output must match before it is timed (fwd+bwd impls
 return their gradients too; ``state`` readers add updated tables and optimizer state) or an
 ``unverified="why"`` reason; ``compiled`` names the torch.compile'd impls, primed on every input set
-before timing). Inputs are rotated (``harness.rotate``) so caches do not flatter. A family that
+before timing; ``examples``, the examples one call processes, adds examples/s to the notes). Inputs are rotated (``harness.rotate``) so caches do not flatter. A family that
 cannot run here raises ``harness.SkipFamily(reason)``.
 
 A run measures the machine's peaks once (bench/peaks.py), times every impl of every case
