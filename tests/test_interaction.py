@@ -414,10 +414,15 @@ def test_fm_compress_cpu_streams_large_grad_x(D):
 @cpu_kernel_only
 def test_fm_compress_cpu_batch_sums_accurate():
     """grad_y and the LayerNorm grads sum 2048 samples: within 2x of eager fp32's error against fp64
-    (a running fp32 sum per thread was 20x eager's error on grad_y)."""
+    (a running fp32 sum per thread was 20x eager's error on grad_y). The data comes from the test's
+    own generator: the ratio of two max errors is itself noisy (grad_y's was 0.6-1.9 over 20 seeds,
+    and 2.3 on the global RNG state a new test earlier in the session left), so the test must not
+    depend on which tests ran before it."""
     B, F, D, k = 2048, 27, 64, 16
-    inputs = [randn_nonzero(B, F, D), randn_nonzero(F, k), randn_nonzero(F * k), randn_nonzero(F * k)]
-    g = randn_nonzero(B, F * k)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [randn_nonzero(B, F, D, generator=gen), randn_nonzero(F, k, generator=gen),
+              randn_nonzero(F * k, generator=gen), randn_nonzero(F * k, generator=gen)]
+    g = randn_nonzero(B, F * k, generator=gen)
 
     def run(fn, dtype):
         leaves = [t.to(dtype, copy=True).requires_grad_(True) for t in inputs]
