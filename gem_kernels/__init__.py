@@ -3,7 +3,8 @@
 Every op has four backends (see ``available_backends()``): ``reference`` (plain PyTorch, the
 ground truth), ``cpu`` (C++), ``cuda`` (CUDA C++) and ``triton``. Pick one per call with
 ``backend=``, for a block with ``with use_backend(name):``, or globally with ``use_backend(name)``;
-``auto`` (the default) takes cuda > triton on CUDA tensors and cpu > reference on CPU tensors.
+``auto`` (the default) takes cuda > triton on CUDA tensors (attention: triton > cuda, its tiles use the tensor
+cores) and cpu > reference on CPU tensors; `gem_kernels._backend.FAMILIES` holds each family's order.
 """
 
 from ._backend import (

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
 import torch
+
+from .triton import triton_interpret
 
 BACKENDS = ("reference", "cpu", "cuda", "triton")
 _CHOICES = BACKENDS + ("auto",)
@@ -45,14 +46,7 @@ class BackendUnavailableError(RuntimeError):
     """A backend was asked for by name but cannot run here or on these tensors."""
 
 
-# Read once: Triton decides at @triton.jit definition time, and torch.compile traces constants.
-_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _EXT_WITH_CUDA = _C is not None and bool(_C.with_cuda())
-
-
-def triton_interpret() -> bool:
-    """Whether Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 at import time)."""
-    return _TRITON_INTERPRET
 
 
 def ext_with_cuda() -> bool:
@@ -77,7 +71,7 @@ def unavailable_reason(name: str) -> str | None:
     if name == "triton":
         if _TRITON_ERROR:
             return _TRITON_ERROR
-        if not torch.cuda.is_available() and not _TRITON_INTERPRET:
+        if not torch.cuda.is_available() and not triton_interpret():
             return "no CUDA device for Triton; set TRITON_INTERPRET=1 before importing gem_kernels to run it on the CPU"
         return None
     raise ValueError(f"backend must be one of {_CHOICES}, got {name!r}")
@@ -153,7 +147,7 @@ def resolve_backend(backend: str | None, device: torch.device, family: "str | Fa
         raise BackendUnavailableError(f"backend 'cpu' runs on CPU tensors, got tensors on {device}")
     if name == "cuda" and device.type != "cuda":
         raise BackendUnavailableError(f"backend 'cuda' runs on CUDA tensors, got tensors on {device}")
-    if name == "triton" and device.type != "cuda" and not (device.type == "cpu" and _TRITON_INTERPRET):
+    if name == "triton" and device.type != "cuda" and not (device.type == "cpu" and triton_interpret()):
         raise BackendUnavailableError(
             f"backend 'triton' runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got {device}"
         )

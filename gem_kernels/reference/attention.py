@@ -18,8 +18,8 @@ import math
 
 import torch
 
-# generative-recommenders' log-time bucketing divisor: bucket(dt) = floor(ln(max(|dt|, 1)) / 0.301).
-TIME_BUCKET_DIVISOR = 0.301
+from .._attention import time_buckets  # noqa: F401  (re-exported: tests and bench use ref.time_buckets)
+
 
 
 def position_ids(lengths: torch.Tensor, max_seq_len: int, num_targets: torch.Tensor | None,
@@ -64,12 +64,6 @@ def visibility_mask(lengths: torch.Tensor, max_seq_len: int, *, causal: bool, nu
         valid = valid | ((row == 0) & (col < max_ids.view(-1, 1, 1)))
     in_seq = torch.arange(max_seq_len, device=lengths.device).view(1, -1) < lengths.long().view(-1, 1)
     return valid & in_seq.unsqueeze(2) & in_seq.unsqueeze(1)
-
-
-def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """bucket(dt) = min(num_buckets, floor(ln(max(|dt|, 1)) / 0.301)), computed in fp64."""
-    x = dt.abs().clamp(min=1).double()
-    return (torch.log(x) / TIME_BUCKET_DIVISOR).floor().clamp(max=num_buckets).long()
 
 
 def _pad(x: torch.Tensor, seq_offsets: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpret
-from ..reference.attention import time_buckets
+from .._attention import bucket_thresholds
+from . import triton_interpret
 
 
 # The widest head dim (padded to a power of two) whose smallest tile fits a GPU block's shared memory:
@@ -437,17 +437,6 @@ def _pos_bias_grad_reduce_kernel(Scratch_ptr, pos_base_ptr, offsets_ptr, DPos_pt
     tl.store(DPos_ptr + hp * stride_pb + rel, acc, mask=(rel >= 0) & (rel < 2 * M - 1))
 
 
-def _bucket_thresholds(num_buckets: int, device) -> torch.Tensor:
-    """thr[m-1] = the smallest |dt| with bucket >= m (m = 1..num_buckets), from the reference's own formula."""
-    thresholds = []
-    for m in range(1, num_buckets + 1):
-        guess = min(int(torch.tensor(0.301 * m, dtype=torch.float64).exp()), 2**62)
-        x = torch.arange(max(1, guess - 2), guess + 4, dtype=torch.int64)
-        hits = x[time_buckets(x, num_buckets) >= m]
-        thresholds.append(int(hits[0]) if hits.numel() else 2**62)
-    return torch.tensor(thresholds or [0], dtype=torch.int64, device=device)
-
-
 def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
             time_bias, timestamps, query_timestamps):
     N, H, D = q.shape
@@ -464,7 +453,7 @@ def _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, co
         time_bias_ptr=time_bias.float().contiguous() if time_bias is not None else dummy,
         timestamps_ptr=timestamps_arg,
         query_timestamps_ptr=query_timestamps.long() if query_timestamps is not None else timestamps_arg,
-        thr_ptr=_bucket_thresholds(num_buckets, q.device),
+        thr_ptr=bucket_thresholds(num_buckets, q.device),
         stride_qn=H * D, stride_qh=D, stride_vn=H * Dv, stride_vh=Dv,
         stride_pb=pos_bias.shape[1] if pos_bias is not None else 0,
         stride_tb=time_bias.shape[1] if time_bias is not None else 0,
