@@ -24,18 +24,8 @@ import torch
 
 import gem_kernels as gk
 from gem_kernels import _backend
+from gem_kernels.testing.native import native_cpu_kernels
 from gem_kernels.testing.sync_counter import SyncCounter
-
-
-@contextlib.contextmanager
-def _native(kind: str):
-    """The `cpu` backend's Python paths as for the `kind` ("cpu" or "cuda") native kernels."""
-    previous = _backend._native_cpu_kernels
-    _backend._native_cpu_kernels = kind
-    try:
-        yield
-    finally:
-        _backend._native_cpu_kernels = previous
 
 
 def _op_cases(device: torch.device):
@@ -126,7 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for label, backend, native in paths:
         if backend not in gk.available_backends():
             continue
-        with _native(native) if device.type == "cpu" else contextlib.nullcontext():
+        with native_cpu_kernels(native) if device.type == "cpu" else contextlib.nullcontext():
             for name, fn in _op_cases(device):
                 count, where = _count(lambda: fn(backend), device)
                 rows.append(dict(what=name, path=label, syncs=count, where=where))

@@ -161,6 +161,17 @@ def resolve_backend(backend: str | None, device: torch.device, family: "str | Fa
 _native_cpu_kernels = "cpu"
 
 
+def set_native_cpu_kernels(kind: str) -> str:
+    """Make the native schemas' CPU kernels count as `kind` ("cpu" or "cuda"); returns the previous kind.
+    Only for code that has registered the CUDA kernels on CPU tensors (tests/cuda_emu): use
+    gem_kernels.testing.native_cpu_kernels, which also restores the previous kind."""
+    global _native_cpu_kernels
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"kind must be 'cpu' or 'cuda', got {kind!r}")
+    previous, _native_cpu_kernels = _native_cpu_kernels, kind
+    return previous
+
+
 def native_kernels(backend: str) -> str:
     """Which kernel set a native backend runs: "cpu" or "cuda" ("cuda" for backend "cpu" under the
     CUDA emulation)."""

@@ -45,6 +45,7 @@
 #endif
 
 #include "gem_kernels/attention.h"
+#include "gem_kernels/attention_checks.h"
 #include "gem_kernels/checks.h"
 #include "gem_kernels/parallel.h"
 
@@ -462,7 +463,7 @@ Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len
                    double scale, int64_t contextual_len, int64_t max_attn_len, const at::Tensor& pos_bias,
                    const at::Tensor& time_bias, const at::Tensor& timestamps,
                    const at::Tensor& query_timestamps) {
-  TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
+  attention_checks::biases(pos_bias, time_bias, timestamps, query_timestamps, q.size(1), q.size(0), max_seq_len);
   Params p;
   p.H = q.size(1);
   p.D = q.size(2);
@@ -474,21 +475,15 @@ Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len
   p.contextual_len = contextual_len;
   p.max_attn_len = max_attn_len;
   if (pos_bias.defined()) {
-    TORCH_CHECK(pos_bias.dim() == 2 && pos_bias.size(1) == 2 * max_seq_len - 1, "pos_bias must be [H or 1, 2M-1]");
-    TORCH_CHECK(pos_bias.size(0) == 1 || pos_bias.size(0) == p.H, "pos_bias.size(0) must be 1 or H");
     p.pos_bias = pos_bias.data_ptr<float>();
     p.pos_heads = pos_bias.size(0);
   }
   if (time_bias.defined()) {
-    TORCH_CHECK(time_bias.dim() == 2 && time_bias.size(1) >= 1, "time_bias must be [H or 1, num_buckets+1]");
-    TORCH_CHECK(time_bias.size(0) == 1 || time_bias.size(0) == p.H, "time_bias.size(0) must be 1 or H");
-    TORCH_CHECK(timestamps.defined() && timestamps.numel() == q.size(0), "timestamps must be [N] with time_bias");
     p.time_bias = time_bias.data_ptr<float>();
     p.time_heads = time_bias.size(0);
     p.num_buckets = time_bias.size(1) - 1;
     p.bucket_thr = bucket_thresholds(p.num_buckets);
     p.timestamps = timestamps.data_ptr<int64_t>();
-    TORCH_CHECK(!query_timestamps.defined() || query_timestamps.numel() == q.size(0), "query_timestamps must be [N]");
     p.query_timestamps = query_timestamps.defined() ? query_timestamps.data_ptr<int64_t>() : p.timestamps;
   }
   return p;
@@ -504,22 +499,6 @@ at::Tensor as_long(const c10::optional<at::Tensor>& t) {
   if (!t.has_value() || !t->defined()) return at::Tensor();
   GK_CHECK_CPU((*t));
   return t->to(at::kLong).contiguous();
-}
-
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets) {
-  GK_CHECK_CPU(q);
-  GK_CHECK_CPU(k);
-  GK_CHECK_CPU(v);
-  GK_CHECK_CPU(offsets);
-  GK_CHECK_INDEX(offsets);
-  GK_CHECK_DIM(q, 3);
-  GK_CHECK_DIM(k, 3);
-  GK_CHECK_DIM(v, 3);
-  GK_CHECK_DIM(offsets, 1);
-  TORCH_CHECK(offsets.numel() >= 1, "seq_offsets must have at least one element");
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape");
-  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be [N, H, Dv]");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
 }
 
 // What the forward and the backward both start from: q, k, v and the biases as contiguous fp32,
@@ -538,7 +517,7 @@ Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
                  int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
                  const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
                  const c10::optional<at::Tensor>& query_timestamps_in) {
-  check_qkv(q_in, k_in, v_in, seq_offsets);
+  attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CPU);
   Prepared in;
   in.q = q_in.to(at::kFloat).contiguous();
   in.k = k_in.to(at::kFloat).contiguous();

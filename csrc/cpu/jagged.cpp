@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/jagged_checks.h"
 #include "gem_kernels/cpu_alloc.h"
 #include "gem_kernels/cpu_stream.h"
 
@@ -30,21 +31,9 @@ int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));
 }
 
-void check_jagged_args(const at::Tensor& dense, const at::Tensor& offsets) {
-  GK_CHECK_CPU(dense);
-  GK_CHECK_CPU(offsets);
-  GK_CHECK_CONTIGUOUS(dense);
-  GK_CHECK_CONTIGUOUS(offsets);
-  GK_CHECK_INDEX(offsets);
-  GK_CHECK_DIM(offsets, 1);
-  TORCH_CHECK(offsets.numel() >= 1, "offsets must have at least one element");
-}
-
 at::Tensor jagged_to_padded_cpu(const at::Tensor& values, const at::Tensor& offsets, int64_t max_len,
                                 double pad_value) {
-  check_jagged_args(values, offsets);
-  GK_CHECK_DIM(values, 2);
-  TORCH_CHECK(max_len >= 0, "max_len must be >= 0, got ", max_len);
+  jagged_checks::to_padded(values, offsets, max_len, c10::DeviceType::CPU);
   const int64_t B = offsets.numel() - 1;
   const int64_t N = values.size(0);
   const int64_t D = values.size(1);
@@ -77,11 +66,8 @@ at::Tensor jagged_to_padded_cpu(const at::Tensor& values, const at::Tensor& offs
 }
 
 at::Tensor padded_to_jagged_cpu(const at::Tensor& padded, const at::Tensor& offsets, int64_t total_len) {
-  check_jagged_args(padded, offsets);
-  GK_CHECK_DIM(padded, 3);
+  jagged_checks::to_jagged(padded, offsets, total_len, c10::DeviceType::CPU);
   const int64_t B = offsets.numel() - 1;
-  TORCH_CHECK(padded.size(0) == B, "padded.size(0) must equal offsets.numel() - 1");
-  TORCH_CHECK(total_len >= 0, "total_len must be >= 0, got ", total_len);
   const int64_t max_len = padded.size(1);
   const int64_t D = padded.size(2);
   auto out = empty_for_streaming_write({total_len, D}, padded.options());

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "gem_kernels/attention.h"
+#include "gem_kernels/attention_checks.h"
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cuda_smem.h"
 
@@ -510,21 +511,6 @@ at::Tensor opt_float(const c10::optional<at::Tensor>& t) {
   return t->to(at::kFloat).contiguous();
 }
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_offsets,
-               c10::string_view kind) {
-  GK_CHECK_CUDA(q);
-  GK_CHECK_CUDA(k);
-  GK_CHECK_CUDA(v);
-  GK_CHECK_CUDA(seq_offsets);
-  GK_CHECK_INDEX(seq_offsets);
-  GK_CHECK_DIM(q, 3);
-  GK_CHECK_DIM(v, 3);
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape");
-  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be [N, H, Dv]");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
-  TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
-}
-
 // The kernels' arguments and the device tensors they point into (kept alive by this struct).
 struct Prepared {
   AttnArgs a{};
@@ -548,18 +534,15 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq
     a.targets = p.targets.data_ptr<int64_t>();
   }
   p.pos_bias = opt_float(pos_bias_in);
+  p.time_bias = opt_float(time_bias_in);
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
+  attention_checks::biases(p.pos_bias, p.time_bias, given(timestamps_in), given(query_timestamps_in), q.size(1), N,
+                           max_seq_len);
   if (p.pos_bias.defined()) {
-    TORCH_CHECK(p.pos_bias.dim() == 2 && p.pos_bias.size(1) == 2 * max_seq_len - 1,
-                "pos_bias must be [H or 1, 2*max_seq_len-1]");
-    TORCH_CHECK(p.pos_bias.size(0) == 1 || p.pos_bias.size(0) == q.size(1), "pos_bias.size(0) must be 1 or H");
     a.pos_bias = p.pos_bias.data_ptr<float>();
     a.pos_heads = p.pos_bias.size(0);
   }
-  p.time_bias = opt_float(time_bias_in);
   if (p.time_bias.defined()) {
-    TORCH_CHECK(p.time_bias.dim() == 2 && p.time_bias.size(1) >= 1, "time_bias must be [H or 1, num_buckets+1]");
-    TORCH_CHECK(p.time_bias.size(0) == 1 || p.time_bias.size(0) == q.size(1), "time_bias.size(0) must be 1 or H");
-    TORCH_CHECK(timestamps_in.has_value() && timestamps_in->numel() == N, "timestamps must be [N] with time_bias");
     GK_CHECK_CUDA((*timestamps_in));
     p.timestamps = timestamps_in->to(at::kLong).contiguous();
     a.time_bias = p.time_bias.data_ptr<float>();
@@ -572,7 +555,6 @@ Prepared prepare(const at::Tensor& q, const at::Tensor& v, const at::Tensor& seq
     a.timestamps = p.timestamps.data_ptr<int64_t>();
     a.query_timestamps = a.timestamps;
     if (query_timestamps_in.has_value() && query_timestamps_in->defined()) {
-      TORCH_CHECK(query_timestamps_in->numel() == N, "query_timestamps must be [N]");
       GK_CHECK_CUDA((*query_timestamps_in));
       p.query_timestamps = query_timestamps_in->to(at::kLong).contiguous();
       a.query_timestamps = p.query_timestamps.data_ptr<int64_t>();
@@ -612,7 +594,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in) {
-  check_qkv(q_in, k_in, v_in, seq_offsets, kind);
+  attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const auto q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Dv = v.size(2), B = seq_offsets.numel() - 1;
@@ -648,7 +630,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in, bool deterministic) {
-  check_qkv(q_in, k_in, v_in, seq_offsets, kind);
+  attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CUDA);
   GK_CHECK_CUDA(grad_out_in);
   TORCH_CHECK(grad_out_in.sizes() == v_in.sizes(), "grad_out must be [N, H, Dv]");
   const c10::cuda::CUDAGuard guard(q_in.device());

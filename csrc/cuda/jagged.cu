@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/jagged_checks.h"
 
 namespace gem_kernels {
 namespace {
@@ -89,22 +90,9 @@ bool can_vectorize(const void* a, const void* b, int64_t D) {
   return D % kPerVec == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(b) % 16 == 0;
 }
 
-void check_jagged_args(const at::Tensor& dense, const at::Tensor& offsets) {
-  GK_CHECK_CUDA(dense);
-  GK_CHECK_CUDA(offsets);
-  TORCH_CHECK(dense.device() == offsets.device(), "dense and offsets must be on the same device");
-  GK_CHECK_CONTIGUOUS(dense);
-  GK_CHECK_CONTIGUOUS(offsets);
-  GK_CHECK_INDEX(offsets);
-  GK_CHECK_DIM(offsets, 1);
-  TORCH_CHECK(offsets.numel() >= 1, "offsets must have at least one element");
-}
-
 at::Tensor jagged_to_padded_cuda(const at::Tensor& values, const at::Tensor& offsets, int64_t max_len,
                                  double pad_value) {
-  check_jagged_args(values, offsets);
-  GK_CHECK_DIM(values, 2);
-  TORCH_CHECK(max_len >= 0, "max_len must be >= 0, got ", max_len);
+  jagged_checks::to_padded(values, offsets, max_len, c10::DeviceType::CUDA);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "jagged_to_padded_cuda_pad",
                                   [&] { check_pad_value<scalar_t>(pad_value); });
   const c10::cuda::CUDAGuard guard(values.device());
@@ -131,11 +119,8 @@ at::Tensor jagged_to_padded_cuda(const at::Tensor& values, const at::Tensor& off
 }
 
 at::Tensor padded_to_jagged_cuda(const at::Tensor& padded, const at::Tensor& offsets, int64_t total_len) {
-  check_jagged_args(padded, offsets);
-  GK_CHECK_DIM(padded, 3);
+  jagged_checks::to_jagged(padded, offsets, total_len, c10::DeviceType::CUDA);
   const int64_t B = offsets.numel() - 1;
-  TORCH_CHECK(padded.size(0) == B, "padded.size(0) must equal offsets.numel() - 1");
-  TORCH_CHECK(total_len >= 0, "total_len must be >= 0, got ", total_len);
   const c10::cuda::CUDAGuard guard(padded.device());
   const int64_t max_len = padded.size(1);
   const int64_t D = padded.size(2);

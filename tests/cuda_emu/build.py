@@ -40,6 +40,7 @@ def rewrite(source: str) -> str:
     out = _rewrite_static_smem(out)
     out = out.replace("TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m)", "TORCH_LIBRARY_IMPL(gem_kernels, CPU, m)")
     out = out.replace(".is_cuda()", ".is_cpu()")
+    out = out.replace("c10::DeviceType::CUDA", "c10::DeviceType::CPU")  # shared checks take the device type
     out = re.sub(r"#include <(c10/cuda|ATen/cuda)/[^>]*>", "// (CUDA header: cuda_emu.h stands in)", out)
     if "<<<" in out:
         raise RuntimeError("a kernel launch was not rewritten")
@@ -149,11 +150,11 @@ def load(verbose: bool = False):
         target = build / "src" / (cu.stem + ".cpp")
         _write_if_changed(target, rewrite(cu.read_text()))
         sources.append(str(target))
-    # The headers the same way (checks.h's GK_CHECK_CUDA accepts CPU tensors, cuda_smem.h loses its
+    # The headers the same way (checks.h's GK_CHECK_CUDA and the shared *_checks.h accept CPU tensors, cuda_smem.h loses its
     # CUDA includes); the build finds these copies first.
     for header in (ROOT / "csrc" / "include" / "gem_kernels").glob("*.h"):
         _write_if_changed(build / "include" / "gem_kernels" / header.name, rewrite(header.read_text()))
-    import gem_kernels._backend
+    import gem_kernels.testing.native
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel" for each op
@@ -168,7 +169,7 @@ def load(verbose: bool = False):
             is_python_module=False,
             verbose=verbose,
         )
-    gem_kernels._backend._native_cpu_kernels = "cuda"
+    gem_kernels.testing.native.set_native_cpu_kernels("cuda")
     return library
 
 

@@ -18,6 +18,12 @@
 
 namespace gem_kernels {
 
+// GK_CHECK_CPU / GK_CHECK_CUDA for checks shared by the CPU and CUDA launchers (device as a parameter).
+inline void check_device(const at::Tensor& t, const char* name, c10::DeviceType type) {
+  TORCH_CHECK(t.device().type() == type, name, " must be a ", type == c10::DeviceType::CUDA ? "CUDA" : "CPU",
+              " tensor, got ", t.device());
+}
+
 // A pad value that scalar_t can hold: +-inf, NaN, or a finite value within its range (torch's rule
 // for filling with a Python scalar; the front door's check_pad_value). A cast would turn 1e6 into
 // inf in fp16 without a word.

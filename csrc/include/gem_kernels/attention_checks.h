@@ -1,0 +1,47 @@
+// Argument checks shared by the CPU and CUDA attention launchers (cpu/attention.cpp,
+// cuda/attention.cu), the device type as a parameter. The Python front door
+// (gem_kernels/ops/attention.py) has already checked every argument with a precise message; these
+// keep a direct torch.ops call from reading out of bounds.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "gem_kernels/checks.h"
+
+namespace gem_kernels::attention_checks {
+
+inline void qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seq_offsets,
+                c10::string_view kind, c10::DeviceType type) {
+  check_device(q, "q", type);
+  check_device(k, "k", type);
+  check_device(v, "v", type);
+  check_device(seq_offsets, "seq_offsets", type);
+  GK_CHECK_INDEX(seq_offsets);
+  GK_CHECK_DIM(q, 3);
+  GK_CHECK_DIM(k, 3);
+  GK_CHECK_DIM(v, 3);
+  GK_CHECK_DIM(seq_offsets, 1);
+  TORCH_CHECK(seq_offsets.numel() >= 1, "seq_offsets must have at least one element");
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape");
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be [N, H, Dv]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
+  TORCH_CHECK(kind == "softmax" || kind == "hstu", "kind must be softmax or hstu, got ", kind);
+}
+
+// The optional biases (undefined tensors when absent) against H heads, N rows and max_seq_len.
+inline void biases(const at::Tensor& pos_bias, const at::Tensor& time_bias, const at::Tensor& timestamps,
+                   const at::Tensor& query_timestamps, int64_t H, int64_t N, int64_t max_seq_len) {
+  if (pos_bias.defined()) {
+    TORCH_CHECK(pos_bias.dim() == 2 && pos_bias.size(1) == 2 * max_seq_len - 1,
+                "pos_bias must be [H or 1, 2*max_seq_len-1]");
+    TORCH_CHECK(pos_bias.size(0) == 1 || pos_bias.size(0) == H, "pos_bias.size(0) must be 1 or H");
+  }
+  if (time_bias.defined()) {
+    TORCH_CHECK(time_bias.dim() == 2 && time_bias.size(1) >= 1, "time_bias must be [H or 1, num_buckets+1]");
+    TORCH_CHECK(time_bias.size(0) == 1 || time_bias.size(0) == H, "time_bias.size(0) must be 1 or H");
+    TORCH_CHECK(timestamps.defined() && timestamps.numel() == N, "timestamps must be [N] with time_bias");
+    TORCH_CHECK(!query_timestamps.defined() || query_timestamps.numel() == N, "query_timestamps must be [N]");
+  }
+}
+
+}  // namespace gem_kernels::attention_checks
