@@ -74,14 +74,14 @@ def jagged_attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out, lse
 
 
-def _fake_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
+def _jagged_attention_fwd_fake(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
               pos_bias, time_bias, timestamps, query_timestamps, deterministic=False, backend=None):
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse = q.new_empty((q.shape[0], q.shape[1]) if kind == "softmax" else (0,), dtype=torch.float32)
     return out, lse
 
 
-jagged_attention_fwd_op.register_fake(_fake_fwd)
+jagged_attention_fwd_op.register_fake(_jagged_attention_fwd_fake)
 
 
 @torch.library.custom_op("gem_kernels::jagged_attention_bwd", mutates_args=())
@@ -101,7 +101,7 @@ def jagged_attention_bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Te
         max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, deterministic))
 
 
-def _fake_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+def _jagged_attention_bwd_fake(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
               contextual_len, max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, deterministic,
               backend=None):
     dpos = torch.empty_like(pos_bias) if pos_bias is not None else q.new_empty((0,))
@@ -109,7 +109,7 @@ def _fake_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, kind, causa
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dpos, dtime
 
 
-jagged_attention_bwd_op.register_fake(_fake_bwd)
+jagged_attention_bwd_op.register_fake(_jagged_attention_bwd_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -138,8 +138,8 @@ run_kernels_without_autocast(jagged_attention_fwd_op, jagged_attention_bwd_op)
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
 if hasattr(torch.ops.gem_kernels, "jagged_attention_fwd_native"):
-    torch.library.register_fake("gem_kernels::jagged_attention_fwd_native")(_fake_fwd)
-    torch.library.register_fake("gem_kernels::jagged_attention_bwd_native")(_fake_bwd)
+    torch.library.register_fake("gem_kernels::jagged_attention_fwd_native")(_jagged_attention_fwd_fake)
+    torch.library.register_fake("gem_kernels::jagged_attention_bwd_native")(_jagged_attention_bwd_fake)
 
 
 # ---------------------------------------------------------------------------------------------

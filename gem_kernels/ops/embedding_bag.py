@@ -127,7 +127,7 @@ def _per_sample_weights_backward_fake(grad_output, weights, weights_offsets, D_o
 
 
 @embedding_bag_op.register_fake
-def _(weights, momentum1, momentum2, step, *rest):
+def _embedding_bag_fake(weights, momentum1, momentum2, step, *rest):
     return _forward_fake(weights, *rest)
 
 

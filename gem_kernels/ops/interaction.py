@@ -41,7 +41,7 @@ def dot_interaction_op(x: torch.Tensor, self_interaction: bool, backend: str) ->
 
 
 @dot_interaction_op.register_fake
-def _(x, self_interaction, backend):
+def _dot_interaction_fake(x, self_interaction, backend):
     return x.new_empty((x.shape[0], num_pairs(x.shape[1], self_interaction)))
 
 
@@ -52,7 +52,7 @@ def dot_interaction_backward_op(grad_out: torch.Tensor, x: torch.Tensor, self_in
 
 
 @dot_interaction_backward_op.register_fake
-def _(grad_out, x, self_interaction, backend):
+def _dot_interaction_backward_fake(grad_out, x, self_interaction, backend):
     return torch.empty_like(x)
 
 
@@ -82,7 +82,7 @@ def cross_layer_op(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch
 
 
 @cross_layer_op.register_fake
-def _(x0, xl, u, v, bias, backend):
+def _cross_layer_fake(x0, xl, u, v, bias, backend):
     p = xl.new_empty((xl.shape[0], v.shape[0])) if v.dim() == 2 else xl.new_empty(0)
     return torch.empty_like(xl), torch.empty_like(xl), p
 
@@ -95,7 +95,7 @@ def cross_layer_backward_op(grad_out: torch.Tensor, x0: torch.Tensor, xl: torch.
 
 
 @cross_layer_backward_op.register_fake
-def _(grad_out, x0, xl, u, v, z, p, backend):
+def _cross_layer_backward_fake(grad_out, x0, xl, u, v, z, p, backend):
     return (torch.empty_like(x0), torch.empty_like(xl), torch.empty_like(u), torch.empty_like(v),
             xl.new_empty((xl.shape[1],)))
 
@@ -143,7 +143,7 @@ def fm_compress_op(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln
 
 
 @fm_compress_op.register_fake
-def _(x, y, ln_weight, ln_bias, eps, save_products, backend):
+def _fm_compress_fake(x, y, ln_weight, ln_bias, eps, save_products, backend):
     B = x.shape[0]
     saved = save_products and native_kernels(backend) in SAVES_PRODUCTS
     return (x.new_empty((B, x.shape[1] * y.shape[1])), x.new_empty((B,), dtype=torch.float32),
@@ -158,7 +158,7 @@ def fm_compress_backward_op(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Te
 
 
 @fm_compress_backward_op.register_fake
-def _(grad_out, x, y, ln_weight, mean, rstd, products, backend):
+def _fm_compress_backward_fake(grad_out, x, y, ln_weight, mean, rstd, products, backend):
     return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
 
 
@@ -235,25 +235,25 @@ run_kernels_without_autocast(dot_interaction_op, dot_interaction_backward_op, cr
 if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
 
     @torch.library.register_fake("gem_kernels::dot_interaction_native")
-    def _(x, self_interaction):
+    def _dot_interaction_native_fake(x, self_interaction):
         return x.new_empty((x.shape[0], num_pairs(x.shape[1], self_interaction)))
 
     @torch.library.register_fake("gem_kernels::dot_interaction_backward_native")
-    def _(grad_out, x, self_interaction):
+    def _dot_interaction_backward_native_fake(grad_out, x, self_interaction):
         return torch.empty_like(x)
 
     @torch.library.register_fake("gem_kernels::cross_layer_native")
-    def _(x0, xl, u, v, bias):
+    def _cross_layer_native_fake(x0, xl, u, v, bias):
         p = xl.new_empty((xl.shape[0], v.shape[0])) if v.dim() == 2 else xl.new_empty(0)
         return torch.empty_like(xl), torch.empty_like(xl), p
 
     @torch.library.register_fake("gem_kernels::cross_layer_backward_native")
-    def _(grad_out, x0, xl, u, v, z, p):
+    def _cross_layer_backward_native_fake(grad_out, x0, xl, u, v, z, p):
         return (torch.empty_like(x0), torch.empty_like(xl), torch.empty_like(u), torch.empty_like(v),
                 xl.new_empty((xl.shape[1],)))
 
     @torch.library.register_fake("gem_kernels::fm_compress_native")
-    def _(x, y, ln_weight, ln_bias, eps, save_products):
+    def _fm_compress_native_fake(x, y, ln_weight, ln_bias, eps, save_products):
         B = x.shape[0]
         # The CPU kernel keeps them, the CUDA one does not.
         saved = save_products and native_kernels(x.device.type) in SAVES_PRODUCTS
@@ -261,7 +261,7 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
                 x.new_empty((B,), dtype=torch.float32), x.new_empty(products_shape(x, y, saved), dtype=torch.float32))
 
     @torch.library.register_fake("gem_kernels::fm_compress_backward_native")
-    def _(grad_out, x, y, ln_weight, mean, rstd, products):
+    def _fm_compress_backward_native_fake(grad_out, x, y, ln_weight, mean, rstd, products):
         return torch.empty_like(x), torch.empty_like(y), torch.empty_like(ln_weight), torch.empty_like(ln_weight)
 
     torch.library.register_fake("gem_kernels::feature_mix_norm_native")(_feature_mix_norm_fake)

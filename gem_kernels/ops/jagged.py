@@ -41,7 +41,7 @@ def jagged_to_padded_op(values: torch.Tensor, offsets: torch.Tensor, max_len: in
 
 
 @jagged_to_padded_op.register_fake
-def _(values, offsets, max_len, pad_value, backend):
+def _jagged_to_padded_fake(values, offsets, max_len, pad_value, backend):
     return values.new_empty((offsets.shape[0] - 1, max_len, values.shape[1]))
 
 
@@ -57,7 +57,7 @@ def padded_to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total_len: 
 
 
 @padded_to_jagged_op.register_fake
-def _(padded, offsets, total_len, backend):
+def _padded_to_jagged_fake(padded, offsets, total_len, backend):
     if total_len < 0:
         total_len = torch.library.get_ctx().new_dynamic_size()
     return padded.new_empty((total_len, padded.shape[2]))
@@ -71,7 +71,7 @@ def jagged_to_padded_backward_op(grad_padded: torch.Tensor, offsets: torch.Tenso
 
 
 @jagged_to_padded_backward_op.register_fake
-def _(grad_padded, offsets, total_len, backend):
+def _jagged_to_padded_backward_fake(grad_padded, offsets, total_len, backend):
     return grad_padded.new_empty((total_len, grad_padded.shape[2]))
 
 
@@ -83,7 +83,7 @@ def padded_to_jagged_backward_op(grad_values: torch.Tensor, offsets: torch.Tenso
 
 
 @padded_to_jagged_backward_op.register_fake
-def _(grad_values, offsets, max_len, backend):
+def _padded_to_jagged_backward_fake(grad_values, offsets, max_len, backend):
     return grad_values.new_empty((offsets.shape[0] - 1, max_len, grad_values.shape[1]))
 
 
@@ -121,11 +121,11 @@ padded_to_jagged_backward_op.register_autograd(_grad_values, setup_context=_setu
 if hasattr(torch.ops.gem_kernels, "jagged_to_padded_native"):
 
     @torch.library.register_fake("gem_kernels::jagged_to_padded_native")
-    def _(values, offsets, max_len, pad_value):
+    def _jagged_to_padded_native_fake(values, offsets, max_len, pad_value):
         return values.new_empty((offsets.shape[0] - 1, max_len, values.shape[1]))
 
     @torch.library.register_fake("gem_kernels::padded_to_jagged_native")
-    def _(padded, offsets, total_len):
+    def _padded_to_jagged_native_fake(padded, offsets, total_len):
         return padded.new_empty((total_len, padded.shape[2]))
 
 
