@@ -454,6 +454,7 @@ class EmbeddingBag(PackedTables):
                 raise ValueError(f"offsets must be a 1-D tensor with a 1-D input, got "
                                  f"{None if offsets is None else tuple(offsets.shape)}")
             indices = input
+            user_offsets = offsets
             offsets = offsets.to(indices.dtype)
             if not self.include_last_offset:
                 offsets = torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
@@ -464,9 +465,17 @@ class EmbeddingBag(PackedTables):
             indices = indices[keep]
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights[keep]
-        if self.sparse and self.optimizer is None and torch.is_grad_enabled() and self.weight.requires_grad:
-            return _SparseGradEmbeddingBag.apply(self.weight, indices, offsets, per_sample_weights, self)
-        return self._lookup(self.weight, indices, offsets, per_sample_weights)
+        try:
+            if self.sparse and self.optimizer is None and torch.is_grad_enabled() and self.weight.requires_grad:
+                return _SparseGradEmbeddingBag.apply(self.weight, indices, offsets, per_sample_weights, self)
+            return self._lookup(self.weight, indices, offsets, per_sample_weights)
+        except ValueError:
+            # The op saw the offsets with input's length appended; name what the user passed, as torch does.
+            if input.dim() == 1 and not self.include_last_offset and user_offsets.numel():
+                last = int(user_offsets[-1])
+                if last > input.shape[0]:
+                    raise ValueError(f"offsets[-1] = {last} is greater than input's length {input.shape[0]}") from None
+            raise
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
