@@ -283,8 +283,9 @@ def _note_reference_backend(report: SwapReport, model: nn.Module, backend: str |
                 report.notes.append(message)
 
 
-def _rewire_plan(optimizer: torch.optim.Optimizer, replacements) -> list[tuple[int, list, list]]:
-    """[(param group, the Parameters a replacement dropped, the ones it added)] for the replacements
+def _rewire_plan(optimizer: torch.optim.Optimizer, replacements) -> list[tuple[int, list, list, dict | None]]:
+    """[(param group, the Parameters a replacement dropped, the ones it added, the added one's initial
+    optimizer state)] for the replacements
     whose Parameters the optimizer holds; ValueError where the new Parameters cannot keep the old
     ones' hyperparameters or state."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -306,18 +307,47 @@ def _rewire_plan(optimizer: torch.optim.Optimizer, replacements) -> list[tuple[i
             raise ValueError(f"optimizer puts the tables of a {name} in param groups {groups} with different settings "
                              f"{settings}; the swap packs them into one Parameter, which takes one group's settings: "
                              f"use one group for them, or build the optimizer after gk.swap")
-        if any(optimizer.state.get(p) for p in held):
-            raise ValueError(f"optimizer already holds state (it has stepped) for the tables of a {name}; the packed "
-                             f"Parameter cannot take per-table state over: swap before the first step, or build the "
-                             f"optimizer after gk.swap")
-        plan.append((groups[0], held, [p for p in new_params if id(p) not in old_ids]))
+        added = [p for p in new_params if id(p) not in old_ids]
+        plan.append((groups[0], held, added, _initial_state(optimizer, held, added, name)))
     return plan
+
+
+def _initial_state(optimizer: torch.optim.Optimizer, held: list, added: list, name: str) -> dict | None:
+    """The state the added Parameter starts with: None where the optimizer holds none for ``held``,
+    else the same untouched initial state (e.g. Adagrad's accumulator at initial_accumulator_value,
+    step 0) over the added Parameter's shape. State after a step cannot be repacked: ValueError."""
+    states = [optimizer.state.get(p) or {} for p in held]
+    if not any(states):
+        return None
+    stepped = ValueError(f"optimizer already holds state after a step for the tables of a {name}; the packed "
+                         f"Parameter cannot take per-table state over: swap before the first step, or build the "
+                         f"optimizer after gk.swap")
+    if len(added) != 1 or any(s.keys() != states[0].keys() for s in states):
+        raise stepped
+    new = {}
+    for key, first in states[0].items():
+        values = [s[key] for s in states]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise stepped
+        fills = {float(v.reshape(-1)[0]) for v in values if v.numel()}
+        if len(fills) > 1 or any(v.numel() and not bool((v == v.reshape(-1)[0]).all()) for v in values):
+            raise stepped
+        if key == "step" and fills - {0.0}:
+            raise stepped
+        fill = fills.pop() if fills else 0.0
+        new[key] = (torch.full_like(added[0], fill, dtype=first.dtype, memory_format=torch.preserve_format)
+                    if first.shape == held[0].shape else first.clone())
+    return new
 
 
 def _rewire(optimizer: torch.optim.Optimizer, plan) -> None:
     """Each replacement's new Parameters go into the group that held the ones it dropped, in their place."""
-    for g, held, added in plan:
+    for g, held, added, state in plan:
         held_ids = {id(p) for p in held}
+        for p in held:
+            optimizer.state.pop(p, None)
+        if state is not None:
+            optimizer.state[added[0]] = state
         for i, group in enumerate(optimizer.param_groups):
             params = group["params"]
             if i == g:
