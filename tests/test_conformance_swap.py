@@ -223,6 +223,11 @@ def test_torchscript_gives_a_clear_error():
     for module in (model, model["bag"], model["enc"]):
         with pytest.raises(TypeError, match="torch.export"):
             torch.jit.script(module)
+    # and the way the message names works
+    bag = model["bag"]
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+    exported = torch.export.export(bag, (ids, offsets))
+    torch.testing.assert_close(exported.module()(ids, offsets), bag(ids, offsets))
 
 
 # -- nn.EmbeddingBag odd input (issue 30 items 1, 7, 12, 13, 16) --------------------------------------
