@@ -102,6 +102,7 @@ MHA_CASES = {
     "key_padding": dict(kpm=True),
     "causal": dict(causal=True),
     "key_padding_causal": dict(kpm=True, causal=True),
+    "eval_fast_path": dict(kpm=True, eval=True),
     "need_weights": dict(need_weights=True),
     "batch_first_false": dict(batch_first=False),
     "bias_false": dict(bias=False),
@@ -133,8 +134,12 @@ def test_mha_behaviours_equal_or_counted(name):
     if case.get("causal"):
         kwargs["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(L)
         kwargs["is_causal"] = True
-    want, want_w = eager["mha"](x, kv, kv, **kwargs)
-    got, got_w = model["mha"](x, kv, kv, **kwargs)
+    if case.get("eval"):  # torch's inference fast path (eval, no_grad) against the swapped module
+        model.eval()
+        eager.eval()
+    with torch.set_grad_enabled(not case.get("eval")):
+        want, want_w = eager["mha"](x, kv, kv, **kwargs)
+        got, got_w = model["mha"](x, kv, kv, **kwargs)
     if type(model["mha"]) is nn.MultiheadAttention:
         assert report.skipped and report.skipped[0][0] == "mha", str(report)
     fell_back = report.fallbacks > 0
