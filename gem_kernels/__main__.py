@@ -44,6 +44,12 @@ def info() -> str:
         reason = _backend.unavailable_reason(name)
         lines.append(f"  {name:<10} {'available' if reason is None else 'unavailable: ' + reason}")
     lines.append(f"default backend: {_backend.get_backend()}")
+    # What `auto` runs on CPU tensors, per family: a fused module on `reference` is plain PyTorch.
+    cpu = torch.device("cpu")
+    for family in _backend.FAMILIES:
+        chosen = _backend.resolve_backend("auto", cpu, family)
+        note = "  (NOT fused: the extension is not built here; see the cpu line above)" if chosen == "reference" else ""
+        lines.append(f"auto on cpu tensors, {family}: {chosen}{note}")
     return "\n".join(lines)
 
 

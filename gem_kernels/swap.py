@@ -8,8 +8,9 @@ other models, models built later and the classes themselves are untouched (Liger
 show what class-level patching costs). A replacement keeps its original's parameter values, dtype
 and device and the same ``state_dict()`` keys, so checkpoints load both ways; most replacements hold
 the very same Parameter objects (an optimizer built before the swap keeps working), the TorchRec
-collections repack their tables into one buffer (build the optimizer after the swap). Swapping a
-swapped model changes nothing.
+collections repack their tables into one buffer: build the optimizer after the swap, or hand the
+one built before to ``swap(model, optimizer=torch_optimizer)``, which puts the packed buffer in the
+param group that held the tables. Swapping a swapped model changes nothing.
 
 What is swapped (exact types; a subclass is skipped with a reason, since its forward may differ):
 
@@ -28,7 +29,16 @@ What is swapped (exact types; a subclass is skipped with a reason, since its for
 
 ``optimizer`` (a ``gem_kernels.optim`` config) makes the replaced embedding modules update their
 rows inside the backward, as TorchRec's fused path does: ``report.fused_parameters`` names the
-parameters the user's optimizer must no longer hold (their ``.grad`` stays None).
+parameters the user's optimizer must no longer hold (their ``.grad`` stays None). A
+``torch.optim.Optimizer`` instead is rewired: see ``swap``.
+
+Frozen tables (``requires_grad=False``) stay frozen: the replacement's parameter keeps the flag and
+a fused optimizer never updates it. When ``auto`` (or the default backend) resolves to the
+``reference`` backend (the extension is not built), ``report.notes`` says so and a one-time
+RuntimeWarning is raised: the swapped model then runs plain PyTorch, not fused kernels.
+
+Every replacement traces with ``torch.fx`` / ``torchrec.fx.symbolic_trace`` (as one call node) and
+refuses ``torch.jit.script`` with a message naming ``torch.export``.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .nn._fx import NotScriptable, is_proxy, trace_call
+from .nn.embedding_bag import check_backend, reference_fallback
 from .optim import OPTIMIZERS
 
 
@@ -68,12 +80,15 @@ def register(eager_type: type, convert: Converter) -> None:
 
 @dataclass
 class SwapReport:
-    """What ``swap`` did. ``fallbacks`` counts, live, the calls of swapped attention modules that ran
-    the original computation (``fallback_reasons`` by reason)."""
+    """What ``swap`` did. ``fallbacks`` counts, live, the calls of swapped attention modules and
+    TransformerEncoderLayers that ran the original computation (``fallback_reasons`` by reason);
+    ``notes`` says what the user should know about how the replacements run (e.g. the reference
+    backend standing in for an unbuilt extension)."""
 
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     fused_parameters: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     _attention: list = field(default_factory=list, repr=False)
 
     @property
@@ -105,12 +120,14 @@ class SwapReport:
                          + ", ".join(self.fused_parameters))
         if self._attention:
             lines.append(f"attention fallbacks so far: {self.fallbacks}")
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _patterns(name: str, value) -> tuple[str, ...]:
+def _patterns(name: str, value) -> tuple[str, ...] | None:
+    """None (no filter) or the patterns; an empty list is a filter that matches nothing."""
     if value is None:
-        return ()
+        return None
     if isinstance(value, str):
         return (value,)
     if isinstance(value, Iterable):
@@ -147,13 +164,21 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
     Args:
         model: any ``nn.Module``; its submodules are replaced (the root itself cannot be, in place).
         optimizer: None (gradients flow to your optimizer as before; ``nn.EmbeddingBag(sparse=True)``
-            still gets a sparse gradient) or a ``gem_kernels.optim`` config (ExactSGD,
-            ExactRowwiseAdagrad, ExactAdam): the embedding modules then update in the backward.
+            still gets a sparse gradient), a ``gem_kernels.optim`` config (ExactSGD,
+            ExactRowwiseAdagrad, ExactAdam): the embedding modules then update in the backward, or
+            your ``torch.optim.Optimizer`` to rewire (below).
         backend: the backend of the fused ops ("reference" | "cpu" | "cuda" | "triton" | "auto";
             None: ``use_backend``'s default at call time).
         include: only swap modules matching one of these type names or path globs (a path glob also
             matches the module's descendants, e.g. ``"sparse_arch"``, ``"*.self_attn"``).
         exclude: never swap modules matching these (and leave their descendants alone).
+
+    A ``torch.optim.Optimizer`` as ``optimizer`` (one built before the swap, the usual order in
+    training scripts) is rewired in place: the modules swap with optimizer=None, and where a
+    replacement repacks Parameters the optimizer held (the TorchRec collections' per-table weights)
+    the packed Parameter takes their place in their param group, with that group's settings. Tables
+    spread over groups with different settings, or an optimizer that has already stepped on them,
+    are refused (ValueError, the model left unswapped).
 
     Returns:
         SwapReport: ``replaced`` [(path, old type, new type)], ``skipped`` [(path, type, reason)],
@@ -162,16 +187,20 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    if torch_optimizer is not None:
+        optimizer = None
     if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
-        raise ValueError(f"optimizer must be None or a gem_kernels.optim config "
-                         f"({', '.join(o.__name__ for o in OPTIMIZERS)}), got {optimizer!r}")
-    if backend is not None and not isinstance(backend, str):
-        raise ValueError(f"backend must be None or a backend name, got {backend!r}")
+        raise ValueError(f"optimizer must be None, a gem_kernels.optim config "
+                         f"({', '.join(o.__name__ for o in OPTIMIZERS)}) or a torch.optim.Optimizer, got {optimizer!r}")
+    check_backend(backend)
     include, exclude = _patterns("include", include), _patterns("exclude", exclude)
     if "torchrec" in sys.modules:
         _register_torchrec()
     report = SwapReport()
     done: dict[int, nn.Module] = {}  # a module shared at several paths is converted once
+    replacements: list[tuple[nn.Module, nn.Module]] = []
+    undo: list[tuple[nn.Module, str, nn.Module]] = []
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent._modules.items()):
@@ -180,8 +209,9 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             path = f"{prefix}.{name}" if prefix else name
             if id(child) in done:
                 parent._modules[name] = done[id(child)]
+                undo.append((parent, name, child))
                 continue
-            if exclude and _matches(exclude, path, child):
+            if exclude is not None and _matches(exclude, path, child):
                 if _converter(child)[1] is not None or _is_swapped(child):
                     report.skipped.append((path, type(child).__name__, "excluded"))
                 continue
@@ -197,8 +227,9 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
                                        f"subclass of {registered.__name__}: its forward may differ (register() it)"))
                 visit(child, path)
                 continue
-            if include and not _matches(include, path, child):
+            if include is not None and not _matches(include, path, child):
                 report.skipped.append((path, type(child).__name__, "not matched by include"))
+                visit(child, path)  # a filter selects: a child of an unmatched module may match
                 continue
             try:
                 new = convert(child, optimizer=optimizer, backend=backend)
@@ -206,24 +237,124 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
                 report.skipped.append((path, type(child).__name__, str(exc)))
                 visit(child, path)
                 continue
+            if not isinstance(new, nn.Module):
+                raise TypeError(f"the converter registered for {registered.__name__} ({convert!r}) returned "
+                                f"{type(new).__name__} for {path!r}; it must return an nn.Module or raise SwapSkip")
             new.train(child.training)
             _SWAPPED_TYPES.add(type(new))
             parent._modules[name] = new
+            undo.append((parent, name, child))
             done[id(child)] = new
             report.replaced.append((path, type(child).__name__, _public_name(type(new))))
+            replacements.append((child, new))
             visit(new, path)  # e.g. the self_attn of a swapped TransformerEncoderLayer
 
     if _converter(model)[1] is not None and not _is_swapped(model):
         report.skipped.append(("", type(model).__name__, "the root module cannot be replaced in place: "
                                                           "swap a module that holds it"))
     visit(model, "")
+    if torch_optimizer is not None:
+        try:
+            plan = _rewire_plan(torch_optimizer, replacements)
+        except ValueError:
+            for parent, name, child in reversed(undo):  # refused: the model is left as it was
+                parent._modules[name] = child
+            raise
+        _rewire(torch_optimizer, plan)
     for path, module in model.named_modules():
         if _is_swapped(module):
             names = getattr(module, "fused_parameter_names", lambda: [])()
             report.fused_parameters += [f"{path}.{n}" if path else n for n in names]
             if hasattr(module, "fallbacks"):
                 report._attention.append(weakref.ref(module))
+    _note_reference_backend(report, model, backend)
     return report
+
+
+def _note_reference_backend(report: SwapReport, model: nn.Module, backend: str | None) -> None:
+    """``report.notes`` (and the one-time warning) when the replacements run on the reference backend."""
+    if not report.replaced:
+        return
+    devices = {p.device for p in model.parameters()} or {torch.device("cpu")}
+    for device in sorted(devices, key=str):
+        for family in ("embedding_bag", "attention", "interaction"):
+            message = reference_fallback(backend, device, family)
+            if message is not None and message not in report.notes:
+                report.notes.append(message)
+
+
+def _rewire_plan(optimizer: torch.optim.Optimizer, replacements) -> list[tuple[int, list, list, dict | None]]:
+    """[(param group, the Parameters a replacement dropped, the ones it added, the added one's initial
+    optimizer state)] for the replacements
+    whose Parameters the optimizer holds; ValueError where the new Parameters cannot keep the old
+    ones' hyperparameters or state."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    plan = []
+    for old, new in replacements:
+        old_params, new_params = list(old.parameters()), list(new.parameters())
+        new_ids, old_ids = {id(p) for p in new_params}, {id(p) for p in old_params}
+        dropped = [p for p in old_params if id(p) not in new_ids]
+        held = [p for p in dropped if id(p) in group_of]
+        if not held:
+            continue
+        name = type(old).__name__
+        if len(held) != len(dropped):
+            raise ValueError(f"optimizer holds {len(held)} of the {len(dropped)} parameters of a {name} that the swap "
+                             f"repacks into one buffer: put all of them in the optimizer or none")
+        groups = sorted({group_of[id(p)] for p in held})
+        settings = [{k: v for k, v in optimizer.param_groups[g].items() if k != "params"} for g in groups]
+        if any(repr(s) != repr(settings[0]) for s in settings):
+            raise ValueError(f"optimizer puts the tables of a {name} in param groups {groups} with different settings "
+                             f"{settings}; the swap packs them into one Parameter, which takes one group's settings: "
+                             f"use one group for them, or build the optimizer after gk.swap")
+        added = [p for p in new_params if id(p) not in old_ids]
+        plan.append((groups[0], held, added, _initial_state(optimizer, held, added, name)))
+    return plan
+
+
+def _initial_state(optimizer: torch.optim.Optimizer, held: list, added: list, name: str) -> dict | None:
+    """The state the added Parameter starts with: None where the optimizer holds none for ``held``,
+    else the same untouched initial state (e.g. Adagrad's accumulator at initial_accumulator_value,
+    step 0) over the added Parameter's shape. State after a step cannot be repacked: ValueError."""
+    states = [optimizer.state.get(p) or {} for p in held]
+    if not any(states):
+        return None
+    stepped = ValueError(f"optimizer already holds state after a step for the tables of a {name}; the packed "
+                         f"Parameter cannot take per-table state over: swap before the first step, or build the "
+                         f"optimizer after gk.swap")
+    if len(added) != 1 or any(s.keys() != states[0].keys() for s in states):
+        raise stepped
+    new = {}
+    for key, first in states[0].items():
+        values = [s[key] for s in states]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise stepped
+        fills = {float(v.reshape(-1)[0]) for v in values if v.numel()}
+        if len(fills) > 1 or any(v.numel() and not bool((v == v.reshape(-1)[0]).all()) for v in values):
+            raise stepped
+        if key == "step" and fills - {0.0}:
+            raise stepped
+        fill = fills.pop() if fills else 0.0
+        new[key] = (torch.full_like(added[0], fill, dtype=first.dtype, memory_format=torch.preserve_format)
+                    if first.shape == held[0].shape else first.clone())
+    return new
+
+
+def _rewire(optimizer: torch.optim.Optimizer, plan) -> None:
+    """Each replacement's new Parameters go into the group that held the ones it dropped, in their place."""
+    for g, held, added, state in plan:
+        held_ids = {id(p) for p in held}
+        for p in held:
+            optimizer.state.pop(p, None)
+        if state is not None:
+            optimizer.state[added[0]] = state
+        for i, group in enumerate(optimizer.param_groups):
+            params = group["params"]
+            if i == g:
+                at = next(k for k, p in enumerate(params) if id(p) in held_ids)
+                params[at:at] = added
+            group["params"] = [p for p in params if id(p) not in held_ids]
+
 
 
 def _public_name(cls: type) -> str:
@@ -316,7 +447,7 @@ _TORCHREC_REGISTERED = False
 
 
 @_mark
-class FusedInteractionArch(nn.Module):
+class FusedInteractionArch(NotScriptable, nn.Module):
     """TorchRec DLRM ``InteractionArch`` on the fused dot interaction: the same output
     ``cat(dense, <x_i, x_j> for i < j over [dense, sparse_1..F])`` in ``triu_indices(F+1, F+1, 1)`` order."""
 
@@ -328,6 +459,8 @@ class FusedInteractionArch(nn.Module):
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         from .ops.interaction import dot_interaction
 
+        if is_proxy(dense_features, sparse_features):
+            return trace_call(self, dense_features, sparse_features)
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
@@ -335,7 +468,7 @@ class FusedInteractionArch(nn.Module):
 
 
 @_mark
-class FusedCrossNet(nn.Module):
+class FusedCrossNet(NotScriptable, nn.Module):
     """TorchRec ``CrossNet`` (full rank: ``kernels`` [N, N], ``bias`` [N, 1]) on fused cross layers;
     holds the original's ParameterLists (same state_dict keys, same Parameters)."""
 
@@ -347,6 +480,8 @@ class FusedCrossNet(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from .ops.interaction import cross_layer
 
+        if is_proxy(input):
+            return trace_call(self, input)
         x_l = input
         for layer in range(self._num_layers):
             x_l = cross_layer(input, x_l, self.kernels[layer], self.bias[layer].view(-1), backend=self.backend)
@@ -354,7 +489,7 @@ class FusedCrossNet(nn.Module):
 
 
 @_mark
-class FusedLowRankCrossNet(nn.Module):
+class FusedLowRankCrossNet(NotScriptable, nn.Module):
     """TorchRec ``LowRankCrossNet`` (``W_kernels`` [N, r], ``V_kernels`` [r, N], ``bias`` [N]) on fused
     cross layers: ``x_{l+1} = x_0 * (W (V x_l) + b) + x_l``."""
 
@@ -368,6 +503,8 @@ class FusedLowRankCrossNet(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from .ops.interaction import cross_layer
 
+        if is_proxy(input):
+            return trace_call(self, input)
         x_l = input
         for layer in range(self._num_layers):
             x_l = cross_layer(input, x_l, (self.W_kernels[layer], self.V_kernels[layer]), self.bias[layer],

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..ops.attention import jagged_attention
 from ..ops.jagged import jagged_to_padded, padded_to_jagged
+from ._fx import NotScriptable, is_proxy, trace_call
 
 
 class _RelativeBias(nn.Module):
@@ -158,7 +159,7 @@ def _is_causal_mask(attn_mask: torch.Tensor, length: int) -> bool:
     return torch.equal(torch.isneginf(attn_mask), upper) and not bool(attn_mask.masked_fill(upper, 0).any())
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose self-attention calls over end-padded rows run on the jagged rows.
 
     A call ``mha(x, x, x, key_padding_mask=..., need_weights=False, attn_mask=..., is_causal=...)``
@@ -168,7 +169,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     ``gem_kernels.jagged_attention(kind="softmax")``, projects with ``out_proj`` and pads back: padded
     positions are never computed and come out as zeros (torch computes a value there that no valid
     position ever reads). Every other call runs ``nn.MultiheadAttention.forward`` unchanged and is
-    counted in ``fallbacks`` (``fallback_reasons`` says why), so an answer is never wrong.
+    counted in ``fallbacks`` (``fallback_reasons`` says why), so an answer is never wrong at a valid
+    position. Padded positions (``key_padding_mask`` True) hold zeros on the fused path and torch's
+    values on a fallback: read only valid positions (no valid position reads a padded one).
 
     Same parameters, buffers and ``state_dict()`` keys as torch's module (it is one); build it with
     ``MultiheadAttention.from_torch(mha)``, which shares ``mha``'s Parameters. torch's inference fast
@@ -213,6 +216,9 @@ class MultiheadAttention(nn.MultiheadAttention):
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
                 attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
                 is_causal: bool = False):
+        if is_proxy(query, key, value, key_padding_mask, attn_mask):
+            return trace_call(self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                              attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
         why = self._why_not_fused(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if why is None:
             why, lengths, causal = _jagged_masks(query, key_padding_mask, attn_mask)
@@ -277,7 +283,7 @@ def _jagged_masks(x: torch.Tensor, key_padding_mask, attn_mask) -> tuple[str | N
     return None, lengths, causal
 
 
-class TransformerEncoderLayer(nn.TransformerEncoderLayer):
+class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
     """``torch.nn.TransformerEncoderLayer`` that runs the whole layer on the valid rows of end-padded input.
 
     When the call's ``src_key_padding_mask`` pads only at the end of each row (or is None), ``src_mask``
@@ -285,8 +291,10 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
     mode), the valid rows are packed once and the self-attention (``gem_kernels.jagged_attention``
     between the same in/out projections), both LayerNorms and the feed-forward block run on them
     only; padded positions come out as zeros (torch computes values there that no valid position
-    reads). Any other call runs ``nn.TransformerEncoderLayer.forward`` (whose ``self_attn``, when
-    swapped, still fuses what it can). Same parameters and ``state_dict()`` keys (it is one); build it
+    reads; read only valid positions). Any other call runs ``nn.TransformerEncoderLayer.forward``
+    (whose ``self_attn``, when swapped, still fuses what it can) and counts in ``fallbacks``
+    (``fallback_reasons``), which ``SwapReport.fallbacks`` adds up. ``is_causal=True`` without
+    ``src_mask`` is such a call: torch's own forward raises there, and so does this one. Same parameters and ``state_dict()`` keys (it is one); build it
     with ``TransformerEncoderLayer.from_torch(layer)``, which shares ``layer``'s submodules.
     """
 
@@ -304,6 +312,15 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
         new.layer_fallback_reasons = {}
         return new
 
+    @property
+    def fallbacks(self) -> int:
+        """Calls of this layer that ran torch's forward (its ``self_attn`` counts its own)."""
+        return self.layer_fallbacks
+
+    @property
+    def fallback_reasons(self) -> dict[str, int]:
+        return self.layer_fallback_reasons
+
     def _why_not_jagged(self, src: torch.Tensor) -> str | None:
         attn = self.self_attn
         if src.dim() != 3 or src.is_nested:
@@ -320,7 +337,12 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
 
     def forward(self, src: torch.Tensor, src_mask: torch.Tensor | None = None,
                 src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if is_proxy(src, src_mask, src_key_padding_mask):
+            return trace_call(self, src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                              is_causal=is_causal)
         why = self._why_not_jagged(src)
+        if why is None and is_causal and src_mask is None:
+            why = "is_causal=True without src_mask"  # torch raises; the original call says so
         if why is None:
             why, lengths, causal = _jagged_masks(src, src_key_padding_mask, src_mask)
         if why is not None:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .. import _backend
 from .._validate import FLOAT_DTYPES, INT64_MAX, check_int64
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
 from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES, TableLayout, TableMeta, pack_tables
+from ._fx import NotScriptable, is_proxy, trace_call
 
 
 _HUGE_PAGE = 2 << 20
@@ -37,10 +40,48 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
             pass
 
 
-class PackedTables(nn.Module):
+def check_backend(backend) -> None:
+    """At construction (not at the first forward): None or one of the backend names."""
+    if backend is not None and backend not in _backend._CHOICES:
+        raise ValueError(f"backend must be None or one of {_backend._CHOICES}, got {backend!r}")
+
+
+_REFERENCE_WARNED = False
+
+
+def reference_fallback(backend: str | None, device, family: str) -> str | None:
+    """Why ``auto`` (asked for, or the default) runs ``family`` on the reference backend (plain PyTorch,
+    not fused) for tensors on ``device``; None when it does not. Warns once per process: a fused
+    module that silently runs the reference is a slow surprise."""
+    global _REFERENCE_WARNED
+    name = _backend.get_backend() if backend is None else backend
+    device = torch.device(device if device is not None else "cpu")
+    if name != "auto" or device.type == "meta":
+        return None
+    if _backend.resolve_backend("auto", device, family) != "reference":
+        return None
+    reasons = [f"{b}: {_backend.unavailable_reason(b)}" for b in _backend.FAMILIES[family].auto_order(device)
+               if _backend.unavailable_reason(b) is not None]
+    message = (f"backend 'auto' runs the {family} ops on the 'reference' backend (plain PyTorch, not the fused "
+               f"kernels) for {device.type} tensors ({'; '.join(reasons) or 'no fused backend implements it'})")
+    if not _REFERENCE_WARNED:
+        _REFERENCE_WARNED = True
+        warnings.warn(f"gem_kernels: {message}", RuntimeWarning, stacklevel=3)
+    return message
+
+
+class PackedTables(NotScriptable, nn.Module):
     """A module whose tables are packed in one buffer: ``layout`` (a ``TableLayout``: Python ints, to
     slice and size buffers by) and ``table_meta`` (its tensors for the op, held as non-persistent
-    buffers so that ``.to()`` moves them)."""
+    buffers so that ``.to()`` moves them).
+
+    The fused optimizer's state (``momentum1``, ``momentum2``: fp32, packed like the rows or the
+    weights; ``step``) has one API on every such module: ``optimizer_state_dict()`` /
+    ``load_optimizer_state_dict()``; the state carries its tables' names and shapes, so a load checks
+    the layout (and, for the same tables in another order, follows each table by name). It stays fp32 through ``.half()`` / ``.to(dtype)``, and a module
+    built on the meta device is materialised by ``to_empty()`` with its layout rebuilt and its
+    optimizer state zero.
+    """
 
     def _set_layout(self, layout: TableLayout, device) -> None:
         self.layout = layout
@@ -50,6 +91,83 @@ class PackedTables(nn.Module):
     @property
     def table_meta(self) -> TableMeta:
         return TableMeta(*(getattr(self, name) for name in TableMeta._fields))
+
+    def _state_table_names(self) -> list[str]:
+        """The name of each packed table, in layout order (the keys of the optimizer state)."""
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        state = {n: self._buffers[n] for n in ("momentum1", "momentum2") if self._buffers.get(n) is not None}
+        was_meta = self.weights_offsets.is_meta
+        super()._apply(fn, recurse)
+        device = self.weights_offsets.device
+        # The layout's tensors are facts of the Python layout: after to_empty() they would hold
+        # uninitialised memory, so they are rebuilt on every move.
+        for name, value in self.layout.meta(device)._asdict().items():
+            self._buffers[name] = value
+        for name, old in state.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:  # .half() / .to(dtype): the state stays fp32, values kept
+                self._buffers[name] = (new.float() if old.is_meta else old.to(device=new.device, dtype=torch.float32))
+        if was_meta and device.type != "meta":
+            with torch.no_grad():
+                for name in ("momentum1", "momentum2", "step"):
+                    self._buffers[name].zero_()
+        return self
+
+    def optimizer_state_dict(self) -> dict:
+        """The fused optimizer's state: ``optimizer`` (its name or None), ``tables`` [(name, rows, dim)]
+        (the layout the packed state follows), ``momentum1`` / ``momentum2`` (fp32, packed like the
+        rows (row-wise Adagrad) or the weights (Adam)) and ``step``. Copies, on the module's device."""
+        return {"optimizer": self.optimizer.name if self.optimizer is not None else None,
+                "tables": [(n, r, d) for n, r, d in zip(self._state_table_names(), self.layout.rows, self.layout.dims)],
+                "momentum1": self.momentum1.clone(), "momentum2": self.momentum2.clone(), "step": self.step.clone()}
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load what ``optimizer_state_dict()`` gave (of this module, or of one with the same tables in
+        another order: the state follows each table by name)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be the dict of optimizer_state_dict(), got {type(state).__name__}")
+        missing = [k for k in ("momentum1", "momentum2", "step") if k not in state]
+        if missing:
+            raise ValueError(f"state is missing the keys {missing} (it has {sorted(state)})")
+        mine = self.optimizer.name if self.optimizer is not None else None
+        if "optimizer" in state and state["optimizer"] != mine:
+            raise ValueError(f"state is of optimizer {state['optimizer']!r}, this module's is {mine!r}")
+        for key in ("momentum1", "momentum2", "step"):
+            if not isinstance(state[key], torch.Tensor):
+                raise TypeError(f"state[{key!r}] must be a tensor, got {type(state[key]).__name__}")
+        momentum1, momentum2 = state["momentum1"], state["momentum2"]
+        tables = [(n, r, d) for n, r, d in zip(self._state_table_names(), self.layout.rows, self.layout.dims)]
+        theirs = [tuple(t) for t in state.get("tables", tables)]
+        if theirs != tables:
+            momentum1, momentum2 = self._reorder_state(theirs, tables, momentum1, momentum2)
+        with torch.no_grad():
+            for key, value in (("momentum1", momentum1), ("momentum2", momentum2), ("step", state["step"])):
+                target = getattr(self, key)
+                if value.shape != target.shape:
+                    raise ValueError(f"{key} must have shape {tuple(target.shape)}, got {tuple(value.shape)}")
+                target.copy_(value)
+
+    def _reorder_state(self, theirs, tables, momentum1, momentum2):
+        """The packed state of tables ``theirs`` rearranged into this module's table order."""
+        if sorted(theirs) != sorted(tables):
+            raise ValueError(f"state is of the tables {theirs} [(name, rows, dim)], this module has {tables}")
+        src = pack_tables([r for _, r, _ in theirs], [d for _, _, d in theirs])
+        index = {n: t for t, (n, _, _) in enumerate(theirs)}
+        out = []
+        for flat in (momentum1, momentum2):
+            if flat.numel() == 0:
+                out.append(flat)
+            elif flat.numel() == src.num_rows:  # one value per row
+                out.append(torch.cat([flat[src.rows_offsets[index[n]]:src.rows_offsets[index[n] + 1]]
+                                      for n, _, _ in tables]))
+            elif flat.numel() == src.num_elements:  # one value per weight element
+                out.append(torch.cat([src.table(flat, index[n]).reshape(-1) for n, _, _ in tables]))
+            else:
+                raise ValueError(f"state has {flat.numel()} values per momentum; tables {theirs} have "
+                                 f"{src.num_rows} rows and {src.num_elements} elements")
+        return out[0], out[1]
 
 
 @dataclass(frozen=True)
@@ -99,6 +217,7 @@ class FusedEmbeddingBag(PackedTables):
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
         if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
             raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        check_backend(backend)
         dims = [t.embedding_dim for t in tables]
         if pooling == "none" and len(set(dims)) != 1:
             raise ValueError(f"pooling 'none' needs every table to have the same embedding_dim, got {dims}")
@@ -114,7 +233,11 @@ class FusedEmbeddingBag(PackedTables):
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
         for buffer in (self.weights, self.momentum1, self.momentum2):
             _advise_huge_pages(buffer)
+        reference_fallback(backend, device, "embedding_bag")
         self.reset_parameters()
+
+    def _state_table_names(self) -> list[str]:
+        return [f"table{t}" for t in range(len(self.tables))]
 
     def reset_parameters(self) -> None:
         """N(0, 1) like ``nn.EmbeddingBag``; optimizer state to zero."""
@@ -134,9 +257,11 @@ class FusedEmbeddingBag(PackedTables):
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if is_proxy(indices, offsets, per_sample_weights):
+            return trace_call(self, indices, offsets, per_sample_weights)
         return embedding_bag(self.weights, self.table_meta, indices, offsets, per_sample_weights,
                              output_dim=self.output_dim, pooling=self.pooling, bounds_check=self.bounds_check,
-                             optimizer=self.optimizer, momentum1=self.momentum1, momentum2=self.momentum2,
+                             optimizer=self.optimizer if self.weights.requires_grad else None, momentum1=self.momentum1, momentum2=self.momentum2,
                              step=self.step, backend=self.backend)
 
     @classmethod
@@ -221,7 +346,8 @@ class EmbeddingBag(PackedTables):
 
     Keyword-only extras: ``optimizer`` (a ``gem_kernels.optim`` config: the backward updates the
     looked-up rows in place and ``weight.grad`` stays None; the state, e.g. row-wise Adagrad's
-    ``momentum1``, is in non-persistent buffers so that ``state_dict()`` keys stay torch's),
+    ``momentum1``, is in non-persistent buffers so that ``state_dict()`` keys stay torch's: save it with
+    ``optimizer_state_dict()``, restore it with ``load_optimizer_state_dict()``),
     ``bounds_check`` ("fatal": an out-of-range id raises IndexError) and ``backend``.
     """
 
@@ -242,6 +368,7 @@ class EmbeddingBag(PackedTables):
             raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
         if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
             raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        check_backend(backend)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
@@ -268,6 +395,10 @@ class EmbeddingBag(PackedTables):
         self.register_buffer("momentum1", torch.zeros(size1, **state), persistent=False)
         self.register_buffer("momentum2", torch.zeros(size2, **state), persistent=False)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=self.weight.device), persistent=False)
+        reference_fallback(backend, self.weight.device, "embedding_bag")
+
+    def _state_table_names(self) -> list[str]:
+        return ["weight"]
 
     def reset_parameters(self) -> None:
         """N(0, 1) like ``nn.EmbeddingBag``, the padding row zero."""
@@ -292,13 +423,16 @@ class EmbeddingBag(PackedTables):
 
     def _lookup(self, weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        # A frozen weight (requires_grad False) is never updated, whatever else needs a gradient.
         return embedding_bag(weight.view(-1), self.table_meta, indices, offsets, per_sample_weights,
                              output_dim=self.embedding_dim, pooling=self.mode, bounds_check=self.bounds_check,
-                             optimizer=self.optimizer, momentum1=self.momentum1, momentum2=self.momentum2,
+                             optimizer=self.optimizer if self.weight.requires_grad else None, momentum1=self.momentum1, momentum2=self.momentum2,
                              step=self.step, backend=self.backend)
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if is_proxy(input, offsets, per_sample_weights):
+            return trace_call(self, input, offsets, per_sample_weights)
         if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
             raise ValueError(f"input must be a 1-D or 2-D tensor of ids, got "
                              f"{tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__}")
@@ -312,8 +446,7 @@ class EmbeddingBag(PackedTables):
                 raise ValueError("offsets must be None with a 2-D input (each row is one bag)")
             batch, length = input.shape
             indices = input.reshape(-1)
-            offsets = torch.arange(0, batch * length + 1, max(length, 1) if batch else 1, dtype=indices.dtype,
-                                   device=indices.device)[:batch + 1]
+            offsets = torch.arange(batch + 1, dtype=indices.dtype, device=indices.device) * length
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights.reshape(-1)
         else:
@@ -321,6 +454,7 @@ class EmbeddingBag(PackedTables):
                 raise ValueError(f"offsets must be a 1-D tensor with a 1-D input, got "
                                  f"{None if offsets is None else tuple(offsets.shape)}")
             indices = input
+            user_offsets = offsets
             offsets = offsets.to(indices.dtype)
             if not self.include_last_offset:
                 offsets = torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
@@ -331,9 +465,17 @@ class EmbeddingBag(PackedTables):
             indices = indices[keep]
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights[keep]
-        if self.sparse and self.optimizer is None and torch.is_grad_enabled() and self.weight.requires_grad:
-            return _SparseGradEmbeddingBag.apply(self.weight, indices, offsets, per_sample_weights, self)
-        return self._lookup(self.weight, indices, offsets, per_sample_weights)
+        try:
+            if self.sparse and self.optimizer is None and torch.is_grad_enabled() and self.weight.requires_grad:
+                return _SparseGradEmbeddingBag.apply(self.weight, indices, offsets, per_sample_weights, self)
+            return self._lookup(self.weight, indices, offsets, per_sample_weights)
+        except ValueError:
+            # The op saw the offsets with input's length appended; name what the user passed, as torch does.
+            if input.dim() == 1 and not self.include_last_offset and user_offsets.numel():
+                last = int(user_offsets[-1])
+                if last > input.shape[0]:
+                    raise ValueError(f"offsets[-1] = {last} is greater than input's length {input.shape[0]}") from None
+            raise
 
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"

@@ -20,7 +20,11 @@ call: the op pools by sum and mean tables carry a 1/length per-sample weight (wi
 state_dict keys are TorchRec's (``embedding_bags.<table>.weight`` / ``embeddings.<table>.weight``,
 [rows, dim]), so a TorchRec checkpoint loads into these modules and theirs into TorchRec's. The
 fused optimizer's state is not in ``state_dict()`` (TorchRec keeps it in its fused optimizer too):
-``optimizer_state_dict()`` / ``load_optimizer_state_dict()``.
+``optimizer_state_dict()`` / ``load_optimizer_state_dict()`` (it names its tables, so a load into a
+collection with the tables in another order follows each table by name).
+
+torch.fx / ``torchrec.fx.symbolic_trace`` trace a collection as one call node (see
+``gem_kernels.nn._fx``); ``torch.jit.script`` raises an error that names ``torch.export``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from ..nn.embedding_bag import PackedTables, _advise_huge_pages
+from ..nn._fx import is_proxy, trace_call
+from ..nn.embedding_bag import PackedTables, _advise_huge_pages, check_backend, reference_fallback
 from ..ops.embedding_bag import embedding_bag
 from ..optim import OPTIMIZERS
 from .._embedding_bag import BOUNDS_CHECK_CODES, pack_tables
@@ -66,8 +71,13 @@ class _FusedCollection(PackedTables):
             raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
         if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
             raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        check_backend(backend)
         dtypes = set()
         for t in tables:
+            for field in ("num_embeddings", "embedding_dim"):
+                value = getattr(t, field)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"table {t.name!r}: {field} must be an int >= 1, got {value!r}")
             if t.data_type not in _DTYPES:
                 raise ValueError(f"table {t.name!r}: data_type must be one of {[d.name for d in _DTYPES]}, got "
                                  f"{t.data_type}")
@@ -104,6 +114,7 @@ class _FusedCollection(PackedTables):
             _advise_huge_pages(buffer)
         self.register_state_dict_post_hook(_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_hook)
+        reference_fallback(backend, device, "embedding_bag")
         self.reset_parameters()
 
     # -- tables -----------------------------------------------------------------------------------
@@ -131,17 +142,20 @@ class _FusedCollection(PackedTables):
         """Parameters updated inside the backward (their ``.grad`` stays None): empty without an optimizer."""
         return ["weights"] if self.optimizer is not None else []
 
-    def optimizer_state_dict(self) -> dict:
-        """The fused optimizer's state: momentum1/momentum2 (packed like the tables) and step."""
-        return {"momentum1": self.momentum1.clone(), "momentum2": self.momentum2.clone(), "step": self.step.clone()}
+    def _state_table_names(self) -> list[str]:
+        return self._table_names
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
+    def _copy_tables_from(self, modules: dict, configs) -> None:
+        """The weights of TorchRec's per-table modules; ``weights`` is frozen when they all are (one
+        packed Parameter cannot freeze some tables only)."""
+        frozen = {c.name: not modules[c.name].weight.requires_grad for c in configs}
+        if len(set(frozen.values())) > 1:
+            raise ValueError(f"some tables are frozen (requires_grad=False) and some are not {frozen}: one packed "
+                             f"buffer trains all of them or none")
         with torch.no_grad():
-            for key in ("momentum1", "momentum2", "step"):
-                mine = getattr(self, key)
-                if state[key].shape != mine.shape:
-                    raise ValueError(f"{key} must have shape {tuple(mine.shape)}, got {tuple(state[key].shape)}")
-                mine.copy_(state[key])
+            for config in configs:
+                self.weight(config.name).copy_(modules[config.name].weight)
+        self.weights.requires_grad_(not all(frozen.values()))
 
     # -- KJT -> the op's layout ----------------------------------------------------------------------
 
@@ -153,10 +167,25 @@ class _FusedCollection(PackedTables):
         missing = [f for f in self._flat_features if f not in keys]
         if missing:
             raise ValueError(f"features is missing the keys {sorted(set(missing))} (it has {keys})")
-        batch = features.stride()
+        if features.variable_stride_per_key():
+            raise ValueError(f"features is a variable-batch KJT (stride per key {features.stride_per_key()}): "
+                             f"variable-batch KJTs are not supported; give every key the same batch size")
         values = features.values()
         weights = features.weights() if with_weights else None
+        num_lengths = features.lengths().numel()
+        if num_lengths % max(len(keys), 1):
+            raise ValueError(f"features has {num_lengths} lengths for {len(keys)} keys {keys}: a KJT needs "
+                             f"batch_size lengths per key")
+        batch = features.stride()
+        if num_lengths != len(keys) * batch:
+            raise ValueError(f"features has {num_lengths} lengths, expected {len(keys)} keys x stride {batch}")
         lengths = features.lengths().view(len(keys), batch)
+        # A value check in the KJT's own terms; CPU only: on a GPU it would be a host sync per batch
+        # (there the op's offsets check still refuses the input).
+        if not torch.compiler.is_compiling() and values.device.type == "cpu":
+            total = int(lengths.sum())
+            if total != values.numel():
+                raise ValueError(f"features' lengths sum to {total}, but it has {values.numel()} values")
         if list(keys) != self._flat_features:  # gather the values into the collection's feature order
             select = [keys.index(f) for f in self._flat_features]
             values, weights, lengths = _select_features(values, weights, lengths, select)
@@ -175,9 +204,12 @@ class _FusedCollection(PackedTables):
         return values, offsets, weights, bag_lengths, lengths, batch
 
     def _lookup(self, values, offsets, psw, pooling: str, batch: int) -> torch.Tensor:
+        # Frozen tables (requires_grad False) are never updated, whatever else needs a gradient.
+        optimizer = self.optimizer if self.weights.requires_grad else None
+
         def run():
             return embedding_bag(self.weights, self.table_meta, values, offsets, psw, output_dim=self.output_dim,
-                                 pooling=pooling, bounds_check=self.bounds_check, optimizer=self.optimizer,
+                                 pooling=pooling, bounds_check=self.bounds_check, optimizer=optimizer,
                                  momentum1=self.momentum1, momentum2=self.momentum2, step=self.step,
                                  backend=self.backend)
 
@@ -289,9 +321,7 @@ class FusedEmbeddingBagCollection(_FusedCollection):
         device = next(iter(ebc.embedding_bags.values())).weight.device
         module = cls(configs, is_weighted=ebc.is_weighted(), device=device, optimizer=optimizer,
                      bounds_check=bounds_check, backend=backend)
-        with torch.no_grad():
-            for config in configs:
-                module.weight(config.name).copy_(ebc.embedding_bags[config.name].weight)
+        module._copy_tables_from(ebc.embedding_bags, configs)
         return module
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -301,6 +331,8 @@ class FusedEmbeddingBagCollection(_FusedCollection):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_proxy(features):
+            return trace_call(self, features)
         values, offsets, psw, bag_lengths, _, batch = self._op_inputs(features, self._is_weighted)
         slots = self._slots_per_table
         if self._mean_tables is not None:
@@ -341,9 +373,7 @@ class FusedEmbeddingCollection(_FusedCollection):
         device = next(iter(ec.embeddings.values())).weight.device
         module = cls(configs, device=device, optimizer=optimizer, bounds_check=bounds_check, backend=backend,
                      need_indices=ec.need_indices())
-        with torch.no_grad():
-            for config in configs:
-                module.weight(config.name).copy_(ec.embeddings[config.name].weight)
+        module._copy_tables_from(ec.embeddings, configs)
         return module
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
@@ -359,6 +389,8 @@ class FusedEmbeddingCollection(_FusedCollection):
         return self._embedding_names_by_table
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if is_proxy(features):
+            return trace_call(self, features)
         values, offsets, _, _, lengths, batch = self._op_inputs(features, False)
         out = self._lookup(values, offsets, None, "none", batch).float()
         # The op's rows follow the values, which are in lookup order: one piece per lookup.
