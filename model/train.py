@@ -254,17 +254,39 @@ def vendor_peak(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
+class CheckpointStore:
+    """model.train's single-process checkpoints (``--checkpoint DIR``: DIR/checkpoint.pt, written to
+    a temporary file and renamed into place). The distributed driver passes its own (DCP) store
+    with the same three methods."""
+
+    def __init__(self, directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer]):
+        self.directory, self.model, self.optimizers = directory, model, optimizers
+
+    def exists(self) -> bool:
+        return has_checkpoint(self.directory)
+
+    def load(self) -> tuple[int, list[float]]:
+        return load_checkpoint(self.directory, self.model, self.optimizers)
+
+    def save(self, step: int, losses: list[float]) -> None:
+        save_checkpoint(self.directory, self.model, self.optimizers, step, losses)
+
+
 def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.optim.Optimizer],
-          data: SyntheticBatches) -> dict:
-    """The loop: steps [start, args.steps), timed after the warm-up; held-out AUC; checkpoints."""
+          data: SyntheticBatches, store: CheckpointStore | None = None) -> dict:
+    """The loop: steps [start, args.steps), timed after the warm-up; held-out AUC; checkpoints
+    (``store``, default: --checkpoint's CheckpointStore)."""
     device = torch.device(args.device)
     amp_dtype = torch.bfloat16 if args.amp == "bf16" else None
+    if store is None and args.checkpoint is not None:
+        store = CheckpointStore(args.checkpoint, model, optimizers)
     start, losses = 0, []
-    if args.resume and has_checkpoint(args.checkpoint):  # nothing to resume: start fresh (torchrun restarts)
-        start, losses = load_checkpoint(args.checkpoint, model, optimizers)
+    if args.resume and store.exists():  # nothing to resume: start fresh (torchrun restarts pass --resume every time)
+        start, losses = store.load()
         if start > args.steps:
             raise ValueError(f"--steps {args.steps} is below the checkpoint's step {start} ({args.checkpoint}); "
                              f"resuming would rewind it: pass --steps >= {start}")
+        print(f"resumed from {args.checkpoint} at step {start}", file=sys.stderr, flush=True)
     warmup = min(5, args.steps // 4) if args.warmup is None else args.warmup
     held_out = [data.held_out(i).to(device) for i in range(args.eval_batches)]
     timer = PhaseTimer(device)
@@ -300,10 +322,10 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
             auc_history.append({"step": step + 1, **evaluate(model, held_out, amp_dtype)})
             print(f"step {step + 1}: held-out AUC " + ", ".join(f"{task} {auc_history[-1][task]:.4f}"
                                                               for task in model.cfg.task_names), file=sys.stderr)
-        if args.checkpoint is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save_checkpoint(args.checkpoint, model, optimizers, step + 1, losses)
-    if args.checkpoint is not None:
-        save_checkpoint(args.checkpoint, model, optimizers, args.steps, losses)
+        if store is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            store.save(step + 1, losses)
+    if store is not None:
+        store.save(args.steps, losses)
     final_auc = evaluate(model, held_out, amp_dtype)
     return dict(losses=losses, step_ms=step_ms, components=components, flops=flops, auc=final_auc,
                 auc_history=auc_history)
