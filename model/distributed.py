@@ -208,7 +208,18 @@ def init(device: str) -> torch.device:
     else:
         backend, where = "gloo", torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+        timeout = datetime.timedelta(seconds=300)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # The agent's store outlives a restart: key this launch's rendezvous by its restart
+            # count, or the relaunched ranks read the killed ranks' addresses and never connect.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"gem_kernels/launch_{restart}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return where
 
 

@@ -2,8 +2,10 @@
 first launch (TORCHELASTIC_RESTART_COUNT 0) rank KILL_RANK SIGKILLs itself as it starts writing
 checkpoint number KILL_AT_SAVE, so that the other rank has written its part: a torn checkpoint."""
 
+import faulthandler
 import os
 import signal
+import sys
 
 import torch.distributed.checkpoint as dcp
 
@@ -25,4 +27,6 @@ def _save(*args, **kwargs):
 dcp.save = _save
 
 if __name__ == "__main__":
+    # A hung relaunch prints where it hangs and exits, instead of blocking until gloo's timeout.
+    faulthandler.dump_traceback_later(int(os.environ.get("HANG_DUMP_S", "120")), exit=True, file=sys.stderr)
     train.main()
