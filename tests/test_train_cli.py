@@ -81,3 +81,32 @@ def test_corrupt_checkpoint_says_which_file(tmp_path, content):
         path.write_bytes(content)
     with pytest.raises(ValueError, match=rf"cannot read checkpoint {path}"):
         main(COMMON + ["--steps", "2", "--checkpoint", str(tmp_path), "--resume"])
+
+
+def test_corrupt_distributed_checkpoint_says_which_file(tmp_path):
+    """--distributed's DCP checkpoint: a .metadata that does not unpickle is named (read before
+    any collective, so no process group is needed here)."""
+    pytest.importorskip("torchrec")
+    from model.distributed import load
+
+    (tmp_path / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=rf"cannot read checkpoint {tmp_path}/.metadata"):
+        load(tmp_path, None, None)
+
+
+def test_only_a_complete_distributed_checkpoint_is_resumed(tmp_path):
+    """A checkpoint appears by rename once complete: a staging directory (a killed save) is never
+    resumed; between the two renames of a publish, the previous complete one is."""
+    pytest.importorskip("torchrec")
+    from model.distributed import published
+
+    directory = tmp_path / "ckpt"
+    (tmp_path / ".ckpt.staging").mkdir()
+    (tmp_path / ".ckpt.staging" / ".metadata").write_bytes(b"")
+    assert published(directory) is None
+    (tmp_path / ".ckpt.previous").mkdir()
+    (tmp_path / ".ckpt.previous" / ".metadata").write_bytes(b"")
+    assert published(directory) == tmp_path / ".ckpt.previous"
+    directory.mkdir()
+    (directory / ".metadata").write_bytes(b"")
+    assert published(directory) == directory
