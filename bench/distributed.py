@@ -38,6 +38,7 @@ CONFIGS = {
 }
 NUM_DENSE = 13
 KERNELS = ("gem_kernels", "torchrec_fbgemm")
+LOSS_ATOL = 1e-5  # per-step loss of the two sides, same weights and batches
 
 
 class _Counters:
@@ -113,6 +114,24 @@ def _model(cfg: dict):
                 over_arch_layer_sizes=[64, 1], dense_device=torch.device("cpu"))
 
 
+def _load_tables(dmp, cfg: dict) -> None:
+    """One seeded set of tables for both sides (each sharder initialises its shards its own way):
+    every local shard set to its slice of table t = randn(rows, dim) of seed t, scaled like
+    TorchRec's default init."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            if not isinstance(value, ShardedTensor) or not key.endswith(".weight"):
+                continue
+            table = int(key.split(".")[-2][1:])  # ...embedding_bags.t<i>.weight
+            full = torch.randn(cfg["rows"], cfg["dim"], generator=torch.Generator().manual_seed(table))
+            full /= cfg["rows"] ** 0.5
+            for shard in value.local_shards():
+                offsets = shard.metadata.shard_offsets
+                shard.tensor.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, shard.tensor.shape))])
+
+
 def _dmp(kernel: str, cfg: dict, counters: _Counters, lr: float = 0.05):
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -137,6 +156,7 @@ def _dmp(kernel: str, cfg: dict, counters: _Counters, lr: float = 0.05):
     plan = sharding_plan(model, [sharder], "table_wise", compute_device="cpu")
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
                                    device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    _load_tables(dmp, cfg)
     ddp = dmp._dmp_wrapped_module
     if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         ddp.register_comm_hook(None, _ddp_hook(counters))
@@ -225,6 +245,17 @@ def run(quick: bool = False, out: Path | None = None, timeout_s: float = 540.0) 
 
     started = time.perf_counter()
     worlds = {world: _spawn(world, cfg, timeout_s) for world in (1, 2)}
+    # Verification before any time is reported: both sides started from the same weights and saw
+    # the same batches, so every step's loss agrees (fp32 sums in another order; row-wise Adagrad).
+    verified = {}
+    for world, ranks in worlds.items():
+        for rank, per_kernel in enumerate(ranks):
+            ours, theirs = per_kernel["gem_kernels"]["loss"], per_kernel["torchrec_fbgemm"]["loss"]
+            worst = max(abs(a - b) for a, b in zip(ours, theirs))
+            verified[f"world{world}_rank{rank}"] = worst
+            if worst > LOSS_ATOL:
+                raise AssertionError(f"distributed bench: gem_kernels and TorchRec+FBGEMM losses differ by {worst:.3g} "
+                                     f"> {LOSS_ATOL} (world {world}, rank {rank}): {ours} vs {theirs}")
     rows = []
     for world, ranks in worlds.items():
         for rank, per_kernel in enumerate(ranks):
@@ -244,7 +275,8 @@ def run(quick: bool = False, out: Path | None = None, timeout_s: float = 540.0) 
     result = dict(timestamp=report.utc_timestamp(), git_sha=report.git_sha(), quick=quick, config=cfg,
                   backend=gk.get_backend() if hasattr(gk, "get_backend") else None,
                   available_backends=gk.available_backends(), loadavg=os.getloadavg(), rows=rows, summary=summary,
-                  seconds=time.perf_counter() - started, plan="table_wise", transport="gloo (CPU), 1 thread per rank")
+                  seconds=time.perf_counter() - started, plan="table_wise", transport="gloo (CPU), 1 thread per rank",
+                  loss_max_abs_diff=verified)
     out = Path(out or report.DEFAULT_OUT)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"distributed-{result['timestamp'].replace(':', '')}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,9 +74,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    for name in ("eval_every", "checkpoint_every", "warmup"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.resume and args.checkpoint is None:
         parser.error("--resume needs --checkpoint DIR")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device!r} is not a device: {error}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda[:N] (the model trains on real data), got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: CUDA is not available here")
+    # Found out before the run, not after it: an output that cannot be written.
+    if args.json is not None:
+        problem = _unwritable(args.json, directory=False)
+        if problem:
+            parser.error(f"--json {args.json}: {problem}")
+    if args.checkpoint is not None:
+        problem = _unwritable(args.checkpoint, directory=True)
+        if problem:
+            parser.error(f"--checkpoint {args.checkpoint}: {problem}")
     return args
+
+
+def _unwritable(path: Path, directory: bool) -> str | None:
+    """Why ``path`` (a file, or a directory when ``directory``) cannot be written, or None. Creates
+    the missing parent directories (the run would create them anyway)."""
+    folder = path if directory else path.parent
+    if path.exists() and path.is_dir() != directory:
+        return f"is {'a file' if directory else 'a directory'}, not {'a directory' if directory else 'a file'}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot create the directory {folder}: {error.strerror or error}"
+    if not os.access(folder, os.W_OK | os.X_OK) or (not directory and path.exists() and not os.access(path, os.W_OK)):
+        return "is not writable"
+    return None
 
 
 def config_from_args(args: argparse.Namespace) -> GemConfig:
@@ -165,12 +201,34 @@ def save_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.opt
     return path
 
 
+def has_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` holds a published checkpoint (--resume starts fresh when not)."""
+    return (directory / CHECKPOINT_FILE).is_file()
+
+
+def check_checkpoint_config(directory: Path, kernels: str, config: dict, saved_kernels, saved_config) -> None:
+    """A ValueError naming every field in which the checkpoint's run differs from this one."""
+    if not isinstance(saved_config, dict):
+        raise ValueError(f"cannot read checkpoint {directory}: its config is {type(saved_config).__name__}, not a dict")
+    differ = [f"{k}: checkpoint {saved_config.get(k)!r}, this run {config.get(k)!r}"
+              for k in sorted(set(config) | set(saved_config)) if saved_config.get(k) != config.get(k)]
+    if saved_kernels != kernels:
+        differ.insert(0, f"kernels: checkpoint {saved_kernels!r}, this run {kernels!r}")
+    if differ:
+        raise ValueError(f"checkpoint {directory} is of another run; it differs in " + "; ".join(differ))
+
+
 def load_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer]) -> tuple[int, list[float]]:
     """Restores model and optimizers in place; returns (next step, losses so far)."""
-    state = torch.load(directory / CHECKPOINT_FILE, map_location=next(model.parameters()).device, weights_only=False)
-    if state["kernels"] != model.kernels or state["config"] != dataclasses.asdict(model.cfg):
-        raise ValueError(f"checkpoint {directory} is of kernels={state['kernels']!r} and another config; "
-                         f"this run is kernels={model.kernels!r}")
+    path = directory / CHECKPOINT_FILE
+    try:
+        state = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
+        if not isinstance(state, dict) or not {"step", "kernels", "config", "model", "optimizers"} <= state.keys():
+            raise ValueError(f"not a model.train checkpoint (a {type(state).__name__} "
+                             f"{sorted(state) if isinstance(state, dict) else ''})")
+    except Exception as error:  # pickle, zip and torch errors alike: say which file could not be read
+        raise ValueError(f"cannot read checkpoint {path}: {type(error).__name__}: {error}") from error
+    check_checkpoint_config(directory, model.kernels, dataclasses.asdict(model.cfg), state["kernels"], state["config"])
     model.load_state_dict(state["model"])
     model.load_fused_optimizer_state_dict(state["fused_optimizers"])
     if len(state["optimizers"]) != len(optimizers):
@@ -196,14 +254,39 @@ def vendor_peak(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
+class CheckpointStore:
+    """model.train's single-process checkpoints (``--checkpoint DIR``: DIR/checkpoint.pt, written to
+    a temporary file and renamed into place). The distributed driver passes its own (DCP) store
+    with the same three methods."""
+
+    def __init__(self, directory: Path, model: GemModel, optimizers: list[torch.optim.Optimizer]):
+        self.directory, self.model, self.optimizers = directory, model, optimizers
+
+    def exists(self) -> bool:
+        return has_checkpoint(self.directory)
+
+    def load(self) -> tuple[int, list[float]]:
+        return load_checkpoint(self.directory, self.model, self.optimizers)
+
+    def save(self, step: int, losses: list[float]) -> None:
+        save_checkpoint(self.directory, self.model, self.optimizers, step, losses)
+
+
 def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.optim.Optimizer],
-          data: SyntheticBatches) -> dict:
-    """The loop: steps [start, args.steps), timed after the warm-up; held-out AUC; checkpoints."""
+          data: SyntheticBatches, store: CheckpointStore | None = None) -> dict:
+    """The loop: steps [start, args.steps), timed after the warm-up; held-out AUC; checkpoints
+    (``store``, default: --checkpoint's CheckpointStore)."""
     device = torch.device(args.device)
     amp_dtype = torch.bfloat16 if args.amp == "bf16" else None
+    if store is None and args.checkpoint is not None:
+        store = CheckpointStore(args.checkpoint, model, optimizers)
     start, losses = 0, []
-    if args.resume:
-        start, losses = load_checkpoint(args.checkpoint, model, optimizers)
+    if args.resume and store.exists():  # nothing to resume: start fresh (torchrun restarts pass --resume every time)
+        start, losses = store.load()
+        if start > args.steps:
+            raise ValueError(f"--steps {args.steps} is below the checkpoint's step {start} ({args.checkpoint}); "
+                             f"resuming would rewind it: pass --steps >= {start}")
+        print(f"resumed from {args.checkpoint} at step {start}", file=sys.stderr, flush=True)
     warmup = min(5, args.steps // 4) if args.warmup is None else args.warmup
     held_out = [data.held_out(i).to(device) for i in range(args.eval_batches)]
     timer = PhaseTimer(device)
@@ -239,10 +322,10 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
             auc_history.append({"step": step + 1, **evaluate(model, held_out, amp_dtype)})
             print(f"step {step + 1}: held-out AUC " + ", ".join(f"{task} {auc_history[-1][task]:.4f}"
                                                               for task in model.cfg.task_names), file=sys.stderr)
-        if args.checkpoint is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save_checkpoint(args.checkpoint, model, optimizers, step + 1, losses)
-    if args.checkpoint is not None:
-        save_checkpoint(args.checkpoint, model, optimizers, args.steps, losses)
+        if store is not None and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            store.save(step + 1, losses)
+    if store is not None:
+        store.save(args.steps, losses)
     final_auc = evaluate(model, held_out, amp_dtype)
     return dict(losses=losses, step_ms=step_ms, components=components, flops=flops, auc=final_auc,
                 auc_history=auc_history)

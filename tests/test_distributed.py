@@ -313,6 +313,124 @@ def _dlrm(rank: int, world: int) -> list:
     return [kernels, losses, module_type.__name__]
 
 
+LOOP_STEPS = 5
+LOOP_PLANS = ("table_wise", "column_wise")
+
+
+def _kjt_checks(rank: int, world: int) -> dict:
+    """What DMP on the gem_kernels sharder does with odd KJTs: a later batch with the keys in another
+    order (the outputs of the first order), duplicate or missing keys, lengths that do not sum to the
+    values (each a ValueError's message)."""
+    from torchrec import KeyedJaggedTensor
+
+    import gem_kernels as gk
+
+    torch.manual_seed(0)
+    model = _dmp(_Tiny("sum"), "table_wise", gk.optim.ExactSGD(lr=0.5))
+    dense, kjt, _ = _local_batch(0, rank, world)
+    results = {"first": model(dense, kjt).detach()}
+    parts = kjt.to_dict()
+    def build(keys, lengths=None):
+        return KeyedJaggedTensor.from_jt_dict({k: parts[k] for k in keys}) if lengths is None else \
+            KeyedJaggedTensor(keys=keys, values=kjt.values(), lengths=lengths)
+    results["reordered"] = model(dense, build(["f2", "f0", "f1"])).detach()
+    for name, features in (("duplicate", KeyedJaggedTensor(keys=["f0", "f0", "f2"], values=kjt.values(),
+                                                           lengths=kjt.lengths())),
+                           ("missing", build(["f0", "f2"])),
+                           ("lengths", KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=kjt.values()[:-1],
+                                                         lengths=kjt.lengths()))):
+        try:
+            model(dense, features)
+            results[name] = "accepted"
+        except ValueError as error:
+            results[name] = str(error)
+    return results
+
+
+def _unhonoured_optimizer(rank: int, world: int) -> str:
+    """apply_optimizer_in_backward with an optimizer the sharder has no exact twin of (torch.optim.Adagrad,
+    FBGEMM's EXACT_ADAGRAD): DMP's error message."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    model = _Tiny("sum")
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.5})
+    try:
+        _dmp(model, "table_wise", None)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def _load_full_tables(dmp, full: dict) -> None:
+    """Every local shard of ``dmp``'s sharded tables set to its slice of the full tensors ``full``."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    with torch.no_grad():
+        for key, value in dmp.state_dict().items():
+            if isinstance(value, ShardedTensor):
+                for shard in value.local_shards():
+                    offsets = shard.metadata.shard_offsets
+                    shard.tensor.copy_(full[key][tuple(slice(o, o + n) for o, n in zip(offsets, shard.tensor.shape))])
+
+
+def _torchrec_loop(plan: str, ours: bool, rank: int, world: int) -> dict:
+    """A TorchRec training loop as TorchRec users write it: DLRMTrain, ``apply_optimizer_in_backward``
+    (row-wise Adagrad, lr 0.5) to pick the table optimizer, DMP on a plan, TrainPipelineSparseDist,
+    CombinedOptimizer, RandomRecDataset (int64 ids, int32 lengths). ``ours``: the gem_kernels
+    sharder (told nothing about the optimizer); else TorchRec's own sharder on FBGEMM."""
+    import itertools
+
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.datasets.random import RandomRecDataset
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from gem_kernels.torchrec.sharding import FusedEmbeddingBagCollectionSharder, sharding_plan
+
+    rows = (59, 97, 31)
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n, feature_names=[f"f{i}"])
+              for i, n in enumerate(rows)]
+    model = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+                           dense_in_features=4, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1]))
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.embedding_bag_collection.parameters(),
+                                {"lr": 0.5})
+    sharder = (FusedEmbeddingBagCollectionSharder(module_type=EmbeddingBagCollection) if ours
+               else EmbeddingBagCollectionSharder())
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                                   device=torch.device("cpu"), sharders=[sharder],
+                                   plan=sharding_plan(model, [sharder], plan, compute_device="cpu"))
+    _load_full_tables(dmp, full)  # TorchRec's CPU shards start from their own init: both start from `full`
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.1))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, device=torch.device("cpu"))
+    data = RandomRecDataset(keys=["f0", "f1", "f2"], batch_size=GLOBAL_BATCH // world, hash_sizes=list(rows),
+                            ids_per_features=[3, 2, 4], num_dense=4, manual_seed=100 + rank,
+                            num_batches=LOOP_STEPS + 2)
+    batches = iter(data)
+    lengths_dtype = next(iter(data)).sparse_features.lengths().dtype
+    losses = []
+    for _ in range(LOOP_STEPS):
+        loss, _logits, _labels = pipeline.progress(batches)  # DLRMTrain: (loss, (loss, logits, labels))
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        losses.append(float(reduced) / world)
+    kernels = sorted({type(kernel).__name__ for m in dmp.modules() if hasattr(m, "_lookups")
+                      for lookup in m._lookups for kernel in lookup._emb_modules})
+    return {"losses": losses, "lengths_dtype": lengths_dtype, "kernels": kernels}
+
+
 def _run_jobs(rank: int, world: int, jobs: list) -> dict:
     results = {}
     for name, fn, args in jobs:
@@ -384,9 +502,12 @@ def runs(tmp_path_factory):
     ckpt1, ckpt2 = os.path.join(root, "ckpt_world1"), os.path.join(root, "ckpt_world2")
     train = [(f"train/{p}/{q}", "_train", (p, q)) for p, q in CASES]
     train.append(("train/sequence", "_train_sequence", ()))
-    one = _run_here(train + [("save", "_save_checkpoint", (ckpt1,))])
+    one = _run_here(train + [("save", "_save_checkpoint", (ckpt1,)), ("kjt", "_kjt_checks", ()),
+                             ("unhonoured", "_unhonoured_optimizer", ())])
     two = _run_spawned(2, train + [("save", "_save_checkpoint", (ckpt2,)), ("load", "_load_checkpoint", (ckpt1,)),
-                                   ("bad_id", "_bad_id", ()), ("dlrm", "_dlrm", ())], os.path.join(root, "w2"))
+                                   ("bad_id", "_bad_id", ()), ("dlrm", "_dlrm", ())]
+                       + [(f"loop/{plan}/{ours}", "_torchrec_loop", (plan, ours))
+                          for plan in LOOP_PLANS for ours in (True, False)], os.path.join(root, "w2"))
     back = _run_here([("load", "_load_checkpoint", (ckpt2,))])
     return {"one": one, "two": two, "back": back}
 
@@ -455,3 +576,38 @@ def test_torchrec_dlrm_trains_under_dmp(runs):
         assert kernels and set(kernels) == {"GemBatchedFusedEmbeddingBag"}, kernels
         assert sharded_type == ("FusedEmbeddingBagCollection" if hasattr(gk, "swap") else "EmbeddingBagCollection")
         assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("plan", LOOP_PLANS)
+def test_torchrec_training_loop_equals_torchrec_sharders(runs, plan):
+    """The TorchRec user's loop (DMP + TrainPipelineSparseDist + apply_optimizer_in_backward(RowWiseAdagrad)
+    + CombinedOptimizer + RandomRecDataset with int32 lengths, 2 gloo ranks): the gem_kernels sharder
+    gives TorchRec + FBGEMM's losses over 5 steps. Row-wise Adagrad with lr 0.5 moves the loss by
+    far more than 1e-5 per step, so a sharder that ignored the chosen optimizer fails here."""
+    ours, theirs = _get(runs["two"], f"loop/{plan}/True"), _get(runs["two"], f"loop/{plan}/False")
+    print(f"\n{plan} losses  gem_kernels: {[round(x, 6) for x in ours[0]['losses']]}"
+          f"\n{plan} losses  TorchRec+FBGEMM: {[round(x, 6) for x in theirs[0]['losses']]}")
+    assert ours[0]["lengths_dtype"] == torch.int32  # the mixed-dtype input this loop exists to cover
+    assert ours[0]["kernels"] == ["GemBatchedFusedEmbeddingBag"], ours[0]["kernels"]
+    assert "GemBatchedFusedEmbeddingBag" not in theirs[0]["kernels"], theirs[0]["kernels"]
+    assert ours[0]["losses"] == ours[1]["losses"] and len(ours[0]["losses"]) == LOOP_STEPS
+    torch.testing.assert_close(ours[0]["losses"], theirs[0]["losses"], atol=1e-5, rtol=0)
+    assert max(abs(a - b) for a, b in zip(theirs[0]["losses"][1:], theirs[0]["losses"][:-1])) > 1e-3
+
+
+def test_kjt_keys_and_lengths_checked_under_dmp(runs):
+    """issue 30 items 3, 4, 17, 22: a reordered batch gives the first order's outputs (TorchRec's own
+    sharded EBC reads it by position); duplicate keys, a missing key and lengths that do not sum to
+    the values are ValueErrors that say so, before the input all-to-all."""
+    (got,) = _get(runs["one"], "kjt")
+    torch.testing.assert_close(got["reordered"], got["first"], atol=0, rtol=0)
+    assert "keys ['f0'] more than once" in got["duplicate"], got["duplicate"]
+    assert "features is missing the keys ['f1']" in got["missing"], got["missing"]
+    assert "lengths sum to" in got["lengths"] and "values" in got["lengths"], got["lengths"]
+
+
+def test_unhonoured_table_optimizer_is_an_error(runs):
+    """An optimizer chosen with apply_optimizer_in_backward that has no exact gk.optim twin is a clear
+    error, never a silent ExactSGD(lr=0.01)."""
+    (message,) = _get(runs["one"], "unhonoured")
+    assert "EXACT_ADAGRAD" in message and "apply_optimizer_in_backward" in message, message

@@ -254,7 +254,8 @@ def embedding_bag(weights: torch.Tensor, tables: TableMeta, indices: torch.Tenso
         tables: a ``TableMeta`` (weights_offsets, D_offsets, rows_offsets: int64 [T], [T+1], [T+1]); a
             module's is ``module.table_meta``, ``pack_tables(rows, dims).meta(device)`` builds one.
         indices: [N] int32/int64, row ids local to their table.
-        offsets: [T*B+1], indices' dtype; offsets[0] == 0, nondecreasing, offsets[-1] == N.
+        offsets: [T*B+1] int32/int64 (either dtype with either indices' dtype: a mix is cast to int64 once,
+            as FBGEMM's TBE does); offsets[0] == 0, nondecreasing, offsets[-1] == N.
         per_sample_weights: [N] float or None, any pooling. It is differentiable:
             ``d out / d w_i = <grad of the output row i was pooled into, W_t[indices[i]]>`` (divided by
             the bag's kept length for mean; 0 for a dropped index), computed from the weights before a
@@ -288,7 +289,9 @@ def embedding_bag(weights: torch.Tensor, tables: TableMeta, indices: torch.Tenso
     check_tensor("indices", indices, dtypes=INDEX_DTYPES, dims=(1,))
     check_offsets_meta("offsets", offsets)
     if offsets.dtype != indices.dtype:
-        raise ValueError(f"offsets must have indices' dtype {indices.dtype}, got {offsets.dtype}")
+        # TorchRec emits int64 ids with int32 lengths/offsets; FBGEMM's TBE accepts the mix and casts
+        # once at its front door, so do we (to int64: widening never changes a value).
+        indices, offsets = indices.long(), offsets.long()
     if (offsets.shape[0] - 1) % num_tables != 0:
         raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables} tables, got {offsets.shape[0]}")
     pooling_code = _code("pooling", pooling, POOLING_CODES)

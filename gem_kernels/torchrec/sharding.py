@@ -62,30 +62,69 @@ _MODEL_PARALLEL = (ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value
 _ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 
+# fused_params that would change FBGEMM's update in ways gem_kernels' fused update does not do.
+_UNSUPPORTED_FUSED_PARAMS = ("max_norm", "gradient_clipping", "momentum", "counter_based_regularization",
+                             "cowclip_regularization", "global_weight_decay")
+
+
 def optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]):
-    """The gem_kernels optimizer config named by TorchRec ``fused_params`` (``optimizer``: an
-    fbgemm ``EmbOptimType``, ``learning_rate``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``);
-    None when they name none."""
+    """The exact ``gem_kernels.optim`` twin of the optimizer named by TorchRec ``fused_params`` (what
+    the sharder's ``fused_params`` and ``apply_optimizer_in_backward`` set per table: ``optimizer``,
+    an fbgemm ``EmbOptimType``; ``learning_rate``, ``eps``, ``beta1``/``beta2`` or ``betas``,
+    ``weight_decay`` with ``weight_decay_mode``), with FBGEMM's defaults for what they leave out;
+    None when they name none. An optimizer or a setting with no exact twin is a ValueError."""
     if not fused_params or fused_params.get("optimizer") is None:
         return None
-    name = str(getattr(fused_params["optimizer"], "name", fused_params["optimizer"])).upper()
-    lr = float(fused_params.get("learning_rate", 0.01))
+    raw = fused_params["optimizer"]
+    name = str(getattr(raw, "name", raw)).upper()
+    if name.startswith("EMBOPTIMTYPE."):
+        name = name[len("EMBOPTIMTYPE."):]
+    for key in _UNSUPPORTED_FUSED_PARAMS:
+        if fused_params.get(key):
+            raise ValueError(f"fused_params[{key!r}] = {fused_params[key]!r} is not supported by the gem_kernels "
+                             f"sharder: its fused update has no equivalent, so the tables would train differently")
+    lr = float(fused_params.get("learning_rate", 0.01))  # FBGEMM's defaults for what is left out
+    eps = float(fused_params.get("eps", 1e-8))
     decay = float(fused_params.get("weight_decay", 0.0))
+    if decay:
+        mode = str(getattr(fused_params.get("weight_decay_mode"), "name", fused_params.get("weight_decay_mode")))
+        if mode.upper() != "L2":
+            # FBGEMM applies no decay under its default mode NONE and a decoupled one under DECOUPLED:
+            # gem_kernels' update has L2 decay only, so anything else would train differently.
+            raise ValueError(f"fused_params['weight_decay'] = {decay} needs weight_decay_mode L2 for the gem_kernels "
+                             f"sharder (its only decay), got weight_decay_mode {fused_params.get('weight_decay_mode')!r}")
     if name in ("EXACT_SGD", "SGD"):
         return ExactSGD(lr=lr, weight_decay=decay)
     if name in ("EXACT_ROWWISE_ADAGRAD", "ROWWISE_ADAGRAD"):
-        return ExactRowwiseAdagrad(lr=lr, eps=float(fused_params.get("eps", 1e-8)), weight_decay=decay)
+        return ExactRowwiseAdagrad(lr=lr, eps=eps, weight_decay=decay)
     if name in ("ADAM", "EXACT_ADAM"):
-        return ExactAdam(lr=lr, eps=float(fused_params.get("eps", 1e-8)),
-                         betas=(float(fused_params.get("beta1", 0.9)), float(fused_params.get("beta2", 0.999))),
-                         weight_decay=decay)
-    raise ValueError(f"fused_params['optimizer'] must be EXACT_SGD, EXACT_ROWWISE_ADAGRAD or ADAM for the "
-                     f"gem_kernels sharder, got {fused_params['optimizer']!r}")
+        betas = fused_params.get("betas", (fused_params.get("beta1", 0.9), fused_params.get("beta2", 0.999)))
+        return ExactAdam(lr=lr, eps=eps, betas=(float(betas[0]), float(betas[1])), weight_decay=decay)
+    raise ValueError(f"the gem_kernels sharder trains tables with EXACT_SGD (torch.optim.SGD), EXACT_ROWWISE_ADAGRAD "
+                     f"(torchrec.optim.RowWiseAdagrad) or ADAM (torch.optim.Adam); the table's optimizer is {raw!r} "
+                     f"(from the sharder's fused_params or apply_optimizer_in_backward)")
+
+
+def _resolve_optimizer(options: "_GemOptions", config: GroupedEmbeddingConfig):
+    """The table group's optimizer: the sharder's ``optimizer=``, the group's fused params (TorchRec
+    merges the sharder's ``fused_params`` and ``apply_optimizer_in_backward``'s per-table choice into
+    them), the module's own ``optimizer``; two that disagree are an error, none gives FBGEMM's
+    default ``EXACT_SGD(lr=0.01)``."""
+    sources = {"the sharder's optimizer=": options.optimizer,
+               "fused params (sharder fused_params / apply_optimizer_in_backward)":
+                   optimizer_from_fused_params(config.fused_params),
+               "the module's optimizer": options.module_optimizer}
+    given = {k: v for k, v in sources.items() if v is not None}
+    if len({repr(v) for v in given.values()}) > 1:
+        tables = [t.name for t in config.embedding_tables]
+        raise ValueError(f"tables {tables} are given conflicting optimizers: {given}; choose one")
+    return next(iter(given.values()), ExactSGD(lr=0.01))
 
 
 @dataclasses.dataclass
 class _GemOptions:
     optimizer: Any
+    module_optimizer: Any
     bounds_check: str
     backend: Optional[str]
 
@@ -95,10 +134,11 @@ class _GemTBE(nn.Module):
     FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` methods TorchRec's fused-optimizer and
     state_dict plumbing call (``split_embedding_weights``, ``get_optimizer_state``, learning rate)."""
 
-    def __init__(self, rows: List[int], cols: List[int], pooling: str, dtype: torch.dtype, device, options):
+    def __init__(self, rows: List[int], cols: List[int], pooling: str, dtype: torch.dtype, device, options,
+                 optimizer):
         super().__init__()
         self.bags = FusedEmbeddingBag([TableSpec(r, c) for r, c in zip(rows, cols)], pooling=pooling, dtype=dtype,
-                                      device=device, optimizer=options.optimizer,
+                                      device=device, optimizer=optimizer,
                                       bounds_check=options.bounds_check, backend=options.backend)
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
@@ -164,7 +204,7 @@ class _GemKernelMixin:
     def _build(self, config: GroupedEmbeddingConfig, pg, device, pooling: str, options: _GemOptions) -> None:
         _check_one_feature_per_table(config)
         self._emb_module = _GemTBE(self._local_rows, self._local_cols, pooling, data_type_to_dtype(config.data_type),
-                                   device, options)
+                                   device, options, _resolve_optimizer(options, config))
         self._optim = EmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
 
@@ -273,15 +313,43 @@ def _grouped_configs(sharding) -> List[GroupedEmbeddingConfig]:
 
 
 class _BoundsAgreement:
-    """Ids checked against their table's rows BEFORE the input all-to-all, and the outcome agreed
-    by every rank: a bad id on one rank raises the same IndexError on all of them (a rank that
-    raised alone would leave the others blocked in the next collective)."""
+    """The KJT checked BEFORE the input all-to-all, where a bad one is still the user's input: keys
+    (none missing, none twice, the first batch's order restored when a later batch lists them in
+    another), lengths that sum to the values, and ids within their table's rows, the last outcome
+    agreed by every rank: a bad id on one rank raises the same IndexError on all of them (a rank
+    that raised alone would leave the others blocked in the next collective)."""
 
     def _setup_bounds(self, configs, bounds_check: str, env) -> None:
         self._gem_bounds_check = bounds_check
         self._gem_pg = env.process_group
         self._gem_rows = {f: c.num_embeddings for c in configs for f in (c.feature_names or [c.name])}
         self._gem_table = {f: c.name for c in configs for f in (c.feature_names or [c.name])}
+        self._gem_key_order: Optional[List[str]] = None
+
+    def _checked_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        keys = list(features.keys())
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise ValueError(f"features has the keys {duplicates} more than once (keys {keys}); each key must "
+                             f"appear once")
+        missing = sorted(set(self._gem_rows) - set(keys))
+        if missing:
+            raise ValueError(f"features is missing the keys {missing} (it has {keys})")
+        total, values = int(features.lengths().sum()), features.values().numel()
+        if total != values:
+            raise ValueError(f"features' lengths sum to {total}, but it has {values} values")
+        # TorchRec's input distribution fixes the key order at the first batch and reads later
+        # batches by position: put a reordered batch back in that order.
+        if self._gem_key_order is None:
+            self._gem_key_order = keys
+        elif keys != self._gem_key_order:
+            if sorted(keys) != sorted(self._gem_key_order):
+                raise ValueError(f"features has the keys {keys}, the first batch had {self._gem_key_order}; every "
+                                 f"batch must have the same keys")
+            features = features.permute([keys.index(k) for k in self._gem_key_order])
+        return features
 
     def _agree_on_ids(self, features: KeyedJaggedTensor) -> None:
         if self._gem_bounds_check != "fatal":
@@ -336,6 +404,7 @@ class ShardedFusedEmbeddingBagCollection(_BoundsAgreement, ShardedEmbeddingBagCo
                 env=sharding._env))
 
     def input_dist(self, ctx, features):
+        features = self._checked_features(features)
         self._agree_on_ids(features)
         return super().input_dist(ctx, features)
 
@@ -361,6 +430,7 @@ class ShardedFusedEmbeddingCollection(_BoundsAgreement, ShardedEmbeddingCollecti
                 device=sharding._device, env=sharding._env))
 
     def input_dist(self, ctx, features):
+        features = self._checked_features(features)
         self._agree_on_ids(features)
         return super().input_dist(ctx, features)
 
@@ -406,9 +476,8 @@ class _GemSharderMixin:
         self._gem_module_type = module_type
 
     def _options(self, module) -> _GemOptions:
-        optimizer = (self._gem_optimizer or getattr(module, "optimizer", None)
-                     or optimizer_from_fused_params(self.fused_params) or ExactSGD(lr=0.01))
-        return _GemOptions(optimizer, self._gem_bounds_check, self._gem_backend)
+        return _GemOptions(self._gem_optimizer, getattr(module, "optimizer", None), self._gem_bounds_check,
+                           self._gem_backend)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         types = [ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value]
@@ -440,8 +509,11 @@ def _default_module_type(kind: str):
 class FusedEmbeddingBagCollectionSharder(_GemSharderMixin, EmbeddingBagCollectionSharder):
     """Pass in ``DistributedModelParallel(..., sharders=[FusedEmbeddingBagCollectionSharder(...)])``.
 
-    optimizer: a ``gem_kernels.optim`` config; None takes the module's own ``optimizer``, then the
-    one named by ``fused_params``, then ``ExactSGD(lr=0.01)`` (FBGEMM's default).
+    optimizer: a ``gem_kernels.optim`` config for every table. Else each table trains with what TorchRec
+    chose for it (``apply_optimizer_in_backward`` or the sharder's ``fused_params``, mapped to the
+    exact ``gem_kernels.optim`` twin; one with no twin is a ValueError), or the module's own
+    ``optimizer``; conflicting choices are a ValueError; no choice at all is FBGEMM's default
+    ``EXACT_SGD(lr=0.01)``.
     module_type: the class it shards (default ``gem_kernels.torchrec.FusedEmbeddingBagCollection``;
     pass torchrec's ``EmbeddingBagCollection`` to run unswapped TorchRec models on our kernel).
     """
@@ -488,6 +560,27 @@ class FusedEmbeddingCollectionSharder(_GemSharderMixin, EmbeddingCollectionShard
 PLANS = ("table_wise", "column_wise", "auto")
 
 
+def _check_sharders(model: nn.Module, sharders: List[Any]) -> None:
+    """A plan that shards nothing leaves every table unsharded under DMP: refuse it, and say why."""
+    if not isinstance(sharders, (list, tuple)) or not sharders:
+        raise ValueError(f"sharders must be a non-empty list of sharder instances, e.g. "
+                         f"[FusedEmbeddingBagCollectionSharder()], got {sharders!r}")
+    for sharder in sharders:
+        if isinstance(sharder, type):
+            raise TypeError(f"sharders must hold sharder instances, got the class {sharder.__name__}; pass "
+                            f"{sharder.__name__}()")
+    types = {s.module_type for s in sharders}
+    if not any(type(m) in types for m in model.modules()):
+        collections = sorted({f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules()
+                              if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+                              or "EmbeddingBagCollection" in type(m).__name__
+                              or "EmbeddingCollection" in type(m).__name__})
+        raise ValueError(f"no module of the model is one the sharders shard ({sorted(t.__name__ for t in types)}); "
+                         f"its embedding collections: {collections or 'none'}. Run gk.swap(model) first to put "
+                         f"gem_kernels collections in, or pass module_type=torchrec.EmbeddingBagCollection "
+                         f"(or EmbeddingCollection) to the sharder")
+
+
 def sharding_plan(model: nn.Module, sharders: List[Any], plan: str = "auto", world_size: Optional[int] = None,
                   compute_device: str = "cpu", pg: Optional[dist.ProcessGroup] = None):
     """A TorchRec ``ShardingPlan`` for every module of ``model`` that one of ``sharders`` shards.
@@ -504,6 +597,9 @@ def sharding_plan(model: nn.Module, sharders: List[Any], plan: str = "auto", wor
 
     if plan not in PLANS:
         raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be None (the process group's) or an int >= 1, got {world_size!r}")
+    _check_sharders(model, sharders)
     world_size = world_size or dist.get_world_size(pg)
     if plan == "auto":
         planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device=compute_device))
