@@ -183,7 +183,7 @@ class GemModel(nn.Module):
         the dense parameters), left out of the model FLOPs.
 
         Counted per op from gem_kernels.flops: the linear layers 2*m*n*k forward and twice that
-        backward; HSTU attention flops.jagged_attention over the real lengths (causal half, backward
+        backward (the first dense layer once: its input, the dense features, needs no gradient); HSTU attention flops.jagged_attention over the real lengths (causal half, backward
         2.5x forward); Wukong layers flops.wukong_layer, the dot interaction flops.dot_interaction;
         embedding bags 2 FLOPs per looked-up element forward (pooling) and backward (the duplicate
         sums, flops.embedding_bag_backward_rowwise_adagrad less its update), the sequence tables
@@ -196,9 +196,11 @@ class GemModel(nn.Module):
         dim, num_users = cfg.embedding_dim, batch.batch_size
         num_rows = batch.candidate_ids.numel()
         out = dict.fromkeys(("sparse", "sequence", "interaction", "heads", "backward", "optimizer"), 0)
-        dense = mlp_flops((cfg.num_dense,) + cfg.dense_arch_layers + (dim,), num_users)
+        dense_sizes = (cfg.num_dense,) + cfg.dense_arch_layers + (dim,)
+        dense = mlp_flops(dense_sizes, num_users)
         out["sparse"] += dense
-        out["backward"] += 2 * dense
+        # The dense features need no gradient: the first layer's backward is its weight gradient only.
+        out["backward"] += 2 * dense - mlp_flops(dense_sizes[:2], num_users)
 
         lookups = batch.sparse_lengths.view(cfg.num_tables, num_users).sum(1).tolist()
         starts = [0] + torch.tensor(lookups).cumsum(0).tolist()
