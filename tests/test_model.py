@@ -508,6 +508,28 @@ def test_mfu_by_component_is_each_phase_over_its_time():
     assert mfu(1e9, 10.0, 0.5) == pytest.approx(0.2)
 
 
+def test_bench_model_row_and_train_agree_on_mfu(monkeypatch):
+    """On the tiny config, `python -m bench model`'s row and model.train compute one MFU: the case's
+    FLOPs are the mean flops_per_step of its batches, and the harness's % of peak for a step time
+    and peak is model.train's mfu for the same time and peak."""
+    import bench.model
+    from bench import harness
+    from model.train import mfu
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(bench.model, "config_for", lambda device: ("tiny", TINY, None))
+    case = next(bench.model.cases(quick=True, device=cpu))
+    batch_size = max(TINY.batch_size // 4, 8)
+    data = SyntheticBatches(TINY, batch_size, seed=0)
+    model = GemModel(TINY, "fused")
+    assert case.flops == sum(model.flops_per_step(data[i]) for i in range(2)) // 2
+    assert any("components TFLOP/s" in note for note in case.notes)
+    timing = harness.Timing(times=[0.004, 0.005, 0.006], capped=False)
+    peaks = {"matmul_tflops": {"float32": 0.25}}
+    row = harness.make_row("model", case, "fused", timing, cpu, peaks, "sha", "now")
+    assert row["pct_peak"] == pytest.approx(100 * mfu(case.flops, timing.median_ms, 0.25))
+
+
 def test_phase_timer_marks_every_component():
     model = GemModel(TINY, kernels="fused")
     timer = PhaseTimer(torch.device("cpu"))
