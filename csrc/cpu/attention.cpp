@@ -247,8 +247,10 @@ void nonfinite_tiles(const float* x, int64_t L, int64_t ld, int64_t width, int64
   flags.assign((L + block - 1) / block, 0);
   for (int64_t i = 0; i < L; ++i) {
     const float* row = x + i * ld;
-    bool bad = false;
-    for (int64_t d = 0; d < width; ++d) bad |= !std::isfinite(row[d]);
+    // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
+    // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
+    uint32_t bad = 0;
+    for (int64_t d = 0; d < width; ++d) bad |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
     if (bad) flags[i / block] = 1;
   }
 }
