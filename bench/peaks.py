@@ -56,7 +56,11 @@ def gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor], device: tor
     row once (sum len(ids[t]) * row bytes; a repeated row counts each time, as FBGEMM's formula
     counts it). It is the time any embedding bag must spend reading its rows from memory in this
     order, so an embedding-bag row's GB/s by FBGEMM's formula (these reads plus its small output)
-    over it is its % of the gather peak."""
+    over it is its % of the gather peak. The gather is ATen's, one row after another with no
+    software prefetch: random rows are latency-bound, and a kernel that prefetches the next bags'
+    rows overlaps more misses than it does (measured 2026-12-05, 2-core Xeon, 1 thread, the bench's
+    full CPU shape: the fused forward at 179 % of it), so it is the roof of an unprefetched gather,
+    not of the memory system."""
     settings = settings or Settings(min_repeats=3, min_time=0.2, max_time=2.0, warmup_time=0.05)
     chunks = [(table, part) for table, table_ids in zip(tables, ids)
               for part in table_ids.to(device).split(_GATHER_CHUNK)]
