@@ -34,6 +34,7 @@ import gem_kernels as gk
 from gem_kernels import flops
 
 from .harness import Case, rotate
+from .peaks import gather_gbps
 
 SEED = 0
 ZIPF_ALPHA = 1.05
@@ -184,8 +185,15 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         impls["fbgemm"] = rotate(arg_sets, lambda i, o, _: _no_grad(lambda: tbe(i, o)))
     case_flops, formula_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
     floor_bytes = flops.embedding_bag_floor(first_indices, first_offsets, dims, batch, 4)
+    # The roof of a pooled lookup: reading these rows of these tables in this order (bench.peaks).
+    gather = gather_gbps([module.weight(t).detach() for t in range(len(specs))],
+                         [batches[0][0][lo:hi] for lo, hi in bounds], device)
+    gather_note = (f"gather peak {gather:.1f} GB/s: batch 0's looked-up rows read in its order from these tables "
+                   f"(bench.peaks.gather_gbps: ATen's index_select, no software prefetch, so a prefetching kernel "
+                   f"can pass 100 %); '% of gather' = GB/s by FBGEMM's formula over it")
     yield Case(op="embedding_bag fwd", shape=shape, dtype=dtype, flops=case_flops, bytes=floor_bytes,
-               formula_bytes=formula_bytes, impls=impls, baseline="eager-loop", peak="bandwidth", notes=list(notes),
+               formula_bytes=formula_bytes, impls=impls, baseline="eager-loop", peak="bandwidth",
+               notes=[*notes, gather_note], gather_gbps=gather,
                reference="reference", tolerance=tolerance, compiled=[n for n in impls if n == "compile"])
     del impls, loop, bags
     if fbgemm_why is None:

@@ -98,6 +98,9 @@ class Case:
     compiled: tuple[str, ...] = ()
     formula_bytes: int | None = None
     examples: int | None = None  # examples (users, samples) one call processes: the row gets examples_per_s
+    # The case's measured gather peak (bench.peaks.gather_gbps, GB/s of reading its looked-up rows in its
+    # order): rows get pct_gather_peak = GB/s by formula_bytes over it (embedding-bag forward).
+    gather_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.peak not in PEAK_KINDS:
@@ -461,6 +464,7 @@ def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha:
         "gbps_formula": None,
         "peak": case.peak,
         "pct_peak": None,
+        "pct_gather_peak": None,
         "speedup_vs_baseline": None,
         "baseline": case.baseline,
         "git_sha": git_sha,
@@ -489,6 +493,8 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         "examples_per_s": case.examples / seconds if case.examples and seconds > 0 else None,
     })
     row["pct_peak"] = pct_of_peak(row, peaks)
+    if case.gather_gbps and row["gbps_formula"] is not None:
+        row["pct_gather_peak"] = 100 * row["gbps_formula"] / case.gather_gbps
     return row
 
 

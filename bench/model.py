@@ -12,7 +12,7 @@ the fused jagged HSTU attention and interaction) and "fused+compile" (the fused 
 dense arch torch.compile'd). All start from the same weights and see the same rotated batches, so
 their first step's losses must agree before any is timed. FLOPs from GemModel.flops_per_step
 (forward + backward, real jagged work); % of peak is the MFU against the measured matmul peak of
-the training dtype. Per-component times (sparse, sequence, interaction, heads, backward_optimizer;
+the training dtype, model.train's MFU formula (model.train.mfu). Per-component times (sparse, sequence, interaction, heads, backward_optimizer;
 PhaseTimer, medians of a few steps run before the timed ones, on the same model put back to
 its initial state afterwards) go to the notes.
 """
@@ -29,17 +29,23 @@ from .harness import Case, SkipFamily, rotate
 IMPLS = ("eager", "fused", "fused+compile")
 
 
+def config_for(device: torch.device):
+    """(preset name, GemConfig, autocast dtype or None) of the device: CPU small fp32, GPU large bf16."""
+    from model import GemConfig
+
+    if device.type == "cuda":
+        return "large", GemConfig.large(), torch.bfloat16
+    return "small", GemConfig.small(), None
+
+
 def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     try:
-        from model import GemConfig, GemModel, PhaseTimer, SyntheticBatches
-        from model.train import train_step
+        from model import GemModel, PhaseTimer, SyntheticBatches
+        from model.train import mfu_by_component, train_step
     except Exception as exc:  # model/ (and torchrec) are optional for the bench: skip with the reason
         raise SkipFamily(f"`import model` failed ({type(exc).__name__}: {exc})") from exc
 
-    if device.type == "cuda":
-        name, cfg, amp = "large", GemConfig.large(), torch.bfloat16
-    else:
-        name, cfg, amp = "small", GemConfig.small(), None
+    name, cfg, amp = config_for(device)
     batch_size = max(cfg.batch_size // 4, 8) if quick else cfg.batch_size
     data = SyntheticBatches(cfg, batch_size, seed=0)
     batches = [data[i].to(device) for i in range(2 if quick else 3)]
@@ -69,6 +75,12 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         medians = {phase: statistics.median(s[phase] for s in split[1:]) for phase in split[0]}
         notes.append(f"{impl} components (ms, median of {len(split) - 1} steps after one warm-up): "
                      + ", ".join(f"{k} {v:.2f}" for k, v in medians.items()))
+        # Each phase's own FLOPs over its own time (model.train's mfu_by_component is this / the peak).
+        by_component = [model.flops_by_component(batches[i % len(batches)]) for i in range(1, len(split))]
+        mean = {k: statistics.fmean(f[k] for f in by_component) for k in by_component[0]}
+        rates = mfu_by_component(mean, medians, 1.0)
+        notes.append(f"{impl} components TFLOP/s (own FLOPs / own time; backward_optimizer: the backward's): "
+                     + ", ".join(f"{k} {v:.3g}" for k, v in rates.items() if v is not None))
         model.load_state_dict(initial)
         model.load_fused_optimizer_state_dict(initial_fused)
         del initial, initial_fused

@@ -4,7 +4,9 @@ is relative to are the better of the two measurements (``measure_peaks_again``).
 - matmul TFLOP/s per dtype: a large square matmul (2*n^3 FLOPs), fp32 on CPU; fp32, tf32, bf16 and
   fp16 on GPU (tf32 = fp32 inputs with TF32 tensor cores allowed);
 - copy GB/s: ``dst.copy_(src)`` of a tensor far larger than the caches, counting read + write bytes
-  (2 * nbytes), which is how the bandwidth-bound ops' minimum bytes are counted too.
+  (2 * nbytes), which is how the bandwidth-bound ops' minimum bytes are counted too;
+- gather GB/s (``gather_gbps``, per case: the embedding-bag family's roof): reading the case's own
+  looked-up rows from its own tables in its own order, the access pattern a pooled lookup cannot avoid.
 On CPU torch uses all cores (the bench sets the thread count once for the whole run).
 """
 
@@ -39,6 +41,40 @@ def _copy_gbps(mib: int, device: torch.device, settings: Settings) -> float:
     dst = torch.empty_like(src)
     timing = measure(lambda: dst.copy_(src), device, settings)
     return 2 * src.nbytes / (timing.p10_ms / 1e3) / 1e9
+
+
+# Lookups gathered per index_select: the output block (<= 2 MiB at D = 128) is reused and stays in
+# cache, so the gather's time is the rows' reads, not the writes of a copy the size of the reads; 4096
+# keeps the per-call cost (~2 us of dispatch) to a few % of the chunk's reads.
+_GATHER_CHUNK = 4096
+
+
+def gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor], device: torch.device,
+                settings: Settings | None = None) -> float:
+    """The gather peak of a lookup pattern (GB/s): table t's rows ``ids[t]`` read in that order with
+    ``torch.index_select`` into a small reused block (_GATHER_CHUNK rows), bytes = every looked-up
+    row once (sum len(ids[t]) * row bytes; a repeated row counts each time, as FBGEMM's formula
+    counts it). It is the time any embedding bag must spend reading its rows from memory in this
+    order, so an embedding-bag row's GB/s by FBGEMM's formula (these reads plus its small output)
+    over it is its % of the gather peak. The gather is ATen's, one row after another with no
+    software prefetch: random rows are latency-bound, and a kernel that prefetches the next bags'
+    rows overlaps more misses than it does (measured 2026-12-05, 2-core Xeon, 1 thread, the bench's
+    full CPU shape: the fused forward at 179 % of it), so it is the roof of an unprefetched gather,
+    not of the memory system."""
+    settings = settings or Settings(min_repeats=3, min_time=0.2, max_time=2.0, warmup_time=0.05)
+    chunks = [(table, part) for table, table_ids in zip(tables, ids)
+              for part in table_ids.to(device).split(_GATHER_CHUNK)]
+    blocks = {(t.shape[1], t.dtype): torch.empty(_GATHER_CHUNK, t.shape[1], dtype=t.dtype, device=device)
+              for t in tables}
+
+    def gather():
+        for table, part in chunks:
+            block = blocks[(table.shape[1], table.dtype)]
+            torch.index_select(table, 0, part, out=block[:part.numel()])
+
+    nbytes = sum(i.numel() * t.shape[1] * t.element_size() for t, i in zip(tables, ids))
+    timing = measure(gather, device, settings)
+    return nbytes / (timing.p10_ms / 1e3) / 1e9
 
 
 def matmul_peak_tflops(dtype: torch.dtype, device: torch.device, quick: bool = True) -> float:

@@ -118,6 +118,8 @@ def table_lines(rows: list[dict]) -> list[str]:
         pct = _fmt(r["pct_peak"], ".1f")
         if r["pct_peak"] is not None:
             pct += " (bw)" if r["peak"] == "bandwidth" else " (mm)"
+        if r.get("pct_gather_peak") is not None:
+            pct += f"; {r['pct_gather_peak']:.1f} of gather"
         cells = common + [f"{r['ms']:.3f}", f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}",
                           f"{r['repeats']}{'*' if r['capped'] else ''}{' (few)' if r.get('few_repeats') else ''}",
                           compile_s, _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), _fmt(r.get("gbps_formula"), ".1f"),

@@ -47,8 +47,14 @@ def embedding_bag_backward_rowwise_adagrad(lookups: list[int], unique_rows: list
     updated = sum(u * d for u, d in zip(unique_rows, dims))
     indices = sum(lookups) * index_bytes + (len(dims) * batch + 1) * index_bytes
     grad_read = batch * sum(dims) * elem_bytes
-    flops_ = 2 * sum(n * d for n, d in zip(lookups, dims)) + 6 * updated
+    flops_ = 2 * sum(n * d for n, d in zip(lookups, dims)) + rowwise_adagrad_update(unique_rows, dims)
     return flops_, grad_read + 2 * updated * elem_bytes + 2 * sum(unique_rows) * 4 + indices
+
+
+def rowwise_adagrad_update(unique_rows: list[int], dims: list[int]) -> int:
+    """FLOPs of the row-wise Adagrad update of the distinct rows (6 per element: g^2, the mean,
+    the scale, the update): the optimizer's part of embedding_bag_backward_rowwise_adagrad."""
+    return 6 * sum(u * d for u, d in zip(unique_rows, dims))
 
 
 def embedding_bag_distinct_rows(indices: torch.Tensor, offsets: torch.Tensor, num_tables: int,

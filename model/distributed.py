@@ -134,6 +134,9 @@ class DistributedGem:
     def flops_per_step(self, batch) -> int:
         return self.inner.flops_per_step(batch)
 
+    def flops_by_component(self, batch) -> dict[str, int]:
+        return self.inner.flops_by_component(batch)
+
     def parameters(self):
         return self.dmp.parameters()
 

@@ -6,8 +6,12 @@
 Step i trains on SyntheticBatches(config, batch_size, seed)[i] (fresh batches from one planted
 teacher: a falling loss is learning); AUC per task is measured on the held-out stream.
 
-MFU = model FLOPs of the timed steps (forward + backward, real jagged work, GemModel.flops_per_step)
-      / (their time x the measured dense matmul peak of the training dtype on this device)
+MFU = model FLOPs of the timed steps (forward + backward, real jagged work, GemModel.flops_per_step;
+      the optimizer update is not model work and is reported apart, optimizer_flops_per_step)
+      / (their time x the measured dense matmul peak of the training dtype on this device; on a GPU
+      in fp32, measured under the run's TF32 setting, "tf32" in the JSON)
+mfu_vendor: the same against the datasheet's dense peak (GPU only); mfu_by_component: each phase's
+FLOPs over its own time (GemModel.flops_by_component).
 step_ms is the median step after the warm-up steps; per-component times are medians too.
 
 The loop is factored for wrappers (the distributed driver wraps the model between `build` and
@@ -30,14 +34,20 @@ import torch
 from .archs import KERNELS
 from .config import INTERACTIONS, PRESETS, GemConfig
 from .data import Batch, SyntheticBatches
-from .gem import PHASES, GemModel, PhaseTimer
+from .gem import MODEL_FLOPS_COMPONENTS, PHASES, GemModel, PhaseTimer
 
-# Vendor dense peaks (TFLOP/s, no sparsity) of the GPUs this package is benched on, by name fragment.
-VENDOR_PEAK_TFLOPS = {
-    "H200": {"bfloat16": 989.4, "float32": 66.9},
-    "H100": {"bfloat16": 989.4, "float32": 66.9},
-    "A100": {"bfloat16": 312.0, "float32": 19.5},
-}
+# Vendor dense peaks (TFLOP/s, no sparsity) of the GPUs this package is benched on, by name fragment,
+# most specific first (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA
+# H100 PCIe", "NVIDIA H100 NVL"). "tfloat32": fp32 matmuls on TF32 tensor cores (allow_tf32).
+# Datasheets: H100/H200 SXM, H100 PCIe, H100/H200 NVL (their sparsity figures halved), A100.
+VENDOR_PEAK_TFLOPS = (
+    ("H100 NVL", {"bfloat16": 835.5, "tfloat32": 417.5, "float32": 60.0}),
+    ("H100 PCIe", {"bfloat16": 756.0, "tfloat32": 378.0, "float32": 51.2}),
+    ("H100", {"bfloat16": 989.4, "tfloat32": 494.7, "float32": 66.9}),
+    ("H200 NVL", {"bfloat16": 835.5, "tfloat32": 417.5, "float32": 60.0}),
+    ("H200", {"bfloat16": 989.4, "tfloat32": 494.7, "float32": 66.9}),
+    ("A100", {"bfloat16": 312.0, "tfloat32": 156.0, "float32": 19.5}),
+)
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -238,19 +248,28 @@ def load_checkpoint(directory: Path, model: GemModel, optimizers: list[torch.opt
     return state["step"], list(state["losses"])
 
 
+def tf32_enabled(device: torch.device) -> bool | None:
+    """Whether this process's fp32 matmuls run on TF32 tensor cores (None off a GPU): the fp32 peak
+    is measured, and the vendor peak chosen, under the same setting as the training."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else None
+
+
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
     from bench.peaks import matmul_peak_tflops
 
     return matmul_peak_tflops(dtype, device, quick=True)
 
 
-def vendor_peak(device: torch.device, dtype: torch.dtype) -> float | None:
+def vendor_peak(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float | None:
+    """The datasheet's dense peak of `dtype` on this GPU (fp32 under TF32 when tf32_enabled); None off
+    a GPU or for a GPU not in VENDOR_PEAK_TFLOPS."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, peaks in VENDOR_PEAK_TFLOPS.items():
+    name = device_name if device_name is not None else torch.cuda.get_device_name(device)
+    key = "bfloat16" if dtype == torch.bfloat16 else "tfloat32" if tf32_enabled(device) else "float32"
+    for fragment, peaks in VENDOR_PEAK_TFLOPS:
         if fragment in name:
-            return peaks["bfloat16" if dtype == torch.bfloat16 else "float32"]
+            return peaks[key]
     return None
 
 
@@ -270,6 +289,23 @@ class CheckpointStore:
 
     def save(self, step: int, losses: list[float]) -> None:
         save_checkpoint(self.directory, self.model, self.optimizers, step, losses)
+
+
+def mfu(flops: float, ms: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: flops done in ms against a peak in TFLOP/s (model.train and the bench's
+    model row both use it)."""
+    return flops / (ms / 1e3) / (peak_tflops * 1e12)
+
+
+def mfu_by_component(flops: dict[str, float], components_ms: dict[str, float | None],
+                     peak_tflops: float) -> dict[str, float | None]:
+    """Each phase's FLOPs (GemModel.flops_by_component: the phase "backward_optimizer" does the
+    "backward" FLOPs, its optimizer update is not model work) over the phase's own time."""
+    out = {}
+    for phase, ms in components_ms.items():
+        work = flops.get("backward" if phase == "backward_optimizer" else phase, 0)
+        out[phase] = mfu(work, ms, peak_tflops) if ms else None
+    return out
 
 
 def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.optim.Optimizer],
@@ -302,7 +338,7 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
         batch = next_batch
         timed = step - start >= warmup
         if timed:
-            flops.append(model.flops_per_step(batch))  # before the clock: counts sync on a GPU
+            flops.append(model.flops_by_component(batch))  # before the clock: counts sync on a GPU
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         began = time.perf_counter()
@@ -336,10 +372,13 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.amp == "bf16" else torch.float32
     step_ms = statistics.median(run["step_ms"]) if run["step_ms"] else None
-    mean_flops = statistics.fmean(run["flops"]) if run["flops"] else None
+    by_component = ({k: statistics.fmean(f[k] for f in run["flops"]) for k in run["flops"][0]}
+                    if run["flops"] else {})
+    mean_flops = sum(by_component[k] for k in MODEL_FLOPS_COMPONENTS) if by_component else None
     peak = measured_peak(device, dtype)
     tflops = mean_flops / (step_ms / 1e3) / 1e12 if step_ms else None
     vendor = vendor_peak(device, dtype)
+    components_ms = {p: statistics.median(v) if v else None for p, v in run["components"].items()}
     result = {
         "config": args.config,
         "kernels": args.kernels,
@@ -348,15 +387,19 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
         "examples_per_s": cfg.batch_size / (step_ms / 1e3) if step_ms else None,
         "tflops": tflops,
         "peak_tflops": peak,
-        "mfu": tflops / peak if tflops is not None else None,
+        "mfu": mfu(mean_flops, step_ms, peak) if step_ms else None,
         "auc": run["auc"],
-        "components_ms": {p: statistics.median(v) if v else None for p, v in run["components"].items()},
+        "components_ms": components_ms,
+        "mfu_by_component": mfu_by_component(by_component, components_ms, peak) if step_ms else None,
         "loss_first": run["losses"][0] if run["losses"] else None,
         "loss_last": run["losses"][-1] if run["losses"] else None,
         # Details beyond the fixed names.
         "batch_size": cfg.batch_size,
         "timed_steps": len(run["step_ms"]),
         "flops_per_step": mean_flops,
+        "flops_by_component": by_component or None,
+        "optimizer_flops_per_step": by_component.get("optimizer"),
+        "tf32": tf32_enabled(device),
         "dtype": "bfloat16" if args.amp == "bf16" else "float32",
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
@@ -364,10 +407,11 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
         "use_sequence": cfg.use_sequence,
         "interaction": cfg.interaction,
         "vendor_peak_tflops": vendor,
-        "mfu_vendor": tflops / vendor if tflops is not None and vendor else None,
+        "mfu_vendor": mfu(mean_flops, step_ms, vendor) if step_ms and vendor else None,
         "auc_history": run["auc_history"],
         "losses": run["losses"],
-        "mfu_formula": "model FLOPs per step (fwd+bwd, jagged) / (median step time x measured matmul peak of dtype)",
+        "mfu_formula": "model FLOPs per step (fwd+bwd, jagged; no optimizer update) / (median step time x measured "
+                       "matmul peak of dtype, fp32 under TF32 when tf32)",
     }
     return result
 
@@ -394,7 +438,12 @@ def main(argv: list[str] | None = None) -> dict:
     if result["step_ms"] is not None:
         print(f"step {result['step_ms']:.2f} ms (median of {result['timed_steps']}): {comps}; "
               f"{result['examples_per_s']:.1f} examples/s; {result['tflops']:.4f} TFLOP/s; "
-              f"MFU {100 * result['mfu']:.2f}% of {result['peak_tflops']:.3f} TFLOP/s ({result['dtype']} matmul)")
+              f"MFU {100 * result['mfu']:.2f}% of {result['peak_tflops']:.3f} TFLOP/s ({result['dtype']} matmul"
+              + (", TF32 on" if result["tf32"] else ", TF32 off" if result["tf32"] is False else "") + ")"
+              + (f", mfu_vendor {100 * result['mfu_vendor']:.2f}% of {result['vendor_peak_tflops']:.1f} TFLOP/s"
+                 if result["mfu_vendor"] is not None else ""))
+        print("MFU by component: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["mfu_by_component"].items()
+                                               if v is not None))
     else:
         print("throughput: not measured (every step was a warm-up step)")
     if args.json is not None:

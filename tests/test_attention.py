@@ -222,6 +222,9 @@ CASES = [
     ([9, 140, 3, 0, 1], dict(targets=[3, 20, 1, 0, 1], pos_heads=1, time_heads=2), dict(contextual_len=2,
                                                                                       max_attn_len=9,
                                                                                       causal=False)),
+    # The model's mask (causal, contextual prefix, targets, no window): each row a key prefix plus
+    # itself, the targets' span crossing the 128-key tile edge.
+    ([9, 140, 3, 0, 1], dict(targets=[3, 20, 1, 0, 1], pos_heads=2, time_heads=2), dict(contextual_len=2)),
     ([1], {}, {}),
     ([0, 0], {}, {}),
     ([], {}, {}),

@@ -440,6 +440,96 @@ def test_flops_per_step_wukong_counts_its_layers():
             == stack - dot + over_first)
 
 
+def test_flops_per_step_against_an_independent_count():
+    """The whole step's model FLOPs against FlopCounterMode on the fused model's forward + backward
+    (every nn.Linear: dense arch, contextual projection, HSTU projections, Wukong MLP, over arch,
+    heads) plus, by hand, what runs in gem_kernels' custom ops, which FlopCounterMode cannot see:
+    HSTU attention (Q K^T and P V over the causal half of each user's L^2, backward 2.5x), Wukong's
+    FM compression and feature mix with their LayerNorms, the embedding bags' pooling and gradient
+    sums. The optimizer update is not model work: it is flops_by_component's "optimizer" alone."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = TINY
+    model, b = GemModel(cfg, "fused"), SyntheticBatches(cfg, 16, seed=0)[0]
+    with FlopCounterMode(display=False) as counter:
+        model.loss(b).backward()
+    d, h, dl, da = cfg.embedding_dim, cfg.num_heads, cfg.hstu_linear_dim, cfg.hstu_attention_dim
+    lengths = [cfg.contextual_len + int(L) + int(k) for L, k in zip(b.history_offsets.diff(), b.num_candidates)]
+    attention = cfg.num_hstu_layers * 3.5 * sum(2 * L * L * h * (da + dl) / 2 for L in lengths)
+    rows, wukong, num_in = int(b.num_candidates.sum()), 0, cfg.num_features
+    for _ in range(cfg.wukong_layers):
+        num_out, k = cfg.wukong_fm_out + cfg.wukong_lcb_out, cfg.wukong_fm_rank
+        proj_rows = num_out if num_out != num_in else cfg.wukong_lcb_out
+        fm = 4 * rows * num_in * d * k          # X^T Y, then X (X^T Y)
+        mix = 2 * rows * proj_rows * num_in * d  # the LCB (+ residual) projection over features
+        norms = rows * num_in * k + rows * num_out * d
+        wukong += 3 * (fm + mix) + (8 + 12) * norms
+        num_in = num_out
+    lookups = b.sparse_values.numel()
+    tokens = b.history_ids.numel() + b.candidate_ids.numel()
+    embeddings = 2 * (2 * lookups * d) + 2 * (2 * tokens * d)  # pooling fwd + bwd; item and action grads
+    assert model.flops_per_step(b) == counter.get_total_flops() + attention + wukong + embeddings
+    components = model.flops_by_component(b)
+    assert model.flops_per_step(b) == sum(v for k, v in components.items() if k != "optimizer")
+    distinct = sum(int(v.unique().numel()) for v in b.sparse_values.split(
+        b.sparse_lengths.view(cfg.num_tables, -1).sum(1).tolist()))
+    distinct += int(torch.cat([b.history_ids, b.candidate_ids]).unique().numel())
+    distinct += int(b.history_actions.unique().numel()) + 1
+    dense = sum(p.numel() for p in model.dense_parameters())
+    assert components["optimizer"] == 6 * distinct * d + 10 * dense
+
+
+def test_vendor_peaks_by_part_and_tf32(monkeypatch):
+    """H100 SXM / PCIe / NVL map to their own dense peaks; fp32 takes the TF32 peak when TF32 is on."""
+    import model.train
+    from model.train import vendor_peak
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(model.train, "tf32_enabled", lambda device: False)
+    assert vendor_peak(torch.device("cpu"), torch.float32) is None
+    assert vendor_peak(cuda, torch.bfloat16, "NVIDIA H100 80GB HBM3") == 989.4
+    assert vendor_peak(cuda, torch.bfloat16, "NVIDIA H100 PCIe") == 756.0
+    assert vendor_peak(cuda, torch.bfloat16, "NVIDIA H100 NVL") == 835.5
+    assert vendor_peak(cuda, torch.float32, "NVIDIA H100 PCIe") == 51.2
+    assert vendor_peak(cuda, torch.float32, "NVIDIA H200") == 66.9
+    assert vendor_peak(cuda, torch.float32, "Some Other GPU") is None
+    monkeypatch.setattr(model.train, "tf32_enabled", lambda device: True)
+    assert vendor_peak(cuda, torch.float32, "NVIDIA H100 80GB HBM3") == 494.7
+
+
+def test_mfu_by_component_is_each_phase_over_its_time():
+    from model.train import mfu, mfu_by_component
+
+    flops = {"sparse": 1e9, "sequence": 2e9, "interaction": 0, "heads": 1e6, "backward": 4e9, "optimizer": 9e9}
+    ms = {"sparse": 10.0, "sequence": 20.0, "interaction": 5.0, "heads": None, "backward_optimizer": 40.0}
+    out = mfu_by_component(flops, ms, 0.5)
+    assert out == {"sparse": pytest.approx(0.2), "sequence": pytest.approx(0.2), "interaction": 0.0, "heads": None,
+                   "backward_optimizer": pytest.approx(0.2)}
+    assert mfu(1e9, 10.0, 0.5) == pytest.approx(0.2)
+
+
+def test_bench_model_row_and_train_agree_on_mfu(monkeypatch):
+    """On the tiny config, `python -m bench model`'s row and model.train compute one MFU: the case's
+    FLOPs are the mean flops_per_step of its batches, and the harness's % of peak for a step time
+    and peak is model.train's mfu for the same time and peak."""
+    import bench.model
+    from bench import harness
+    from model.train import mfu
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(bench.model, "config_for", lambda device: ("tiny", TINY, None))
+    case = next(bench.model.cases(quick=True, device=cpu))
+    batch_size = max(TINY.batch_size // 4, 8)
+    data = SyntheticBatches(TINY, batch_size, seed=0)
+    model = GemModel(TINY, "fused")
+    assert case.flops == sum(model.flops_per_step(data[i]) for i in range(2)) // 2
+    assert any("components TFLOP/s" in note for note in case.notes)
+    timing = harness.Timing(times=[0.004, 0.005, 0.006], capped=False)
+    peaks = {"matmul_tflops": {"float32": 0.25}}
+    row = harness.make_row("model", case, "fused", timing, cpu, peaks, "sha", "now")
+    assert row["pct_peak"] == pytest.approx(100 * mfu(case.flops, timing.median_ms, 0.25))
+
+
 def test_phase_timer_marks_every_component():
     model = GemModel(TINY, kernels="fused")
     timer = PhaseTimer(torch.device("cpu"))
@@ -463,6 +553,11 @@ def test_json_fields(tmp_path):
     assert written["tflops"] == pytest.approx(written["flops_per_step"] / (written["step_ms"] / 1e3) / 1e12)
     assert 0 < written["mfu"] < 1 and written["mfu"] == pytest.approx(written["tflops"] / written["peak_tflops"])
     assert written["peak_tflops"] > 0 and written["dtype"] == "float32"
+    assert written["tf32"] is None and written["mfu_vendor"] is None  # a CPU run
+    assert set(written["mfu_by_component"]) == set(PHASES) and all(v > 0 for v in written["mfu_by_component"].values())
+    assert written["optimizer_flops_per_step"] > 0
+    assert written["flops_per_step"] == pytest.approx(sum(v for k, v in written["flops_by_component"].items()
+                                                          if k != "optimizer"))
     assert written["loss_first"] == written["losses"][0] and written["loss_last"] == written["losses"][-1]
     assert written == json.loads(json.dumps(result))
 

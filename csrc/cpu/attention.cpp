@@ -11,7 +11,11 @@
 // backward) run on AVX2 (8 lanes, fast_exp8) where the build targets it, the SiLU rows in
 // auto-vectorised loops. Within a mixed tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
-// so the masked half of a diagonal tile costs no exp.
+// so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
+// targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
+// same way with the few keys between them zeroed, so no pair asks the visibility rule (measured on
+// the small model's layer, 1 thread: HSTU fwd+bwd with both biases 26.3 -> 17.8 ms). The biases are
+// added over a row's run only.
 // The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
 // dk/dv of a key tile live in a per-thread accumulator, dq rows (owned by the item) are
 // accumulated in place, bias gradients go to per-item partial buffers that are reduced in a fixed
@@ -244,8 +248,10 @@ void nonfinite_tiles(const float* x, int64_t L, int64_t ld, int64_t width, int64
   flags.assign((L + block - 1) / block, 0);
   for (int64_t i = 0; i < L; ++i) {
     const float* row = x + i * ld;
-    bool bad = false;
-    for (int64_t d = 0; d < width; ++d) bad |= !std::isfinite(row[d]);
+    // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
+    // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
+    uint32_t bad = 0;
+    for (int64_t d = 0; d < width; ++d) bad |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
     if (bad) flags[i / block] = 1;
   }
 }
@@ -273,6 +279,10 @@ struct SeqMask {
   // No contextual prefix and no targets: ids are the positions, and query i sees exactly the keys
   // of window(i) (see there).
   bool banded = false;
+  // Causal, no window, a contextual prefix or targets: query i sees exactly the keys [0, prefix_end[i])
+  // and itself (see prefix_rows), so a row's pairs need no per-pair visible() either.
+  bool prefix = false;
+  std::vector<int64_t> prefix_end;
   const Params* p = nullptr;
 
   void init(const Params& params, int64_t L, int64_t num_targets) {
@@ -288,6 +298,19 @@ struct SeqMask {
       // unclamped ids for num_targets=None.
       ids[pos] = std::min(id, max_id);
     }
+    prefix = !banded && params.causal && params.max_attn_len == 0;
+    if (prefix) prefix_rows();
+  }
+
+  // visible(i, j) for j != i, causal, no window: ids[j] < ids[i] (a prefix of the keys, as ids are
+  // nondecreasing), or, for a contextual query (ids[i] == 0), ids[j] < max_id (a prefix too).
+  void prefix_rows() {
+    prefix_end.resize(len);
+    const auto first_at_least = [&](int64_t id) {
+      return static_cast<int64_t>(std::lower_bound(ids.begin(), ids.end(), id) - ids.begin());
+    };
+    const int64_t context_end = p->contextual_len > 0 ? first_at_least(max_id) : 0;
+    for (int64_t i = 0; i < len; ++i) prefix_end[i] = ids[i] > 0 ? first_at_least(ids[i]) : context_end;
   }
 
   bool visible(int64_t i, int64_t j) const {
@@ -335,20 +358,29 @@ struct SeqMask {
   }
 };
 
-// The columns [begin, end) of one row of a tile outside which no pair is visible, and whether the
-// pairs within still need their vis flag asked (a mixed tile of a non-banded mask).
+// The columns [begin, end) of one row of a tile outside which no pair is visible, the columns
+// [hole_begin, hole_end) within it that are not visible either (a prefix mask's keys between the
+// prefix and the query itself: a target's other targets), and whether the remaining pairs still need
+// their vis flag asked (a mixed tile of any other mask). Callers compute the whole span (vectorised)
+// and then zero the hole.
 struct RowSpan {
-  int64_t begin, end;
+  int64_t begin, end, hole_begin, hole_end;
   bool ask;
 };
 
 RowSpan row_span(const SeqMask& mask, int tile_kind, int64_t i, int64_t j0, int64_t bn) {
-  if (tile_kind == 2) return {0, bn, false};
-  if (!mask.banded) return {0, bn, true};
+  if (tile_kind == 2) return {0, bn, 0, 0, false};
+  if (mask.prefix) {
+    const int64_t hi = mask.prefix_end[i];
+    const int64_t end = std::clamp<int64_t>((i >= hi ? i + 1 : hi) - j0, 0, bn);
+    const int64_t hole_begin = std::clamp<int64_t>(hi - j0, 0, end);
+    return {0, end, hole_begin, i > hi ? std::clamp<int64_t>(i - j0, hole_begin, end) : hole_begin, false};
+  }
+  if (!mask.banded) return {0, bn, 0, 0, true};
   int64_t lo, hi;
   mask.window(i, lo, hi);
   lo = std::clamp<int64_t>(lo - j0, 0, bn);
-  return {lo, std::clamp<int64_t>(hi - j0, lo, bn), false};
+  return {lo, std::clamp<int64_t>(hi - j0, lo, bn), 0, 0, false};
 }
 
 inline int32_t time_bucket(const Params& p, int64_t dt) {
@@ -377,12 +409,16 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
   float* s = ws.s.data();
   for (int64_t r = 0; r < bm; ++r) {
     float* row = s + r * kBlockN;
-    for (int64_t c = 0; c < bn; ++c) row[c] *= p.scale;
+    // Only the row's span: every caller zeroes (or never reads) the scores outside it, so a causal
+    // tile pays the biases for its visible half alone.
+    const RowSpan span = row_span(mask, tile_kind, i0 + r, j0, bn);
+    const int64_t c0 = span.begin, c1 = span.end;
+    for (int64_t c = c0; c < c1; ++c) row[c] *= p.scale;
     if (p.pos_bias != nullptr) {
       const int64_t hb = p.pos_heads == 1 ? 0 : h;
       // j - i + M - 1 for j = j0 + c, i = i0 + r: a contiguous run of pos_bias.
       const float* bias = p.pos_bias + hb * (2 * p.M - 1) + (j0 - (i0 + r) + p.M - 1);
-      for (int64_t c = 0; c < bn; ++c) row[c] += bias[c];
+      for (int64_t c = c0; c < c1; ++c) row[c] += bias[c];
     }
     if (p.time_bias != nullptr) {
       const int64_t hb = p.time_heads == 1 ? 0 : h;
@@ -393,25 +429,25 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       // sorted (|t_i - t_j| then moves monotonically and rarely crosses a threshold).
       const int64_t* thr = p.bucket_thr.data();
       const int32_t nb = static_cast<int32_t>(p.num_buckets);
-      int32_t bkt = time_bucket(p, ti - p.timestamps[start + j0]);
-      for (int64_t c = 0; c < bn; ++c) {
+      int32_t bkt = c1 > c0 ? time_bucket(p, ti - p.timestamps[start + j0 + c0]) : 0;
+      for (int64_t c = c0; c < c1; ++c) {
         const int64_t dt = ti - p.timestamps[start + j0 + c];
         const int64_t x = dt < 0 ? -dt : dt;
         while (bkt < nb && x >= thr[bkt]) ++bkt;
         while (bkt > 0 && x < thr[bkt - 1]) --bkt;
         buckets[c] = bkt;
       }
-      for (int64_t c = 0; c < bn; ++c) row[c] += bias[buckets[c]];
+      for (int64_t c = c0; c < c1; ++c) row[c] += bias[buckets[c]];
     }
     if (tile_kind == 1) {
       uint8_t* vis = ws.vis.data() + r * kBlockN;
-      const RowSpan span = row_span(mask, tile_kind, i0 + r, j0, bn);
       if (span.ask) {
         for (int64_t c = 0; c < bn; ++c) vis[c] = mask.visible(i0 + r, j0 + c) ? 1 : 0;
       } else {  // the masked products' slow path still reads vis
         std::fill(vis, vis + span.begin, uint8_t{0});
         std::fill(vis + span.begin, vis + span.end, uint8_t{1});
         std::fill(vis + span.end, vis + bn, uint8_t{0});
+        std::fill(vis + span.hole_begin, vis + span.hole_end, uint8_t{0});
       }
     }
   }
@@ -604,6 +640,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
           std::fill(row, row + span.begin, 0.0f);
           std::fill(row + span.end, row + bn, 0.0f);
           if (p.softmax) {
+            std::fill(row + span.hole_begin, row + span.hole_end, neg_inf);
             if (span.ask)
               for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : neg_inf;
             const float new_max = max_keep_nan(ws.row_max[r], row_max(row + span.begin, span.end - span.begin));
@@ -622,6 +659,7 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
               const float w = x / (1.0f + fast_exp(-x)) * inv_m;
               row[c] = (!span.ask || vis[c]) ? w : 0.0f;
             }
+            std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
           }
         }
         if (p.softmax) {
@@ -767,6 +805,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
               drow[c] = on ? drow[c] * sig * (1.0f + x * (1.0f - sig)) * inv_m : 0.0f;
             }
           }
+          std::fill(prow + span.hole_begin, prow + span.hole_end, 0.0f);
+          std::fill(drow + span.hole_begin, drow + span.hole_end, 0.0f);
           if (pos_part_item != nullptr) {
             // j - i + L - 1 in [0, 2L-2] within the item's slots.
             float* dst = pos_part_item + (j0 - (i0 + r) + L - 1);
