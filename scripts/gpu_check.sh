@@ -225,7 +225,10 @@ pack() {  # the logs and results so far, replaced atomically (a kill mid-pack ke
 }
 
 result_line() {  # the line of a step's log worth reading in the summary
-  grep -E "[0-9]+ (passed|failed|error|skipped)|MFU|Error|error:|rc=|^fuzz " "$1" 2> /dev/null | tail -n 1 | cut -c1-200
+  local line
+  line=$(grep -E "[0-9]+ (passed|failed|error|skipped)|MFU|Error|error:|^fuzz " "$1" 2> /dev/null | tail -n 1)
+  [ -n "$line" ] || line=$(grep -v '^[[:space:]]*$' "$1" 2> /dev/null | tail -n 1)
+  echo "$line" | cut -c1-200
 }
 
 { print_plan; echo; echo "started $(date -u +%FT%TZ) on $(hostname), git $(git rev-parse --short HEAD 2> /dev/null || echo '?')"; } > "$SUMMARY"
