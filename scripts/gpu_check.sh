@@ -55,7 +55,7 @@ MIN_BOX=10     # a step offered less than this is recorded as skipped (no time l
 # least 45 s), "bench" (an even share of BENCH_WINDOW) or "rest" (until the end of the budget).
 # Steps marked torchrec run only when the carried TorchRec imports (step torchrec says why not).
 PLAN=(
-  "facts     15    -         GPU, driver, torch/triton/CUDA/Python versions, compilers"
+  "facts     25    -         GPU, driver, torch/triton/CUDA/Python versions, compilers"
   "build     170   -         gem_kernels._C with CUDA for sm_90a (GEM_KERNELS_CUDA_ARCHS), nproc jobs"
   "raise     25    -         a C++ TORCH_CHECK raises a Python exception (tests/test_build_toolchain.py)"
   "tests     40%   -         CUDA and Triton correctness: pytest -m 'gpu or triton' (xdist when there)"
