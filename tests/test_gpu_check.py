@@ -94,6 +94,28 @@ def test_a_real_step_writes_the_summary_and_the_packed_logs(tmp_path):
         assert "logs/facts.log" in tar.getnames()
 
 
+def test_a_killed_run_leaves_the_plan_and_the_running_step(tmp_path):
+    """The device tool may kill the call: what was written before survives (summary and tarball)."""
+    import signal
+    import time
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.Popen(["bash", str(SCRIPT), "--only", "facts", "--budget", "90"], cwd=ROOT, start_new_session=True,
+                            env={**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PYTHON": sys.executable},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = out / "summary.txt"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (summary.exists() and "facts " in summary.read_text().split("started", 1)[-1]):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    text = summary.read_text()
+    assert "gpu_check plan: budget 90s" in text and re.search(r"^facts +\.\.\. +box \d+s", text, re.MULTILINE), text
+    assert "finished" not in text
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert "logs" in tar.getnames()
+
+
 # ------------------------------------------------------------ the FBGEMM index ops shim
 sys.path.insert(0, str(ROOT / "scripts" / "gpu_site"))
 import gk_fbgemm_cuda as shim  # noqa: E402  (imports torch only)
