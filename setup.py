@@ -5,6 +5,10 @@ Environment:
                           "0": never; "1": always, and fail loudly when it cannot.
   GEM_KERNELS_CUDA_ARCHS  semicolon list of SM targets, default "80;90a".
   MAX_JOBS                parallel compile jobs (torch.utils.cpp_extension).
+  GEM_KERNELS_ALLOW_TOOLCHAIN=1   build even when the toolchain check finds a problem (it then warns).
+
+`python setup.py --toolchain-report` prints the compiler, its C++ runtime, the one torch runs with,
+and the toolchain check's findings, and builds nothing.
 """
 
 import glob
@@ -71,9 +75,88 @@ def _extra_cuda_includes() -> list[str]:
     return sorted(glob.glob(os.path.join(site, "nvidia", "cu[0-9]*", "include")))
 
 
+# Toolchain settings that make a build whose C++ checks (TORCH_CHECK) do not reach Python as a clean
+# exception, each measured with a one-op probe extension (docs/gpu.md, "C++ exceptions"):
+#   -static-libstdc++   a second C++ runtime inside the extension: the check still raises, but its
+#                       message loses the numbers formatted into it ("got -1" became "got ")
+#   -stdlib=libc++      another C++ library: the extension does not load (undefined symbols)
+#   _GLIBCXX_USE_CXX11_ABI other than torch's: the extension does not load (undefined symbols)
+#   -fno-exceptions     TORCH_CHECK cannot throw: the sources do not compile
+_BAD_FLAGS = {
+    "-static-libstdc++": "links a second copy of the C++ runtime into the extension; exceptions cross two "
+                         "runtimes and the checks' messages lose their formatted values",
+    "-stdlib=libc++": "builds against libc++, torch uses libstdc++: the extension would not load",
+    "-fno-exceptions": "TORCH_CHECK throws; the checks cannot raise without exceptions",
+}
+
+
+def toolchain_problems(flags: str, torch_cxx11_abi: bool, compiler_runtime: str | None,
+                       process_runtime: str | None) -> list[str]:
+    """What in this toolchain would build an extension whose C++ checks do not raise clean Python
+    exceptions. ``flags``: CC, CXX, CFLAGS, CXXFLAGS and LDFLAGS joined; ``compiler_runtime``: the
+    libstdc++.so.6 the compiler links against; ``process_runtime``: the one this Python process (with
+    torch imported) has loaded. Paths resolved, or None when unknown."""
+    problems = [f"{flag}: {why}" for flag, why in _BAD_FLAGS.items() if flag in flags.split()]
+    for value in re.findall(r"-D_GLIBCXX_USE_CXX11_ABI=(\d+)", flags):
+        if bool(int(value)) != torch_cxx11_abi:
+            problems.append(f"-D_GLIBCXX_USE_CXX11_ABI={value}: torch is built with {int(torch_cxx11_abi)}; "
+                            "the extension would not load")
+    newer = _libstdcxx_version(compiler_runtime), _libstdcxx_version(process_runtime)
+    if None not in newer and newer[0] > newer[1]:
+        problems.append(f"the compiler's C++ runtime {compiler_runtime} is newer than the one Python runs with "
+                        f"({process_runtime}): the extension may need symbols that runtime lacks; "
+                        "build with the compiler that matches it, or run with LD_LIBRARY_PATH naming the newer one")
+    return problems
+
+
+def _libstdcxx_version(path: str | None) -> tuple[int, ...] | None:
+    match = re.search(r"libstdc\+\+\.so\.(\d+(?:\.\d+)+)$", path or "")
+    return tuple(int(x) for x in match.group(1).split(".")) if match else None
+
+
+def _toolchain_facts() -> dict:
+    import torch
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    cxx = get_cxx_compiler()
+    flags = " ".join(os.environ.get(k, "") for k in ("CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS"))
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+        runtime = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True,
+                                 timeout=30).stdout.strip()
+        runtime = os.path.realpath(runtime) if os.path.isabs(runtime) else None
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        version, runtime = "?", None
+    loaded = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libstdc++.so" in line:
+                loaded = os.path.realpath(line.split()[-1])
+                break
+    return {"cxx": cxx, "cxx_version": version, "flags": flags.strip(), "torch_cxx11_abi": torch._C._GLIBCXX_USE_CXX11_ABI,
+            "compiler_runtime": runtime, "process_runtime": loaded}
+
+
+def check_toolchain(report: bool = False) -> None:
+    """Refuses a toolchain that would build crashing or garbled C++ checks (GEM_KERNELS_ALLOW_TOOLCHAIN=1:
+    warn and build anyway)."""
+    facts = _toolchain_facts()
+    problems = toolchain_problems(facts["flags"], facts["torch_cxx11_abi"], facts["compiler_runtime"],
+                                  facts["process_runtime"])
+    if report:
+        for key, value in facts.items():
+            print(f"gem_kernels toolchain: {key} = {value}")
+    for problem in problems:
+        print(f"gem_kernels toolchain problem: {problem}", file=sys.stderr)
+    if problems and not report and os.environ.get("GEM_KERNELS_ALLOW_TOOLCHAIN") != "1":
+        sys.exit("gem_kernels: this toolchain would build an extension whose C++ checks do not raise clean Python "
+                 "exceptions (above); fix it, or set GEM_KERNELS_ALLOW_TOOLCHAIN=1 to build anyway")
+
+
 def extensions():
     # Decide (and set CUDA_HOME) before torch.utils.cpp_extension is imported: it reads CUDA_HOME once.
     with_cuda, why = _cuda_decision()
+    check_toolchain()
     from torch.utils.cpp_extension import CppExtension
 
     print(f"gem_kernels: CUDA build {'on' if with_cuda else 'off'} ({why})", flush=True)
@@ -137,6 +220,9 @@ def _cpu_arch_flag() -> str:
 
 
 if __name__ == "__main__":
+    if "--toolchain-report" in sys.argv:
+        check_toolchain(report=True)
+        sys.exit(0)
     ext_modules = extensions()
     from torch.utils.cpp_extension import BuildExtension
 
