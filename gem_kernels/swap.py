@@ -53,17 +53,23 @@ Converter = Callable[..., nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
 
 
-def register(eager_type: type, convert: Converter) -> None:
+# Quantizing converters, used instead of _CONVERTERS by swap(quantize=...) on modules in eval mode.
+_QUANTIZERS: dict[type, Callable[..., nn.Module]] = {}
+
+
+def register(eager_type: type, convert: Converter, quantize: bool = False) -> None:
     """Swap every module of exactly ``eager_type`` with ``convert(module, *, optimizer, backend)``.
 
     ``convert`` returns the replacement (same parameter values, dtype, device and ``state_dict()``
     keys) or raises ``SwapSkip(reason)``. A later registration of the same type replaces the earlier.
+    ``quantize=True`` registers ``convert(module, *, weight_dtype, backend)`` for ``swap(quantize=...)``
+    instead, run on modules in eval mode.
     """
     if not isinstance(eager_type, type) or not issubclass(eager_type, nn.Module):
         raise TypeError(f"eager_type must be a torch.nn.Module subclass, got {eager_type!r}")
     if not callable(convert):
         raise TypeError(f"convert must be callable, got {convert!r}")
-    _CONVERTERS[eager_type] = convert
+    (_QUANTIZERS if quantize else _CONVERTERS)[eager_type] = convert
 
 
 @dataclass
@@ -130,9 +136,11 @@ def _matches(patterns: tuple[str, ...], path: str, module: nn.Module) -> bool:
     return any(p in names or any(fnmatch.fnmatchcase(q, p) for q in prefixes) for p in patterns)
 
 
-def _converter(module: nn.Module) -> tuple[Converter | None, type | None]:
+def _converter(module: nn.Module, quantize: str | None = None) -> tuple[Converter | None, type | None]:
     """(converter, registered type): exact type match, else the registered type it subclasses (no converter)."""
     cls = type(module)
+    if quantize is not None and not module.training and cls in _QUANTIZERS:
+        return (lambda m, *, optimizer, backend: _QUANTIZERS[cls](m, weight_dtype=quantize, backend=backend)), cls
     if cls in _CONVERTERS:
         return _CONVERTERS[cls], cls
     for base in cls.__mro__[1:]:
@@ -141,7 +149,8 @@ def _converter(module: nn.Module) -> tuple[Converter | None, type | None]:
     return None, None
 
 
-def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=None, exclude=None) -> SwapReport:
+def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=None, exclude=None,
+         quantize: str | None = None) -> SwapReport:
     """Replace, in place, the modules of ``model`` that have a fused counterpart; return the report.
 
     Args:
@@ -154,6 +163,9 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
         include: only swap modules matching one of these type names or path globs (a path glob also
             matches the module's descendants, e.g. ``"sparse_arch"``, ``"*.self_attn"``).
         exclude: never swap modules matching these (and leave their descendants alone).
+        quantize: None, or a weight dtype of ``gem_kernels.QuantizedEmbeddingBag`` ("int8", "int4",
+            "int2", "fp16", "fp8"): modules in eval mode with a quantizing converter (``nn.EmbeddingBag``)
+            become quantized inference modules (FBGEMM's row-wise rule) instead.
 
     Returns:
         SwapReport: ``replaced`` [(path, old type, new type)], ``skipped`` [(path, type, reason)],
@@ -167,6 +179,11 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
                          f"({', '.join(o.__name__ for o in OPTIMIZERS)}), got {optimizer!r}")
     if backend is not None and not isinstance(backend, str):
         raise ValueError(f"backend must be None or a backend name, got {backend!r}")
+    if quantize is not None:
+        from .ops.quant_embedding_bag import WEIGHT_TYPES
+
+        if quantize not in WEIGHT_TYPES:
+            raise ValueError(f"quantize must be None or one of {tuple(WEIGHT_TYPES)}, got {quantize!r}")
     include, exclude = _patterns("include", include), _patterns("exclude", exclude)
     if "torchrec" in sys.modules:
         _register_torchrec()
@@ -188,7 +205,7 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             if _is_swapped(child):
                 report.skipped.append((path, type(child).__name__, "already swapped"))
                 continue
-            convert, registered = _converter(child)
+            convert, registered = _converter(child, quantize)
             if registered is None:
                 visit(child, path)
                 continue

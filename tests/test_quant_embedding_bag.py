@@ -327,3 +327,105 @@ def test_torch_embedding_bag_drop_in(backend, mode):
     torch.testing.assert_close(q(ids), F.embedding_bag(ids, table, mode=mode))
     flat, starts = ids.reshape(-1), torch.tensor([0, 4, 4, 9])
     torch.testing.assert_close(q(flat, starts), F.embedding_bag(flat, table, starts, mode=mode))
+
+
+# ---------------------------------------------------------------------------------------------
+# swap and TorchRec's quantized collection
+# ---------------------------------------------------------------------------------------------
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, child):
+        super().__init__()
+        self.child = child
+
+
+def test_swap_quantize_embedding_bag_in_eval_mode_only():
+    bag = torch.nn.EmbeddingBag(40, 32, mode="sum")
+    model = _Holder(bag).eval()
+    report = gk.swap(model, quantize="int4")
+    assert isinstance(model.child, QuantizedTorchEmbeddingBag), report
+    assert model.child.weight_dtypes == ["int4"]
+    ids = torch.randint(0, 40, (6, 5))
+    table = dequantize_rows(model.child.table(0), 32, WEIGHT_TYPES["int4"])
+    torch.testing.assert_close(model.child(ids), F.embedding_bag(ids, table, mode="sum"))
+    # state_dict round trip into a fresh swapped model
+    other = _Holder(torch.nn.EmbeddingBag(40, 32, mode="sum")).eval()
+    gk.swap(other, quantize="int4")
+    other.load_state_dict(model.state_dict())
+    assert torch.equal(other.child(ids), model.child(ids))
+    training = _Holder(torch.nn.EmbeddingBag(40, 32, mode="sum"))  # training mode: the float fused module
+    gk.swap(training, quantize="int8")
+    assert isinstance(training.child, gk.nn.EmbeddingBag)
+    with pytest.raises(ValueError, match="quantize must be None or one of"):
+        gk.swap(_Holder(torch.nn.EmbeddingBag(4, 4)).eval(), quantize="int3")
+
+
+def _torchrec_quant_ebc(weighted=False, pooling="SUM", split_scale_bias=False):
+    torchrec = pytest.importorskip("torchrec")
+    from torch.ao.quantization import PlaceholderObserver
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.quant.embedding_modules import (EmbeddingBagCollection as QEBC, QuantConfig,
+                                                  quant_prep_enable_quant_state_dict_split_scale_bias)
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=64, num_embeddings=100, feature_names=["f0", "f1"],
+                                 pooling=PoolingType[pooling]),
+              EmbeddingBagConfig(name="t1", embedding_dim=32, num_embeddings=50, feature_names=["f2"],
+                                 pooling=PoolingType[pooling]),
+              EmbeddingBagConfig(name="t2", embedding_dim=24, num_embeddings=30, feature_names=["f3"],
+                                 pooling=PoolingType[pooling])]
+    ebc = torchrec.EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+    ebc.qconfig = QuantConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
+                              weight=PlaceholderObserver.with_args(dtype=torch.qint8),
+                              per_table_weight_dtype={"t1": torch.quint4x2, "t2": torch.float16})
+    if split_scale_bias:
+        quant_prep_enable_quant_state_dict_split_scale_bias(ebc)
+    return QEBC.from_float(ebc)
+
+
+def _kjt(weighted):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 5, (4 * 7,), generator=g)
+    values = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(values.numel(), generator=g) if weighted else None
+    return KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=values, lengths=lengths.int(), weights=weights)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weighted,pooling", [(False, "SUM"), (True, "SUM"), (False, "MEAN")])
+def test_torchrec_quant_collection_equals_torchrec(backend, weighted, pooling):
+    """From TorchRec's own quantized collection (FBGEMM's IntNBit TBE): same rows, keys and values
+    (same arithmetic as test_equals_fbgemm_intnbit_tbe, so the same tolerance)."""
+    _backend(backend)
+    theirs = _torchrec_quant_ebc(weighted, pooling)
+    ours = gk.torchrec.QuantEmbeddingBagCollection.from_torchrec(theirs, backend=backend)
+    kjt = _kjt(weighted)
+    expected, out = theirs(kjt), ours(kjt)
+    assert out.keys() == expected.keys() and out.length_per_key() == expected.length_per_key()
+    torch.testing.assert_close(out.values(), expected.values(), rtol=1e-6, atol=1e-6)
+    for name, mine in ours.state_dict().items():  # TorchRec's keys and bytes
+        assert torch.equal(mine, getattr(theirs.state_dict()[name], "elem", theirs.state_dict()[name]))
+
+
+@pytest.mark.parametrize("split_scale_bias", [False, True])
+def test_torchrec_quant_state_dict_loads(split_scale_bias):
+    theirs = _torchrec_quant_ebc(split_scale_bias=split_scale_bias)
+    ours = gk.torchrec.QuantEmbeddingBagCollection(theirs.embedding_bag_configs())
+    ours.load_state_dict(theirs.state_dict())
+    kjt = _kjt(False)
+    torch.testing.assert_close(ours(kjt).values(), theirs(kjt).values(), rtol=1e-6, atol=1e-6)
+    again = gk.torchrec.QuantEmbeddingBagCollection(theirs.embedding_bag_configs())
+    again.load_state_dict(ours.state_dict())
+    assert torch.equal(again.weights, ours.weights)
+
+
+def test_swap_torchrec_quant_collection():
+    theirs = _torchrec_quant_ebc()
+    model = _Holder(theirs).eval()
+    kjt = _kjt(False)
+    expected = theirs(kjt).values()
+    report = gk.swap(model)
+    assert isinstance(model.child, gk.torchrec.QuantEmbeddingBagCollection), report
+    torch.testing.assert_close(model.child(kjt).values(), expected, rtol=1e-6, atol=1e-6)

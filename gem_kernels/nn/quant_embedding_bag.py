@@ -14,6 +14,7 @@ from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, DEFAULT_ROW_ALIGNMENT,
                                        OUTPUT_DTYPES, QuantTableLayout, QuantTableMeta, pack_quant_tables,
                                        quant_embedding_bag, quantize_rows, weight_type_code)
+from ..swap import SwapSkip, register
 from .embedding_bag import TableSpec, _advise_huge_pages
 
 
@@ -179,3 +180,13 @@ class QuantizedTorchEmbeddingBag(QuantizedEmbeddingBag):
         elif not self.include_last_offset:
             offsets = torch.cat([offsets, offsets.new_full((1,), input.shape[0])])
         return super().forward(input, offsets, per_sample_weights)
+
+
+def _quantize_embedding_bag(module: nn.EmbeddingBag, *, weight_dtype: str, backend: str | None) -> nn.Module:
+    try:
+        return QuantizedTorchEmbeddingBag.from_torch(module, weight_dtype, backend=backend)
+    except ValueError as exc:
+        raise SwapSkip(str(exc)) from exc
+
+
+register(nn.EmbeddingBag, _quantize_embedding_bag, quantize=True)  # gk.swap(model, quantize=...)
