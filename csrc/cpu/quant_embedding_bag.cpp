@@ -98,11 +98,16 @@ inline float element(const uint8_t* data, int64_t ty, int64_t j, const Fp8& f) {
 // (scale, bias) of a row times the lookup's weight w; (w, 0) for rows without them.
 inline void row_scale_bias(const uint8_t* row, int64_t ty, float w, float& scale, float& bias) {
   if (has_scale_bias(ty)) {
-    c10::Half s, b;
+    uint16_t s, b;
     std::memcpy(&s, row, 2);
     std::memcpy(&b, row + 2, 2);
-    scale = w * static_cast<float>(s);
-    bias = w * static_cast<float>(b);
+#ifdef GK_QEB_AVX2
+    scale = w * _cvtsh_ss(s);  // one F16C instruction per value, once per looked-up row
+    bias = w * _cvtsh_ss(b);
+#else
+    scale = w * static_cast<float>(c10::Half(s, c10::Half::from_bits()));
+    bias = w * static_cast<float>(c10::Half(b, c10::Half::from_bits()));
+#endif
   } else {
     scale = w;
     bias = 0.f;
@@ -210,7 +215,7 @@ void run_bags(const Lookup& L, const index_t* indices, const index_t* offsets, c
   const int64_t D = kD > 0 ? kD : L.D;
 #ifdef GK_QEB_AVX2
   constexpr int kAccs = kD > 0 ? kD / 8 : 32;  // run-time D: up to 256 columns here, wider ones take the scalar loop
-  __m256 acc[kAccs];
+  __m256 acc[kAccs] = {};  // reset() clears the D / 8 in use per bag; the rest are never read
   const bool vector = D % 32 == 0 && D / 8 <= kAccs;
 #else
   const bool vector = false;
