@@ -15,10 +15,29 @@ from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EX
                                        OUTPUT_DTYPES, QuantTableLayout, QuantTableMeta, pack_quant_tables,
                                        quant_embedding_bag, quantize_rows, weight_type_code)
 from ..swap import SwapSkip, register
-from .embedding_bag import TableSpec, _advise_huge_pages
+from .embedding_bag import PackedTables, TableSpec, _advise_huge_pages
 
 
-class QuantizedEmbeddingBag(nn.Module):
+class QuantPackedTables(PackedTables):
+    """A module holding quantized tables in one flat uint8 ``weights`` buffer: ``layout`` (a
+    ``QuantTableLayout``) and ``table_meta`` (a ``QuantTableMeta``, non-persistent buffers)."""
+
+    def _set_quant_layout(self, layout: QuantTableLayout, device, persistent: bool) -> None:
+        self._set_layout(layout, device)
+        self.register_buffer("weights", torch.zeros(layout.num_bytes, dtype=torch.uint8, device=device),
+                             persistent=persistent)
+        _advise_huge_pages(self.weights)
+
+    @property
+    def table_meta(self) -> QuantTableMeta:
+        return QuantTableMeta(*(getattr(self, name) for name in QuantTableMeta._fields))
+
+    def table(self, t: int) -> torch.Tensor:
+        """Table t's packed rows, a uint8 [rows, row_bytes] view of ``weights`` (writes go to the module)."""
+        return self.layout.table(self.weights, t)
+
+
+class QuantizedEmbeddingBag(QuantPackedTables):
     """T quantized embedding bags in one flat uint8 buffer (FBGEMM's IntNBit TBE, forward only).
 
     ``out = qebc(indices, offsets, per_sample_weights=None)`` with the conventions of
@@ -62,23 +81,9 @@ class QuantizedEmbeddingBag(nn.Module):
         self.tables, self.weight_dtypes = tables, dtypes
         self.pooling, self.output_dtype, self.bounds_check, self.backend = pooling, output_dtype, bounds_check, backend
         self.fp8_exponent_bits, self.fp8_exponent_bias = fp8_exponent_bits, fp8_exponent_bias
-        self._set_layout(pack_quant_tables([t.num_embeddings for t in tables], dims, codes, row_alignment), device)
+        self._set_quant_layout(pack_quant_tables([t.num_embeddings for t in tables], dims, codes, row_alignment),
+                               device, persistent=True)
         self.output_dim = sum(dims) if pooling != "none" else dims[0]
-        self.register_buffer("weights", torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device))
-        _advise_huge_pages(self.weights)
-
-    def _set_layout(self, layout: QuantTableLayout, device) -> None:
-        self.layout = layout
-        for name, value in layout.meta(device)._asdict().items():
-            self.register_buffer(name, value, persistent=False)
-
-    @property
-    def table_meta(self) -> QuantTableMeta:
-        return QuantTableMeta(*(getattr(self, name) for name in QuantTableMeta._fields))
-
-    def table(self, t: int) -> torch.Tensor:
-        """Table t's packed rows, a uint8 [rows, row_bytes] view of ``weights`` (writes go to the module)."""
-        return self.layout.table(self.weights, t)
 
     @torch.no_grad()
     def set_table_from_float(self, t: int, weight: torch.Tensor) -> None:

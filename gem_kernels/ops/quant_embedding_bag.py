@@ -22,6 +22,7 @@ import torch
 
 from .._backend import Family, kernel, native_kernels, resolve_backend
 from .._embedding_bag import BOUNDS_CHECK_CODES, NONE, POOLING_CODES, SKIP, kept_mask
+from .embedding_bag import _code
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
                          check_same_device, check_tensor)
 
@@ -354,10 +355,8 @@ def quant_embedding_bag(weights: torch.Tensor, tables: QuantTableMeta, indices: 
         indices, offsets = indices.long(), offsets.long()
     if (offsets.shape[0] - 1) % num_tables != 0:
         raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables} tables, got {offsets.shape[0]}")
-    if pooling not in POOLING_CODES:
-        raise ValueError(f"pooling must be one of {tuple(POOLING_CODES)}, got {pooling!r}")
-    if bounds_check not in BOUNDS_CHECK_CODES:
-        raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
+    pooling_code = _code("pooling", pooling, POOLING_CODES)
+    bounds_code = _code("bounds_check", bounds_check, BOUNDS_CHECK_CODES)
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype!r}")
     if isinstance(output_dim, bool) or not isinstance(output_dim, int):
@@ -380,7 +379,7 @@ def quant_embedding_bag(weights: torch.Tensor, tables: QuantTableMeta, indices: 
     name = resolve_backend(backend, weights.device, QUANT_FAMILY)
     return quant_embedding_bag_op(weights.contiguous(), *(m.contiguous() for m in tables), indices.contiguous(),
                                   offsets.contiguous(), per_sample_weights.contiguous(), output_dim,
-                                  POOLING_CODES[pooling], BOUNDS_CHECK_CODES[bounds_check], output_dtype,
+                                  pooling_code, bounds_code, output_dtype,
                                   fp8_exponent_bits, fp8_exponent_bias, name)
 
 

@@ -18,11 +18,10 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQuantEBC
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..nn.embedding_bag import _advise_huge_pages
+from ..nn.quant_embedding_bag import QuantPackedTables
 from ..swap import SwapSkip, register
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, OUTPUT_DTYPES,
-                                       WEIGHT_TYPES, QuantTableMeta, pack_quant_tables,
-                                       quant_embedding_bag)
+                                       WEIGHT_TYPES, pack_quant_tables, quant_embedding_bag)
 from .embedding_modules import _FusedCollection
 
 _WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.INT8: "int8", DataType.INT4: "int4",
@@ -31,7 +30,7 @@ _WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.INT8: "
 TORCHREC_ROW_ALIGNMENT = 16
 
 
-class QuantEmbeddingBagCollection(nn.Module):
+class QuantEmbeddingBagCollection(QuantPackedTables):
     """TorchRec's quantized ``EmbeddingBagCollection`` (KJT in, KeyedTensor out) as one fused lookup.
 
     Keys, order and values as TorchRec's module: per table, per feature, the [B, dim] pooled bag of
@@ -77,21 +76,14 @@ class QuantEmbeddingBagCollection(nn.Module):
         self._flat_features = [f for _, _, f, _ in self._lookups]
         self._slots_per_table = max(len(fs) for fs in self._feature_names)
         self.weight_dtypes = [_WEIGHT_DTYPES[t.data_type] for t in tables]
-        self.layout = pack_quant_tables([t.num_embeddings for t in tables], [t.embedding_dim for t in tables],
-                                        [WEIGHT_TYPES[d] for d in self.weight_dtypes], row_alignment)
-        for name, value in self.layout.meta(device)._asdict().items():
-            self.register_buffer(name, value, persistent=False)
-        self.register_buffer("weights", torch.zeros(self.layout.num_bytes, dtype=torch.uint8, device=device),
-                             persistent=False)
-        _advise_huge_pages(self.weights)
+        layout = pack_quant_tables([t.num_embeddings for t in tables], [t.embedding_dim for t in tables],
+                                   [WEIGHT_TYPES[d] for d in self.weight_dtypes], row_alignment)
+        # Not persistent: the state_dict hooks below give TorchRec's per-table keys instead.
+        self._set_quant_layout(layout, device, persistent=False)
         self.output_dim = sum(self.layout.dims)
         self._lengths_per_embedding = [self.layout.dims[t] for t, _, _, _ in self._lookups]
         self.register_state_dict_post_hook(_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_hook)
-
-    @property
-    def table_meta(self) -> QuantTableMeta:
-        return QuantTableMeta(*(getattr(self, name) for name in QuantTableMeta._fields))
 
     def weight(self, table: str) -> torch.Tensor:
         """Table ``table``'s packed rows, a uint8 [rows, row_bytes] view (writes go to the module)."""
