@@ -429,3 +429,15 @@ def test_swap_torchrec_quant_collection():
     report = gk.swap(model)
     assert isinstance(model.child, gk.torchrec.QuantEmbeddingBagCollection), report
     torch.testing.assert_close(model.child(kjt).values(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph(backend):
+    _backend(backend)
+    torch._dynamo.reset()
+    q = QuantizedEmbeddingBag([gk.TableSpec(50, 64), gk.TableSpec(30, 32)], ["int8", "int4"], backend=backend)
+    q.set_table_from_float(0, torch.randn(50, 64))
+    q.set_table_from_float(1, torch.randn(30, 32))
+    indices, offsets = make_batch([(50, 64, ""), (30, 32, "")], 5)
+    compiled = torch.compile(q, fullgraph=True)
+    assert torch.equal(compiled(indices, offsets), q(indices, offsets))
