@@ -15,7 +15,7 @@ from gem_kernels.ops.quant_embedding_bag import (BITS, WEIGHT_TYPES, dequantize_
                                                  quantize_rows)
 from gem_kernels.nn.quant_embedding_bag import QuantizedEmbeddingBag, QuantizedTorchEmbeddingBag
 
-BACKENDS = ("reference", "cpu")
+BACKENDS = ("reference", "cpu", "triton")  # triton: the interpreter here (TRITON_INTERPRET=1, tests/conftest.py)
 TYPES = ("int8", "int4", "int2", "fp16", "fp8", "fp32")
 # Mixed dims and types in one call: D = 64/32/128 take the fixed-D AVX2 loops, 96 the run-time-D
 # one, 40/8 the scalar loop.
@@ -190,7 +190,17 @@ def test_output_dtypes_equal_fbgemm(backend, output_dtype):
 @pytest.mark.parametrize("weight_dtype", TYPES)
 @pytest.mark.parametrize("dim", [8, 32, 64, 96, 128, 288])
 def test_cpu_equals_reference(pooling, weight_dtype, dim):
-    _backend("cpu")
+    _check_against_reference("cpu", pooling, weight_dtype, dim)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "none"])
+@pytest.mark.parametrize("weight_dtype", TYPES)
+def test_triton_equals_reference(pooling, weight_dtype):
+    _check_against_reference("triton", pooling, weight_dtype, 40)  # fewer shapes: the interpreter is slow
+
+
+def _check_against_reference(backend, pooling, weight_dtype, dim):
+    _backend(backend)
     specs = [(59, dim, weight_dtype), (7, dim, weight_dtype)]
     flat, layout, _ = make_tables(specs, row_alignment=1)
     indices, offsets = make_batch(specs, 13)
@@ -198,7 +208,7 @@ def test_cpu_equals_reference(pooling, weight_dtype, dim):
     args = (flat, layout.meta(), indices, offsets, psw)
     kw = dict(output_dim=dim if pooling == "none" else 2 * dim, pooling=pooling)
     ref = quant_embedding_bag(*args, **kw, backend="reference")
-    out = quant_embedding_bag(*args, **kw, backend="cpu")
+    out = quant_embedding_bag(*args, **kw, backend=backend)
     bound = 4 * 2.0 ** -23 * term_magnitude(flat, layout, indices, offsets, psw, pooling) + 1e-30
     assert ((out - ref).abs() <= bound).all()
 

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .._backend import Family, kernel, native_kernels, resolve_backend
+from .._backend import _on_device_of_inputs as on_device_of_inputs
 from .._embedding_bag import BOUNDS_CHECK_CODES, NONE, POOLING_CODES, SKIP, kept_mask
 from .embedding_bag import _code
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
@@ -33,13 +34,15 @@ def _reference_module():
     return quant_embedding_bag
 
 
-def _no_triton_module():
-    raise NotImplementedError("the quantized embedding bag has no Triton kernel")
+def _triton_module():
+    from ..triton import quant_embedding_bag
+    return quant_embedding_bag
 
 
-# Its own Family for resolve_backend: kernels for reference and cpu only (triton and cuda: none yet,
-# so `auto` on CUDA tensors takes the reference).
-QUANT_FAMILY = Family(_reference_module, _no_triton_module, implemented=("reference", "cpu"), auto_cuda=())
+# Its own Family for resolve_backend: kernels for reference, cpu and triton (no CUDA C++ kernel yet, so
+# `auto` on CUDA tensors takes triton).
+QUANT_FAMILY = Family(_reference_module, _triton_module, implemented=("reference", "cpu", "triton"),
+                      auto_cuda=("triton",))
 
 # FBGEMM's SparseType codes (fbgemm_gpu.split_embedding_configs.SparseType.as_int()), so that a
 # TorchRec module's weights_tys read as they are.
@@ -287,8 +290,12 @@ def quant_embedding_bag_op(weights: torch.Tensor, weights_offsets: torch.Tensor,
         check_offsets_values("offsets", offsets, indices.shape[0])
         if bounds_check != SKIP:
             kept_mask(rows_offsets, indices, offsets, bounds_check)
-    run = kernel("embedding_bag", "quant_embedding_bag_forward", backend) if backend == "cpu" else \
-        QUANT_FAMILY.module(backend).quant_embedding_bag_forward
+    if backend == "cpu":
+        run = kernel("embedding_bag", "quant_embedding_bag_forward", backend)
+    elif backend == "triton":
+        run = on_device_of_inputs(QUANT_FAMILY.module(backend).quant_embedding_bag_forward)
+    else:
+        run = QUANT_FAMILY.module(backend).quant_embedding_bag_forward
     return run(
         weights, *meta, indices, offsets, per_sample_weights, output_dim, pooling, bounds_check, output_dtype,
         fp8_exponent_bits, fp8_exponent_bias)
@@ -329,7 +336,7 @@ def quant_embedding_bag(weights: torch.Tensor, tables: QuantTableMeta, indices: 
         pooling: "sum" | "mean" | "none". bounds_check: "fatal" | "warn" | "skip" (as embedding_bag).
         output_dtype: torch.float32 | torch.float16 | torch.bfloat16 (cast after the fp32 pooling).
         fp8_exponent_bits, fp8_exponent_bias: the HFP8 format of fp8 tables.
-        backend: "reference" | "cpu" | "auto" | None.
+        backend: "reference" | "cpu" | "triton" | "auto" | None.
 
     Returns:
         [B, output_dim] (sum/mean) or [N, output_dim] (none), ``output_dtype``.
