@@ -39,10 +39,8 @@ def _triton_module():
     return quant_embedding_bag
 
 
-# Its own Family for resolve_backend: kernels for reference, cpu and triton (no CUDA C++ kernel yet, so
-# `auto` on CUDA tensors takes triton).
-QUANT_FAMILY = Family(_reference_module, _triton_module, implemented=("reference", "cpu", "triton"),
-                      auto_cuda=("triton",))
+# Its own Family for resolve_backend (its ops are not embedding_bag's), with every backend.
+QUANT_FAMILY = Family(_reference_module, _triton_module)
 
 # FBGEMM's SparseType codes (fbgemm_gpu.split_embedding_configs.SparseType.as_int()), so that a
 # TorchRec module's weights_tys read as they are.
@@ -290,7 +288,7 @@ def quant_embedding_bag_op(weights: torch.Tensor, weights_offsets: torch.Tensor,
         check_offsets_values("offsets", offsets, indices.shape[0])
         if bounds_check != SKIP:
             kept_mask(rows_offsets, indices, offsets, bounds_check)
-    if backend == "cpu":
+    if backend in ("cpu", "cuda"):
         run = kernel("embedding_bag", "quant_embedding_bag_forward", backend)
     elif backend == "triton":
         run = on_device_of_inputs(QUANT_FAMILY.module(backend).quant_embedding_bag_forward)
@@ -336,7 +334,7 @@ def quant_embedding_bag(weights: torch.Tensor, tables: QuantTableMeta, indices: 
         pooling: "sum" | "mean" | "none". bounds_check: "fatal" | "warn" | "skip" (as embedding_bag).
         output_dtype: torch.float32 | torch.float16 | torch.bfloat16 (cast after the fp32 pooling).
         fp8_exponent_bits, fp8_exponent_bias: the HFP8 format of fp8 tables.
-        backend: "reference" | "cpu" | "triton" | "auto" | None.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto" | None.
 
     Returns:
         [B, output_dim] (sum/mean) or [N, output_dim] (none), ``output_dtype``.

@@ -7,7 +7,7 @@ read as bytes and decoded in registers by the table's type (a run-time branch, s
 holds tables of every type): int8/int4/int2 element j is bits [(j*n) % 8, +n) of byte 4 + j*n/8
 times the row's fp16 scale plus its fp16 bias; fp16/fp32 values are assembled from their 2/4 bytes
 and bitcast; fp8 (HFP8) moves its 7 magnitude bits into fp32's exponent and mantissa and scales by
-2^(127 - bias). acc = (acc + w*bias) + (w*scale) * q, FBGEMM's order.
+2^(127 - bias). acc = (acc + w*bias) + (w*scale) * q, FBGEMM's order (the fma may be split in two roundings).
 
 The caller (ops/quant_embedding_bag.py) checks offsets and bounds on the host first; the kernel
 drops out-of-range indices. The fp32 result is cast to the output dtype on the host (one rounding).
