@@ -23,6 +23,12 @@ TORCH_LIBRARY(gem_kernels, m) {
   m.def("embedding_bag_per_sample_weights_backward_native(Tensor grad_output, Tensor weights, "
         "Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, Tensor indices, Tensor offsets, int pooling) "
         "-> Tensor");
+  // quant_embedding_bag (inference): flat uint8 FBGEMM IntNBit rows + int64 metadata (weights_offsets in bytes,
+  // D_offsets, rows_offsets, weights_tys = FBGEMM SparseType codes, row_bytes); gem_kernels/ops/quant_embedding_bag.py
+  m.def("quant_embedding_bag_forward_native(Tensor weights, Tensor weights_offsets, Tensor D_offsets, "
+        "Tensor rows_offsets, Tensor weights_tys, Tensor row_bytes, Tensor indices, Tensor offsets, "
+        "Tensor per_sample_weights, int output_dim, int pooling, int bounds_check, ScalarType output_dtype, "
+        "int fp8_exponent_bits, int fp8_exponent_bias) -> Tensor");
   // attention: jagged q, k [N, H, Dqk], v [N, H, Dv] -> (out [N, H, Dv], fp32 lse [N, H] or [0] for hstu)
   m.def("jagged_attention_fwd_native(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seq_len, str kind, "
         "bool causal, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, Tensor? pos_bias, "

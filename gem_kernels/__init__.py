@@ -21,6 +21,8 @@ from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 from . import nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
+from .ops.quant_embedding_bag import quant_embedding_bag
+from .nn.quant_embedding_bag import QuantizedEmbeddingBag
 from .swap import SwapReport, SwapSkip, register, swap
 
 # `gem_kernels.swap` is the function; its module's names stay reachable through it too.
@@ -55,6 +57,8 @@ __all__ = [
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",
+    "quant_embedding_bag",
+    "QuantizedEmbeddingBag",
     "TableMeta",
     "TableLayout",
     "pack_tables",

@@ -65,17 +65,23 @@ Converter = Callable[..., nn.Module]
 _CONVERTERS: dict[type, Converter] = {}
 
 
-def register(eager_type: type, convert: Converter) -> None:
+# Quantizing converters, used instead of _CONVERTERS by swap(quantize=...) on modules in eval mode.
+_QUANTIZERS: dict[type, Callable[..., nn.Module]] = {}
+
+
+def register(eager_type: type, convert: Converter, quantize: bool = False) -> None:
     """Swap every module of exactly ``eager_type`` with ``convert(module, *, optimizer, backend)``.
 
     ``convert`` returns the replacement (same parameter values, dtype, device and ``state_dict()``
     keys) or raises ``SwapSkip(reason)``. A later registration of the same type replaces the earlier.
+    ``quantize=True`` registers ``convert(module, *, weight_dtype, backend)`` for ``swap(quantize=...)``
+    instead, run on modules in eval mode.
     """
     if not isinstance(eager_type, type) or not issubclass(eager_type, nn.Module):
         raise TypeError(f"eager_type must be a torch.nn.Module subclass, got {eager_type!r}")
     if not callable(convert):
         raise TypeError(f"convert must be callable, got {convert!r}")
-    _CONVERTERS[eager_type] = convert
+    (_QUANTIZERS if quantize else _CONVERTERS)[eager_type] = convert
 
 
 @dataclass
@@ -147,9 +153,11 @@ def _matches(patterns: tuple[str, ...], path: str, module: nn.Module) -> bool:
     return any(p in names or any(fnmatch.fnmatchcase(q, p) for q in prefixes) for p in patterns)
 
 
-def _converter(module: nn.Module) -> tuple[Converter | None, type | None]:
+def _converter(module: nn.Module, quantize: str | None = None) -> tuple[Converter | None, type | None]:
     """(converter, registered type): exact type match, else the registered type it subclasses (no converter)."""
     cls = type(module)
+    if quantize is not None and not module.training and cls in _QUANTIZERS:
+        return (lambda m, *, optimizer, backend: _QUANTIZERS[cls](m, weight_dtype=quantize, backend=backend)), cls
     if cls in _CONVERTERS:
         return _CONVERTERS[cls], cls
     for base in cls.__mro__[1:]:
@@ -158,7 +166,8 @@ def _converter(module: nn.Module) -> tuple[Converter | None, type | None]:
     return None, None
 
 
-def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=None, exclude=None) -> SwapReport:
+def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=None, exclude=None,
+         quantize: str | None = None) -> SwapReport:
     """Replace, in place, the modules of ``model`` that have a fused counterpart; return the report.
 
     Args:
@@ -172,6 +181,9 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
         include: only swap modules matching one of these type names or path globs (a path glob also
             matches the module's descendants, e.g. ``"sparse_arch"``, ``"*.self_attn"``).
         exclude: never swap modules matching these (and leave their descendants alone).
+        quantize: None, or a weight dtype of ``gem_kernels.QuantizedEmbeddingBag`` ("int8", "int4",
+            "int2", "fp16", "fp8"): modules in eval mode with a quantizing converter (``nn.EmbeddingBag``)
+            become quantized inference modules (FBGEMM's row-wise rule) instead.
 
     A ``torch.optim.Optimizer`` as ``optimizer`` (one built before the swap, the usual order in
     training scripts) is rewired in place: the modules swap with optimizer=None, and where a
@@ -194,6 +206,11 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
         raise ValueError(f"optimizer must be None, a gem_kernels.optim config "
                          f"({', '.join(o.__name__ for o in OPTIMIZERS)}) or a torch.optim.Optimizer, got {optimizer!r}")
     check_backend(backend)
+    if quantize is not None:
+        from .ops.quant_embedding_bag import WEIGHT_TYPES
+
+        if quantize not in WEIGHT_TYPES:
+            raise ValueError(f"quantize must be None or one of {tuple(WEIGHT_TYPES)}, got {quantize!r}")
     include, exclude = _patterns("include", include), _patterns("exclude", exclude)
     if "torchrec" in sys.modules:
         _register_torchrec()
@@ -218,7 +235,7 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             if _is_swapped(child):
                 report.skipped.append((path, type(child).__name__, "already swapped"))
                 continue
-            convert, registered = _converter(child)
+            convert, registered = _converter(child, quantize)
             if registered is None:
                 visit(child, path)
                 continue

@@ -17,11 +17,12 @@ except ImportError as error:
     raise ImportError(f"{INSTALL_HINT}; importing torchrec failed with: {error}") from error
 
 from .embedding_modules import FusedEmbeddingBagCollection, FusedEmbeddingCollection  # noqa: E402
+from .quant_embedding_modules import QuantEmbeddingBagCollection  # noqa: E402
 from .sharding import (  # noqa: E402
     FusedEmbeddingBagCollectionSharder,
     FusedEmbeddingCollectionSharder,
     sharding_plan,
 )
 
-__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "FusedEmbeddingBagCollectionSharder",
+__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "QuantEmbeddingBagCollection", "FusedEmbeddingBagCollectionSharder",
            "FusedEmbeddingCollectionSharder", "sharding_plan", "INSTALL_HINT"]
