@@ -95,8 +95,6 @@ class HashedEmbeddingBag(PackedTables):
         self.register_buffer("momentum1", torch.zeros(size1, **state))
         self.register_buffer("momentum2", torch.zeros(size2, **state))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
-        # Training calls so far: the clock of ttl_unit "steps" (`step` is the fused optimizer's own).
-        self.register_buffer("zch_step", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("init_bounds", torch.tensor(init_bounds, dtype=torch.float64, device=device),
                              persistent=False)
         for buffer in (self.weights, self.momentum1, self.momentum2):
@@ -111,7 +109,6 @@ class HashedEmbeddingBag(PackedTables):
             self.momentum1.zero_()
             self.momentum2.zero_()
             self.step.zero_()
-            self.zch_step.zero_()
             self.zch.reset()
 
     def weight(self, t: int) -> torch.Tensor:
@@ -131,22 +128,9 @@ class HashedEmbeddingBag(PackedTables):
             raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables}, got {offsets.numel()}")
         batch = (offsets.numel() - 1) // num_tables
         id_offsets = offsets[::batch] if batch else offsets.new_zeros(num_tables + 1)
-        if self.zch.ttl_unit == "seconds":
-            if self.training and timestamp is None:
-                raise ValueError("timestamp is required in training with ttl_unit 'seconds' (the batch's time, an int)")
-            now = 0 if timestamp is None else timestamp
-        else:
-            if timestamp is not None:
-                raise ValueError(f"timestamp is only used with ttl_unit 'seconds', got timestamp={timestamp!r}")
-            now = int(self.zch_step) + 1 if self.training else int(self.zch_step)
-        with torch.no_grad():
-            slots = zch_remap(ids, id_offsets, self.zch, now=now, train=self.training,
-                              default_row=self.unadmitted == "default_row",
+        return self.zch.remap(ids, id_offsets, self.training, timestamp, default_row=self.unadmitted == "default_row",
                               reset=(self.weights, self.table_meta, self.momentum1, self.momentum2, self.init_bounds,
                                      self.seed), backend=self.backend)
-        if self.training:
-            self.zch_step += 1
-        return slots
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
                 timestamp: int | None = None) -> torch.Tensor:

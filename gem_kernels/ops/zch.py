@@ -101,12 +101,14 @@ class ZchTables(nn.Module):
         self.register_buffer("index", torch.zeros(cells, 2, **opts))
         self.register_buffer("pending", torch.zeros(pcells, 2, **opts))
         self.register_buffer("table_state", torch.zeros(len(slots), len(STATE_FIELDS), **opts))
+        # Training calls so far: the clock of ttl_unit "steps".
+        self.register_buffer("step", torch.zeros((), **opts))
         self.reset()
 
     def reset(self) -> None:
         """Every slot free, every counter zero."""
         with torch.no_grad():
-            for buffer in (self.slot_meta, self.heap, self.pending, self.table_state):
+            for buffer in (self.slot_meta, self.heap, self.pending, self.table_state, self.step):
                 buffer.zero_()
             self.index.zero_()
             self.index[:, 1] = -1
@@ -125,6 +127,25 @@ class ZchTables(nn.Module):
         """[slots_t] bool: whether each slot of table t holds an id."""
         start = sum(self.slots[:t])
         return self.slot_meta[start:start + self.slots[t], 1] > 0
+
+    def remap(self, ids: torch.Tensor, id_offsets: torch.Tensor, train: bool, timestamp: int | None = None,
+              default_row: bool = False, reset=None, backend: str | None = None) -> torch.Tensor:
+        """``zch_remap`` on this clock: ``now`` is the count of training calls (ttl_unit "steps"; this
+        one included) or ``timestamp`` (ttl_unit "seconds"; required in training)."""
+        if self.ttl_unit == "seconds":
+            if train and timestamp is None:
+                raise ValueError("timestamp is required in training with ttl_unit 'seconds' (the batch's time, an int)")
+            now = 0 if timestamp is None else timestamp
+        else:
+            if timestamp is not None:
+                raise ValueError(f"timestamp is only used with ttl_unit 'seconds', got timestamp={timestamp!r}")
+            now = int(self.step) + int(bool(train))
+        with torch.no_grad():
+            slots = zch_remap(ids, id_offsets, self, now=now, train=train, default_row=default_row, reset=reset,
+                              backend=backend)
+            if train:
+                self.step += 1
+        return slots
 
     def stats(self) -> dict[str, list[int]]:
         return {name: self.table_state[:, i].tolist() for i, name in enumerate(STATE_FIELDS)}

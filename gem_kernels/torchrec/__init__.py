@@ -22,6 +22,7 @@ from .sharding import (  # noqa: E402
     FusedEmbeddingCollectionSharder,
     sharding_plan,
 )
+from .zch_modules import ZchEmbeddingBagCollection  # noqa: E402  (also registers its gk.swap converter)
 
 __all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "FusedEmbeddingBagCollectionSharder",
-           "FusedEmbeddingCollectionSharder", "sharding_plan", "INSTALL_HINT"]
+           "FusedEmbeddingCollectionSharder", "sharding_plan", "ZchEmbeddingBagCollection", "INSTALL_HINT"]
