@@ -18,6 +18,7 @@ FAMILIES = {
     "interaction": "bench.interaction",
     "model": "bench.model",
     "swap": "bench.swap",
+    "hashed": "bench.hashed",
 }
 
 # Whole-run wall-clock budgets (seconds) for the timed part: the default run must finish within 10
