@@ -338,3 +338,16 @@ def test_empty_batch():
 
 def test_stats_fields():
     assert STATE_FIELDS[0] == "used" and len(STATE_FIELDS) == gk.ZchTables([1]).table_state.shape[1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    tables = gk.ZchTables([5, 3], eviction="lfu", admission_threshold=2)
+    run_stream(tables, drifting_stream(steps=3, tables=2, seed=4, per_table=6), backend)
+    empty = torch.empty(0, dtype=torch.int64)
+    args = (torch.tensor([5, 6, 5, 7, 8]), torch.tensor([0, 3, 5]), tables.slot_meta, tables.heap, tables.index,
+            tables.pending, tables.table_state, tables.layout, 1, 0, 10, 2, 32, True, False,
+            torch.empty(0), empty, empty, empty, torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.float64), 0,
+            backend)
+    torch.library.opcheck(torch.ops.gem_kernels.zch_remap.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
