@@ -1,8 +1,9 @@
 """Bench of the zch family (issue 28): raw-id embedding tables with eviction, per training step.
 
 Stream: 26 features (one table each, D = 64), B = 4096 bags of 2 raw ids each; per table ids are
-Zipf (alpha 1.05) ranks over a window of 4 x slots ids that slides by slots / 16 every step (new ids
-arrive, old ones fade), each rank scattered to a random 63-bit raw id. STEPS batches are built once
+Zipf (alpha 1.05) ranks over a window of 4 x slots ids that slides by slots / 4 every step (new ids
+arrive, old ones fade: after the STEPS batches, which are cycled, the window has moved 3 x slots, so
+the ids of the first batch are long evicted when it comes round again), each rank scattered to a random 63-bit raw id. STEPS batches are built once
 and cycled; both impls run the same stream from fresh modules with the same slot counts.
 
 Cases:
@@ -32,7 +33,7 @@ import gem_kernels as gk
 
 from .harness import Case
 
-NUM_FEATURES, DIM, IDS_PER_BAG, STEPS = 26, 64, 2, 6
+NUM_FEATURES, DIM, IDS_PER_BAG, STEPS = 26, 64, 2, 12
 LR, EPS = 0.01, 1e-8
 
 
@@ -41,11 +42,11 @@ def stream(batch: int, slots: int, steps: int, seed: int = 0) -> list[tuple[torc
     g = torch.Generator().manual_seed(seed)
     window = 4 * slots
     zipf = torch.arange(1, window + 1, dtype=torch.float64).pow(-1.05)
-    scatter = torch.randint(-(2**62), 2**62, (NUM_FEATURES, window + steps * (slots // 16) + 1), generator=g)
+    scatter = torch.randint(-(2**62), 2**62, (NUM_FEATURES, window + steps * (slots // 4) + 1), generator=g)
     out = []
     for step in range(steps):
         ranks = torch.multinomial(zipf.expand(NUM_FEATURES, -1), batch * IDS_PER_BAG, replacement=True, generator=g)
-        ranks = ranks + step * (slots // 16)
+        ranks = ranks + step * (slots // 4)
         values = scatter.gather(1, ranks).reshape(-1)
         out.append((values, torch.full((NUM_FEATURES * batch,), IDS_PER_BAG, dtype=torch.int64)))
     return out
@@ -167,7 +168,7 @@ def _mpzch_note(slots: int) -> str:
 def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     if device.type != "cpu":
         return
-    batch, slots = (512, 2000) if quick else (4096, 20000)
+    batch, slots = (512, 1024) if quick else (4096, 8192)
     batches = stream(batch, slots, STEPS)
     lookups = NUM_FEATURES * batch * IDS_PER_BAG
     shape = f"F={NUM_FEATURES} B={batch} L={IDS_PER_BAG} D={DIM} slots={slots}/table"

@@ -3,8 +3,8 @@
 //
 // The algorithm (the same, step for step, as gem_kernels/reference/zch.py, so that both give the
 // same state bit for bit; see that file's docstring for the data layout):
-//   - per table, a linear-probing hash index id -> slot (capacity >= 2 x slots, so it is at most
-//     half full when every slot is used), probes bounded by max_probe; deletion by backward shift
+//   - per table, a linear-probing hash index id -> slot (capacity >= 4 x slots, so it is at most
+//     a quarter full when every slot is used), probes bounded by max_probe; deletion by backward shift
 //     (no tombstones);
 //   - slots filled in order 0, 1, ...; once full, a new id takes the slot of the policy's victim,
 //     found in a lazy min-heap of (key, slot) snapshots (keys only grow, so a stale top is refreshed

@@ -52,7 +52,8 @@ class ZchTables(nn.Module):
         admission_threshold: sightings an id needs before it gets a slot (1: at once). Counts are kept
             in ``admission_capacity`` cells per table (default 2 x slots); see ``pending_replacements``.
         max_probe: the most index cells one lookup inspects (the probe bound). The index has
-            >= 2 x slots cells, so it is at most half full.
+            >= 4 x slots cells, so it is at most a quarter full (at half full, a full 8192-slot
+            table under churn overflowed 32 probes ~1e-3 of its insertions; bench/hashed.py).
 
     Stats (``stats()``, cumulative, per table): used slots, hits, lookups, evictions, unadmitted
     lookups, probe overflows (new ids refused because no empty cell was within max_probe), the
@@ -82,7 +83,7 @@ class ZchTables(nn.Module):
             _check_int("admission_capacity", admission_capacity, 1)
         self.slots, self.eviction, self.ttl, self.ttl_unit = slots, eviction, ttl or 0, ttl_unit
         self.admission_threshold, self.max_probe = admission_threshold, max_probe
-        index_cells = [_pow2_at_least(2 * s) for s in slots]
+        index_cells = [_pow2_at_least(4 * s) for s in slots]
         pending_cells = [0 if admission_threshold == 1 else _pow2_at_least(admission_capacity or 2 * s)
                          for s in slots]
 

@@ -11,7 +11,7 @@ pending cells per table):
   last_seq), LFU (count, last_seq), TTL (last_time, last_seq). Keys only grow, so a snapshot is never
   above the slot's key: a stale top is refreshed and sifted down, a fresh top is the minimum.
 - ``index`` [cells, 2] int64: linear-probing hash index (id, slot; slot -1 = empty), capacity a power
-  of two >= 2 x slots, home cell ``mix64(id) & (cells - 1)``; at most ``max_probe`` cells inspected.
+  of two >= 4 x slots, home cell ``mix64(id) & (cells - 1)``; at most ``max_probe`` cells inspected.
 - ``pending`` [cells, 2] int64: admission counts (id, count; count 0 = empty): an id not in the index
   is counted in the window of ``max_probe`` cells from ``mix64(id ^ PENDING_SALT)``; a full window
   gives the lowest-count cell (first in the window) to the new id (``pending_replacements``).
