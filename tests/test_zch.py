@@ -351,3 +351,26 @@ def test_opcheck(backend):
             backend)
     torch.library.opcheck(torch.ops.gem_kernels.zch_remap.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_remap_traces_with_torch_fx():
+    """The remap is one node of a torch.fx trace (it reads sizes and the clock, which a trace cannot)."""
+
+    class Remap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bags = _module(BACKENDS[-1])
+
+        def forward(self, ids, offsets):
+            return self.bags.remap(ids, offsets)
+
+    module, twin = Remap(), Remap()
+    twin.load_state_dict(module.state_dict())
+    traced = torch.fx.symbolic_trace(module)
+    assert "remap_by_table" in [n.target.__name__ for n in traced.graph.nodes if n.op == "call_function"]
+    module.train()
+    twin.train()
+    for step in range(3):
+        ids, offsets = _batch(step)
+        assert torch.equal(traced(ids, offsets), twin(ids, offsets))
+    assert torch.equal(module.bags.zch.slot_meta, twin.bags.zch.slot_meta)

@@ -23,6 +23,25 @@ from .embedding_bag import PackedTables, TableSpec, _advise_huge_pages
 UNADMITTED = ("zeros", "default_row")
 
 
+def remap_by_table(zch: ZchTables, ids: torch.Tensor, offsets: torch.Tensor, train: bool, timestamp: int | None,
+                   default_row: bool, reset, backend: str | None) -> torch.Tensor:
+    """``zch.remap`` of the ids of an embedding-bag call: offsets [T*S+1] hold S bags per table, so
+    table t's ids start at offsets[t*S]. Wrapped for torch.fx (below): it reads offsets' size and the
+    clock, which a symbolic trace cannot, so traced modules call it as one node."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"offsets must be a 1-D tensor of T*B+1 elements, got "
+                         f"{tuple(offsets.shape) if isinstance(offsets, torch.Tensor) else type(offsets).__name__}")
+    num_tables = zch.num_tables
+    if (offsets.numel() - 1) % num_tables:
+        raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables}, got {offsets.numel()}")
+    stride = (offsets.numel() - 1) // num_tables
+    id_offsets = offsets[::stride] if stride else offsets.new_zeros(num_tables + 1)
+    return zch.remap(ids, id_offsets, train, timestamp, default_row=default_row, reset=reset, backend=backend)
+
+
+torch.fx.wrap("remap_by_table")
+
+
 class HashedEmbeddingBag(PackedTables):
     """T embedding bags over raw int64 ids: remap (``zch_remap``) then the fused embedding-bag op.
 
@@ -120,17 +139,9 @@ class HashedEmbeddingBag(PackedTables):
 
     def remap(self, ids: torch.Tensor, offsets: torch.Tensor, timestamp: int | None = None) -> torch.Tensor:
         """The rows of ``ids`` (the forward's first half): -1 for an id without a row in "zeros" mode."""
-        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 1:
-            raise ValueError(f"offsets must be a 1-D tensor of T*B+1 elements, got "
-                             f"{tuple(offsets.shape) if isinstance(offsets, torch.Tensor) else type(offsets).__name__}")
-        num_tables = len(self.tables)
-        if (offsets.numel() - 1) % num_tables:
-            raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables}, got {offsets.numel()}")
-        batch = (offsets.numel() - 1) // num_tables
-        id_offsets = offsets[::batch] if batch else offsets.new_zeros(num_tables + 1)
-        return self.zch.remap(ids, id_offsets, self.training, timestamp, default_row=self.unadmitted == "default_row",
-                              reset=(self.weights, self.table_meta, self.momentum1, self.momentum2, self.init_bounds,
-                                     self.seed), backend=self.backend)
+        return remap_by_table(self.zch, ids, offsets, self.training, timestamp, self.unadmitted == "default_row",
+                              (self.weights, self.table_meta, self.momentum1, self.momentum2, self.init_bounds,
+                               self.seed), self.backend)
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
                 timestamp: int | None = None) -> torch.Tensor:

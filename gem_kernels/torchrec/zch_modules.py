@@ -23,10 +23,12 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCo
 from torchrec.modules.mc_modules import LFU_EvictionPolicy, LRU_EvictionPolicy, MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..nn.hashed_embedding_bag import UNADMITTED
+from ..nn.hashed_embedding_bag import UNADMITTED, remap_by_table
 from ..ops.zch import ZchTables
 from ..swap import SwapSkip, register
 from .embedding_modules import FusedEmbeddingBagCollection
+
+torch.fx.wrap("remap_by_table")  # this module's calls of it are one node of a trace too
 
 
 class ZchEmbeddingBagCollection(FusedEmbeddingBagCollection):
@@ -64,12 +66,10 @@ class ZchEmbeddingBagCollection(FusedEmbeddingBagCollection):
 
     def _lookup(self, values, offsets, psw, pooling: str, batch: int) -> torch.Tensor:
         # The op's layout puts table t's bags (all its features) at t*K*B ... (t+1)*K*B: one id segment per table.
-        stride = self._slots_per_table * batch
-        id_offsets = offsets[::stride] if stride else offsets.new_zeros(len(self._configs) + 1)
-        slots = self.zch.remap(values, id_offsets, self.training, self._timestamp,
-                               default_row=self.unadmitted == "default_row",
-                               reset=(self.weights, self.table_meta, self.momentum1, self.momentum2, self.init_bounds,
-                                      self.seed), backend=self.backend)
+        slots = remap_by_table(self.zch, values, offsets, self.training, self._timestamp,
+                               self.unadmitted == "default_row",
+                               (self.weights, self.table_meta, self.momentum1, self.momentum2, self.init_bounds,
+                                self.seed), self.backend)
         return super()._lookup(slots, offsets, psw, pooling, batch)
 
     def forward(self, features: KeyedJaggedTensor, timestamp: int | None = None) -> tuple[KeyedTensor, None]:
