@@ -179,7 +179,8 @@ def _remap_fake(ids, *_):
 
 
 zch_remap_op.register_fake(_remap_fake)
-torch.library.register_fake("gem_kernels::zch_remap_native")(_remap_fake)
+if hasattr(torch.ops.gem_kernels, "zch_remap_native"):  # absent when gem_kernels._C failed to import
+    torch.library.register_fake("gem_kernels::zch_remap_native")(_remap_fake)
 
 _EMPTY = {}
 
