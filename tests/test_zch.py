@@ -374,3 +374,38 @@ def test_remap_traces_with_torch_fx():
         ids, offsets = _batch(step)
         assert torch.equal(traced(ids, offsets), twin(ids, offsets))
     assert torch.equal(module.bags.zch.slot_meta, twin.bags.zch.slot_meta)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ extension is not built")
+def test_native_call_with_malformed_state_raises():
+    """A direct call of the schema with inconsistent state raises instead of reading or writing
+    outside its buffers."""
+    empty, none = torch.empty(0, dtype=torch.int64), torch.empty(0)
+
+    def call(tables, **change):
+        args = dict(slot_meta=tables.slot_meta, heap=tables.heap, index=tables.index, pending=tables.pending,
+                    table_state=tables.table_state, layout=tables.layout)
+        args.update(change)
+        return torch.ops.gem_kernels.zch_remap_native(
+            torch.tensor([1, 2, 3]), torch.tensor([0, 3]), args["slot_meta"], args["heap"], args["index"],
+            args["pending"], args["table_state"], args["layout"], 0, 0, 1, 1, 32, True, False, none, empty, empty,
+            empty, none, none, torch.empty(0, dtype=torch.float64), 0)
+
+    tables = gk.ZchTables([2])
+    call(tables)  # fills both slots
+    bad_state = tables.table_state.clone()
+    bad_state[0, 0] = 5  # more slots used than the table has
+    with pytest.raises(RuntimeError, match="table_state of table 0 is inconsistent"):
+        call(tables, table_state=bad_state)
+    bad_layout = tables.layout.clone()
+    bad_layout[1, 1] = 3  # index cells not a power of two
+    with pytest.raises(RuntimeError, match="zch_remap: state tensors do not match layout|layout of table 0"):
+        call(tables, layout=bad_layout)
+    bad_index = tables.index.clone()
+    bad_index[:, 1] = torch.where(bad_index[:, 1] >= 0, 7, -1)  # slots beyond the table
+    with pytest.raises(RuntimeError, match="index holds slot 7"):
+        call(tables, index=bad_index)
+    bad_heap = tables.heap.clone()
+    bad_heap[:, 0] = 9
+    with pytest.raises(RuntimeError, match="heap holds slot 9"):
+        call(tables, heap=bad_heap, index=gk.ZchTables([2]).index.clone())

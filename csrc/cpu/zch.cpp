@@ -187,6 +187,7 @@ int64_t find_victim(TableView& t, const Options& o, int64_t batch_start_seq) {
   int64_t& size = t.state[kHeapSize];
   while (size > 0) {
     const int64_t slot = t.heap[0];
+    TORCH_CHECK(slot >= 0 && slot < t.slots, "zch_remap: heap holds slot ", slot, " outside [0, ", t.slots, ")");
     const Key current = slot_key(t, o.policy, slot);
     if (!(current == heap_key(t, 0))) {
       t.heap[1] = current.a;
@@ -268,14 +269,50 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
     TORCH_CHECK_VALUE(!train || now >= last, "now must not decrease: table ", t, " last saw now = ", last,
                       ", got ", now);
   }
+  // What keeps a direct call of the schema inside its buffers: the layout, the state counters and
+  // the weights metadata (the slots held in the index and heap are checked where they are read).
+  const int64_t* st = table_state.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slots = slot_off[t + 1] - slot_off[t], cells = index_off[t + 1] - index_off[t];
+    const int64_t pcells = pending_off[t + 1] - pending_off[t];
+    TORCH_CHECK(slots >= 1 && cells >= 1 && (cells & (cells - 1)) == 0 && pcells >= 0 && (pcells & (pcells - 1)) == 0 &&
+                    (admit_threshold <= 1 || pcells >= 1),
+                "zch_remap: layout of table ", t, " is invalid (slots ", slots, ", index cells ", cells,
+                ", pending cells ", pcells, ")");
+    const int64_t* ts = st + t * kNumFields;
+    TORCH_CHECK(ts[kUsed] >= 0 && ts[kUsed] <= slots && ts[kHeapSize] == ts[kUsed] && ts[kSeq] >= 0,
+                "zch_remap: table_state of table ", t, " is inconsistent (used ", ts[kUsed], ", heap_size ",
+                ts[kHeapSize], ", slots ", slots, ")");
+  }
   const bool reset = weights.numel() > 0;
   if (reset) {
     GK_CHECK_CONTIGUOUS(weights);
+    for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&weights_offsets, &D_offsets, &rows_offsets,
+                                                                         &init_bounds, &momentum1, &momentum2}) {
+      GK_CHECK_CPU(*x);
+      GK_CHECK_CONTIGUOUS(*x);
+    }
     TORCH_CHECK(weights_offsets.numel() == T && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1 &&
-                    init_bounds.numel() == 2 * T && init_bounds.scalar_type() == at::kDouble,
+                    init_bounds.numel() == 2 * T && init_bounds.scalar_type() == at::kDouble &&
+                    weights_offsets.scalar_type() == at::kLong && D_offsets.scalar_type() == at::kLong &&
+                    rows_offsets.scalar_type() == at::kLong,
                 "zch_remap: weights metadata / init_bounds do not match T = ", T);
     TORCH_CHECK(momentum1.scalar_type() == at::kFloat && momentum2.scalar_type() == at::kFloat,
                 "zch_remap: optimizer state must be float32");
+    const int64_t* w_off = weights_offsets.data_ptr<int64_t>();
+    const int64_t* d_off = D_offsets.data_ptr<int64_t>();
+    const int64_t* r_off = rows_offsets.data_ptr<int64_t>();
+    const int64_t m1 = momentum1.numel(), m2 = momentum2.numel();
+    TORCH_CHECK((m2 == 0 && (m1 == 0 || m1 == r_off[T])) || (m1 == weights.numel() && m2 == weights.numel()),
+                "zch_remap: momentum1/momentum2 sizes match no optimizer layout");
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t dim = d_off[t + 1] - d_off[t], rows = r_off[t + 1] - r_off[t];
+      const int64_t slots = slot_off[t + 1] - slot_off[t];
+      TORCH_CHECK(dim >= 1 && r_off[t] >= 0 && rows >= slots && w_off[t] >= 0 &&
+                      w_off[t] + rows * dim <= weights.numel(),
+                  "zch_remap: table ", t, " (", rows, " rows x ", dim, " at ", w_off[t],
+                  ") does not hold its slots inside weights");
+    }
   }
   auto slots_out = at::empty({N}, ids.options());
   const int64_t* id_data = ids.data_ptr<int64_t>();
@@ -311,6 +348,7 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
           int64_t pos = index_find(t, id, max_probe);
           if (pos >= 0) {
             const int64_t slot = t.index[2 * pos + 1];
+            TORCH_CHECK(slot < t.slots, "zch_remap: index holds slot ", slot, " outside [0, ", t.slots, ")");
             out[i] = slot;
             t.state[kHits] += 1;
             if (train) {
@@ -343,8 +381,10 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
               continue;
             }
             const int64_t old = index_find(t, t.meta[slot * kMetaFields + kId], max_probe);
+            TORCH_CHECK(old >= 0, "zch_remap: the id of slot ", slot, " is missing from the index");
             index_erase(t, old);
             pos = index_find(t, id, max_probe);  // the erase may have moved the first empty cell closer
+            TORCH_CHECK(pos <= -2, "zch_remap: the index changed under the insertion of id ", id);
             t.state[kEvictions] += 1;
           }
           const int64_t cell = -(pos + 2);
