@@ -17,9 +17,11 @@ Cases:
 Not verified against each other: the two are different eviction algorithms (TorchRec's MCH
 re-sorts its table every eviction_interval; zch evicts per id), so their identity tables and outputs
 differ by design (the reference backend, the same algorithm in plain Python, is too slow for this
-stream: tests/test_zch.py checks cpu against it bit for bit). The notes give each impl's hit rate, evictions per step and state bytes (weights,
-optimizer and identity/eviction state), measured over one pass of the stream before timing; the
-probe bound and overflows at 80 % load of a 2**20-slot table; and what TorchRec's MPZCH
+stream: tests/test_zch.py checks cpu against it bit for bit). The notes give zch's hit rate,
+evictions and unadmitted lookups per step, largest probe and probe overflows (over a second pass of
+the stream, after a first one filled the tables), the ids TorchRec's MCH holds after one pass, each
+impl's state bytes (weights, optimizer and identity/eviction state: not a measured peak RSS; TorchRec
+also makes a dense [rows, D] gradient every step, given beside it); the probe bound and overflows at 80 % load of a 2**20-slot table; and what TorchRec's MPZCH
 (HashZchManagedCollisionModule) does when asked to train on the CPU.
 """
 
