@@ -19,6 +19,7 @@ FAMILIES = {
     "model": "bench.model",
     "swap": "bench.swap",
     "inference": "bench.inference",
+    "hashed": "bench.hashed",
 }
 
 # Whole-run wall-clock budgets (seconds) for the timed part: the default run must finish within 10

@@ -60,6 +60,15 @@ TORCH_LIBRARY(gem_kernels, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.def("feature_mix_norm_backward_native(Tensor grad_out, Tensor x, Tensor mix, Tensor fm, Tensor ln_weight, "
         "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+
+  // zch: raw int64 ids [N] in per-table segments (id_offsets [T+1]) -> slots [N] int64, mutating the
+  // identity tables and eviction state (layout in gem_kernels/reference/zch.py); a slot given to a
+  // new id gets fresh weights and zero optimizer state (weights empty: no reset).
+  m.def("zch_remap_native(Tensor ids, Tensor id_offsets, Tensor(a!) slot_meta, Tensor(b!) heap, Tensor(c!) index, "
+        "Tensor(d!) pending, Tensor(e!) table_state, Tensor layout, int policy, int ttl, int now, "
+        "int admit_threshold, int max_probe, bool train, bool default_row, Tensor(f!) weights, "
+        "Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, Tensor(g!) momentum1, Tensor(h!) momentum2, "
+        "Tensor init_bounds, int seed) -> Tensor");
 }
 
 namespace gem_kernels {

@@ -19,10 +19,12 @@ from ._embedding_bag import TableLayout, TableMeta, pack_tables
 from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
+from .ops.zch import ZchTables, zch_remap
 from . import nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
 from .ops.quant_embedding_bag import quant_embedding_bag
 from .nn.quant_embedding_bag import QuantizedEmbeddingBag
+from .nn.hashed_embedding_bag import HashedEmbeddingBag
 from .swap import SwapReport, SwapSkip, register, swap
 
 # `gem_kernels.swap` is the function; its module's names stay reachable through it too.
@@ -62,6 +64,9 @@ __all__ = [
     "TableMeta",
     "TableLayout",
     "pack_tables",
+    "zch_remap",
+    "ZchTables",
+    "HashedEmbeddingBag",
     "swap",
     "SwapReport",
     "SwapSkip",

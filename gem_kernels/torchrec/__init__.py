@@ -23,6 +23,8 @@ from .sharding import (  # noqa: E402
     FusedEmbeddingCollectionSharder,
     sharding_plan,
 )
+from .zch_modules import ZchEmbeddingBagCollection  # noqa: E402  (also registers its gk.swap converter)
 
-__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "QuantEmbeddingBagCollection", "FusedEmbeddingBagCollectionSharder",
-           "FusedEmbeddingCollectionSharder", "sharding_plan", "INSTALL_HINT"]
+__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "QuantEmbeddingBagCollection",
+           "ZchEmbeddingBagCollection", "FusedEmbeddingBagCollectionSharder", "FusedEmbeddingCollectionSharder",
+           "sharding_plan", "INSTALL_HINT"]

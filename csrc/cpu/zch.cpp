@@ -1,0 +1,440 @@
+// CPU kernel of the zch family: zero-collision remap of raw int64 ids to table slots, with eviction
+// (LRU / LFU / TTL), admission and the reset of a reused slot's row and optimizer state.
+//
+// The algorithm (the same, step for step, as gem_kernels/reference/zch.py, so that both give the
+// same state bit for bit; see that file's docstring for the data layout):
+//   - per table, a linear-probing hash index id -> slot (capacity >= 4 x slots, so it is at most
+//     a quarter full when every slot is used), probes bounded by max_probe; deletion by backward shift
+//     (no tombstones);
+//   - slots filled in order 0, 1, ...; once full, a new id takes the slot of the policy's victim,
+//     found in a lazy min-heap of (key, slot) snapshots (keys only grow, so a stale top is refreshed
+//     and sifted down; a fresh top is the true minimum); a slot used earlier in this batch is never
+//     a victim (LFU sets such tops aside until the batch ends; for LRU/TTL a touched top means no
+//     victim exists);
+//   - admission: an id needs `admit_threshold` sightings, counted in a bounded per-table table
+//     (a window of max_probe cells from the id's hash; when full, the lowest count is replaced).
+//
+// Work decomposition: at::parallel_for over tables (grain 1); one task owns a table's whole state
+// and walks its ids in order, so the result does not depend on the thread count. Within a table the
+// walk is serial by design: the id -> slot decision of each id depends on every earlier one.
+//
+// Roofline: 0 FLOPs. Minimum bytes: read 8 B per id and write 8 B per slot, plus one index probe
+// (16 B) and one slot-metadata update (32 B) per id; a reused slot writes D weights and its state.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "gem_kernels/checks.h"
+
+namespace gem_kernels {
+namespace {
+
+// Codes of gem_kernels/reference/zch.py (POLICY_CODES, STATE_FIELDS).
+enum Policy : int64_t { kLRU = 0, kLFU = 1, kTTL = 2 };
+enum Field : int64_t {
+  kUsed = 0, kSeq, kHeapSize, kLastNow, kMaxProbe, kProbeOverflows, kEvictions, kPendingReplacements, kHits,
+  kLookups, kUnadmitted, kNumFields
+};
+enum Meta : int64_t { kId = 0, kCount, kLastSeq, kLastTime, kMetaFields };
+
+inline uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+constexpr uint64_t kPendingSalt = 0x5851F42D4C957F2DULL;
+
+struct TableView {
+  int64_t slots, index_cap, pending_cap;
+  int64_t* meta;     // [slots, 4]
+  int64_t* heap;     // [slots, 3]: slot, key0, key1
+  int64_t* index;    // [index_cap, 2]: id, slot (-1 empty)
+  int64_t* pending;  // [pending_cap, 2]: id, count (0 empty)
+  int64_t* state;    // [kNumFields]
+};
+
+struct Options {
+  int64_t policy, ttl, now, admit_threshold, max_probe;
+  bool train, default_row;
+};
+
+struct Key {
+  int64_t a, b;
+  bool operator<(const Key& o) const { return a < o.a || (a == o.a && b < o.b); }
+  bool operator==(const Key& o) const { return a == o.a && b == o.b; }
+};
+
+inline Key slot_key(const TableView& t, int64_t policy, int64_t slot) {
+  const int64_t* m = t.meta + slot * kMetaFields;
+  if (policy == kLFU) return {m[kCount], m[kLastSeq]};
+  if (policy == kTTL) return {m[kLastTime], m[kLastSeq]};
+  return {m[kLastSeq], m[kLastSeq]};
+}
+
+inline Key heap_key(const TableView& t, int64_t i) { return {t.heap[3 * i + 1], t.heap[3 * i + 2]}; }
+
+inline void heap_swap(TableView& t, int64_t i, int64_t j) {
+  for (int k = 0; k < 3; ++k) std::swap(t.heap[3 * i + k], t.heap[3 * j + k]);
+}
+
+void sift_down(TableView& t, int64_t i, int64_t size) {
+  while (true) {
+    int64_t l = 2 * i + 1, r = l + 1, m = i;
+    if (l < size && heap_key(t, l) < heap_key(t, m)) m = l;
+    if (r < size && heap_key(t, r) < heap_key(t, m)) m = r;
+    if (m == i) return;
+    heap_swap(t, i, m);
+    i = m;
+  }
+}
+
+void sift_up(TableView& t, int64_t i) {
+  while (i > 0) {
+    int64_t p = (i - 1) / 2;
+    if (!(heap_key(t, i) < heap_key(t, p))) return;
+    heap_swap(t, i, p);
+    i = p;
+  }
+}
+
+inline int64_t home(const TableView& t, int64_t id) {
+  return static_cast<int64_t>(mix64(static_cast<uint64_t>(id)) & static_cast<uint64_t>(t.index_cap - 1));
+}
+
+// Position of `id` in the index (>= 0), or -(first empty cell + 2) when absent, or -1 when the
+// probe bound ran out before either was found.
+int64_t index_find(TableView& t, int64_t id, int64_t max_probe) {
+  const int64_t mask = t.index_cap - 1;
+  int64_t pos = home(t, id);
+  for (int64_t d = 0; d < max_probe; ++d, pos = (pos + 1) & mask) {
+    const int64_t* cell = t.index + 2 * pos;
+    if (cell[1] < 0) {
+      t.state[kMaxProbe] = std::max(t.state[kMaxProbe], d + 1);
+      return -(pos + 2);
+    }
+    if (cell[0] == id) {
+      t.state[kMaxProbe] = std::max(t.state[kMaxProbe], d + 1);
+      return pos;
+    }
+  }
+  return -1;
+}
+
+// Knuth's algorithm R: remove the cell at `pos` and shift later members of its cluster back.
+void index_erase(TableView& t, int64_t pos) {
+  const int64_t mask = t.index_cap - 1;
+  int64_t hole = pos, j = pos;
+  while (true) {
+    j = (j + 1) & mask;
+    int64_t* cell = t.index + 2 * j;
+    if (cell[1] < 0) break;
+    const int64_t k = home(t, cell[0]);
+    const bool stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
+    if (stays) continue;
+    t.index[2 * hole] = cell[0];
+    t.index[2 * hole + 1] = cell[1];
+    hole = j;
+  }
+  t.index[2 * hole + 1] = -1;
+  t.index[2 * hole] = 0;
+}
+
+// Counts a sighting of an id not in the index; returns whether it has now been seen
+// admit_threshold times (it stays counted until it gets a slot). `pending_pos` is set to its cell.
+bool admit(TableView& t, const Options& o, int64_t id, int64_t& pending_pos) {
+  pending_pos = -1;
+  if (o.admit_threshold <= 1) return true;
+  const int64_t mask = t.pending_cap - 1;
+  const int64_t start = static_cast<int64_t>(mix64(static_cast<uint64_t>(id) ^ kPendingSalt) &
+                                             static_cast<uint64_t>(mask));
+  const int64_t window = std::min(o.max_probe, t.pending_cap);
+  int64_t empty = -1, lowest = -1;
+  for (int64_t d = 0; d < window; ++d) {
+    const int64_t pos = (start + d) & mask;
+    int64_t* cell = t.pending + 2 * pos;
+    if (cell[1] == 0) {
+      if (empty < 0) empty = pos;
+      continue;
+    }
+    if (cell[0] == id) {
+      if (o.train) cell[1] += 1;
+      pending_pos = pos;
+      return cell[1] >= o.admit_threshold;
+    }
+    if (lowest < 0 || cell[1] < t.pending[2 * lowest + 1]) lowest = pos;
+  }
+  if (!o.train) return false;
+  int64_t pos = empty;
+  if (pos < 0) {
+    pos = lowest;
+    t.state[kPendingReplacements] += 1;
+  }
+  t.pending[2 * pos] = id;
+  t.pending[2 * pos + 1] = 1;
+  pending_pos = pos;
+  return 1 >= o.admit_threshold;
+}
+
+// The slot whose id the policy evicts now, or -1 when none may be (see the file comment).
+int64_t find_victim(TableView& t, const Options& o, int64_t batch_start_seq) {
+  int64_t& size = t.state[kHeapSize];
+  while (size > 0) {
+    const int64_t slot = t.heap[0];
+    TORCH_CHECK(slot >= 0 && slot < t.slots, "zch_remap: heap holds slot ", slot, " outside [0, ", t.slots, ")");
+    const Key current = slot_key(t, o.policy, slot);
+    if (!(current == heap_key(t, 0))) {
+      t.heap[1] = current.a;
+      t.heap[2] = current.b;
+      sift_down(t, 0, size);
+      continue;
+    }
+    const int64_t* m = t.meta + slot * kMetaFields;
+    if (m[kLastSeq] > batch_start_seq) {
+      if (o.policy != kLFU) return -1;
+      // Set aside behind the heap until the batch ends (end_batch pushes it back).
+      heap_swap(t, 0, size - 1);
+      size -= 1;
+      sift_down(t, 0, size);
+      continue;
+    }
+    if (o.policy == kTTL && o.now - m[kLastTime] < o.ttl) return -1;
+    return slot;
+  }
+  return -1;
+}
+
+template <typename scalar_t>
+void reset_row(int64_t id, int64_t t_index, int64_t row, uint64_t seed, double lo, double hi, scalar_t* weights,
+               int64_t w_offset, int64_t dim, int64_t global_row, float* momentum1, int64_t m1_size,
+               float* momentum2, int64_t m2_size) {
+  const uint64_t base = mix64(static_cast<uint64_t>(id) ^ mix64(seed + static_cast<uint64_t>(t_index)));
+  scalar_t* w = weights + w_offset + row * dim;
+  for (int64_t d = 0; d < dim; ++d) {
+    const double u = static_cast<double>(mix64(base + static_cast<uint64_t>(d)) >> 40) * (1.0 / 16777216.0);
+    w[d] = static_cast<scalar_t>(static_cast<float>(lo + (hi - lo) * u));
+  }
+  if (m1_size > 0) {
+    // Row-wise state (Adagrad: no momentum2) has one value per row; element-wise state (Adam) is
+    // packed like the weights.
+    if (m2_size > 0) {
+      std::fill(momentum1 + w_offset + row * dim, momentum1 + w_offset + (row + 1) * dim, 0.0f);
+    } else {
+      momentum1[global_row] = 0.0f;
+    }
+  }
+  if (m2_size > 0) std::fill(momentum2 + w_offset + row * dim, momentum2 + w_offset + (row + 1) * dim, 0.0f);
+}
+
+at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tensor slot_meta,
+                         at::Tensor heap, at::Tensor index, at::Tensor pending, at::Tensor table_state,
+                         const at::Tensor& layout, int64_t policy, int64_t ttl, int64_t now, int64_t admit_threshold,
+                         int64_t max_probe, bool train, bool default_row, at::Tensor weights,
+                         const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+                         const at::Tensor& rows_offsets, at::Tensor momentum1, at::Tensor momentum2,
+                         const at::Tensor& init_bounds, int64_t seed) {
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&ids, &id_offsets, &slot_meta, &heap, &index, &pending, &table_state, &layout}) {
+    GK_CHECK_CPU(*x);
+    GK_CHECK_CONTIGUOUS(*x);
+    TORCH_CHECK(x->scalar_type() == at::kLong, "zch_remap: every index/state tensor must be int64");
+  }
+  TORCH_CHECK(policy >= 0 && policy <= 2, "zch_remap: policy code must be 0..2, got ", policy);
+  TORCH_CHECK(max_probe >= 1, "zch_remap: max_probe must be >= 1, got ", max_probe);
+  const int64_t T = id_offsets.numel() - 1;
+  TORCH_CHECK(T >= 1 && layout.dim() == 2 && layout.size(0) == 3 && layout.size(1) == T + 1,
+              "zch_remap: layout must be [3, T+1] with T = id_offsets.numel() - 1");
+  TORCH_CHECK(table_state.dim() == 2 && table_state.size(0) == T && table_state.size(1) == kNumFields,
+              "zch_remap: table_state must be [T, ", kNumFields, "]");
+  const int64_t* lay = layout.data_ptr<int64_t>();
+  const int64_t* slot_off = lay;
+  const int64_t* index_off = lay + (T + 1);
+  const int64_t* pending_off = lay + 2 * (T + 1);
+  TORCH_CHECK(slot_meta.numel() == slot_off[T] * kMetaFields && heap.numel() == slot_off[T] * 3 &&
+                  index.numel() == index_off[T] * 2 && pending.numel() == pending_off[T] * 2,
+              "zch_remap: state tensors do not match layout");
+  const int64_t N = ids.numel();
+  const int64_t* off = id_offsets.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(off[0] == 0 && off[T] == N, "id_offsets must start at 0 and end at ids.numel() = ", N,
+                    ", got ", off[0], " and ", off[T]);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK_VALUE(off[t] <= off[t + 1], "id_offsets must be non-decreasing, got id_offsets[", t, "] = ",
+                      off[t], " > id_offsets[", t + 1, "] = ", off[t + 1]);
+    const int64_t last = table_state.data_ptr<int64_t>()[t * kNumFields + kLastNow];
+    TORCH_CHECK_VALUE(!train || now >= last, "now must not decrease: table ", t, " last saw now = ", last,
+                      ", got ", now);
+  }
+  // What keeps a direct call of the schema inside its buffers: the layout, the state counters and
+  // the weights metadata (the slots held in the index and heap are checked where they are read).
+  const int64_t* st = table_state.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slots = slot_off[t + 1] - slot_off[t], cells = index_off[t + 1] - index_off[t];
+    const int64_t pcells = pending_off[t + 1] - pending_off[t];
+    TORCH_CHECK(slots >= 1 && cells >= 1 && (cells & (cells - 1)) == 0 && pcells >= 0 && (pcells & (pcells - 1)) == 0 &&
+                    (admit_threshold <= 1 || pcells >= 1),
+                "zch_remap: layout of table ", t, " is invalid (slots ", slots, ", index cells ", cells,
+                ", pending cells ", pcells, ")");
+    const int64_t* ts = st + t * kNumFields;
+    TORCH_CHECK(ts[kUsed] >= 0 && ts[kUsed] <= slots && ts[kHeapSize] == ts[kUsed] && ts[kSeq] >= 0,
+                "zch_remap: table_state of table ", t, " is inconsistent (used ", ts[kUsed], ", heap_size ",
+                ts[kHeapSize], ", slots ", slots, ")");
+  }
+  const bool reset = weights.numel() > 0;
+  if (reset) {
+    GK_CHECK_CONTIGUOUS(weights);
+    for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&weights_offsets, &D_offsets, &rows_offsets,
+                                                                         &init_bounds, &momentum1, &momentum2}) {
+      GK_CHECK_CPU(*x);
+      GK_CHECK_CONTIGUOUS(*x);
+    }
+    TORCH_CHECK(weights_offsets.numel() == T && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1 &&
+                    init_bounds.numel() == 2 * T && init_bounds.scalar_type() == at::kDouble &&
+                    weights_offsets.scalar_type() == at::kLong && D_offsets.scalar_type() == at::kLong &&
+                    rows_offsets.scalar_type() == at::kLong,
+                "zch_remap: weights metadata / init_bounds do not match T = ", T);
+    TORCH_CHECK(momentum1.scalar_type() == at::kFloat && momentum2.scalar_type() == at::kFloat,
+                "zch_remap: optimizer state must be float32");
+    const int64_t* w_off = weights_offsets.data_ptr<int64_t>();
+    const int64_t* d_off = D_offsets.data_ptr<int64_t>();
+    const int64_t* r_off = rows_offsets.data_ptr<int64_t>();
+    const int64_t m1 = momentum1.numel(), m2 = momentum2.numel();
+    TORCH_CHECK((m2 == 0 && (m1 == 0 || m1 == r_off[T])) || (m1 == weights.numel() && m2 == weights.numel()),
+                "zch_remap: momentum1/momentum2 sizes match no optimizer layout");
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t dim = d_off[t + 1] - d_off[t], rows = r_off[t + 1] - r_off[t];
+      const int64_t slots = slot_off[t + 1] - slot_off[t];
+      TORCH_CHECK(dim >= 1 && r_off[t] >= 0 && rows >= slots && w_off[t] >= 0 &&
+                      w_off[t] + rows * dim <= weights.numel(),
+                  "zch_remap: table ", t, " (", rows, " rows x ", dim, " at ", w_off[t],
+                  ") does not hold its slots inside weights");
+    }
+  }
+  auto slots_out = at::empty({N}, ids.options());
+  const int64_t* id_data = ids.data_ptr<int64_t>();
+  int64_t* out = slots_out.data_ptr<int64_t>();
+  int64_t* meta_all = slot_meta.data_ptr<int64_t>();
+  int64_t* heap_all = heap.data_ptr<int64_t>();
+  int64_t* index_all = index.data_ptr<int64_t>();
+  int64_t* pending_all = pending.data_ptr<int64_t>();
+  int64_t* state_all = table_state.data_ptr<int64_t>();
+  const Options opts{policy, ttl, now, admit_threshold, max_probe, train, default_row};
+
+  auto run = [&](auto* weights_ptr) {
+    using scalar_t = std::remove_pointer_t<decltype(weights_ptr)>;
+    const int64_t* w_off = reset ? weights_offsets.data_ptr<int64_t>() : nullptr;
+    const int64_t* d_off = reset ? D_offsets.data_ptr<int64_t>() : nullptr;
+    const int64_t* r_off = reset ? rows_offsets.data_ptr<int64_t>() : nullptr;
+    const double* bounds = reset ? init_bounds.data_ptr<double>() : nullptr;
+    float* m1 = reset ? momentum1.data_ptr<float>() : nullptr;
+    float* m2 = reset ? momentum2.data_ptr<float>() : nullptr;
+    const int64_t m1_size = reset ? momentum1.numel() : 0;
+    const int64_t m2_size = reset ? momentum2.numel() : 0;
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t ti = begin; ti < end; ++ti) {
+        TableView t{slot_off[ti + 1] - slot_off[ti], index_off[ti + 1] - index_off[ti],
+                    pending_off[ti + 1] - pending_off[ti], meta_all + slot_off[ti] * kMetaFields,
+                    heap_all + slot_off[ti] * 3, index_all + index_off[ti] * 2, pending_all + pending_off[ti] * 2,
+                    state_all + ti * kNumFields};
+        const int64_t miss = default_row ? t.slots : -1;
+        const int64_t batch_start = t.state[kSeq];
+        for (int64_t i = off[ti]; i < off[ti + 1]; ++i) {
+          const int64_t id = id_data[i];
+          t.state[kLookups] += 1;
+          int64_t pos = index_find(t, id, max_probe);
+          if (pos >= 0) {
+            const int64_t slot = t.index[2 * pos + 1];
+            TORCH_CHECK(slot < t.slots, "zch_remap: index holds slot ", slot, " outside [0, ", t.slots, ")");
+            out[i] = slot;
+            t.state[kHits] += 1;
+            if (train) {
+              int64_t* m = t.meta + slot * kMetaFields;
+              m[kCount] += 1;
+              m[kLastSeq] = ++t.state[kSeq];
+              m[kLastTime] = now;
+            }
+            continue;
+          }
+          out[i] = miss;
+          int64_t pending_pos;
+          if (!admit(t, opts, id, pending_pos) || !train) {
+            t.state[kUnadmitted] += 1;
+            continue;
+          }
+          if (pos == -1) {
+            t.state[kProbeOverflows] += 1;
+            t.state[kUnadmitted] += 1;
+            continue;
+          }
+          int64_t slot;
+          const bool fresh = t.state[kUsed] < t.slots;
+          if (fresh) {
+            slot = t.state[kUsed]++;
+          } else {
+            slot = find_victim(t, opts, batch_start);
+            if (slot < 0) {
+              t.state[kUnadmitted] += 1;
+              continue;
+            }
+            const int64_t old = index_find(t, t.meta[slot * kMetaFields + kId], max_probe);
+            TORCH_CHECK(old >= 0, "zch_remap: the id of slot ", slot, " is missing from the index");
+            index_erase(t, old);
+            pos = index_find(t, id, max_probe);  // the erase may have moved the first empty cell closer
+            TORCH_CHECK(pos <= -2, "zch_remap: the index changed under the insertion of id ", id);
+            t.state[kEvictions] += 1;
+          }
+          const int64_t cell = -(pos + 2);
+          t.index[2 * cell] = id;
+          t.index[2 * cell + 1] = slot;
+          if (pending_pos >= 0) t.pending[2 * pending_pos + 1] = 0;
+          int64_t* m = t.meta + slot * kMetaFields;
+          m[kId] = id;
+          m[kCount] = 1;
+          m[kLastSeq] = ++t.state[kSeq];
+          m[kLastTime] = now;
+          const Key key = slot_key(t, policy, slot);
+          if (fresh) {  // a slot never used before: push its entry
+            const int64_t h = t.state[kHeapSize]++;
+            t.heap[3 * h] = slot;
+            t.heap[3 * h + 1] = key.a;
+            t.heap[3 * h + 2] = key.b;
+            sift_up(t, h);
+          } else {  // the victim is the top: its entry now carries the new id's key
+            t.heap[1] = key.a;
+            t.heap[2] = key.b;
+            sift_down(t, 0, t.state[kHeapSize]);
+          }
+          out[i] = slot;
+          if (reset) {
+            const int64_t dim = d_off[ti + 1] - d_off[ti];
+            reset_row<scalar_t>(id, ti, slot, static_cast<uint64_t>(seed), bounds[2 * ti], bounds[2 * ti + 1],
+                                weights_ptr, w_off[ti], dim, r_off[ti] + slot, m1, m1_size, m2, m2_size);
+          }
+        }
+        // End of batch: the LFU entries set aside go back into the heap.
+        while (t.state[kHeapSize] < t.state[kUsed]) {
+          const int64_t h = t.state[kHeapSize]++;
+          sift_up(t, h);
+        }
+        if (train) t.state[kLastNow] = now;
+      }
+    });
+  };
+  if (reset) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "zch_remap_cpu",
+                                    [&] { run(weights.data_ptr<scalar_t>()); });
+  } else {
+    run(static_cast<float*>(nullptr));
+  }
+  return slots_out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) { m.impl("zch_remap_native", &zch_remap_cpu); }
+
+}  // namespace gem_kernels
