@@ -35,6 +35,7 @@ from torch import nn
 
 from .archs import sparse_feature_names
 from .data import SyntheticBatches
+from .gem import MODEL_FLOPS_COMPONENTS
 
 
 class ShardableSparseArch(nn.Module):
@@ -345,15 +346,17 @@ def main(args: argparse.Namespace, config_from_args, train, report) -> dict | No
     dist.all_reduce(losses)
     run["losses"] = (losses / world).tolist()
     # Throughput of all ranks together: every rank steps in lockstep on its share of the global batch.
-    local_flops = run["flops"]
-    flops = torch.tensor(local_flops, dtype=torch.float64)
+    local_flops = run["flops"]  # per step, {component: FLOPs} of this rank's share
+    keys = list(local_flops[0]) if local_flops else []
+    flops = torch.tensor([[step[k] for k in keys] for step in local_flops], dtype=torch.float64)
     dist.all_reduce(flops)
-    run["flops"] = flops.tolist()
+    run["flops"] = [dict(zip(keys, row)) for row in flops.tolist()]
     result = report(args, cfg, gem, run)
     step_s = result["step_ms"] / 1e3 if result["step_ms"] else None
     result.update(world_size=world, plan=args.plan, global_batch_size=cfg.batch_size,
                   examples_per_s_per_rank=local_cfg.batch_size / step_s if step_s else None,
-                  tflops_per_rank=statistics.fmean(local_flops) / step_s / 1e12 if step_s else None)
+                  tflops_per_rank=statistics.fmean(sum(step[k] for k in MODEL_FLOPS_COMPONENTS)
+                                                  for step in local_flops) / step_s / 1e12 if step_s else None)
     for key in ("mfu", "mfu_vendor"):  # global TFLOP/s over the peak of all W devices
         if result.get(key) is not None:
             result[key] /= world
