@@ -525,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from bench import report as bench_report
+    from bench import unwritable
 
     parser = argparse.ArgumentParser(prog="python -m bench.swap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -536,9 +537,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.loss_steps < 1:
         parser.error(f"--loss-steps must be >= 1, got {args.loss_steps}")
-    result = loss_curves(args.loss_steps, args.lr, args.quick, torch.device(args.device))
     out = Path(args.out or bench_report.DEFAULT_OUT)
-    out.mkdir(parents=True, exist_ok=True)
+    why = unwritable(out)
+    if why:
+        parser.error(f"--out {out}: {why}")
+    result = loss_curves(args.loss_steps, args.lr, args.quick, torch.device(args.device))
     stem = out / f"swap-loss-{result['device']}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = loss_table_lines(result)

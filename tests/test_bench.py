@@ -646,3 +646,50 @@ def test_swap_loss_cli_writes_results(tmp_path):
     assert all(s["checks"]["step1_equal_to_fp32_rounding"] for s in result["stats"].values())
     assert result["stats"]["swap_none"]["verdict"] == "pass"
     assert "| swap_none |" in (tmp_path / "swap-loss-cpu.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: odd values are refused before anything runs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "0", "-3"])
+def test_cli_rejects_a_budget_that_is_not_a_finite_positive_number(budget, capsys):
+    from bench.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["jagged", "--quick", f"--budget={budget}"])
+    assert exc.value.code == 2
+    assert "--budget must be a finite number of seconds > 0" in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_flags_of_the_distributed_bench():
+    # Rejected by argparse before any process starts (parse_known_args used to ignore the flag and
+    # run the whole distributed bench, writing into bench/results/).
+    proc = _run_bench("distributed", "--bogus-flag", timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unrecognized arguments: --bogus-flag" in proc.stderr
+
+
+@pytest.mark.parametrize("cli", [["bench", "jagged", "--quick"], ["bench", "distributed", "--quick"],
+                                 ["bench.swap", "--loss-steps", "1", "--quick"]], ids=["bench", "distributed", "swap"])
+def test_cli_unwritable_out_fails_before_the_run(tmp_path, cli):
+    # A folder inside a regular file: no user can create it, root included (a read-only folder would
+    # not stop root, and CI may run as root).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", *cli, "--out", str(blocker / "results")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot write results there" in proc.stderr, proc.stderr
+    assert "[bench]" not in proc.stderr and "[swap loss]" not in proc.stderr  # nothing ran
+    assert time.perf_counter() - start < 60
+
+
+def test_cli_respects_omp_num_threads(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "bench", "jagged", "--quick", "--budget", "3", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert "torch threads 1" in proc.stderr, proc.stderr
