@@ -693,3 +693,67 @@ def test_cli_respects_omp_num_threads(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench", "jagged", "--quick", "--budget", "3", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert "torch threads 1" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's TorchRec install line, against requirements-torchrec.txt
+# ---------------------------------------------------------------------------------------------
+
+
+def _pins(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _torchrec_install_lines() -> dict[str, str]:
+    """where -> every TorchRec install line a user is shown: the README's backticked spans, and the
+    ImportError hint of gem_kernels.torchrec."""
+    import re
+
+    found = {f"README.md span {i}": span for i, span in
+             enumerate(re.findall(r"`([^`]*pip install[^`]*torchrec==[^`]*)`", (REPO / "README.md").read_text()))}
+    hint = (REPO / "gem_kernels" / "torchrec" / "__init__.py").read_text()
+    match = re.search(r"INSTALL_HINT = \((.*?)\n\)", hint, re.S)
+    text = "".join(re.findall(r'"([^"]*)"', match.group(1)))
+    found["gem_kernels.torchrec.INSTALL_HINT"] = text[text.index("pip install"):text.index(" (plain")]
+    return found
+
+
+def test_readme_torchrec_install_line_matches_requirements():
+    """--no-deps applies to every package of its pip command: it may carry TorchRec alone (which must
+    not pull the CUDA fbgemm-gpu); its dependencies go in another command that installs theirs
+    (tensordict needs pyvers: the old line left `import torchrec` failing in a fresh venv)."""
+    torchrec_pin = [p for p in _pins(REPO / "requirements-torchrec.txt") if p.startswith("torchrec==")]
+    deps = {p for p in _pins(REPO / "requirements-torchrec.txt") if not p.startswith("torchrec==")}
+    fbgemm = {p for p in _pins(REPO / "requirements-peers.txt") if p.startswith("fbgemm-gpu-cpu==")}
+    assert len(torchrec_pin) == 1 and len(fbgemm) == 1 and deps
+    lines = _torchrec_install_lines()
+    assert len(lines) >= 3, lines  # the README shows it twice, the ImportError once
+    for where, line in lines.items():
+        commands = [c.split() for c in line.split("&&")]
+        assert all(c[:2] == ["pip", "install"] for c in commands), (where, line)
+        no_deps = [c for c in commands if "--no-deps" in c]
+        assert [c[2:] for c in no_deps] == [["--no-deps", *torchrec_pin]], (where, line)
+        with_deps = [p for c in commands if "--no-deps" not in c for p in c[2:]]
+        assert not [p for p in with_deps if p.startswith("-")], (where, line)
+        assert sorted(with_deps) == sorted(deps | fbgemm), (where, line)
+
+
+def test_setup_env_installs_torchrec_dependencies_with_theirs():
+    script = (REPO / "scripts" / "setup_env.sh").read_text()
+    deps_line = next(line for line in script.splitlines() if "grep -v -e '^#' -e '^torchrec=='" in line)
+    torchrec_line = next(line for line in script.splitlines() if "grep '^torchrec=='" in line)
+    assert "--no-deps" not in deps_line and "--no-deps" in torchrec_line
+
+
+def test_requirements_torchrec_lists_every_dependency_torchrec_declares():
+    import importlib.metadata
+    import re
+
+    pytest.importorskip("torchrec")
+    declared = {re.split(r"[ <>=!~;\[]", r, maxsplit=1)[0].lower() for r in importlib.metadata.requires("torchrec") or []
+                if "extra ==" not in r}
+    listed = {p.split("==")[0].lower() for p in _pins(REPO / "requirements-torchrec.txt")}
+    # fbgemm-gpu (the CUDA build) is replaced by fbgemm-gpu-cpu from requirements-peers.txt.
+    assert declared - {"fbgemm-gpu"} <= listed, declared - listed
+    assert importlib.metadata.version("torchrec") == next(p for p in _pins(REPO / "requirements-torchrec.txt")
+                                                         if p.startswith("torchrec==")).split("==")[1]
