@@ -7,6 +7,9 @@ import math
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the ops accept before the backend is known: float64 too, which only the reference backend
+# computes (check_float64_on_reference, once the backend is resolved).
+FLOAT_OR_REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float64,)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -17,6 +20,16 @@ def check_tensor(name: str, t, *, dtypes=None, dims=None) -> None:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if dims is not None and t.dim() not in dims:
         raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}")
+
+
+def check_float64_on_reference(backend: str, **tensors) -> None:
+    """float64 runs on the reference backend only: it is the ground truth that the bench's and the
+    tests' FlashAttention rule measures every backend's error against; no kernel is built for it."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype == torch.float64 and backend != "reference":
+            raise ValueError(f"{name} is float64, which only the reference backend computes (the ground truth "
+                             f"of the accuracy checks), got backend {backend!r}; use "
+                             f"{[str(d) for d in FLOAT_DTYPES]} on the other backends")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

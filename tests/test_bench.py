@@ -117,24 +117,52 @@ def test_measure_interleaved_alternates_impls_and_stops_each_on_its_own():
     assert timings["slow"].capped and 1 <= timings["slow"].repeats < 4
 
 
-def test_compare_reports_mismatches():
+def test_compare_exact_reports_mismatches():
     a = torch.arange(6.0).view(2, 3)
-    assert harness.compare(a.clone(), a, dict(atol=0, rtol=0), torch.float32) is None
+    assert harness.compare_exact(a.clone(), a) is None
     b = a.clone()
     b[1, 2] += 1e-3
-    assert "1 of 6 elements differ" in harness.compare(b, a, dict(atol=0, rtol=0), torch.float32)
-    assert "rows [1] (1 of 2)" in harness.compare(b, a, dict(atol=0, rtol=0), torch.float32)
-    assert harness.compare(b, a, dict(atol=1e-2, rtol=0), torch.float32) is None
-    assert "shape" in harness.compare(a[:1], a, None, torch.float32)
-    assert harness.compare((a, 2.0), (a, 2.0), None, torch.float32) is None
+    assert "1 of 6 elements differ" in harness.compare_exact(b, a)
+    assert "rows [1] (1 of 2)" in harness.compare_exact(b, a)
+    assert "shape" in harness.compare_exact(a[:1], a)
+    assert harness.compare_exact((a, 2.0), (a, 2.0)) is None
     nan = a.clone()
     nan[0, 0] = float("nan")
-    assert harness.compare(nan, a, None, torch.float32) is not None
+    assert harness.compare_exact(nan, a) is not None
+    assert harness.compare_exact(nan, nan.clone()) is None  # NaN where NaN
+
+
+def test_compare_is_flashattention_rule_against_float64():
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(1000, generator=g, dtype=torch.float64)
+    eager = truth.float()  # one rounding: eager's error is at most half an ulp
+    eager_err = float((eager.double() - truth).abs().max())
+    atol = harness.rounding_atol(truth, torch.float32)
+    assert harness.compare(eager.clone(), eager, truth) is None
+    near = eager.clone()
+    near[17] = float(truth[17]) + 0.9 * (2 * eager_err + atol)  # within twice eager's error plus the atol
+    assert harness.compare(near, eager, truth) is None
+    off = eager.clone()
+    off[17] = float(truth[17]) + 1.2 * (2 * eager_err + atol)  # past it
+    why = harness.compare(off, eager, truth)
+    assert "FlashAttention's rule" in why and "rows [17]" in why
+    # A scalar whose eager result happens to round exactly: the atol floor (ATOL_ULPS) lets another
+    # summation order be a few units in the last place away, not more.
+    loss = torch.tensor(0.6931471805599453, dtype=torch.float64)
+    exact = loss.float()
+    ulp = torch.finfo(torch.float32).eps * 0.6931
+    assert harness.compare(exact + 2 * ulp, exact, loss) is None
+    assert harness.compare(exact + 20 * ulp, exact, loss) is not None
+    # Integers (row ids) are equal or wrong; NaN where the float64 run has NaN.
+    assert "entries differ" in harness.compare(torch.tensor([1, 2]), torch.tensor([1, 2]), torch.tensor([1, 3]))
+    nan = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    assert harness.compare(nan.float(), nan.float(), nan) is None
+    assert "NaN/inf" in harness.compare(torch.tensor([0.0, 1.0]), nan.float(), nan)
 
 
 def _case(impls, **kw):
     defaults = dict(op="copy", shape="n=8", dtype=torch.float32, flops=0, bytes=64, impls=impls, baseline="slow",
-                    reference="slow", tolerance=dict(atol=0, rtol=0))
+                    reference="slow", exact=True)
     defaults.update(kw)
     return harness.Case(**defaults)
 
@@ -303,7 +331,7 @@ def test_interrupted_run_still_writes_what_it_measured(tmp_path, monkeypatch, in
         "def case(impl):\n"
         "    return harness.Case(op='copy', shape='n=8', dtype=torch.float32, flops=0, bytes=64,\n"
         "                        impls={'eager': impl}, baseline='eager', reference='eager',\n"
-        "                        tolerance=dict(atol=0, rtol=0))\n"
+        "                        exact=True)\n"
         "def interrupt():\n"
         "    signal.raise_signal(signal.SIGINT)  # runs the Python handler before returning\n"
         "    raise AssertionError('SIGINT was ignored')\n"
@@ -393,7 +421,7 @@ def test_compiled_impl_is_primed_on_every_input_set_and_reaches_five_repeats():
     # A time cap far below one call's worth: the compiled impl still gets MIN_REPEATS_FOR_GOALS calls.
     settings = harness.Settings(min_repeats=50, min_time=10.0, max_time=1e-6, warmup_time=0.0)
     case = _case({"slow": harness.rotate(sets, lambda x: x * 2), "compiled": harness.rotate(sets, fn)},
-                 compiled=["compiled"], tolerance=None)
+                 compiled=["compiled"])
     result = _run([case], settings)
     rows = {row["impl"]: row for row in result.rows}
     assert not result.errors, result.errors
@@ -440,7 +468,13 @@ def test_case_needs_a_reference_or_an_unverified_reason():
         _case({"slow": lambda: 1.0}, unverified="both given")
     with pytest.raises(ValueError, match="compiled"):
         _case({"slow": lambda: 1.0}, compiled=["missing"])
-    result = _run([_case({"slow": lambda: 1.0}, reference=None, unverified="returns nothing comparable")])
+    # A verified case names its float64 run (FlashAttention's rule) or says it is a copy (exact).
+    with pytest.raises(ValueError, match="fp64"):
+        _case({"slow": lambda: 1.0}, exact=False)
+    with pytest.raises(ValueError, match="fp64"):
+        _case({"slow": lambda: 1.0}, fp64=lambda: 1.0)
+    result = _run([_case({"slow": lambda: 1.0}, reference=None, exact=False,
+                         unverified="returns nothing comparable")])
     (row,) = result.rows
     assert row["unverified"] == "returns nothing comparable" and row["verified_against"] is None
     from bench import report
@@ -448,11 +482,11 @@ def test_case_needs_a_reference_or_an_unverified_reason():
     assert "UNVERIFIED: returns nothing comparable" in report.table_lines(result.rows)[-1]
 
 
-def _fwd_bwd_impl(grad_error=0.0):
-    x = torch.arange(1.0, 9.0, requires_grad=True)
+def _fwd_bwd_impl(grad_error=0.0, dtype=torch.float32):
+    x = torch.linspace(0.1, 3.0, 64, dtype=dtype, requires_grad=True)
 
     def step():
-        out = (x * x).sum()
+        out = (x.exp() * x).sum()
         (grad,) = torch.autograd.grad(out, [x])
         return out.detach(), [grad + grad_error]
     return step
@@ -460,14 +494,14 @@ def _fwd_bwd_impl(grad_error=0.0):
 
 def test_a_wrong_gradient_fails_the_case_before_timing():
     calls = {"wrong": 0}
-    wrong = _fwd_bwd_impl(grad_error=1e-2)
+    wrong = _fwd_bwd_impl(grad_error=1e-4)
 
     def counted():
         calls["wrong"] += 1
         return wrong()
 
-    result = _run([_case({"slow": _fwd_bwd_impl(), "ok": _fwd_bwd_impl(), "wrong": counted},
-                         tolerance=dict(atol=1e-4, rtol=0))])
+    result = _run([_case({"slow": _fwd_bwd_impl(), "ok": _fwd_bwd_impl(), "wrong": counted}, exact=False,
+                         fp64=_fwd_bwd_impl(dtype=torch.float64))])
     rows = {row["impl"]: row for row in result.rows}
     assert rows["ok"]["status"] == "ok" and rows["ok"]["verified_against"] == "slow"
     assert rows["wrong"]["status"] == "failed" and "MISMATCH" in rows["wrong"]["failed"]
@@ -492,20 +526,12 @@ def test_a_wrong_state_after_the_update_fails_the_case():
     assert rows["wrong"]["status"] == "failed" and "['table']" in rows["wrong"]["failed"]
 
 
-def test_compare_atol_per_max_scales_with_the_tensor():
-    want = torch.tensor([1000.0, 0.0])
-    got = torch.tensor([1000.0, 4e-3])  # reassociation noise of a batch sum, on its small element
-    assert harness.compare(got, want, dict(atol=2e-3, rtol=2e-3), torch.float32) is not None
-    assert harness.compare(got, want, dict(atol=2e-3, rtol=2e-3, atol_per_max=2e-5), torch.float32) is None
-    assert harness.compare(torch.tensor([1000.0, 5e-2]), want, dict(atol=2e-3, rtol=2e-3, atol_per_max=2e-5),
-                           torch.float32) is not None  # 50x the noise: still a mismatch
-
-
 def test_compare_reads_only_the_keys_an_impl_returns():
-    want = {"a": torch.ones(2), "b": torch.zeros(2)}
-    assert harness.compare({"a": torch.ones(2)}, want, None, torch.float32) is None
-    assert "reference has no" in harness.compare({"c": torch.ones(2)}, want, None, torch.float32)
-    assert "['b']" in harness.compare({"b": torch.ones(2)}, want, None, torch.float32)
+    want = {"a": torch.ones(2, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.float64)}
+    eager = {k: v.float() for k, v in want.items()}
+    assert harness.compare({"a": torch.ones(2)}, eager, want) is None
+    assert "reference has no" in harness.compare({"c": torch.ones(2)}, eager, want)
+    assert "['b']" in harness.compare({"b": torch.ones(2)}, eager, want)
 
 
 def test_embedding_bag_floor_counts_each_distinct_row_once():

@@ -1,1 +1,10 @@
 """Plain PyTorch twins of every op: the ground truth that tests and the bench compare against."""
+
+import torch
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the twins' compute dtype: fp32 for fp32/fp16/bf16 inputs (the kernels' accumulation
+    dtype), fp64 kept as fp64. The fp64 run of a twin is the ground truth of the FlashAttention-rule
+    checks (bench/harness.py, tests): an fp64 input computed in fp32 would carry fp32 rounding."""
+    return t if t.dtype == torch.float64 else t.float()
