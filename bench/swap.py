@@ -16,10 +16,14 @@ backward, optimizer):
   swap_none         gk.swap(model) (optimizer=None): torch.optim.Adagrad on every parameter.
 The same impls are timed per component (sparse arch forward+backward+update; interaction
 forward+backward) so the step's time can be attributed. Each of these cases verifies every impl
-before timing it, from fresh models with the same weights: the first step's loss (or pooled
-embeddings), the gradients of the dense parameters and, for the tables, their gradients (Adagrad
-impls) or their updated rows (row-wise impls: against FBGEMM's row-wise rule applied to the
-baseline's table gradients), plus a sample of untouched rows, which must not move.
+before timing it, from fresh models with the same weights, by FlashAttention's rule against the
+baseline's step run in float64 (at most twice the baseline's own error): the first step's loss (or
+pooled embeddings), the gradients of the dense parameters and, for the tables, their gradients
+(Adagrad impls) or their updated rows (row-wise impls: against FBGEMM's row-wise rule applied to the
+baseline's table gradients), plus a sample of untouched rows, which must not move. The row-wise
+impls start from a row-wise state of WARM_MOMENTUM (their first step from zero state, lr * g / rms(g)
+per row, is not Lipschitz in the gradient); the element-wise Adagrad impls' updated weights are not
+compared (their first step is lr * sign(g) wherever |g| >> eps), their gradients are.
 
 Encoder: 2 layers of nn.TransformerEncoderLayer (d_model 64, 4 heads, FF 128, dropout 0,
 batch_first) over B = 64 histories padded to L = 256, end padding at 30 % and 60 % density plus the
@@ -63,13 +67,14 @@ import copy
 import os
 import socket
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 import gem_kernels as gk
 
+from .embedding_bag import rowwise_adagrad_rows_
 from .harness import Case, SkipFamily, log, rotate
 
 # Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
@@ -81,6 +86,10 @@ BATCH = {False: 2048, True: 256}
 IDS_PER_FEATURE = 20  # RandomRecDataset: bag lengths uniform in [min_ids_per_feature, 20], the min defaulting to 20
 NUM_DENSE = 13
 LR = 0.01  # 0.05 made the dense Adagrad overshoot (loss ~270 at step 3 in the 16:41 run)
+EPS = 1e-8
+# The row-wise impls' state at the verified step (see the docstring): about the mean squared gradient
+# of a touched table row here (measured: row rms median 1.3e-4 in --quick, 1.5e-5 in the full run).
+WARM_MOMENTUM = 1e-9
 # The whole timed family in a few minutes; bench/__main__.py reads this.
 FAMILY_BUDGET = {False: 600.0, True: 24.0}
 # Loss-curve rule (see the module docstring).
@@ -121,7 +130,7 @@ def _batches(quick: bool, count: int, device: torch.device) -> list:
 
 def _step(model, optimizers, batch) -> float:
     logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.dtype))
     for o in optimizers:
         o.zero_grad(set_to_none=True)
     loss.backward()
@@ -156,7 +165,7 @@ def _dmp(quick: bool, device: torch.device, state_dict):
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1)
     model = _dlrm(quick, torch.device("meta"))
-    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR, "eps": 1e-8})
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR, "eps": EPS})
     dmp = DistributedModelParallel(model, device=device)
     dmp.load_state_dict(state_dict)
     # The planner shards small tables data-parallel, and those get no optimizer in the backward
@@ -166,8 +175,28 @@ def _dmp(quick: bool, device: torch.device, state_dict):
     tables = {n: p for n, p in dmp.named_parameters() if ".embedding_bags." in n}
     dense = [p for n, p in dmp.named_parameters() if n not in tables]
     data_parallel = [p for n, p in tables.items() if n not in fused]
-    return dmp, [torch.optim.Adagrad(dense, lr=LR)] + ([RowWiseAdagrad(data_parallel, lr=LR, eps=1e-8)]
+    return dmp, [torch.optim.Adagrad(dense, lr=LR)] + ([RowWiseAdagrad(data_parallel, lr=LR, eps=EPS)]
                                                         if data_parallel else [])
+
+
+def _warm_rowwise(name: str, model, optimizers) -> None:
+    """Start a row-wise impl's table state at WARM_MOMENTUM: the fused collection's momentum1
+    (swap_rowwise), or DMP's fused optimizer state (views of FBGEMM's TBE state, TorchRec's
+    "<table>.momentum1") and the data-parallel tables' RowWiseAdagrad."""
+    with torch.no_grad():
+        if name == "swap_rowwise":
+            for module in model.modules():
+                if isinstance(getattr(module, "momentum1", None), torch.Tensor):
+                    module.momentum1.fill_(WARM_MOMENTUM)
+            return
+        for state in model.fused_optimizer.state.values():
+            for key, value in state.items():
+                if key.endswith("momentum1"):
+                    for shard in value.local_shards():
+                        shard.tensor.fill_(WARM_MOMENTUM)
+        for optimizer in optimizers[1:]:
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
+                optimizer.state[p]["sum"] = torch.full_like(p, WARM_MOMENTUM)
 
 
 TABLE_PARAM = "sparse_arch.embedding_bag_collection.embedding_bags.t{}.weight"
@@ -175,17 +204,21 @@ ROWWISE = ("torchrec_dmp", "swap_rowwise")  # impls whose tables follow FBGEMM's
 
 
 def _fresh_models(quick: bool, device: torch.device, notes: list[str]) -> dict:
-    """name -> (model, optimizers), every model with the same initial weights (_dlrm seeds)."""
+    """name -> (model, optimizers), every model with the same initial weights (_dlrm seeds), the
+    row-wise impls from WARM_MOMENTUM."""
     base = _dlrm(quick, device)
     models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=LR)])}
     try:
         models["torchrec_dmp"] = _dmp(quick, device, base.state_dict())
     except Exception as exc:  # reported, the other impls still run
         notes.append(f"torchrec_dmp not timed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8)), ("swap_none", None)):
+    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=LR, eps=EPS)), ("swap_none", None)):
         model, optimizers, report = _swapped(base, optimizer)
         log(f"[swap] {name}: " + "; ".join(f"{p} {o} -> {n}" for p, o, n in report.replaced))
         models[name] = (model, optimizers)
+    for name in ROWWISE:
+        if name in models:
+            _warm_rowwise(name, *models[name])
     return models
 
 
@@ -227,41 +260,64 @@ def _touched(batch, num_rows: list[int]) -> tuple[list[torch.Tensor], list[torch
     return touched, untouched
 
 
-def _state_readers(models: dict, batch, dense: bool) -> dict:
-    """name -> reader of what the verification step changed. Adagrad impls: the gradients of the
-    dense parameters (``dense``) and of the touched table rows; row-wise impls: the dense gradients
-    and the updated rows. The baseline's reader also gives the row-wise update of its own table
-    gradients (FBGEMM's EXACT_ROWWISE_ADAGRAD from zero state), which the row-wise impls must match.
-    Updated rows under element-wise Adagrad are not compared: its first step is lr * sign(g), which
-    float noise flips where g is near zero."""
+def _rowwise_rows(initial: list[torch.Tensor], table_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Touched rows after FBGEMM's row-wise Adagrad from WARM_MOMENTUM, given their initial values and
+    gradients (either dtype)."""
+    rows = []
+    for w0, g in zip(initial, table_grads):
+        w, momentum = w0.clone(), torch.full((w0.shape[0],), WARM_MOMENTUM, dtype=w0.dtype, device=w0.device)
+        rowwise_adagrad_rows_(w, momentum, torch.arange(w0.shape[0], device=w0.device), g, LR, EPS)
+        rows.append(w)
+    return rows
+
+
+def _state_readers(models: dict, batch, dense: bool) -> tuple[dict, Callable[[Callable], dict]]:
+    """(name -> reader of what the verification step changed, state(model) of a float64 run). Adagrad
+    impls: the gradients of the dense parameters (``dense``) and of the touched table rows; row-wise
+    impls: the dense gradients and the updated rows. The baseline's reader also gives the row-wise
+    update of its own table gradients (FBGEMM's EXACT_ROWWISE_ADAGRAD from WARM_MOMENTUM), which the
+    row-wise impls' rows must match. Updated rows under element-wise Adagrad are not compared: its
+    first step is lr * sign(g), which float noise flips where g is near zero."""
     base = models["torchrec_adagrad"][0]
     touched, untouched = _touched(batch, [_table(base, t).shape[0] for t in range(len(CRITEO_ROWS))])
     initial = [_table(base, t)[rows].clone() for t, rows in enumerate(touched)]
     initial_free = [_table(base, t)[rows].clone() for t, rows in enumerate(untouched)]
 
-    def reader(name, model):
+    def state_of(name, model) -> dict:
         module = _module(name, model)
-
-        def read():
-            params = dict(module.named_parameters())
-            state = {"untouched rows": [_table(model, t)[rows].clone() for t, rows in enumerate(untouched)]}
-            if dense:
-                state["dense grads"] = {n: p.grad.clone() for n, p in params.items()
-                                        if not n.startswith("sparse_arch.") and p.grad is not None}
-            if name in ROWWISE:
-                state["rows (row-wise Adagrad)"] = [_table(model, t)[rows].clone() for t, rows in enumerate(touched)]
-                return state
-            state["table grads"] = [_table_grad(module, t)[rows].clone() for t, rows in enumerate(touched)]
-            if name == "torchrec_adagrad":
-                state["untouched rows"] = initial_free  # the expectation; its own rows are compared by the others
-                rowwise = []
-                for w0, g in zip(initial, state["table grads"]):
-                    rowwise.append(w0 - LR * g / (g.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-8))
-                state["rows (row-wise Adagrad)"] = rowwise
+        params = dict(module.named_parameters())
+        state = {"untouched rows": [_table(model, t)[rows].clone() for t, rows in enumerate(untouched)]}
+        if dense:
+            state["dense grads"] = {n: p.grad.clone() for n, p in params.items()
+                                    if not n.startswith("sparse_arch.") and p.grad is not None}
+        if name in ROWWISE:
+            state["rows (row-wise Adagrad)"] = [_table(model, t)[rows].clone() for t, rows in enumerate(touched)]
             return state
-        return read
+        state["table grads"] = [_table_grad(module, t)[rows].clone() for t, rows in enumerate(touched)]
+        if name == "torchrec_adagrad":  # the baseline: the expectations of the row-wise impls
+            state["untouched rows"] = [w.to(state["table grads"][0].dtype) for w in initial_free]
+            state["rows (row-wise Adagrad)"] = _rowwise_rows([w.to(g.dtype) for w, g in
+                                                              zip(initial, state["table grads"])], state["table grads"])
+        return state
 
-    return {name: reader(name, model) for name, (model, _) in models.items()}
+    readers = {name: (lambda name=name, model=model: state_of(name, model)) for name, (model, _) in models.items()}
+    return readers, lambda model: state_of("torchrec_adagrad", model)
+
+
+def _baseline_fp64(initial: dict, quick: bool, device: torch.device, step: Callable, state_of: Callable):
+    """The baseline's verified call in float64: a fresh DLRM from ``initial`` (the untrained
+    state_dict) in float64, ``step(model)`` (its output), then ``state_of(model)``."""
+    model = _dlrm(quick, device)
+    model.load_state_dict(initial)
+    model.double()
+    out = step(model)
+    return out, state_of(model)
+
+
+def _double(batch):
+    """A TorchRec Batch with float64 dense features (ids and labels as they are)."""
+    return type(batch)(dense_features=batch.dense_features.double(), sparse_features=batch.sparse_features,
+                       labels=batch.labels)
 
 
 def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
@@ -277,15 +333,18 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     batches = _batches(quick, 4, device)
     notes = ["loss curves: python -m bench.swap --loss-steps 100 (bench/results/swap-loss-<device>.md)"]
     models = _fresh_models(quick, device, notes)
+    initial = {k: v.clone() for k, v in models["torchrec_adagrad"][0].state_dict().items()}
     rows = sum(t.num_embeddings for t in _tables(quick))
     lookups = sum(b.sparse_features.values().numel() for b in batches) // len(batches)
     shape = (f"B={BATCH[quick]}, 26 tables, {rows / 1e6:.2f}M rows x D={DIM[quick]}, "
              f"{lookups / BATCH[quick] / 26:.1f} ids/bag")
     args = [(b,) for b in batches]
+    readers, state_fp64 = _state_readers(models, batches[0], dense=True)
     yield Case(op="DLRM train step", shape=shape, dtype=torch.float32, flops=0, bytes=0,
                impls={name: rotate(args, lambda b, m=m, o=o: _step(m, o, b)) for name, (m, o) in models.items()},
                baseline="torchrec_adagrad", notes=notes, reference="torchrec_adagrad", examples=BATCH[quick],
-               state=_state_readers(models, batches[0], dense=True), tolerance=dict(atol=1e-4, rtol=1e-3))
+               state=readers, fp64=lambda: _baseline_fp64(initial, quick, device,
+                                                           lambda m: _step(m, [], _double(batches[0])), state_fp64))
 
     def sparse_step(model, optimizers, batch, grad):
         out = model.sparse_arch(batch.sparse_features)
@@ -299,6 +358,8 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     grads = [torch.randn(BATCH[quick], 26, DIM[quick], device=device) for _ in batches]
     # Fresh models again: the train-step case's timing moved each impl's weights its own way.
     models = _fresh_models(quick, device, [])
+    initial = {k: v.clone() for k, v in models["torchrec_adagrad"][0].state_dict().items()}
+    readers, state_fp64 = _state_readers(models, batches[0], dense=False)
     sparse_opts = {}
     for name, (model, _) in models.items():
         module = model.module if name == "torchrec_dmp" else model
@@ -313,7 +374,9 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
                                    sparse_step(m, o, b, g))
                       for name, (m, _) in models.items()},
                baseline="torchrec_adagrad", reference="torchrec_adagrad", examples=BATCH[quick],
-               state=_state_readers(models, batches[0], dense=False), tolerance=dict(atol=1e-4, rtol=1e-3))
+               state=readers, fp64=lambda: _baseline_fp64(initial, quick, device,
+                                                           lambda m: sparse_step(m, [], batches[0], grads[0].double()),
+                                                           state_fp64))
 
     num_f = 26
     inter_inputs = [(torch.randn(BATCH[quick], DIM[quick], device=device, requires_grad=True),
@@ -322,18 +385,20 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     pairs = (num_f + 1) * num_f // 2
     inter_grad = torch.randn(BATCH[quick], DIM[quick] + pairs, device=device)
 
-    def inter_step(module, dense, sparse):
+    def inter_step(module, dense, sparse, grad=inter_grad):
         out = module(dense, sparse)
-        return torch.autograd.grad(out, (dense, sparse), inter_grad)
+        return out.detach(), torch.autograd.grad(out, (dense, sparse), grad)
 
     eager_inter = models["torchrec_adagrad"][0].inter_arch
     fused_inter = models["swap_none"][0].inter_arch
+    inter64 = copy.deepcopy(eager_inter).double()
+    inputs64 = [t.detach().double().requires_grad_() for t in inter_inputs[0]]
     yield Case(op="interaction fwd+bwd", shape=f"B={BATCH[quick]}, F=27, D={DIM[quick]}", dtype=torch.float32,
                flops=0, bytes=0,
                impls={"torchrec_adagrad": rotate(inter_inputs, lambda d, s: inter_step(eager_inter, d, s)),
                       "swap_none": rotate(inter_inputs, lambda d, s: inter_step(fused_inter, d, s))},
-               baseline="torchrec_adagrad", reference="torchrec_adagrad", tolerance=dict(atol=1e-3, rtol=1e-3),
-               examples=BATCH[quick])
+               baseline="torchrec_adagrad", reference="torchrec_adagrad",
+               fp64=lambda: inter_step(inter64, *inputs64, inter_grad.double()), examples=BATCH[quick])
 
     # The rest of the step: the dense and over MLPs, the same eager modules in every impl (no swap
     # touches them), timed once so that the components add up to the step.
@@ -360,6 +425,7 @@ def _encoder_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True, device=device)
     eager = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
     swapped = copy.deepcopy(eager)
+    eager64 = copy.deepcopy(eager).double()
     report = gk.swap(swapped)
     mask = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)  # causal, bool like the padding
     for density in (0.3, 0.6):
@@ -380,12 +446,14 @@ def _encoder_cases(quick: bool, device: torch.device) -> Iterator[Case]:
             return out.detach(), grads
 
         before = report.fallbacks
+        x0, pad0, valid0 = arg_sets[0]
         yield Case(op="TransformerEncoder fwd+bwd", shape=f"B={batch}, L={length}, density {real:.2f}, d=64, "
                                                          f"4 heads, 2 layers, causal",
                    dtype=torch.float32, flops=0, bytes=0,
                    impls={"eager": rotate(arg_sets, lambda x, p, v: fwd_bwd(eager, x, p, v)),
                           "swapped": rotate(arg_sets, lambda x, p, v: fwd_bwd(swapped, x, p, v))},
-                   baseline="eager", reference="eager", tolerance=dict(atol=1e-3, rtol=1e-3), examples=batch)
+                   baseline="eager", reference="eager", examples=batch,
+                   fp64=lambda: fwd_bwd(eager64, x0.double(), pad0, valid0.double()))
         if report.fallbacks != before:
             log(f"[swap] !!! the swapped encoder fell back {report.fallbacks - before} times: "
                 f"{report.fallback_reasons}")
