@@ -659,19 +659,69 @@ def test_swap_loss_rule():
     assert swap._curve_stats(diverged, base)["verdict"] == "FAIL"
 
 
-def test_swap_loss_cli_writes_results(tmp_path):
+def test_swap_loss_curves_learn_and_the_frozen_table_control_fails(tmp_path):
+    """The loss curves train on labels with a learnable signal (a planted teacher on four tables), so
+    the rule can fail: the negative control, whose tables never move, must FAIL it, while the
+    swapped impls pass against the baselines with their update rules. On RandomRecDataset's coin-flip
+    labels every curve went to ln 2 and a frozen-table run passed."""
     pytest.importorskip("torchrec")
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "bench.swap", "--loss-steps", "3", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-m", "bench.swap", "--loss-steps", "100", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "swap-loss-cpu.json").read_text())
-    assert list(result["curves"]) == ["torchrec_adagrad", "swap_rowwise", "swap_none"]
-    assert all(len(c) == 3 for c in result["curves"].values())
+    assert list(result["curves"]) == ["torchrec_adagrad", "torchrec_rowwise", "swap_rowwise", "swap_none",
+                                      "frozen_tables"]
+    assert all(len(c) == 100 for c in result["curves"].values())
+    stats = result["stats"]
     # Step 1 runs every impl on the same initial weights and batch.
-    assert all(s["checks"]["step1_equal_to_fp32_rounding"] for s in result["stats"].values())
-    assert result["stats"]["swap_none"]["verdict"] == "pass"
-    assert "| swap_none |" in (tmp_path / "swap-loss-cpu.md").read_text()
+    assert all(s["checks"]["step1_equal_to_fp32_rounding"] for s in stats.values())
+    assert stats["swap_none"]["verdict"] == "pass" and stats["swap_rowwise"]["verdict"] == "pass"
+    assert stats["frozen_tables"]["verdict"] == "FAIL" and not stats["frozen_tables"]["checks"]["tail_within_noise"]
+    assert result["negative_control"] == "frozen_tables" and result["verdict"] == "pass"
+    # The baselines learnt: their tail is well below the first steps' loss (ln 2 on coin flips).
+    base = result["curves"]["torchrec_adagrad"]
+    assert sum(base[-20:]) / 20 < sum(base[:10]) / 10 - 0.05
+    md = (tmp_path / "swap-loss-cpu.md").read_text()
+    assert "| frozen_tables | torchrec_adagrad |" in md and "FAIL (expected: FAIL)" in md
+
+
+def test_swap_loss_verdict_needs_the_control_to_fail():
+    from bench import swap
+
+    passing = {"checks": {}, "verdict": "pass"}
+    failing = {"checks": {}, "verdict": "FAIL"}
+    assert swap.loss_verdict({"swap_none": passing, "swap_rowwise": passing, "frozen_tables": failing}) == "pass"
+    assert swap.loss_verdict({"swap_none": passing, "swap_rowwise": passing, "frozen_tables": passing}) == "FAIL"
+    assert swap.loss_verdict({"swap_none": failing, "swap_rowwise": passing, "frozen_tables": failing}) == "FAIL"
+
+
+def test_swap_teacher_labels_depend_on_the_teacher_tables_only():
+    pytest.importorskip("torchrec")
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from bench import swap
+
+    batch = next(iter(swap._dataset(True, 1, 1)))
+    labels = swap.Teacher(True)(batch).labels
+    assert labels.shape == batch.labels.shape and set(labels.unique().tolist()) <= {0, 1}
+    assert 0.2 < labels.float().mean() < 0.8
+    # Other ids in a table outside TEACHER_TABLES and other dense features: the same labels (a fresh
+    # Teacher draws the same Bernoulli samples); other ids in a teacher table: other labels.
+    kjt = batch.sparse_features
+
+    def with_ids_of(table):
+        values = kjt.values().clone()
+        start = int(kjt.offset_per_key()[table])
+        end = int(kjt.offset_per_key()[table + 1])
+        values[start:end] = values[start:end].flip(0)
+        return type(batch)(dense_features=torch.randn_like(batch.dense_features),
+                           sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()),
+                           labels=batch.labels)
+
+    other = next(t for t in range(26) if t not in swap.TEACHER_TABLES)
+    assert torch.equal(swap.Teacher(True)(with_ids_of(other)).labels, labels)
+    assert not torch.equal(swap.Teacher(True)(with_ids_of(swap.TEACHER_TABLES[0])).labels, labels)
 
 
 # ---------------------------------------------------------------------------------------------
