@@ -789,10 +789,15 @@ class _Truths:
         self.natural: Any = None
         self.natural_masks: list[torch.Tensor] | None = None
 
+    def _run(self, replay: list[torch.Tensor] | None) -> tuple[Any, ReluBranches]:
+        from gem_kernels.reference import float64_ground_truth
+
+        with float64_ground_truth(), ReluBranches(replay) as branches:  # the reference backend takes float64
+            return self.case.fp64(), branches
+
     def _natural(self) -> Any:
         if self.natural_masks is None:
-            with ReluBranches() as branches:
-                self.natural = self.case.fp64()
+            self.natural, branches = self._run(None)
             self.natural_masks = branches.masks
         return self.natural
 
@@ -802,8 +807,7 @@ class _Truths:
         natural = self._natural()
         if masks is None or _same_masks(masks, self.natural_masks):
             return natural
-        with ReluBranches(replay=masks) as branches:
-            truth = self.case.fp64()
+        truth, branches = self._run(masks)
         if branches.structure_mismatch or len(branches.masks) != len(masks):
             # Its ReLUs are not the float64 run's (another count or shape): compare with the natural run.
             return natural
