@@ -705,9 +705,12 @@ def test_attention_fwd_bwd_impls_return_gradients_and_are_verified():
     cases = attention.cases(True, torch.device("cpu"))
     next(cases)
     fwd_bwd = next(cases)
-    assert fwd_bwd.op.endswith("fwd_bwd") and fwd_bwd.reference == "reference"
+    assert fwd_bwd.op.endswith("fwd_bwd") and fwd_bwd.reference == "sdpa"  # softmax's eager side
     out, grads = fwd_bwd.impls["sdpa"]()
     assert out.dim() == 3 and len(grads) == 3 and all(g.shape == out.shape for g in grads)  # jagged layout
+    out64, grads64 = fwd_bwd.fp64()  # SDPA in float64 on the first input set, the same layout
+    assert out64.dtype == torch.float64 and out64.shape == out.shape
+    assert [g.shape for g in grads64] == [g.shape for g in grads]
     cases.close()
 
 
@@ -960,3 +963,13 @@ def test_requirements_torchrec_lists_every_dependency_torchrec_declares():
     assert declared - {"fbgemm-gpu"} <= listed, declared - listed
     assert importlib.metadata.version("torchrec") == next(p for p in _pins(REPO / "requirements-torchrec.txt")
                                                          if p.startswith("torchrec==")).split("==")[1]
+
+
+def test_ci_runs_the_quick_bench_at_one_and_two_threads():
+    """scripts/test.sh (what .ci/run runs) ends with `python -m bench --quick` at OMP_NUM_THREADS=1
+    and 2, whose exit status fails CI on a verification mismatch; bench.sh passes its arguments on."""
+    script = (REPO / "scripts" / "test.sh").read_text()
+    assert "for threads in 1 2; do" in script
+    assert 'OMP_NUM_THREADS=$threads python -m bench --quick' in script
+    assert "set -euo pipefail" in script
+    assert 'python -m bench "$@"' in (REPO / "scripts" / "bench.sh").read_text()
