@@ -34,3 +34,24 @@ the same for every impl; with 4 KiB pages on a VM that costs more than the copy 
 therefore sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (transparent huge pages for large tensors, 512x
 fewer faults) unless told ``--no-thp``; the results record which.
 """
+
+import os as _os
+import tempfile as _tempfile
+from pathlib import Path as _Path
+
+
+def unwritable(out_dir) -> str | None:
+    """Why results cannot be written into ``out_dir`` (created if missing), or None when they can.
+
+    Checked by the CLIs before a run starts (a run takes minutes; its results must not be lost
+    at the end to a typo or a read-only path). Imports nothing heavy: ``python -m bench`` calls it
+    before torch is imported."""
+    path = _Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = _tempfile.mkstemp(prefix=".write-check-", dir=path)
+        _os.close(fd)
+        _os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write results there ({type(exc).__name__}: {exc.strerror or exc})"
+    return None

@@ -315,7 +315,12 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
-    args, _ = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
+    from bench import unwritable
+
+    why = unwritable(args.out) if args.out is not None else None
+    if why:
+        parser.error(f"--out {args.out}: {why}")
     run(args.quick, args.out)
     return 0
 

@@ -2,10 +2,13 @@
 
 Every family module (bench/<family>.py) exposes ``cases(quick, device)``, a generator of ``Case``
 objects (see bench/__init__.py for the contract). The harness, per case:
-  1. verifies: when ``Case.reference`` names an impl, calls every impl once and compares its output
-     (fwd+bwd impls return their gradients too) and, when ``Case.state`` reads one, its state after the
-     call (updated tables, optimizer state) with the reference's; a mismatch or an exception fails that
-     impl: it gets a failed row with the reason and is not timed (a bench that times wrong answers is
+  1. verifies: when ``Case.reference`` names an impl (the eager side), calls every impl once and
+     holds its output (fwd+bwd impls return their gradients too) and, when ``Case.state`` reads one,
+     its state after the call (gradients, updated tables, optimizer state) to FlashAttention's rule
+     against ``Case.fp64``, the eager side run in float64: at most twice the eager side's own error,
+     plus a rounding-sized atol (``compare``; copies: exactly equal, ``compare_exact``). The rule
+     depends on no CPU, thread count or summation order. A mismatch or an exception fails that impl:
+     it gets a failed row with the reason and is not timed (a bench that times wrong answers is
      worse than none). A case without a reference must say why in ``Case.unverified``;
   2. primes every compiled impl (``Case.compiled``) on every input set it will be timed on, untimed:
      the seconds this takes (compilation included) are the row's ``compile_s``; a compile during the
@@ -68,13 +71,23 @@ class Case:
     ``peak`` says which measured peak ``pct_peak`` is relative to: "bandwidth" (copy GB/s) or "matmul"
     (TFLOP/s of ``dtype``).
 
-    Verification: ``reference`` names the impl whose output every other impl's must match (within
-    ``tolerance``; exact for copies is up to the family: pass dict(atol=0, rtol=0)). fwd+bwd impls
-    return their gradients with the output, so those are compared too. ``state`` maps impls to a
-    zero-arg reader of what the verification call changed (updated tables, optimizer state),
-    compared with the reference's reader; every impl of the case needs one when it is given (a reader
+    Verification: ``reference`` names the eager side, and ``fp64`` runs the eager side's computation
+    in float64 on the verification call's inputs (the first input set). Every impl's output is held
+    to FlashAttention's rule (``compare``): its max error against the float64 result is at most twice
+    the reference's, plus a rounding-sized atol; the ReLUs of the float64 run take the branches the
+    impl's run took (``ReluBranches``), so ``fp64`` must compute from the same initial state each time
+    it is called (once per distinct set of branches). fwd+bwd impls return their gradients with the
+    output, so those are compared too. ``state`` maps impls to a zero-arg reader of what the
+    verification call changed (updated tables, optimizer state), compared the same way (``fp64``
+    then returns ``(output, state)``); every impl of the case needs one when it is given (a reader
     may return a dict: then only the keys it returns are compared, each must be in the reference's).
-    A case that cannot be verified says why in ``unverified`` instead, and the table shows it.
+    State after an optimizer step is comparable only where the update is Lipschitz in the gradient:
+    SGD, or Adagrad/Adam from a warm state (their first step, lr * g / |g| elementwise, turns a
+    rounding-sized change of a near-zero gradient into a change of up to 2 lr). Families read
+    gradients where they can, and start Adagrad/Adam from a non-zero state where they read updated
+    weights. Copies and gathers, which round nothing, say ``exact=True`` instead of giving ``fp64``:
+    every impl must then equal the reference element for element. A case that cannot be verified
+    says why in ``unverified`` instead, and the table shows it.
 
     ``compiled`` names the impls that are torch.compile'd: the harness calls each once per input set
     (``rotate``'s ``num_sets``) before timing, records that time as ``compile_s``, times at least
@@ -92,7 +105,8 @@ class Case:
     peak: str = "bandwidth"
     notes: list[str] = field(default_factory=list)
     reference: str | None = None
-    tolerance: dict[str, float] | None = None
+    fp64: Callable[[], Any] | None = None
+    exact: bool = False
     unverified: str | None = None
     state: dict[str, Callable[[], Any]] | None = None
     compiled: tuple[str, ...] = ()
@@ -112,6 +126,10 @@ class Case:
         if (self.reference is None) == (self.unverified is None):
             raise ValueError(f"case {self.op!r}: give either a reference impl or an unverified='why' reason "
                              f"(got reference={self.reference!r}, unverified={self.unverified!r})")
+        if self.reference is not None and (self.fp64 is None) == (not self.exact):
+            raise ValueError(f"case {self.op!r}: a verified case gives either fp64 (its reference run in float64, "
+                             f"for FlashAttention's rule) or exact=True (a copy), got fp64="
+                             f"{'given' if self.fp64 is not None else None}, exact={self.exact}")
         if self.state is not None and set(self.state) != set(self.impls):
             raise ValueError(f"case {self.op!r}: state readers for {sorted(self.state)}, impls {sorted(self.impls)}")
         self.compiled = tuple(self.compiled)
@@ -371,13 +389,6 @@ def _flatten(out: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
     raise TypeError(f"cannot compare an output of type {type(out).__name__}")
 
 
-DEFAULT_TOLERANCE = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
-
-
 def _align(actual: Any, expected: Any) -> Any:
     """``expected`` with each dict cut to the keys of ``actual``'s dict at the same place (an impl's
     state reader returns the parts its update rule shares with the reference's); KeyError when
@@ -392,41 +403,168 @@ def _align(actual: Any, expected: Any) -> Any:
     return expected
 
 
-def compare(actual: Any, expected: Any, tolerance: dict[str, float] | None, dtype: torch.dtype) -> str | None:
-    """None when ``actual`` matches ``expected`` (tensors, numbers, or nests of them), else why not.
-    Where both hold a dict, only the keys of ``actual``'s are compared (see ``_align``). ``tolerance``:
-    atol, rtol as torch.isclose, and optionally atol_per_max: atol is at least that fraction of each
-    expected tensor's largest |value| (for sums over a batch, whose small elements carry the
-    reassociation error of large terms)."""
-    tol = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(dtype, dict(atol=1e-4, rtol=1e-4))
+# The atol of the FlashAttention rule, in units in the last place of a tensor's largest |value|: for
+# outputs where the eager side happens to round almost exactly (a scalar loss, a short sum), whose
+# "2 x eager's error" alone would ask another summation order for less than one rounding. Relative
+# to the tensor, unlike FlashAttention's 2 * |(t + 0.3 - 0.3) - t|, which is absolute for |t| < 0.3
+# and would let a gradient of magnitude 1e-4 be 3e-4 off in fp32.
+ATOL_ULPS = {torch.float32: 4, torch.float64: 4, torch.float16: 2, torch.bfloat16: 2}
+
+
+def rounding_atol(truth: torch.Tensor, dtype: torch.dtype) -> float:
+    """The rule's atol for a result of ``dtype`` whose float64 value is ``truth``: ATOL_ULPS units of
+    ``dtype`` at the largest finite |value|."""
+    finite = truth[truth.isfinite()]
+    if not finite.numel():
+        return 0.0
+    return ATOL_ULPS.get(dtype, 4) * torch.finfo(dtype).eps * float(finite.abs().max())
+
+
+def _rows_of(bad: torch.Tensor) -> str:
+    """Which rows (first index) hold the bad elements: one sample's worth points at a race or a
+    per-sample indexing bug, all of them at a formula problem."""
+    if not bad.dim():
+        return ""
+    rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
+    return f"; rows {rows[:8]}{' ...' if len(rows) > 8 else ''} ({len(rows)} of {bad.shape[0]})" if rows else ""
+
+
+def _flatten_aligned(actual: Any, *others: Any) -> list[list[tuple[str, torch.Tensor]]] | str:
     try:
-        got, want = _flatten(actual), _flatten(_align(actual, expected))
+        flat = [_flatten(actual)] + [_flatten(_align(actual, other)) for other in others]
     except (TypeError, KeyError) as exc:
         return str(exc)
-    if len(got) != len(want):
-        return f"{len(got)} output tensors, reference has {len(want)}"
-    for i, ((where, g), (_, w)) in enumerate(zip(got, want)):
-        i = f"{i} {where}" if where else i
-        g, w = g.detach(), w.detach()
+    for other in flat[1:]:
+        if len(other) != len(flat[0]):
+            return f"{len(flat[0])} output tensors, reference has {len(other)}"
+    return flat
+
+
+def compare_exact(actual: Any, expected: Any) -> str | None:
+    """None when ``actual`` equals ``expected`` element for element (NaN where NaN), else why not: the
+    rule of copies and gathers, which round nothing, so every correct impl gives the same bits."""
+    flat = _flatten_aligned(actual, expected)
+    if isinstance(flat, str):
+        return flat
+    for i, ((where, g), (_, w)) in enumerate(zip(*flat)):
+        label = f"{i} {where}" if where else i
+        g, w = g.detach().cpu(), w.detach().cpu()
         if g.shape != w.shape:
-            return f"output {i}: shape {tuple(g.shape)}, reference {tuple(w.shape)}"
-        g64, w64 = g.double().cpu(), w.double().cpu()
-        atol = tol["atol"]
-        if tol.get("atol_per_max") and w64.numel():
-            atol = max(atol, tol["atol_per_max"] * float(w64.abs().max()))
-        bad = ~torch.isclose(g64, w64, atol=atol, rtol=tol["rtol"], equal_nan=False)
+            return f"output {label}: shape {tuple(g.shape)}, reference {tuple(w.shape)}"
+        bad = ~((g == w) | (g.isnan() & w.isnan())) if g.is_floating_point() else g != w
         if bad.any():
-            diff = (g64 - w64).abs()
+            diff = (g.double() - w.double()).abs()
             diff[diff.isnan()] = float("inf")
-            # Which rows (first index) hold the bad elements: one sample's worth points at a race or
-            # a per-sample indexing bug, all of them at a tolerance or formula problem.
-            rows = bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist() if bad.dim() else []
-            where = f"; rows {rows[:8]}{' ...' if len(rows) > 8 else ''} ({len(rows)} of {bad.shape[0]})" if rows else ""
-            return (f"output {i}: {int(bad.sum())} of {g.numel()} elements differ "
-                    f"(max abs err {float(diff.max()):.3g}, atol={atol:.3g}, rtol={tol['rtol']}){where}")
+            return (f"output {label}: {int(bad.sum())} of {g.numel()} elements differ (max abs err "
+                    f"{float(diff.max()):.3g}, exact comparison){_rows_of(bad)}")
     return None
 
 
+def compare(actual: Any, eager: Any, truth: Any, eager_truth: Any = None) -> str | None:
+    """FlashAttention's rule. None when every tensor of ``actual`` is at most twice as far from the
+    float64 ``truth`` as the eager side's result ``eager`` is from ``eager_truth`` (default
+    ``truth``; another one where the eager side's ReLUs took other branches, see ReluBranches), by
+    max |error| over the tensor, plus ``rounding_atol``; else why not. Nests of tensors and numbers; where ``actual`` holds a dict,
+    only its keys are compared (see ``_align``). Integer and bool tensors (row ids, masks) must equal
+    the truth. Where the truth is NaN or infinite, ``actual`` must be the same."""
+    flat = _flatten_aligned(actual, eager, truth, truth if eager_truth is None else eager_truth)
+    if isinstance(flat, str):
+        return flat
+    for i, ((where, g), (_, e), (_, t), (_, et)) in enumerate(zip(*flat)):
+        label = f"{i} {where}" if where else i
+        g, e, t, et = g.detach().cpu(), e.detach().cpu(), t.detach().cpu(), et.detach().cpu()
+        if g.shape != t.shape or e.shape != t.shape or et.shape != t.shape:
+            return f"output {label}: shape {tuple(g.shape)}, eager {tuple(e.shape)}, float64 {tuple(t.shape)}"
+        if not g.is_floating_point():
+            bad = g != t.to(g.dtype)
+            if bad.any():
+                return f"output {label}: {int(bad.sum())} of {g.numel()} entries differ from the reference's{_rows_of(bad)}"
+            continue
+        g64, e64, t64 = g.double(), e.double(), t.double()
+        finite = t64.isfinite()
+        special = ~finite & ~((g64 == t64) | (g64.isnan() & t64.isnan()))
+        if special.any():
+            return (f"output {label}: {int(special.sum())} elements differ from the float64 run's NaN/inf"
+                    f"{_rows_of(special)}")
+        if not finite.any():
+            continue
+        err = (g64 - t64).abs().where(finite, 0.0).nan_to_num(nan=float("inf"))
+        et64 = et.double()
+        eager_err = float((e64 - et64).abs().where(et64.isfinite(), 0.0).nan_to_num(nan=float("inf")).max())
+        atol = rounding_atol(t64, g.dtype)
+        bound = 2 * eager_err + atol
+        if float(err.max()) > bound:
+            bad = err > bound
+            return (f"output {label}: max |error| vs float64 {float(err.max()):.3g} > 2 x eager's {eager_err:.3g} "
+                    f"+ atol {atol:.3g} (FlashAttention's rule; {int(bad.sum())} of {g.numel()} elements past it, "
+                    f"largest |value| {float(t64.abs().where(finite, 0.0).max()):.3g}){_rows_of(bad)}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# ReLU kinks: the float64 run follows the branch each impl took
+# ---------------------------------------------------------------------------------------------
+
+# A ReLU unit whose pre-activation rounds to the other side of 0 in one run than in another has a
+# gradient of 0 in one and of its whole upstream value in the other: not a rounding difference, so
+# no tolerance covers it, and with 1e5-1e6 units per step one such unit is common (measured: the
+# GEM model's fused step under ATEN_CPU_CAPABILITY=default flips 1 of 149k units of a Wukong MLP,
+# which moves its weight gradients by 2e-3 of their largest value). So the float64 run of each impl
+# takes the branch that impl's own run took at every ReLU unit (both are then the same piecewise
+# linear function), and the branches may differ from the float64 run's own only where its
+# pre-activation is within KINK_MARGIN of the call's largest |pre-activation| from 0: further away,
+# the impl's forward is wrong.
+KINK_MARGIN = 1e-3
+_RELU = (torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_, torch.Tensor.relu,
+         torch.Tensor.relu_)
+
+
+class ReluBranches(torch.overrides.TorchFunctionMode):
+    """Records which side of 0 every ReLU unit is on (``masks``, one bool tensor per call, in call
+    order), or, given ``replay`` (another run's masks), makes every ReLU call take those branches:
+    relu(x) becomes where(mask, x, 0). Sees the ReLUs of Python code (nn.ReLU, F.relu, torch.relu,
+    Tensor.relu, TorchRec's MLPs), not those inside a compiled graph or a C++ kernel. In a replay,
+    ``structure_mismatch`` says why the calls could not be paired (another count or shape), and
+    ``far_flips`` lists the calls where a branch differs from this run's own far from 0."""
+
+    def __init__(self, replay: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.replay = replay
+        self.masks: list[torch.Tensor] = []
+        self.structure_mismatch: str | None = None
+        self.far_flips: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _RELU:
+            return func(*args, **kwargs)
+        x = args[0]
+        natural = x.detach() > 0
+        if self.replay is None:
+            self.masks.append(natural)
+            return func(*args, **kwargs)
+        call = len(self.masks)
+        self.masks.append(natural)
+        if call >= len(self.replay) or self.replay[call].shape != natural.shape:
+            self.structure_mismatch = self.structure_mismatch or (
+                f"ReLU call {call} of shape {tuple(natural.shape)} has no counterpart in the impl's run "
+                f"({len(self.replay)} calls)")
+            return func(*args, **kwargs)
+        mask = self.replay[call].to(natural.device)
+        flipped = mask != natural
+        if flipped.any():
+            scale = float(x.detach().abs().max())
+            worst = float(x.detach()[flipped].abs().max())
+            if worst > KINK_MARGIN * scale:
+                self.far_flips.append(f"ReLU call {call}: {int(flipped.sum())} of {natural.numel()} units on the other "
+                                      f"side, |pre-activation| up to {worst:.3g} (margin {KINK_MARGIN * scale:.3g})")
+        inplace = kwargs.get("inplace", args[1] if len(args) > 1 else False)
+        if func in (torch.relu_, torch.nn.functional.relu_, torch.Tensor.relu_) or inplace:
+            return x.masked_fill_(~mask, 0)
+        return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ---------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------
 # Rows
 # ---------------------------------------------------------------------------------------------
@@ -636,6 +774,58 @@ def _with_state(case: Case, impl: str, out: Any) -> Any:
     return out if case.state is None else (out, case.state[impl]())
 
 
+def _verification_call(case: Case, impl: str, fn: Callable[[], Any], device: torch.device):
+    """(what verification compares, seconds of the call, the ReLU branches the call took or None).
+    A compiled impl runs without the recording mode: a torch function mode active during its first
+    call would be part of what dynamo guards on, and the timed calls after it would recompile."""
+    if case.exact or impl in case.compiled:
+        out, seconds = _timed_call(fn, device)
+        return _with_state(case, impl, out), seconds, None
+    with ReluBranches() as branches:
+        out, seconds = _timed_call(fn, device)
+    return _with_state(case, impl, out), seconds, branches.masks
+
+
+class _Truths:
+    """The float64 results of a case's ``fp64`` run: its own (ReLUs on their natural branches),
+    computed once, and one per other set of branches an impl took."""
+
+    def __init__(self, case: Case):
+        self.case = case
+        self.natural: Any = None
+        self.natural_masks: list[torch.Tensor] | None = None
+
+    def _run(self, replay: list[torch.Tensor] | None) -> tuple[Any, ReluBranches]:
+        from gem_kernels.reference import float64_ground_truth
+
+        with float64_ground_truth(), ReluBranches(replay) as branches:  # the reference backend takes float64
+            return self.case.fp64(), branches
+
+    def _natural(self) -> Any:
+        if self.natural_masks is None:
+            self.natural, branches = self._run(None)
+            self.natural_masks = branches.masks
+        return self.natural
+
+    def for_branches(self, masks: list[torch.Tensor] | None) -> Any:
+        """The float64 result on ``masks``' branches (None: the natural ones), or why there is none:
+        the impl's forward took a branch far from a kink (wrong before any gradient is compared)."""
+        natural = self._natural()
+        if masks is None or _same_masks(masks, self.natural_masks):
+            return natural
+        truth, branches = self._run(masks)
+        if branches.structure_mismatch or len(branches.masks) != len(masks):
+            # Its ReLUs are not the float64 run's (another count or shape): compare with the natural run.
+            return natural
+        if branches.far_flips:
+            return "the forward took the other side of a ReLU far from 0: " + "; ".join(branches.far_flips[:3])
+        return truth
+
+
+def _same_masks(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+
+
 def _no_recompiles():
     """A context in which torch.compile raises on a recompile (torch._dynamo's error_on_recompile)
     rather than compiling inside a timed call; a null context on a torch without dynamo."""
@@ -669,11 +859,14 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         del impls[impl]
 
     if case.reference is not None:
+        truths = _Truths(case)
         # One output alive at a time besides the reference's: padded batches can be large.
         try:
-            expected, seconds = _timed_call(impls[case.reference], device)
-            expected = _with_state(case, case.reference, expected)
+            expected, seconds, branches = _verification_call(case, case.reference, impls[case.reference], device)
             calls[case.reference], spent[case.reference] = 1, seconds
+            expected_truth = None if case.exact else truths.for_branches(branches)
+            if isinstance(expected_truth, str):
+                raise RuntimeError(f"its own float64 run: {expected_truth}")
         except Exception as exc:
             expected = exc
         for impl in list(impls):
@@ -684,15 +877,20 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
                            f"{type(expected).__name__}: {_first_line(expected)}")
                 continue
             try:
-                out, seconds = _timed_call(impls[impl], device)
+                out, seconds, branches = _verification_call(case, impl, impls[impl], device)
                 calls[impl], spent[impl] = 1, seconds
-                why = compare(_with_state(case, impl, out), expected, case.tolerance, case.dtype)
+                if case.exact:
+                    why = compare_exact(out, expected)
+                else:
+                    truth = truths.for_branches(branches)
+                    why = truth if isinstance(truth, str) else compare(out, expected, truth, expected_truth)
                 del out
                 if why is not None:
-                    fail(impl, f"MISMATCH vs {case.reference!r}: {why}", mismatch=True)
+                    fail(impl, f"MISMATCH vs {case.reference!r}{'' if case.exact else ' (float64 run)'}: {why}",
+                         mismatch=True)
             except Exception as exc:
                 fail(impl, f"raised {type(exc).__name__}: {_first_line(exc)}")
-        del expected
+        del expected, truths
     for impl in list(impls):
         if impl not in case.compiled:
             if impl in spent:

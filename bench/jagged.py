@@ -26,7 +26,6 @@ MAX_LEN = 512
 MEAN_LEN = 100
 SIGMA = 1.0  # lognormal shape: about 2% of sequences reach the cap
 SEED = 0
-EXACT = dict(atol=0.0, rtol=0.0)
 
 
 def lognormal_offsets(num_seqs: int, seed: int = SEED, mean: float = MEAN_LEN, max_len: int = MAX_LEN) -> torch.Tensor:
@@ -164,7 +163,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         impls = {name: rotate(value_sets, fn) for name, fn in _j2p_impls(device, offsets, max_len, not fbgemm_why).items()}
         yield Case(op="jagged_to_padded", shape=_shape(offsets, max_len, dim), dtype=dtype, flops=case_flops,
                    bytes=case_bytes, impls=impls, baseline="aten", peak="bandwidth", notes=list(notes),
-                   reference="reference", tolerance=EXACT)
+                   reference="reference", exact=True)
         del impls, value_sets
 
         padded_sets = [(pad(randn(total_len, dim, dtype=dtype)),) for _ in range(num_sets)]
@@ -172,7 +171,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         impls = {name: rotate(padded_sets, fn) for name, fn in _p2j_impls(device, offsets, total_len, not fbgemm_why).items()}
         yield Case(op="padded_to_jagged", shape=_shape(offsets, max_len, dim), dtype=dtype, flops=case_flops,
                    bytes=case_bytes, impls=impls, baseline="aten", peak="bandwidth", notes=list(notes),
-                   reference="reference", tolerance=EXACT)
+                   reference="reference", exact=True)
         del impls, padded_sets
 
     # Small forward+backward cases, fp32: the backward of each op is the other op.
@@ -195,7 +194,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     impls["aten"] = rotate(sets, aten_j2p_fwd_bwd)
     yield Case(op="jagged_to_padded fwd+bwd", shape=_shape(offsets, max_len, small_dim), dtype=dtype, flops=0,
                bytes=j2p_bytes + p2j_bytes, impls=impls, baseline="aten", peak="bandwidth",
-               notes=notes + [aten_note], reference="reference", tolerance=EXACT)
+               notes=notes + [aten_note], reference="reference", exact=True)
 
     def aten_p2j_fwd_bwd(padded, grad_values):
         out = torch.ops.aten._padded_dense_to_jagged_forward(padded.detach(), [offsets], total_len)
@@ -208,4 +207,4 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     impls["aten"] = rotate(sets, aten_p2j_fwd_bwd)
     yield Case(op="padded_to_jagged fwd+bwd", shape=_shape(offsets, max_len, small_dim), dtype=dtype, flops=0,
                bytes=p2j_bytes + j2p_bytes, impls=impls, baseline="aten", peak="bandwidth",
-               notes=notes + [aten_note], reference="reference", tolerance=EXACT)
+               notes=notes + [aten_note], reference="reference", exact=True)

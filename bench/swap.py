@@ -16,10 +16,14 @@ backward, optimizer):
   swap_none         gk.swap(model) (optimizer=None): torch.optim.Adagrad on every parameter.
 The same impls are timed per component (sparse arch forward+backward+update; interaction
 forward+backward) so the step's time can be attributed. Each of these cases verifies every impl
-before timing it, from fresh models with the same weights: the first step's loss (or pooled
-embeddings), the gradients of the dense parameters and, for the tables, their gradients (Adagrad
-impls) or their updated rows (row-wise impls: against FBGEMM's row-wise rule applied to the
-baseline's table gradients), plus a sample of untouched rows, which must not move.
+before timing it, from fresh models with the same weights, by FlashAttention's rule against the
+baseline's step run in float64 (at most twice the baseline's own error): the first step's loss (or
+pooled embeddings), the gradients of the dense parameters and, for the tables, their gradients
+(Adagrad impls) or their updated rows (row-wise impls: against FBGEMM's row-wise rule applied to the
+baseline's table gradients), plus a sample of untouched rows, which must not move. The row-wise
+impls start from a row-wise state of WARM_MOMENTUM (their first step from zero state, lr * g / rms(g)
+per row, is not Lipschitz in the gradient); the element-wise Adagrad impls' updated weights are not
+compared (their first step is lr * sign(g) wherever |g| >> eps), their gradients are.
 
 Encoder: 2 layers of nn.TransformerEncoderLayer (d_model 64, 4 heads, FF 128, dropout 0,
 batch_first) over B = 64 histories padded to L = 256, end padding at 30 % and 60 % density plus the
@@ -30,10 +34,20 @@ Loss curves (not part of the timed family: 100 steps take minutes on a CPU):
 
     python -m bench.swap --loss-steps 100 [--lr 0.01] [--quick] [--out DIR] [--device cpu|cuda]
 
-trains torchrec_adagrad, swap_rowwise and swap_none from the same weights on the same fresh
-batches, with no time cap, and writes ``swap-loss-<device>.json`` and ``.md`` (per-step losses, and
-per impl its step-1 difference, max per-step |diff| and tail-mean difference vs the baseline, and a
-verdict). The rule an impl must pass:
+trains every impl of LOSS_BASELINES from the same weights on the same fresh batches, with no time
+cap, and writes ``swap-loss-<device>.json`` and ``.md`` (per-step losses, and per impl its step-1
+difference, max per-step |diff| and tail-mean difference vs its baseline, and a verdict). The
+batches are RandomRecDataset's ids and dense features with labels from a planted teacher
+(``teacher_labels``): a fixed random score per id of the tables TEACHER_TABLES, summed over each
+bag, so the labels can be learnt, and only by training those tables (RandomRecDataset's own labels
+are coin flips: every curve goes to ln 2, tables trained or not, and the rule below could not fail).
+The impls and the baseline each is held to (the same update rule):
+  swap_none     gk.swap(model) + torch.optim.Adagrad on every parameter  vs torchrec_adagrad;
+  swap_rowwise  gk.swap(model, optimizer=ExactRowwiseAdagrad) + Adagrad on the dense parameters
+                vs torchrec_rowwise (TorchRec's RowWiseAdagrad on the tables, Adagrad on the rest);
+  frozen_tables the negative control: gk.swap(model), Adagrad on the dense parameters only, the
+                tables never move; vs torchrec_adagrad, and it must FAIL the rule.
+The rule an impl must pass:
   1. step 1 equal to fp32 rounding: |loss_1 - baseline_1| <= STEP1_RTOL * |baseline_1|. Step 1 runs
      on the initial weights for every impl, so it compares the forward alone; the fused ops sum in
      another order than torch's, nothing else differs;
@@ -41,20 +55,17 @@ verdict). The rule an impl must pass:
   3. the curve within noise: over the last TAIL_FRACTION of the steps, |mean(impl) - mean(baseline)|
      <= 2 SE, SE = sqrt(var(impl tail) / n + var(baseline tail) / n): what the batch-to-batch noise of
      n steps alone moves a tail mean by.
-The same rule holds for swap_none, not per-step equality. Its update rule is the baseline's
-(torch.optim.Adagrad on every parameter), but per-step equality to 1e-4 over 100 steps is not a
-property of two correct fp32 implementations under Adagrad. Adagrad's first step, lr * g /
-(|g| + eps), does not scale with |g|: a relative rounding error r of g becomes an absolute error of
-about lr * r in the parameter. The fused embedding backward sums each row's contributions in
-another order than torch's, and where they nearly cancel (|g| << its terms) r is large. Measured at
-full size, lr 0.01, after step 1 (whose loss and dense gradients are bit-equal): 3.3M of 54M
-elements differ, those with |g| >= 1e-7 by at most 1.5e-8 (the weights' rounding), those with
-|g| < 1e-9 by up to 3.6e-4 (0.04 lr). The trajectories then separate: the first element off by more
-than lr / 2 appears at step 4, hundreds by step 12; the loss difference is 0 at steps 1-4, 8e-7 at
-step 5, 3e-6 at step 12, first above 1e-4 at step 37 and at most 1.2e-3 (step 86) over 100 steps,
-while the tail means differ by 8e-5 against 2 SE = 1.2e-3 (bench/results/swap-loss-cpu.md).
-swap_rowwise uses FBGEMM's row-wise Adagrad (one accumulator per row), a different rule: it is held
-to the same test.
+The run passes (exit 0) when every impl passes and the control fails. The rule, not per-step
+equality: per-step equality to 1e-4 over 100 steps is not a property of two correct fp32
+implementations under Adagrad. Adagrad's first step, lr * g / (|g| + eps), does not scale with |g|:
+a relative rounding error r of g becomes an absolute error of about lr * r in the parameter. The
+fused embedding backward sums each row's contributions in another order than torch's, and where they
+nearly cancel (|g| << its terms) r is large. Measured at full size on random labels, lr 0.01, after
+step 1 (whose loss and dense gradients are bit-equal): 3.3M of 54M elements differ, those with
+|g| >= 1e-7 by at most 1.5e-8 (the weights' rounding), those with |g| < 1e-9 by up to 3.6e-4
+(0.04 lr). The trajectories then separate: the first element off by more than lr / 2 appears at
+step 4, hundreds by step 12, and the per-step loss difference grows to ~1e-3, within the noise of
+the tail means.
 """
 
 from __future__ import annotations
@@ -63,13 +74,14 @@ import copy
 import os
 import socket
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 import gem_kernels as gk
 
+from .embedding_bag import rowwise_adagrad_rows_
 from .harness import Case, SkipFamily, log, rotate
 
 # Criteo Kaggle (Display Advertising Challenge) cardinalities of the 26 categorical features.
@@ -81,12 +93,25 @@ BATCH = {False: 2048, True: 256}
 IDS_PER_FEATURE = 20  # RandomRecDataset: bag lengths uniform in [min_ids_per_feature, 20], the min defaulting to 20
 NUM_DENSE = 13
 LR = 0.01  # 0.05 made the dense Adagrad overshoot (loss ~270 at step 3 in the 16:41 run)
+EPS = 1e-8
+# The row-wise impls' state at the verified step (see the docstring): about the mean squared gradient
+# of a touched table row here (measured: row rms median 1.3e-4 in --quick, 1.5e-5 in the full run).
+WARM_MOMENTUM = 1e-9
 # The whole timed family in a few minutes; bench/__main__.py reads this.
 FAMILY_BUDGET = {False: 600.0, True: 24.0}
 # Loss-curve rule (see the module docstring).
 STEP1_RTOL = 1e-5  # fp32 forward in another summation order; measured ~1e-7
 TAIL_FRACTION = 0.2
-LOSS_IMPLS = ("torchrec_adagrad", "swap_rowwise", "swap_none")
+# impl -> the baseline with its update rule (see the docstring); frozen_tables is the negative control.
+LOSS_BASELINES = {"swap_none": "torchrec_adagrad", "swap_rowwise": "torchrec_rowwise",
+                  "frozen_tables": "torchrec_adagrad"}
+NEGATIVE_CONTROL = "frozen_tables"
+# The planted teacher of the loss curves: the tables of 100 to 1,000 rows (105, 305, 583, 633): more
+# rows than D, so that frozen random embeddings cannot represent a per-id score, and few enough that
+# B x 20 lookups per step visit each row often (each is learnt in tens of steps at lr 0.01).
+TEACHER_TABLES = tuple(t for t, rows in enumerate(CRITEO_ROWS) if 100 <= rows <= 1000)
+TEACHER_SCALE = 5.0  # logit = 5 z, z ~ N(0, 1): P(label = 1) mostly far from 1/2
+TEACHER_SEED = 1234
 
 
 def _tables(quick: bool):
@@ -121,7 +146,7 @@ def _batches(quick: bool, count: int, device: torch.device) -> list:
 
 def _step(model, optimizers, batch) -> float:
     logits = model(batch.dense_features, batch.sparse_features).squeeze(-1)
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.dtype))
     for o in optimizers:
         o.zero_grad(set_to_none=True)
     loss.backward()
@@ -156,7 +181,7 @@ def _dmp(quick: bool, device: torch.device, state_dict):
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=0, world_size=1)
     model = _dlrm(quick, torch.device("meta"))
-    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR, "eps": 1e-8})
+    apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": LR, "eps": EPS})
     dmp = DistributedModelParallel(model, device=device)
     dmp.load_state_dict(state_dict)
     # The planner shards small tables data-parallel, and those get no optimizer in the backward
@@ -166,8 +191,28 @@ def _dmp(quick: bool, device: torch.device, state_dict):
     tables = {n: p for n, p in dmp.named_parameters() if ".embedding_bags." in n}
     dense = [p for n, p in dmp.named_parameters() if n not in tables]
     data_parallel = [p for n, p in tables.items() if n not in fused]
-    return dmp, [torch.optim.Adagrad(dense, lr=LR)] + ([RowWiseAdagrad(data_parallel, lr=LR, eps=1e-8)]
+    return dmp, [torch.optim.Adagrad(dense, lr=LR)] + ([RowWiseAdagrad(data_parallel, lr=LR, eps=EPS)]
                                                         if data_parallel else [])
+
+
+def _warm_rowwise(name: str, model, optimizers) -> None:
+    """Start a row-wise impl's table state at WARM_MOMENTUM: the fused collection's momentum1
+    (swap_rowwise), or DMP's fused optimizer state (views of FBGEMM's TBE state, TorchRec's
+    "<table>.momentum1") and the data-parallel tables' RowWiseAdagrad."""
+    with torch.no_grad():
+        if name == "swap_rowwise":
+            for module in model.modules():
+                if isinstance(getattr(module, "momentum1", None), torch.Tensor):
+                    module.momentum1.fill_(WARM_MOMENTUM)
+            return
+        for state in model.fused_optimizer.state.values():
+            for key, value in state.items():
+                if key.endswith("momentum1"):
+                    for shard in value.local_shards():
+                        shard.tensor.fill_(WARM_MOMENTUM)
+        for optimizer in optimizers[1:]:
+            for p in (p for group in optimizer.param_groups for p in group["params"]):
+                optimizer.state[p]["sum"] = torch.full_like(p, WARM_MOMENTUM)
 
 
 TABLE_PARAM = "sparse_arch.embedding_bag_collection.embedding_bags.t{}.weight"
@@ -175,17 +220,21 @@ ROWWISE = ("torchrec_dmp", "swap_rowwise")  # impls whose tables follow FBGEMM's
 
 
 def _fresh_models(quick: bool, device: torch.device, notes: list[str]) -> dict:
-    """name -> (model, optimizers), every model with the same initial weights (_dlrm seeds)."""
+    """name -> (model, optimizers), every model with the same initial weights (_dlrm seeds), the
+    row-wise impls from WARM_MOMENTUM."""
     base = _dlrm(quick, device)
     models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=LR)])}
     try:
         models["torchrec_dmp"] = _dmp(quick, device, base.state_dict())
     except Exception as exc:  # reported, the other impls still run
         notes.append(f"torchrec_dmp not timed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=LR, eps=1e-8)), ("swap_none", None)):
+    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=LR, eps=EPS)), ("swap_none", None)):
         model, optimizers, report = _swapped(base, optimizer)
         log(f"[swap] {name}: " + "; ".join(f"{p} {o} -> {n}" for p, o, n in report.replaced))
         models[name] = (model, optimizers)
+    for name in ROWWISE:
+        if name in models:
+            _warm_rowwise(name, *models[name])
     return models
 
 
@@ -227,41 +276,64 @@ def _touched(batch, num_rows: list[int]) -> tuple[list[torch.Tensor], list[torch
     return touched, untouched
 
 
-def _state_readers(models: dict, batch, dense: bool) -> dict:
-    """name -> reader of what the verification step changed. Adagrad impls: the gradients of the
-    dense parameters (``dense``) and of the touched table rows; row-wise impls: the dense gradients
-    and the updated rows. The baseline's reader also gives the row-wise update of its own table
-    gradients (FBGEMM's EXACT_ROWWISE_ADAGRAD from zero state), which the row-wise impls must match.
-    Updated rows under element-wise Adagrad are not compared: its first step is lr * sign(g), which
-    float noise flips where g is near zero."""
+def _rowwise_rows(initial: list[torch.Tensor], table_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Touched rows after FBGEMM's row-wise Adagrad from WARM_MOMENTUM, given their initial values and
+    gradients (either dtype)."""
+    rows = []
+    for w0, g in zip(initial, table_grads):
+        w, momentum = w0.clone(), torch.full((w0.shape[0],), WARM_MOMENTUM, dtype=w0.dtype, device=w0.device)
+        rowwise_adagrad_rows_(w, momentum, torch.arange(w0.shape[0], device=w0.device), g, LR, EPS)
+        rows.append(w)
+    return rows
+
+
+def _state_readers(models: dict, batch, dense: bool) -> tuple[dict, Callable[[Callable], dict]]:
+    """(name -> reader of what the verification step changed, state(model) of a float64 run). Adagrad
+    impls: the gradients of the dense parameters (``dense``) and of the touched table rows; row-wise
+    impls: the dense gradients and the updated rows. The baseline's reader also gives the row-wise
+    update of its own table gradients (FBGEMM's EXACT_ROWWISE_ADAGRAD from WARM_MOMENTUM), which the
+    row-wise impls' rows must match. Updated rows under element-wise Adagrad are not compared: its
+    first step is lr * sign(g), which float noise flips where g is near zero."""
     base = models["torchrec_adagrad"][0]
     touched, untouched = _touched(batch, [_table(base, t).shape[0] for t in range(len(CRITEO_ROWS))])
     initial = [_table(base, t)[rows].clone() for t, rows in enumerate(touched)]
     initial_free = [_table(base, t)[rows].clone() for t, rows in enumerate(untouched)]
 
-    def reader(name, model):
+    def state_of(name, model) -> dict:
         module = _module(name, model)
-
-        def read():
-            params = dict(module.named_parameters())
-            state = {"untouched rows": [_table(model, t)[rows].clone() for t, rows in enumerate(untouched)]}
-            if dense:
-                state["dense grads"] = {n: p.grad.clone() for n, p in params.items()
-                                        if not n.startswith("sparse_arch.") and p.grad is not None}
-            if name in ROWWISE:
-                state["rows (row-wise Adagrad)"] = [_table(model, t)[rows].clone() for t, rows in enumerate(touched)]
-                return state
-            state["table grads"] = [_table_grad(module, t)[rows].clone() for t, rows in enumerate(touched)]
-            if name == "torchrec_adagrad":
-                state["untouched rows"] = initial_free  # the expectation; its own rows are compared by the others
-                rowwise = []
-                for w0, g in zip(initial, state["table grads"]):
-                    rowwise.append(w0 - LR * g / (g.pow(2).mean(dim=1, keepdim=True).sqrt() + 1e-8))
-                state["rows (row-wise Adagrad)"] = rowwise
+        params = dict(module.named_parameters())
+        state = {"untouched rows": [_table(model, t)[rows].clone() for t, rows in enumerate(untouched)]}
+        if dense:
+            state["dense grads"] = {n: p.grad.clone() for n, p in params.items()
+                                    if not n.startswith("sparse_arch.") and p.grad is not None}
+        if name in ROWWISE:
+            state["rows (row-wise Adagrad)"] = [_table(model, t)[rows].clone() for t, rows in enumerate(touched)]
             return state
-        return read
+        state["table grads"] = [_table_grad(module, t)[rows].clone() for t, rows in enumerate(touched)]
+        if name == "torchrec_adagrad":  # the baseline: the expectations of the row-wise impls
+            state["untouched rows"] = [w.to(state["table grads"][0].dtype) for w in initial_free]
+            state["rows (row-wise Adagrad)"] = _rowwise_rows([w.to(g.dtype) for w, g in
+                                                              zip(initial, state["table grads"])], state["table grads"])
+        return state
 
-    return {name: reader(name, model) for name, (model, _) in models.items()}
+    readers = {name: (lambda name=name, model=model: state_of(name, model)) for name, (model, _) in models.items()}
+    return readers, lambda model: state_of("torchrec_adagrad", model)
+
+
+def _baseline_fp64(initial: dict, quick: bool, device: torch.device, step: Callable, state_of: Callable):
+    """The baseline's verified call in float64: a fresh DLRM from ``initial`` (the untrained
+    state_dict) in float64, ``step(model)`` (its output), then ``state_of(model)``."""
+    model = _dlrm(quick, device)
+    model.load_state_dict(initial)
+    model.double()
+    out = step(model)
+    return out, state_of(model)
+
+
+def _double(batch):
+    """A TorchRec Batch with float64 dense features (ids and labels as they are)."""
+    return type(batch)(dense_features=batch.dense_features.double(), sparse_features=batch.sparse_features,
+                       labels=batch.labels)
 
 
 def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
@@ -277,15 +349,18 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     batches = _batches(quick, 4, device)
     notes = ["loss curves: python -m bench.swap --loss-steps 100 (bench/results/swap-loss-<device>.md)"]
     models = _fresh_models(quick, device, notes)
+    initial = {k: v.clone() for k, v in models["torchrec_adagrad"][0].state_dict().items()}
     rows = sum(t.num_embeddings for t in _tables(quick))
     lookups = sum(b.sparse_features.values().numel() for b in batches) // len(batches)
     shape = (f"B={BATCH[quick]}, 26 tables, {rows / 1e6:.2f}M rows x D={DIM[quick]}, "
              f"{lookups / BATCH[quick] / 26:.1f} ids/bag")
     args = [(b,) for b in batches]
+    readers, state_fp64 = _state_readers(models, batches[0], dense=True)
     yield Case(op="DLRM train step", shape=shape, dtype=torch.float32, flops=0, bytes=0,
                impls={name: rotate(args, lambda b, m=m, o=o: _step(m, o, b)) for name, (m, o) in models.items()},
                baseline="torchrec_adagrad", notes=notes, reference="torchrec_adagrad", examples=BATCH[quick],
-               state=_state_readers(models, batches[0], dense=True), tolerance=dict(atol=1e-4, rtol=1e-3))
+               state=readers, fp64=lambda: _baseline_fp64(initial, quick, device,
+                                                           lambda m: _step(m, [], _double(batches[0])), state_fp64))
 
     def sparse_step(model, optimizers, batch, grad):
         out = model.sparse_arch(batch.sparse_features)
@@ -299,6 +374,8 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     grads = [torch.randn(BATCH[quick], 26, DIM[quick], device=device) for _ in batches]
     # Fresh models again: the train-step case's timing moved each impl's weights its own way.
     models = _fresh_models(quick, device, [])
+    initial = {k: v.clone() for k, v in models["torchrec_adagrad"][0].state_dict().items()}
+    readers, state_fp64 = _state_readers(models, batches[0], dense=False)
     sparse_opts = {}
     for name, (model, _) in models.items():
         module = model.module if name == "torchrec_dmp" else model
@@ -313,7 +390,9 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
                                    sparse_step(m, o, b, g))
                       for name, (m, _) in models.items()},
                baseline="torchrec_adagrad", reference="torchrec_adagrad", examples=BATCH[quick],
-               state=_state_readers(models, batches[0], dense=False), tolerance=dict(atol=1e-4, rtol=1e-3))
+               state=readers, fp64=lambda: _baseline_fp64(initial, quick, device,
+                                                           lambda m: sparse_step(m, [], batches[0], grads[0].double()),
+                                                           state_fp64))
 
     num_f = 26
     inter_inputs = [(torch.randn(BATCH[quick], DIM[quick], device=device, requires_grad=True),
@@ -322,18 +401,20 @@ def _dlrm_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     pairs = (num_f + 1) * num_f // 2
     inter_grad = torch.randn(BATCH[quick], DIM[quick] + pairs, device=device)
 
-    def inter_step(module, dense, sparse):
+    def inter_step(module, dense, sparse, grad=inter_grad):
         out = module(dense, sparse)
-        return torch.autograd.grad(out, (dense, sparse), inter_grad)
+        return out.detach(), torch.autograd.grad(out, (dense, sparse), grad)
 
     eager_inter = models["torchrec_adagrad"][0].inter_arch
     fused_inter = models["swap_none"][0].inter_arch
+    inter64 = copy.deepcopy(eager_inter).double()
+    inputs64 = [t.detach().double().requires_grad_() for t in inter_inputs[0]]
     yield Case(op="interaction fwd+bwd", shape=f"B={BATCH[quick]}, F=27, D={DIM[quick]}", dtype=torch.float32,
                flops=0, bytes=0,
                impls={"torchrec_adagrad": rotate(inter_inputs, lambda d, s: inter_step(eager_inter, d, s)),
                       "swap_none": rotate(inter_inputs, lambda d, s: inter_step(fused_inter, d, s))},
-               baseline="torchrec_adagrad", reference="torchrec_adagrad", tolerance=dict(atol=1e-3, rtol=1e-3),
-               examples=BATCH[quick])
+               baseline="torchrec_adagrad", reference="torchrec_adagrad",
+               fp64=lambda: inter_step(inter64, *inputs64, inter_grad.double()), examples=BATCH[quick])
 
     # The rest of the step: the dense and over MLPs, the same eager modules in every impl (no swap
     # touches them), timed once so that the components add up to the step.
@@ -360,6 +441,7 @@ def _encoder_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True, device=device)
     eager = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
     swapped = copy.deepcopy(eager)
+    eager64 = copy.deepcopy(eager).double()
     report = gk.swap(swapped)
     mask = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)  # causal, bool like the padding
     for density in (0.3, 0.6):
@@ -380,12 +462,14 @@ def _encoder_cases(quick: bool, device: torch.device) -> Iterator[Case]:
             return out.detach(), grads
 
         before = report.fallbacks
+        x0, pad0, valid0 = arg_sets[0]
         yield Case(op="TransformerEncoder fwd+bwd", shape=f"B={batch}, L={length}, density {real:.2f}, d=64, "
                                                          f"4 heads, 2 layers, causal",
                    dtype=torch.float32, flops=0, bytes=0,
                    impls={"eager": rotate(arg_sets, lambda x, p, v: fwd_bwd(eager, x, p, v)),
                           "swapped": rotate(arg_sets, lambda x, p, v: fwd_bwd(swapped, x, p, v))},
-                   baseline="eager", reference="eager", tolerance=dict(atol=1e-3, rtol=1e-3), examples=batch)
+                   baseline="eager", reference="eager", examples=batch,
+                   fp64=lambda: fwd_bwd(eager64, x0.double(), pad0, valid0.double()))
         if report.fallbacks != before:
             log(f"[swap] !!! the swapped encoder fell back {report.fallbacks - before} times: "
                 f"{report.fallback_reasons}")
@@ -445,44 +529,101 @@ def _curve_stats(curve: list[float], base: list[float]) -> dict:
                 checks=checks, verdict="pass" if all(checks.values()) else "FAIL")
 
 
-def loss_curves(steps: int, lr: float = LR, quick: bool = False, device: torch.device | None = None) -> dict:
-    """Train the impls of LOSS_IMPLS ``steps`` steps from the same weights on the same fresh batches
-    (one batch drawn per step, shared), with no time cap; the result dict that main() writes."""
-    device = device or torch.device("cpu")
+class Teacher:
+    """Labels with a learnable signal for RandomRecDataset's batches: per table of TEACHER_TABLES a
+    fixed score u_t[id] ~ N(0, 1) of every id; z = sum over those tables and over the bag of
+    u_t[id], scaled to unit variance; label ~ Bernoulli(sigmoid(TEACHER_SCALE * z)). Deterministic:
+    the scores and the label draws come from their own seeded generators."""
+
+    def __init__(self, quick: bool):
+        g = torch.Generator().manual_seed(TEACHER_SEED)
+        self.scores = {t: torch.randn(min(CRITEO_ROWS[t], ROW_CAP[quick]), generator=g) for t in TEACHER_TABLES}
+        self.draws = torch.Generator().manual_seed(TEACHER_SEED + 1)
+
+    def __call__(self, batch):
+        features = batch.sparse_features.to_dict()
+        size = batch.dense_features.shape[0]
+        z = torch.zeros(size)
+        for t, scores in self.scores.items():
+            bags = features[f"f{t}"]
+            owner = torch.repeat_interleave(torch.arange(size), bags.lengths().long())
+            z.index_add_(0, owner, scores[bags.values().cpu()])
+        z /= (IDS_PER_FEATURE * len(self.scores)) ** 0.5
+        labels = torch.bernoulli(torch.sigmoid(TEACHER_SCALE * z), generator=self.draws)
+        return type(batch)(dense_features=batch.dense_features, sparse_features=batch.sparse_features,
+                           labels=labels.to(batch.labels.dtype).to(batch.labels.device))
+
+
+def _loss_models(quick: bool, device: torch.device, lr: float) -> tuple[dict, dict, dict]:
+    """(name -> (model, optimizers), name -> what gk.swap replaced, name -> its optimizers in words):
+    the impls of the loss curves, copies of one set of untrained weights."""
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
     base = _dlrm(quick, device)
-    models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=lr)])}
+    rowwise = copy.deepcopy(base)
+    tables = [p for n, p in rowwise.named_parameters() if n.startswith("sparse_arch.")]
+    dense = [p for n, p in rowwise.named_parameters() if not n.startswith("sparse_arch.")]
+    models = {"torchrec_adagrad": (base, [torch.optim.Adagrad(base.parameters(), lr=lr)]),
+              "torchrec_rowwise": (rowwise, [torch.optim.Adagrad(dense, lr=lr), RowWiseAdagrad(tables, lr=lr, eps=EPS)])}
+    words = {"torchrec_adagrad": f"torch.optim.Adagrad(lr={lr}) on every parameter",
+             "torchrec_rowwise": f"TorchRec's RowWiseAdagrad(lr={lr}, eps={EPS}) on the tables, "
+                                 f"torch.optim.Adagrad(lr={lr}) on the rest",
+             "swap_rowwise": f"gk.optim.ExactRowwiseAdagrad(lr={lr}, eps={EPS}) in the backward (tables), "
+                             f"torch.optim.Adagrad(lr={lr}) on the dense parameters",
+             "swap_none": f"torch.optim.Adagrad(lr={lr}) on every parameter",
+             "frozen_tables": f"torch.optim.Adagrad(lr={lr}) on the dense parameters only (negative control)"}
     reports = {}
-    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=lr, eps=1e-8)), ("swap_none", None)):
+    for name, optimizer in (("swap_rowwise", gk.optim.ExactRowwiseAdagrad(lr=lr, eps=EPS)), ("swap_none", None),
+                            ("frozen_tables", None)):
         model, opts, report = _swapped(base, optimizer, lr)  # copies of the untrained weights
+        if name == NEGATIVE_CONTROL:
+            opts = [torch.optim.Adagrad([p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")],
+                                        lr=lr)]
         models[name] = (model, opts)
         reports[name] = [f"{p}: {o} -> {n}" for p, o, n in report.replaced]
+    return models, reports, words
+
+
+def loss_curves(steps: int, lr: float = LR, quick: bool = False, device: torch.device | None = None) -> dict:
+    """Train the baselines and impls of LOSS_BASELINES ``steps`` steps from the same weights on the
+    same fresh batches (one batch drawn per step, shared, labelled by the Teacher), with no time cap;
+    the result dict that main() writes."""
+    device = device or torch.device("cpu")
+    models, reports, words = _loss_models(quick, device, lr)
+    teacher = Teacher(quick)
     curves = {name: [] for name in models}
     step1_params = {}
     started = time.perf_counter()
     for step, batch in enumerate(_dataset(quick, steps, -1)):
-        batch = batch.to(device)
+        batch = teacher(batch).to(device)
         for name, (model, opts) in models.items():
             curves[name].append(float(_step(model, opts, batch)))
         if step == 0:
-            step1_params = {name: _param_diff(model, base, lr) for name, (model, _) in models.items()
-                            if name != "torchrec_adagrad"}
+            step1_params = {name: _param_diff(models[name][0], models[base][0], lr)
+                            for name, base in LOSS_BASELINES.items()}
         if (step + 1) % max(1, steps // 10) == 0:
             log(f"[swap loss] step {step + 1}/{steps}: " + ", ".join(f"{n} {c[-1]:.5f}" for n, c in curves.items())
                 + f" ({time.perf_counter() - started:.0f} s)")
     from bench import report as bench_report
 
+    stats = {name: _curve_stats(curves[name], curves[base]) | {"baseline": base, "step1_params": step1_params[name]}
+             for name, base in LOSS_BASELINES.items()}
     return dict(
         timestamp=bench_report.utc_timestamp(), git_sha=bench_report.git_sha(), device=device.type,
         torch_threads=torch.get_num_threads(), seconds=time.perf_counter() - started,
         config=dict(steps=steps, lr=lr, quick=quick, batch=BATCH[quick], dim=DIM[quick], row_cap=ROW_CAP[quick],
                     tables=len(CRITEO_ROWS), step1_rtol=STEP1_RTOL, tail_fraction=TAIL_FRACTION,
-                    optimizers={"torchrec_adagrad": f"torch.optim.Adagrad(lr={lr}) on every parameter",
-                                "swap_rowwise": f"gk.optim.ExactRowwiseAdagrad(lr={lr}, eps=1e-8) in the backward "
-                                                f"(tables), torch.optim.Adagrad(lr={lr}) on the dense parameters",
-                                "swap_none": f"torch.optim.Adagrad(lr={lr}) on every parameter"}),
-        swapped=reports, curves=curves,
-        stats={name: _curve_stats(curves[name], curves["torchrec_adagrad"]) | {"step1_params": step1_params[name]}
-               for name in models if name != "torchrec_adagrad"})
+                    teacher=dict(tables=list(TEACHER_TABLES), scale=TEACHER_SCALE, seed=TEACHER_SEED),
+                    optimizers=words),
+        swapped=reports, curves=curves, stats=stats, negative_control=NEGATIVE_CONTROL,
+        verdict=loss_verdict(stats))
+
+
+def loss_verdict(stats: dict) -> str:
+    """"pass" when every impl passes its baseline's rule and the negative control fails it."""
+    impls_pass = all(s["verdict"] == "pass" for name, s in stats.items() if name != NEGATIVE_CONTROL)
+    control_fails = stats[NEGATIVE_CONTROL]["verdict"] == "FAIL"
+    return "pass" if impls_pass and control_fails else "FAIL"
 
 
 def loss_table_lines(result: dict) -> list[str]:
@@ -496,16 +637,18 @@ def loss_table_lines(result: dict) -> list[str]:
              f"{cfg['step1_rtol']:g} x |loss|, every loss finite, and over the last {cfg['tail_fraction']:.0%} of "
              "the steps |tail-mean diff| <= 2 SE (SE of the difference of the two tail means from their "
              "step-to-step variance).", "",
-             "| impl | step-1 abs diff | max per-step abs diff (step) | tail mean | tail-mean diff | 2 SE | verdict |",
-             "|---|---|---|---|---|---|---|"]
-    base_tail = None
+             f"Labels from a planted teacher (tables {cfg['teacher']['tables']}, scale {cfg['teacher']['scale']}); "
+             f"{result['negative_control']} (frozen tables) is the negative control and must FAIL. "
+             f"Run verdict: **{result['verdict']}**.", "",
+             "| impl | baseline | step-1 abs diff | max per-step abs diff (step) | tail mean | baseline tail mean | "
+             "tail-mean diff | 2 SE | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, s in result["stats"].items():
         base_tail = s["tail_mean"] - s["tail_mean_diff"]
-        lines.append(f"| {name} | {s['step1_abs_diff']:.2e} | {s['max_abs_diff']:.2e} ({s['max_abs_diff_step']}) | "
-                     f"{s['tail_mean']:.5f} | {s['tail_mean_diff']:+.2e} | {2 * s['tail_se']:.2e} | "
-                     f"{s['verdict']} |")
-    if base_tail is not None:
-        lines.append(f"| torchrec_adagrad (baseline) | | | {base_tail:.5f} | | | |")
+        expected = " (expected: FAIL)" if name == result["negative_control"] else ""
+        lines.append(f"| {name} | {s['baseline']} | {s['step1_abs_diff']:.2e} | {s['max_abs_diff']:.2e} "
+                     f"({s['max_abs_diff_step']}) | {s['tail_mean']:.5f} | {base_tail:.5f} | "
+                     f"{s['tail_mean_diff']:+.2e} | {2 * s['tail_se']:.2e} | {s['verdict']}{expected} |")
     lines += ["", "Per-step |diff| vs the baseline growing over the steps, and the parameters after step 1:", ""]
     for name, s in result["stats"].items():
         growth = ", ".join(f"{k}: {v:.1e}" for k, v in s["diff_at_steps"].items())
@@ -525,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from bench import report as bench_report
+    from bench import unwritable
 
     parser = argparse.ArgumentParser(prog="python -m bench.swap", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -536,16 +680,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.loss_steps < 1:
         parser.error(f"--loss-steps must be >= 1, got {args.loss_steps}")
-    result = loss_curves(args.loss_steps, args.lr, args.quick, torch.device(args.device))
     out = Path(args.out or bench_report.DEFAULT_OUT)
-    out.mkdir(parents=True, exist_ok=True)
+    why = unwritable(out)
+    if why:
+        parser.error(f"--out {out}: {why}")
+    result = loss_curves(args.loss_steps, args.lr, args.quick, torch.device(args.device))
     stem = out / f"swap-loss-{result['device']}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = loss_table_lines(result)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:14 + 2 * len(result["stats"])]))
+    print("\n".join(lines[:16 + 2 * len(result["stats"])]))
     print(f"results: {stem.with_suffix('.json')}, {stem.with_suffix('.md')}")
-    return 0 if all(s["verdict"] == "pass" for s in result["stats"].values()) else 1
+    return 0 if result["verdict"] == "pass" else 1
 
 
 if __name__ == "__main__":

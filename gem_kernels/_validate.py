@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Inside gem_kernels.reference.float64_ground_truth() (the bench's and the tests' accuracy checks),
+# the ops also take float64, which only the reference backend computes (check_float64_on_reference).
+FLOAT64_GROUND_TRUTH = contextvars.ContextVar("gem_kernels_float64_ground_truth", default=False)
+
+
+def float_dtypes() -> tuple:
+    """The float dtypes the ops take here: FLOAT_DTYPES, and float64 inside float64_ground_truth()."""
+    return FLOAT_DTYPES + (torch.float64,) if FLOAT64_GROUND_TRUTH.get() else FLOAT_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -17,6 +26,17 @@ def check_tensor(name: str, t, *, dtypes=None, dims=None) -> None:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if dims is not None and t.dim() not in dims:
         raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}")
+
+
+def check_float64_on_reference(backend: str, **tensors) -> None:
+    """float64 (inside float64_ground_truth()) runs on the reference backend only: it is the ground
+    truth that the bench's FlashAttention rule measures every backend's error against; no kernel is
+    built for it."""
+    for name, t in tensors.items():
+        if t is not None and t.dtype == torch.float64 and backend != "reference":
+            raise ValueError(f"{name} is float64, which only the reference backend computes (the ground truth "
+                             f"of the accuracy checks), got backend {backend!r}; use "
+                             f"{[str(d) for d in FLOAT_DTYPES]} on the other backends")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

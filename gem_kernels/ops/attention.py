@@ -14,14 +14,15 @@ import torch
 from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import FAMILIES, kernel, resolve_backend
 from .._validate import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_float64_on_reference,
     check_nonnegative_int,
     check_offsets_meta,
     check_offsets_values,
     offsets_summary,
     check_same_device,
     check_tensor,
+    float_dtypes,
 )
 
 FAMILY = "attention"
@@ -157,7 +158,7 @@ def _round_to_fp32(x: float) -> float:
 
 
 def _check_bias(name: str, bias, num_heads: int, width: int | None, device) -> None:
-    check_tensor(name, bias, dtypes=FLOAT_DTYPES, dims=(2,))
+    check_tensor(name, bias, dtypes=float_dtypes(), dims=(2,))
     if bias.shape[0] not in (1, num_heads):
         raise ValueError(f"{name}.shape[0] must be 1 or H = {num_heads}, got shape {tuple(bias.shape)}")
     if width is not None and bias.shape[1] != width:
@@ -244,9 +245,9 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         are added in fp32).
     """
     q, k, v = autocast_operands(q, k, v)
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, dims=(3,))
-    check_tensor("k", k, dtypes=FLOAT_DTYPES, dims=(3,))
-    check_tensor("v", v, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_tensor("q", q, dtypes=float_dtypes(), dims=(3,))
+    check_tensor("k", k, dtypes=float_dtypes(), dims=(3,))
+    check_tensor("v", v, dtypes=float_dtypes(), dims=(3,))
     check_offsets_meta("seq_offsets", seq_offsets)
     check_same_device(q=q, k=k, v=v, seq_offsets=seq_offsets)
     if k.dtype != q.dtype:
@@ -306,6 +307,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
                              f"{tuple(query_timestamps.shape)}")
         query_timestamps = query_timestamps.contiguous()
     name = resolve_backend(backend, q.device, FAMILY)
+    check_float64_on_reference(name, q=q, pos_bias=pos_bias, time_bias=time_bias)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
                                         max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
                                         max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,

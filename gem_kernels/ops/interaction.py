@@ -19,7 +19,7 @@ import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
-from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from .._validate import check_float64_on_reference, check_same_device, check_tensor, float_dtypes
 
 FAMILY = "interaction"
 IMPLEMENTED = FAMILIES[FAMILY].implemented
@@ -275,7 +275,7 @@ if hasattr(torch.ops.gem_kernels, "dot_interaction_native"):
 
 def _check_like(name: str, t, ref_name: str, ref: torch.Tensor, shape: tuple) -> None:
     """t is a tensor of ref's dtype and device with exactly `shape`."""
-    check_tensor(name, t, dtypes=FLOAT_DTYPES, dims=(len(shape),))
+    check_tensor(name, t, dtypes=float_dtypes(), dims=(len(shape),))
     if t.dtype != ref.dtype:
         raise ValueError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
     check_same_device(**{ref_name: ref, name: t})
@@ -325,9 +325,10 @@ def dot_interaction(x: torch.Tensor, self_interaction: bool = False, *, backend:
     Under ``torch.autocast`` x is cast to the autocast dtype first (gem_kernels/_autocast.py).
     """
     (x,) = autocast_operands(x)
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_tensor("x", x, dtypes=float_dtypes(), dims=(3,))
     _check_bool("self_interaction", self_interaction)
     name = resolve_backend(backend, x.device, FAMILY)
+    check_float64_on_reference(name, x=x)
     return dot_interaction_op(x.contiguous(), self_interaction, name)
 
 
@@ -354,7 +355,7 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
     Under ``torch.autocast`` every operand is cast to the autocast dtype first (like nn.Linear).
     """
     x0, xl, weight, bias = autocast_operands(x0, xl, weight, bias)
-    check_tensor("x0", x0, dtypes=FLOAT_DTYPES, dims=(2,))
+    check_tensor("x0", x0, dtypes=float_dtypes(), dims=(2,))
     _check_like("xl", xl, "x0", x0, tuple(x0.shape))
     N = x0.shape[1]
     if isinstance(weight, (tuple, list)):
@@ -373,6 +374,7 @@ def cross_layer(x0: torch.Tensor, xl: torch.Tensor,
         v = x0.new_empty(0)
     _check_like("bias", bias, "x0", x0, (N,))
     name = resolve_backend(backend, x0.device, FAMILY)
+    check_float64_on_reference(name, x0=x0)
     out, _z, _p = cross_layer_op(x0.contiguous(), xl.contiguous(), u.contiguous(), v.contiguous(),
                                  bias.contiguous(), name)
     return out
@@ -403,7 +405,7 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
     statistics stay fp32 inside).
     """
     x, y, ln_weight, ln_bias = autocast_operands(x, y, ln_weight, ln_bias)
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_tensor("x", x, dtypes=float_dtypes(), dims=(3,))
     F = x.shape[1]
     check_tensor("y", y, dims=(2,))
     if y.shape[1] < 1:
@@ -411,6 +413,7 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor | None
     _check_like("y", y, "x", x, (F, y.shape[1]))
     ln_weight, ln_bias = _layer_norm_params(x, F * y.shape[1], ln_weight, ln_bias, eps)
     name = resolve_backend(backend, x.device, FAMILY)
+    check_float64_on_reference(name, x=x)
     # Keep the products only when a backward will run (inference skips their writes).
     save_products = torch.is_grad_enabled() and any(t.requires_grad for t in (x, y, ln_weight, ln_bias))
     out, _mean, _rstd, _products = fm_compress_op(x.contiguous(), y.contiguous(), ln_weight.contiguous(),
@@ -447,7 +450,7 @@ def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None
     Under ``torch.autocast`` every operand is cast to the autocast dtype first.
     """
     x, mix, fm, ln_weight, ln_bias = autocast_operands(x, mix, fm, ln_weight, ln_bias)
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(3,))
+    check_tensor("x", x, dtypes=float_dtypes(), dims=(3,))
     B, F, D = x.shape
     if F < 1 or D < 1:
         raise ValueError(f"x must have shape (B, F, D) with F >= 1 and D >= 1, got {tuple(x.shape)}")
@@ -466,6 +469,7 @@ def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor | None
         _check_like("fm", fm, "x", x, (B, fm.shape[1], D))
     ln_weight, ln_bias = _layer_norm_params(x, D, ln_weight, ln_bias, eps)
     name = resolve_backend(backend, x.device, FAMILY)
+    check_float64_on_reference(name, x=x)
     out, _mean, _rstd = feature_mix_norm_op(x.contiguous(), mix.contiguous(), fm.contiguous(),
                                             ln_weight.contiguous(), ln_bias.contiguous(), float(eps), name)
     return out

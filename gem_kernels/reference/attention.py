@@ -19,6 +19,7 @@ import math
 import torch
 
 from .._attention import time_buckets  # noqa: F401  (re-exported: tests and bench use ref.time_buckets)
+from . import wide
 
 
 
@@ -108,15 +109,15 @@ def attention_scores(q, k, seq_offsets, max_seq_len, *, scale, pos_bias, time_bi
     W = width (default: the longest sequence). Entries of invisible or padded pairs are whatever the
     arithmetic gives (NaN included): callers select the visible ones."""
     width = padded_width(seq_offsets) if width is None else width
-    qp, index = _pad(q.float(), seq_offsets, width)  # [B, W, H, D]
-    kp, _ = _pad(k.float(), seq_offsets, width)
+    qp, index = _pad(wide(q), seq_offsets, width)  # [B, W, H, D]
+    kp, _ = _pad(wide(k), seq_offsets, width)
     scores = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
     if pos_bias is not None:
         rel = torch.arange(width, device=q.device)
         rel = rel.view(1, -1) - rel.view(-1, 1) + max_seq_len - 1  # j - i + M - 1
-        scores = scores + pos_bias.float()[:, rel].unsqueeze(0)  # [1, H or 1, W, W]
+        scores = scores + wide(pos_bias)[:, rel].unsqueeze(0)  # [1, H or 1, W, W]
     if time_bias is not None:
-        scores = scores + time_bias.float()[:, _pair_buckets(seq_offsets, width, time_bias, timestamps,
+        scores = scores + wide(time_bias)[:, _pair_buckets(seq_offsets, width, time_bias, timestamps,
                                                               query_timestamps)].transpose(0, 1)
     return scores, index
 
@@ -170,7 +171,7 @@ def jagged_attention_with_lse(q, k, v, seq_offsets, max_seq_len, kind, causal, s
     else:
         weights, _, _ = _hstu_parts(scores, valid, max_seq_len)
         lse_padded = None
-    vp, _ = _pad(v.float(), seq_offsets, width)  # [B, W, H, Dv]
+    vp, _ = _pad(wide(v), seq_offsets, width)  # [B, W, H, Dv]
     out_padded = _masked_sum(weights, valid, vp)
     seq_ids, pos = index
     out = out_padded[seq_ids, pos].to(q.dtype)
@@ -206,10 +207,10 @@ def jagged_attention_bwd(grad_out, q, k, v, out, lse, seq_offsets, max_seq_len, 
     valid = visibility_mask(lengths, width, causal=causal, num_targets=num_targets,
                             contextual_len=contextual_len, max_attn_len=max_attn_len).unsqueeze(1)
     valid_t = valid.transpose(-1, -2)
-    qp, _ = _pad(q.float(), seq_offsets, width)
-    kp, _ = _pad(k.float(), seq_offsets, width)
-    vp, _ = _pad(v.float(), seq_offsets, width)
-    dop, _ = _pad(grad_out.float(), seq_offsets, width)
+    qp, _ = _pad(wide(q), seq_offsets, width)
+    kp, _ = _pad(wide(k), seq_offsets, width)
+    vp, _ = _pad(wide(v), seq_offsets, width)
+    dop, _ = _pad(wide(grad_out), seq_offsets, width)
     # dP_ij = <dO_i, v_j> involves only i's and j's own rows: selecting afterwards is exact.
     dweights = torch.where(valid, torch.einsum("bihd,bjhd->bhij", dop, vp), 0.0)
     if kind == "softmax":

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from . import wide
+
 
 def triu_pairs(num_features: int, self_interaction: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) of the interaction pairs in output order: torch.triu_indices(F, F, 0 or 1)."""
@@ -28,7 +30,7 @@ def triu_pairs(num_features: int, self_interaction: bool, device) -> tuple[torch
 
 def dot_interaction(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
     """x [B, F, D] -> [B, P]: out[b, p] = <x[b, i_p], x[b, j_p]> for the triu pairs (i_p, j_p)."""
-    xf = x.float()
+    xf = wide(x)
     gram = torch.bmm(xf, xf.transpose(1, 2))
     rows, cols = triu_pairs(x.shape[1], self_interaction, x.device)
     return gram[:, rows, cols].to(x.dtype)
@@ -38,20 +40,20 @@ def dot_interaction_backward(grad_out: torch.Tensor, x: torch.Tensor, self_inter
     """grad_x = (G + G^T) x with G [B, F, F] the upper triangle scattered from grad_out."""
     B, F, _ = x.shape
     rows, cols = triu_pairs(F, self_interaction, x.device)
-    grad = torch.zeros(B, F, F, dtype=torch.float32, device=x.device)
-    grad[:, rows, cols] = grad_out.float()
-    return torch.bmm(grad + grad.transpose(1, 2), x.float()).to(x.dtype)
+    grad = torch.zeros(B, F, F, dtype=wide(x).dtype, device=x.device)
+    grad[:, rows, cols] = wide(grad_out)
+    return torch.bmm(grad + grad.transpose(1, 2), wide(x)).to(x.dtype)
 
 
 def cross_layer(x0: torch.Tensor, xl: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, z, p): p = xl V^T [B, r] (empty when v is an empty 1-D tensor: full rank), z = p U^T + b,
     out = x0 * z + xl. Low rank is told by v's shape [r, N], never by its size: at N = 0 it is empty."""
-    xlf = xl.float()
+    xlf = wide(xl)
     low_rank = v.dim() == 2
-    p = xlf @ v.float().t() if low_rank else xlf.new_empty(0)
-    z = torch.addmm(bias.float(), p if low_rank else xlf, u.float().t())
-    out = x0.float() * z + xlf
+    p = xlf @ wide(v).t() if low_rank else xlf.new_empty(0)
+    z = torch.addmm(wide(bias), p if low_rank else xlf, wide(u).t())
+    out = wide(x0) * z + xlf
     return out.to(xl.dtype), z.to(xl.dtype), p.to(xl.dtype)
 
 
@@ -59,16 +61,16 @@ def cross_layer_backward(grad_out: torch.Tensor, x0: torch.Tensor, xl: torch.Ten
                          v: torch.Tensor, z: torch.Tensor, p: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x0, grad_xl, grad_u, grad_v, grad_bias); grad_v is empty in the full-rank case."""
-    g, x0f, xlf, uf = grad_out.float(), x0.float(), xl.float(), u.float()
+    g, x0f, xlf, uf = wide(grad_out), wide(x0), wide(xl), wide(u)
     grad_z = g * x0f
-    grad_x0 = g * z.float()
+    grad_x0 = g * wide(z)
     grad_bias = grad_z.sum(0)
     if v.dim() == 2:
-        pf = p.float()
+        pf = wide(p)
         grad_u = grad_z.t() @ pf
         grad_p = grad_z @ uf
         grad_v = grad_p.t() @ xlf
-        grad_xl = g + grad_p @ v.float()
+        grad_xl = g + grad_p @ wide(v)
     else:
         grad_u = grad_z.t() @ xlf
         grad_v = xlf.new_empty(0)
@@ -81,11 +83,11 @@ def fm_compress(x: torch.Tensor, y: torch.Tensor, ln_weight: torch.Tensor, ln_bi
                 eps: float, save_products: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, mean, rstd, products): s = flatten(x (x^T y)) [B, F*k], out = (s - mean) * rstd * w + b
     per row; products is always empty [0, k*D + F*k] (the backward recomputes, see SAVES_PRODUCTS)."""
-    xf = x.float()
-    s = torch.bmm(xf, torch.matmul(xf.transpose(1, 2), y.float())).flatten(1)
+    xf = wide(x)
+    s = torch.bmm(xf, torch.matmul(xf.transpose(1, 2), wide(y))).flatten(1)
     mean = s.mean(1)
     rstd = torch.rsqrt((s - mean[:, None]).square().mean(1) + eps)
-    out = (s - mean[:, None]) * rstd[:, None] * ln_weight.float() + ln_bias.float()
+    out = (s - mean[:, None]) * rstd[:, None] * wide(ln_weight) + wide(ln_bias)
     products = xf.new_empty((0, y.shape[1] * (x.shape[2] + x.shape[1])))
     return out.to(x.dtype), mean, rstd, products
 
@@ -97,13 +99,13 @@ def fm_compress_backward(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tenso
     (`products` is the forward's, always empty here)."""
     B, F, _ = x.shape
     k = y.shape[1]
-    xf, yf, g = x.float(), y.float(), grad_out.float()
+    xf, yf, g = wide(x), wide(y), wide(grad_out)
     a = torch.matmul(xf.transpose(1, 2), yf)  # [B, D, k]
     s = torch.bmm(xf, a).flatten(1)
     xhat = (s - mean[:, None]) * rstd[:, None]
     grad_w = (g * xhat).sum(0)
     grad_b = g.sum(0)
-    gh = g * ln_weight.float()
+    gh = g * wide(ln_weight)
     grad_s = rstd[:, None] * (gh - gh.mean(1, keepdim=True) - xhat * (gh * xhat).mean(1, keepdim=True))
     grad_s = grad_s.view(B, F, k)
     grad_a = torch.bmm(xf.transpose(1, 2), grad_s)  # [B, D, k]
@@ -116,12 +118,12 @@ def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor, ln_we
                      ln_bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, mean, rstd): s = mix @ x[b] [B, O, D] with fm [B, O_fm, D] added to its first O_fm rows,
     out = (s - mean) * rstd * w + b over D; mean and rstd fp32 [B, O]."""
-    s = torch.matmul(mix.float(), x.float())
+    s = torch.matmul(wide(mix), wide(x))
     if fm.shape[1]:
-        s[:, :fm.shape[1]] += fm.float()
+        s[:, :fm.shape[1]] += wide(fm)
     mean = s.mean(-1)
     rstd = torch.rsqrt((s - mean[..., None]).square().mean(-1) + eps)
-    out = (s - mean[..., None]) * rstd[..., None] * ln_weight.float() + ln_bias.float()
+    out = (s - mean[..., None]) * rstd[..., None] * wide(ln_weight) + wide(ln_bias)
     return out.to(x.dtype), mean, rstd
 
 
@@ -129,16 +131,16 @@ def feature_mix_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mix: torc
                               ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_x, grad_mix, grad_fm, grad_ln_weight, grad_ln_bias); recomputes s from x, mix and fm."""
-    xf, g = x.float(), grad_out.float()
-    s = torch.matmul(mix.float(), xf)
+    xf, g = wide(x), wide(grad_out)
+    s = torch.matmul(wide(mix), xf)
     if fm.shape[1]:
-        s[:, :fm.shape[1]] += fm.float()
+        s[:, :fm.shape[1]] += wide(fm)
     xhat = (s - mean[..., None]) * rstd[..., None]
     grad_w = (g * xhat).sum((0, 1))
     grad_b = g.sum((0, 1))
-    gh = g * ln_weight.float()
+    gh = g * wide(ln_weight)
     grad_s = rstd[..., None] * (gh - gh.mean(-1, keepdim=True) - xhat * (gh * xhat).mean(-1, keepdim=True))
-    grad_x = torch.matmul(mix.float().t(), grad_s)
+    grad_x = torch.matmul(wide(mix).t(), grad_s)
     grad_mix = torch.einsum("bod,bfd->of", grad_s, xf)
     grad_fm = grad_s[:, :fm.shape[1]].contiguous()
     return (grad_x.to(x.dtype), grad_mix.to(x.dtype), grad_fm.to(x.dtype), grad_w.to(x.dtype),

@@ -7,8 +7,8 @@ as ``gem_kernels.torchrec`` or ``from gem_kernels.torchrec import FusedEmbedding
 
 INSTALL_HINT = (
     "gem_kernels.torchrec needs TorchRec. On a machine without a GPU install it next to the CPU build of "
-    "FBGEMM: pip install fbgemm-gpu-cpu==1.9.0 && pip install --no-deps torchrec==1.9.2 tensordict "
-    "torchmetrics==1.0.3 pyre-extensions tqdm (plain `pip install torchrec` pulls the CUDA fbgemm-gpu)"
+    "FBGEMM: pip install fbgemm-gpu-cpu==1.9.0 tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32 "
+    "tqdm==4.70.1 && pip install --no-deps torchrec==1.9.2 (plain `pip install torchrec` pulls the CUDA fbgemm-gpu)"
 )
 
 try:
