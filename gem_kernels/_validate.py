@@ -39,6 +39,18 @@ def check_float64_on_reference(backend: str, **tensors) -> None:
                              f"{[str(d) for d in FLOAT_DTYPES]} on the other backends")
 
 
+def per_sample_weights_arg(per_sample_weights, indices: torch.Tensor, device) -> torch.Tensor:
+    """per_sample_weights as the embedding-bag ops take them: fp32 [len(indices)], or an empty fp32
+    tensor on `device` for None."""
+    if per_sample_weights is None:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    check_tensor("per_sample_weights", per_sample_weights, dtypes=FLOAT_DTYPES + (torch.float64,), dims=(1,))
+    if per_sample_weights.shape[0] != indices.shape[0]:
+        raise ValueError(f"per_sample_weights must have indices' length {indices.shape[0]}, got "
+                         f"{per_sample_weights.shape[0]}")
+    return per_sample_weights.float()
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     (first_name, first), *rest = tensors.items()
     for name, t in rest:

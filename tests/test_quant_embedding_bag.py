@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.fx
 import torch.nn.functional as F
 
 import gem_kernels as gk
@@ -451,3 +452,38 @@ def test_torch_compile_fullgraph(backend):
     indices, offsets = make_batch([(50, 64, ""), (30, 32, "")], 5)
     compiled = torch.compile(q, fullgraph=True)
     assert torch.equal(compiled(indices, offsets), q(indices, offsets))
+
+
+class _PoolSum(torch.nn.Module):
+    """A model around a swapped quantized bag: what torch.fx / TorchRec's inference tooling trace."""
+
+    def __init__(self, child):
+        super().__init__()
+        self.child = child
+
+    def forward(self, ids, offsets):
+        return self.child(ids, offsets).sum(1)
+
+
+def test_quantized_modules_trace_with_torch_fx():
+    """torch.fx.symbolic_trace of a model holding a swapped quantized bag, and torchrec.fx.symbolic_trace
+    of the quantized collection, give graphs that compute what the modules do (the modules' Python
+    checks used to see a Proxy: "input must be a 1-D or 2-D tensor of ids, got Proxy")."""
+    bag = torch.nn.EmbeddingBag(40, 32, mode="sum")
+    model = _PoolSum(bag).eval()
+    gk.swap(model, quantize="int8")
+    assert isinstance(model.child, QuantizedTorchEmbeddingBag)
+    ids, starts = torch.randint(0, 40, (9,)), torch.tensor([0, 4, 4])
+    gm = torch.fx.symbolic_trace(model)
+    assert torch.equal(gm(ids, starts), model(ids, starts))
+    with pytest.raises(IndexError):  # the checks still run, on real tensors, when the graph runs
+        gm(torch.tensor([40]), torch.tensor([0]))
+    pytest.importorskip("torchrec")
+    from torchrec.fx import symbolic_trace
+
+    theirs = _torchrec_quant_ebc()
+    ours = gk.torchrec.QuantEmbeddingBagCollection.from_torchrec(theirs)
+    kjt = _kjt(False)
+    traced = symbolic_trace(ours)
+    assert torch.equal(traced(kjt).values(), ours(kjt).values())
+    assert ours.embedding_bag_configs() is ours._configs and ours.is_weighted() is False

@@ -40,6 +40,7 @@
 #include "gem_kernels/checks.h"
 #include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/parallel.h"
+#include "gem_kernels/quant_embedding_bag_checks.h"
 
 namespace gem_kernels {
 namespace {
@@ -344,29 +345,9 @@ at::Tensor quant_embedding_bag_forward_cpu(const at::Tensor& weights, const at::
                                            const at::Tensor& per_sample_weights, int64_t output_dim, int64_t pooling,
                                            int64_t bounds_check, at::ScalarType output_dtype,
                                            int64_t fp8_exponent_bits, int64_t fp8_exponent_bias) {
-  for (const auto* x : {&weights, &indices, &offsets, &per_sample_weights, &weights_offsets, &D_offsets,
-                        &rows_offsets, &weights_tys, &row_bytes}) {
-    GK_CHECK_CPU(*x);
-    GK_CHECK_CONTIGUOUS(*x);
-  }
-  TORCH_CHECK(weights.scalar_type() == at::kByte && weights.dim() == 1, "weights must be flat uint8");
-  GK_CHECK_INDEX(indices);
-  TORCH_CHECK(offsets.scalar_type() == indices.scalar_type(), "offsets must have indices' dtype");
-  TORCH_CHECK(per_sample_weights.numel() == 0 ||
-                  (per_sample_weights.scalar_type() == at::kFloat && per_sample_weights.numel() == indices.numel()),
-              "per_sample_weights must be empty or fp32 [N]");
-  for (const auto* x : {&weights_offsets, &D_offsets, &rows_offsets, &weights_tys, &row_bytes})
-    TORCH_CHECK(x->scalar_type() == at::kLong, "metadata tensors must be int64");
-  const int64_t T = weights_offsets.numel();
-  TORCH_CHECK(T >= 1 && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1 && weights_tys.numel() == T &&
-                  row_bytes.numel() == T,
-              "bad table metadata sizes");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % T == 0, "offsets must have T*B+1 elements");
-  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
-  TORCH_CHECK(output_dtype == at::kFloat || output_dtype == at::kHalf || output_dtype == at::kBFloat16,
-              "output_dtype must be float32, float16 or bfloat16");
-  TORCH_CHECK(fp8_exponent_bits >= 1 && fp8_exponent_bits <= 7 && fp8_exponent_bias >= 1 && fp8_exponent_bias <= 127,
-              "bad fp8 format");
+  const int64_t T = quant_embedding_bag_checks::args(
+      weights, weights_offsets, D_offsets, rows_offsets, weights_tys, row_bytes, indices, offsets, per_sample_weights,
+      pooling, output_dtype, fp8_exponent_bits, fp8_exponent_bias, c10::DeviceType::CPU);
   QMeta m{weights_offsets.data_ptr<int64_t>(), D_offsets.data_ptr<int64_t>(), rows_offsets.data_ptr<int64_t>(),
           weights_tys.data_ptr<int64_t>(), row_bytes.data_ptr<int64_t>(), T, (offsets.numel() - 1) / T, 0};
   // What keeps a direct call (no Python checks) inside its buffers.

@@ -25,6 +25,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/embedding_bag_codes.h"
+#include "gem_kernels/quant_embedding_bag_checks.h"
 
 namespace gem_kernels {
 namespace {
@@ -141,30 +142,9 @@ at::Tensor quant_embedding_bag_forward_cuda(const at::Tensor& weights, const at:
                                             int64_t fp8_exponent_bits, int64_t fp8_exponent_bias) {
   // What keeps a direct call memory safe without reading a value on the host (that would be a sync);
   // the Python op checked the metadata values (check_quant_tables), offsets and bounds.
-  for (const auto* x : {&weights, &indices, &offsets, &per_sample_weights, &weights_offsets, &D_offsets,
-                        &rows_offsets, &weights_tys, &row_bytes}) {
-    GK_CHECK_CUDA(*x);
-    GK_CHECK_CONTIGUOUS(*x);
-    TORCH_CHECK(x->device() == weights.device(), "every tensor must be on the weights' device");
-  }
-  TORCH_CHECK(weights.scalar_type() == at::kByte && weights.dim() == 1, "weights must be flat uint8");
-  GK_CHECK_INDEX(indices);
-  TORCH_CHECK(offsets.scalar_type() == indices.scalar_type(), "offsets must have indices' dtype");
-  TORCH_CHECK(per_sample_weights.numel() == 0 ||
-                  (per_sample_weights.scalar_type() == at::kFloat && per_sample_weights.numel() == indices.numel()),
-              "per_sample_weights must be empty or fp32 [N]");
-  for (const auto* x : {&weights_offsets, &D_offsets, &rows_offsets, &weights_tys, &row_bytes})
-    TORCH_CHECK(x->scalar_type() == at::kLong, "metadata tensors must be int64");
-  const int64_t T = weights_offsets.numel();
-  TORCH_CHECK(T >= 1 && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1 && weights_tys.numel() == T &&
-                  row_bytes.numel() == T,
-              "bad table metadata sizes");
-  TORCH_CHECK(offsets.numel() >= 1 && (offsets.numel() - 1) % T == 0, "offsets must have T*B+1 elements");
-  TORCH_CHECK(pooling >= kSum && pooling <= kNone, "bad pooling code ", pooling);
-  TORCH_CHECK(output_dtype == at::kFloat || output_dtype == at::kHalf || output_dtype == at::kBFloat16,
-              "output_dtype must be float32, float16 or bfloat16");
-  TORCH_CHECK(fp8_exponent_bits >= 1 && fp8_exponent_bits <= 7 && fp8_exponent_bias >= 1 && fp8_exponent_bias <= 127,
-              "bad fp8 format");
+  const int64_t T = quant_embedding_bag_checks::args(
+      weights, weights_offsets, D_offsets, rows_offsets, weights_tys, row_bytes, indices, offsets, per_sample_weights,
+      pooling, output_dtype, fp8_exponent_bits, fp8_exponent_bias, c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(weights.device());
   const QuantMeta m{weights_offsets.data_ptr<int64_t>(), D_offsets.data_ptr<int64_t>(),
                     rows_offsets.data_ptr<int64_t>(), weights_tys.data_ptr<int64_t>(), row_bytes.data_ptr<int64_t>(),

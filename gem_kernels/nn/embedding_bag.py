@@ -70,6 +70,31 @@ def reference_fallback(backend: str | None, device, family: str) -> str | None:
     return message
 
 
+def torch_bags(input, offsets, per_sample_weights, include_last_offset: bool):
+    """torch.nn.EmbeddingBag's call convention -> (indices [L], offsets [B+1] in indices' dtype,
+    per_sample_weights [L] or None): a 2-D input [B, L] is one bag per row (offsets must be None); a
+    1-D input takes 1-D offsets of the B bag starts, or of B+1 bounds with include_last_offset."""
+    if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
+        raise ValueError(f"input must be a 1-D or 2-D tensor of ids, got "
+                         f"{tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__}")
+    if per_sample_weights is not None and per_sample_weights.shape != input.shape:
+        raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, got "
+                         f"{tuple(per_sample_weights.shape)}")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets must be None with a 2-D input (each row is one bag)")
+        batch, length = input.shape
+        offsets = torch.arange(batch + 1, dtype=input.dtype, device=input.device) * length
+        return input.reshape(-1), offsets, None if per_sample_weights is None else per_sample_weights.reshape(-1)
+    if offsets is None or offsets.dim() != 1:
+        raise ValueError(f"offsets must be a 1-D tensor with a 1-D input, got "
+                         f"{None if offsets is None else tuple(offsets.shape)}")
+    offsets = offsets.to(input.dtype)
+    if not include_last_offset:
+        offsets = torch.cat([offsets, offsets.new_full((1,), input.shape[0])])
+    return input, offsets, per_sample_weights
+
+
 class PackedTables(NotScriptable, nn.Module):
     """A module whose tables are packed in one buffer: ``layout`` (a ``TableLayout``: Python ints, to
     slice and size buffers by) and ``table_meta`` (its tensors for the op, held as non-persistent
@@ -433,31 +458,10 @@ class EmbeddingBag(PackedTables):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         if is_proxy(input, offsets, per_sample_weights):
             return trace_call(self, input, offsets, per_sample_weights)
-        if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
-            raise ValueError(f"input must be a 1-D or 2-D tensor of ids, got "
-                             f"{tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__}")
         if per_sample_weights is not None and self.mode != "sum":
             raise ValueError(f"per_sample_weights are only supported with mode 'sum', got mode {self.mode!r}")
-        if per_sample_weights is not None and per_sample_weights.shape != input.shape:
-            raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, got "
-                             f"{tuple(per_sample_weights.shape)}")
-        if input.dim() == 2:
-            if offsets is not None:
-                raise ValueError("offsets must be None with a 2-D input (each row is one bag)")
-            batch, length = input.shape
-            indices = input.reshape(-1)
-            offsets = torch.arange(batch + 1, dtype=indices.dtype, device=indices.device) * length
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.reshape(-1)
-        else:
-            if offsets is None or offsets.dim() != 1:
-                raise ValueError(f"offsets must be a 1-D tensor with a 1-D input, got "
-                                 f"{None if offsets is None else tuple(offsets.shape)}")
-            indices = input
-            user_offsets = offsets
-            offsets = offsets.to(indices.dtype)
-            if not self.include_last_offset:
-                offsets = torch.cat([offsets, offsets.new_full((1,), indices.shape[0])])
+        user_offsets = offsets
+        indices, offsets, per_sample_weights = torch_bags(input, offsets, per_sample_weights, self.include_last_offset)
         if self.padding_idx is not None:
             keep = indices != self.padding_idx
             kept_before = torch.cat([keep.new_zeros(1, dtype=offsets.dtype), keep.cumsum(0).to(offsets.dtype)])

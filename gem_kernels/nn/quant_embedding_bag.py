@@ -15,7 +15,8 @@ from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EX
                                        OUTPUT_DTYPES, QuantTableLayout, QuantTableMeta, pack_quant_tables,
                                        quant_embedding_bag, quantize_rows, weight_type_code)
 from ..swap import SwapSkip, register
-from .embedding_bag import PackedTables, TableSpec, _advise_huge_pages
+from ._fx import is_proxy, trace_call
+from .embedding_bag import PackedTables, TableSpec, _advise_huge_pages, torch_bags
 
 
 class QuantPackedTables(PackedTables):
@@ -129,6 +130,8 @@ class QuantizedEmbeddingBag(QuantPackedTables):
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if is_proxy(indices, offsets, per_sample_weights):
+            return trace_call(self, indices, offsets, per_sample_weights)
         return quant_embedding_bag(self.weights, self.table_meta, indices, offsets, per_sample_weights,
                                    output_dim=self.output_dim, pooling=self.pooling, bounds_check=self.bounds_check,
                                    output_dtype=self.output_dtype, fp8_exponent_bits=self.fp8_exponent_bits,
@@ -166,25 +169,9 @@ class QuantizedTorchEmbeddingBag(QuantizedEmbeddingBag):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(input, torch.Tensor) or input.dim() not in (1, 2):
-            raise ValueError(f"input must be a 1-D or 2-D tensor of ids, got "
-                             f"{tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__}")
-        if per_sample_weights is not None and per_sample_weights.shape != input.shape:
-            raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, got "
-                             f"{tuple(per_sample_weights.shape)}")
-        if input.dim() == 2:
-            if offsets is not None:
-                raise ValueError("offsets must be None with a 2-D input (each row is one bag)")
-            batch, length = input.shape
-            offsets = torch.arange(batch + 1, device=input.device, dtype=input.dtype) * length
-            input = input.reshape(-1)
-            per_sample_weights = None if per_sample_weights is None else per_sample_weights.reshape(-1)
-        elif offsets is None or offsets.dim() != 1:
-            raise ValueError(f"offsets must be a 1-D tensor with a 1-D input, got "
-                             f"{None if offsets is None else tuple(offsets.shape)}")
-        elif not self.include_last_offset:
-            offsets = torch.cat([offsets, offsets.new_full((1,), input.shape[0])])
-        return super().forward(input, offsets, per_sample_weights)
+        if is_proxy(input, offsets, per_sample_weights):
+            return trace_call(self, input, offsets, per_sample_weights)
+        return super().forward(*torch_bags(input, offsets, per_sample_weights, self.include_last_offset))
 
 
 def _quantize_embedding_bag(module: nn.EmbeddingBag, *, weight_dtype: str, backend: str | None) -> nn.Module:

@@ -17,7 +17,7 @@ import torch
 
 from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
-                         check_same_device, check_tensor)
+                         check_same_device, check_tensor, per_sample_weights_arg)
 from .._embedding_bag import (
     BOUNDS_CHECK_CODES,
     NONE,
@@ -299,14 +299,7 @@ def embedding_bag(weights: torch.Tensor, tables: TableMeta, indices: torch.Tenso
     if isinstance(output_dim, bool) or not isinstance(output_dim, int):
         raise ValueError(f"output_dim must be an int >= 0, got {output_dim!r}")
     check_nonnegative_int("output_dim", output_dim)
-    if per_sample_weights is None:
-        per_sample_weights = weights.new_empty(0, dtype=torch.float32)
-    else:
-        check_tensor("per_sample_weights", per_sample_weights, dtypes=FLOAT_DTYPES + (torch.float64,), dims=(1,))
-        if per_sample_weights.shape[0] != indices.shape[0]:
-            raise ValueError(f"per_sample_weights must have indices' length {indices.shape[0]}, got "
-                             f"{per_sample_weights.shape[0]}")
-        per_sample_weights = per_sample_weights.float()
+    per_sample_weights = per_sample_weights_arg(per_sample_weights, indices, weights.device)
     check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
                       **tables._asdict())
     if optimizer is None:

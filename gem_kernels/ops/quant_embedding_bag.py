@@ -25,7 +25,7 @@ from .._backend import _on_device_of_inputs as on_device_of_inputs
 from .._embedding_bag import BOUNDS_CHECK_CODES, NONE, POOLING_CODES, SKIP, kept_mask
 from .embedding_bag import _code
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
-                         check_same_device, check_tensor)
+                         check_same_device, check_tensor, per_sample_weights_arg)
 
 
 
@@ -371,14 +371,7 @@ def quant_embedding_bag(weights: torch.Tensor, tables: QuantTableMeta, indices: 
                                 ("fp8_exponent_bias", fp8_exponent_bias, 1, 127)):
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
-    if per_sample_weights is None:
-        per_sample_weights = torch.empty(0, dtype=torch.float32, device=weights.device)
-    else:
-        check_tensor("per_sample_weights", per_sample_weights, dtypes=FLOAT_DTYPES + (torch.float64,), dims=(1,))
-        if per_sample_weights.shape[0] != indices.shape[0]:
-            raise ValueError(f"per_sample_weights must have indices' length {indices.shape[0]}, got "
-                             f"{per_sample_weights.shape[0]}")
-        per_sample_weights = per_sample_weights.float()
+    per_sample_weights = per_sample_weights_arg(per_sample_weights, indices, weights.device)
     check_same_device(weights=weights, indices=indices, offsets=offsets, per_sample_weights=per_sample_weights,
                       **tables._asdict())
     name = resolve_backend(backend, weights.device, QUANT_FAMILY)

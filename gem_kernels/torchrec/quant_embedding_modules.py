@@ -22,7 +22,8 @@ from ..nn.quant_embedding_bag import QuantPackedTables
 from ..swap import SwapSkip, register
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, OUTPUT_DTYPES,
                                        WEIGHT_TYPES, pack_quant_tables, quant_embedding_bag)
-from .embedding_modules import _FusedCollection
+from ..nn._fx import is_proxy, trace_call
+from .embedding_modules import FusedEmbeddingBagCollection, _FusedCollection
 
 _WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.INT8: "int8", DataType.INT4: "int4",
                   DataType.INT2: "int2"}
@@ -39,9 +40,12 @@ class QuantEmbeddingBagCollection(QuantPackedTables):
     """
 
     _PREFIX = "embedding_bags"
-    # The KJT -> op layout and the bad-index message are the float collections' (same attributes).
+    # The KJT -> op layout, the bad-index message and TorchRec's accessors are the float collections'
+    # (same attributes).
     _op_inputs = _FusedCollection._op_inputs
     _name_bad_index = _FusedCollection._name_bad_index
+    embedding_bag_configs = FusedEmbeddingBagCollection.embedding_bag_configs
+    is_weighted = FusedEmbeddingBagCollection.is_weighted
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None,
                  output_dtype: torch.dtype = torch.float32, row_alignment: int = TORCHREC_ROW_ALIGNMENT,
@@ -119,13 +123,9 @@ class QuantEmbeddingBagCollection(QuantPackedTables):
                 new.weight(name).copy_(by_name[name])
         return new
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._configs
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_proxy(features):
+            return trace_call(self, features)
         values, offsets, psw, _, _, batch = self._op_inputs(features, self._is_weighted)
 
         def run():
