@@ -234,7 +234,10 @@ def _main(argv: list[str] | None) -> int:
     recompiled = [r for r in result["rows"] if (r.get("failed") or "").startswith("RecompileError")]
     for r in recompiled:
         print(f"!!! {r['failed']}", file=sys.stderr)
-    if mismatches or recompiled:
+    failed = [f for f in families if f.status == "failed"]
+    for f in failed:  # a family that crashed verified nothing: the run must not pass
+        print(f"!!! family {f.name} failed: {'; '.join(f.errors)}", file=sys.stderr)
+    if mismatches or recompiled or failed:
         return 1
     if interrupted:
         print("!!! interrupted: the results above and in the files are partial", file=sys.stderr)

@@ -61,6 +61,18 @@ def _quant_bytes(indices, offsets, num_tables, batch, row_bytes, dim) -> tuple[i
     return distinct * row_bytes + rest, indices.numel() * row_bytes + rest
 
 
+def _pooled_fp64(tables: list[torch.Tensor], indices: torch.Tensor, offsets: torch.Tensor,
+                 batch: int) -> torch.Tensor:
+    """The reference's computation in float64 on exact row values (the verification's ground truth):
+    [B, sum(D)] sum pooling of table t's bags offsets[t*B : (t+1)*B + 1]."""
+    outs = []
+    for t, table in enumerate(tables):
+        lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
+        starts = offsets[t * batch:(t + 1) * batch] - lo
+        outs.append(torch.nn.functional.embedding_bag(indices[lo:hi], table, starts, mode="sum"))
+    return torch.cat(outs, 1)
+
+
 def quantized_embedding_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     if device.type != "cpu":
         return  # the quantized kernels run on the CPU (reference elsewhere); nothing to compare on a GPU yet
@@ -78,6 +90,8 @@ def quantized_embedding_cases(quick: bool, device: torch.device) -> Iterator[Cas
         ours = gk.torchrec.QuantEmbeddingBagCollection.from_torchrec(theirs, backend="cpu").eval()
         weights, meta, output_dim = ours.weights, ours.table_meta, ours.output_dim
         code = WEIGHT_TYPES[weight_dtype]
+        tables64 = [dequantize_rows(ours.layout.table(weights, t), dim, code, dtype=torch.float64)
+                    for t in range(num_tables)]
         fp32 = gk.FusedEmbeddingBag(specs, pooling="sum").requires_grad_(False)
         for t in range(num_tables):
             fp32.layout.table(fp32.weights, t).copy_(dequantize_rows(ours.layout.table(weights, t), dim, code))
@@ -118,10 +132,8 @@ def quantized_embedding_cases(quick: bool, device: torch.device) -> Iterator[Cas
                    shape=f"T={num_tables} rows={rows} D={dim} B={batch} L~20 zipf", dtype=torch.float32,
                    flops=2 * first_i.numel() * dim, bytes=floor, formula_bytes=formula, impls=impls,
                    baseline="torchrec-quant", peak="bandwidth", notes=notes, reference="reference",
-                   # fp32 sums of ~20 rows in different orders, and (fp32 impls) the dequantized value
-                   # rounded to fp32 before the sum instead of inside FBGEMM's fma
-                   tolerance=dict(atol=1e-4, rtol=1e-4))
-        del impls, theirs, ours, fp32
+                   fp64=lambda tables=tables64: _pooled_fp64(tables, *batches[0], batch))
+        del impls, theirs, ours, fp32, tables64
 
 
 # The groups of inference cases, run in this order.

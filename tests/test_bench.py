@@ -461,6 +461,25 @@ def test_run_exits_nonzero_when_a_row_recompiled(tmp_path, monkeypatch):
     assert bench_main.main(["--quick", "--no-thp", "--out", str(tmp_path)]) == 1
 
 
+@pytest.mark.parametrize("where", ["cases", "first case"])
+def test_run_exits_nonzero_when_a_family_fails(tmp_path, monkeypatch, capsys, where):
+    """A family whose cases() raises verified nothing, so the run fails (bench.sh --quick in CI exited 0
+    while the inference family died on a Case argument the harness no longer takes)."""
+    import bench.__main__ as bench_main
+
+    class broken:
+        @staticmethod
+        def cases(quick, device):
+            if where == "cases":
+                raise TypeError("cases() broke")
+            yield _case({"impl": lambda: torch.ones(3)}, tolerance=1)
+
+    monkeypatch.setattr(bench_main, "FAMILIES", {"broken": "x"})
+    monkeypatch.setattr(bench_main, "load_family", lambda name: (broken, None))
+    assert bench_main.main(["--quick", "--no-thp", "--out", str(tmp_path)]) == 1
+    assert "!!! family broken failed" in capsys.readouterr().err
+
+
 def test_case_needs_a_reference_or_an_unverified_reason():
     with pytest.raises(ValueError, match="unverified"):
         _case({"slow": lambda: 1.0}, reference=None)

@@ -223,22 +223,24 @@ def fp8_to_float(q: torch.Tensor, exponent_bits: int, exponent_bias: int) -> tor
 
 
 def dequantize_rows(rows: torch.Tensor, dim: int, weight_type: int, fp8_exponent_bits: int = DEFAULT_FP8_EXPONENT_BITS,
-                    fp8_exponent_bias: int = DEFAULT_FP8_EXPONENT_BIAS) -> torch.Tensor:
-    """fp32 [R, dim] of uint8 rows [R, >= unpadded bytes] in the IntNBit format (padding ignored)."""
+                    fp8_exponent_bias: int = DEFAULT_FP8_EXPONENT_BIAS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[R, dim] of `dtype` (fp32 or fp64) of uint8 rows [R, >= unpadded bytes] in the IntNBit format
+    (padding ignored). In fp64 the values are exact: q * scale + bias of an integer of at most 8 bits
+    and two fp16 numbers needs fewer than 53 bits."""
     R = rows.shape[0]
     if weight_type == FP32:
-        return rows[:, :4 * dim].contiguous().view(torch.float32)
+        return rows[:, :4 * dim].contiguous().view(torch.float32).to(dtype)
     if weight_type == FP16:
-        return rows[:, :2 * dim].contiguous().view(torch.float16).float()
+        return rows[:, :2 * dim].contiguous().view(torch.float16).to(dtype)
     if weight_type == FP8:
-        return fp8_to_float(rows[:, :dim], fp8_exponent_bits, fp8_exponent_bias)
+        return fp8_to_float(rows[:, :dim], fp8_exponent_bits, fp8_exponent_bias).to(dtype)
     bits = BITS[weight_type]
     per_byte = 8 // bits
-    scale = rows[:, 0:2].contiguous().view(torch.float16).float()
-    bias = rows[:, 2:4].contiguous().view(torch.float16).float()
+    scale = rows[:, 0:2].contiguous().view(torch.float16).to(dtype)
+    bias = rows[:, 2:4].contiguous().view(torch.float16).to(dtype)
     packed = rows[:, SCALE_BIAS_BYTES:SCALE_BIAS_BYTES + dim // per_byte].to(torch.int32)
     shifts = torch.arange(per_byte, device=rows.device, dtype=torch.int32) * bits
-    q = ((packed[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(R, dim).float()
+    q = ((packed[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(R, dim).to(dtype)
     return q * scale + bias
 
 
