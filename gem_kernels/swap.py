@@ -46,7 +46,7 @@ from __future__ import annotations
 import fnmatch
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +136,7 @@ def _patterns(name: str, value) -> tuple[str, ...] | None:
         return None
     if isinstance(value, str):
         return (value,)
-    if isinstance(value, Iterable):
+    if isinstance(value, Iterable) and not isinstance(value, Mapping):  # a dict would give its keys only
         value = tuple(value)
         if all(isinstance(v, str) for v in value):
             return value

@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--json {args.json}: {problem}")
     if args.checkpoint is not None:
         problem = _unwritable(args.checkpoint, directory=True)
+        if problem is None and (args.checkpoint / CHECKPOINT_FILE).is_dir():
+            problem = f"{args.checkpoint / CHECKPOINT_FILE} is a directory, not a checkpoint file"
         if problem:
             parser.error(f"--checkpoint {args.checkpoint}: {problem}")
     return args
@@ -111,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _unwritable(path: Path, directory: bool) -> str | None:
     """Why ``path`` (a file, or a directory when ``directory``) cannot be written, or None. Creates
-    the missing parent directories (the run would create them anyway)."""
+    the missing parent directories (the run would create them anyway). Writes a probe file: root
+    passes every os.access check, yet cannot create a file in /proc or on a read-only mount."""
     folder = path if directory else path.parent
     if path.exists() and path.is_dir() != directory:
         return f"is {'a file' if directory else 'a directory'}, not {'a directory' if directory else 'a file'}"
@@ -119,8 +123,14 @@ def _unwritable(path: Path, directory: bool) -> str | None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         return f"cannot create the directory {folder}: {error.strerror or error}"
-    if not os.access(folder, os.W_OK | os.X_OK) or (not directory and path.exists() and not os.access(path, os.W_OK)):
-        return "is not writable"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+        if not directory and path.exists():
+            open(path, "a").close()  # appends nothing: the results overwrite it at the end
+    except OSError as error:
+        return f"is not writable ({error.strerror or error})"
     return None
 
 

@@ -53,6 +53,13 @@ def test_include_empty_swaps_nothing():
     assert type(model["bag"]) is nn.EmbeddingBag
 
 
+@pytest.mark.parametrize("arg", ["include", "exclude"])
+def test_a_dict_filter_is_refused(arg):
+    """Found by the front-door fuzz: exclude={"a": 1} was taken as its keys, silently."""
+    with pytest.raises(ValueError, match=rf"{arg} must be None, a string or a list of strings"):
+        gk.swap(nn.ModuleDict({"bag": nn.EmbeddingBag(10, 4)}), **{arg: {"bag": True}})
+
+
 def test_bad_backend_refused_at_the_call():
     """30/6: backend="bogus" passed gk.swap and the module constructors; the error came at the first forward."""
     with pytest.raises(ValueError, match="backend.*bogus"):

@@ -366,6 +366,24 @@ def test_half_keeps_fp32_optimizer_state():
     assert int(module.step) == 2
 
 
+@pytest.mark.parametrize("tables", [None, 3, EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10)],
+                         ids=["None", "int", "a-bare-config"])
+def test_tables_that_are_no_list_are_named(tables):
+    """Found by the front-door fuzz: tables=None gave "'NoneType' object is not iterable"."""
+    with pytest.raises(TypeError, match="tables must be a list of torchrec EmbeddingBagConfig"):
+        FusedEmbeddingBagCollection(tables)
+    with pytest.raises(TypeError, match="tables must be a list of torchrec EmbeddingConfig"):
+        FusedEmbeddingCollection(tables)
+
+
+def test_weighted_collection_without_kjt_weights_is_named():
+    """Found by the front-door fuzz: is_weighted=True and a KJT without weights gave TorchRec's bare
+    "AssertionError: This (Keyed)JaggedTensor doesn't have weights."."""
+    module = FusedEmbeddingBagCollection(_ebc_two_tables(["t0", "t1"]), is_weighted=True)
+    with pytest.raises(ValueError, match="features has no weights, but the collection is_weighted=True"):
+        module(_kjt(["a", "b"], [1, 2, 3], [0, 2, 3]))
+
+
 def test_embedding_dim_zero_refused_at_construction():
     """30/19: embedding_dim=0 was accepted at construction and refused at the first forward."""
     bad = EmbeddingBagConfig(name="t_zero", embedding_dim=0, num_embeddings=10, feature_names=["a"])

@@ -13,6 +13,9 @@ native_returned are right; crash, hang, unclear_error, accepted_bad_input, rejec
 garbage fail the test, which lists every such case with its detail. The counts per class are
 printed at the end of the pytest run (tests/conftest.py) and written to build/fuzz_counts_<id>.json.
 
+The front-door section (test_fuzz_front, tests/fuzz_front.py) runs its cases through the same
+children, with its own outcome classes and a time limit per case.
+
 Test ids name no "cpu" (`fuzz-host` runs the cpu backend), so CI's GK_CUDA_EMU=1 pass, which selects
 ids containing "cpu", does not run the fuzz a second time: the CUDA kernels are fuzzed on a GPU
 (`fuzz-cuda-cuda`, scripts/gpu_check.sh). The children run on one thread each and WORKERS at a time.
@@ -53,20 +56,23 @@ def _vm_size() -> int:
     return 0
 
 
-def _child(names: list[str], backend: str, device: str, conn) -> None:
+def _child(names: list[str], backend: str, device: str, conn, cases_module: str = "tests.fuzz_cases") -> None:
     if device == "cpu":  # a CUDA context reserves far more address space than it uses: no limit there
         limit = _vm_size() + MEMORY_LIMIT_BYTES
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     torch.set_num_threads(1)
+    import importlib
+    import logging
     import warnings
 
     warnings.simplefilter("ignore")
-    from tests import fuzz_cases
+    logging.disable(logging.WARNING)  # TorchRec's planner logs to stderr, around the case's own redirect
+    cases = importlib.import_module(cases_module)
 
     for name in names:
         conn.send(("start", name))
-        outcome, detail = fuzz_cases.run_case(fuzz_cases.CASES[name], backend, device)
+        outcome, detail = cases.run_case(cases.CASES[name], backend, device)
         conn.send(("done", name, outcome, detail))
         if device == "cuda" and "CUDA error" in detail:
             os._exit(0)  # a faulted CUDA context fails every later call: the rest runs in a fresh child
@@ -74,8 +80,11 @@ def _child(names: list[str], backend: str, device: str, conn) -> None:
     conn.close()
 
 
-def run_all(backend: str, device: str, names: list[str]) -> dict[str, tuple[str, str]]:
-    """{case name: (outcome, detail)} for every name, run in forked children."""
+def run_all(backend: str, device: str, names: list[str], cases_module: str = "tests.fuzz_cases",
+            timeout_s=None) -> dict[str, tuple[str, str]]:
+    """{case name: (outcome, detail)} for every name of ``cases_module``'s CASES, run in forked
+    children; a case running past ``timeout_s(name)`` (default CASE_TIMEOUT_S) is a hang."""
+    timeout_s = timeout_s or (lambda name: CASE_TIMEOUT_S)
     # The forkserver inherits this: torch.cuda.is_available() there then does not initialise CUDA,
     # which would make every forked child's CUDA calls fail.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -87,7 +96,7 @@ def run_all(backend: str, device: str, names: list[str]) -> dict[str, tuple[str,
 
     def launch(batch):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(batch, backend, device, child), daemon=True)
+        proc = ctx.Process(target=_child, args=(batch, backend, device, child, cases_module), daemon=True)
         proc.start()
         child.close()
         running[parent] = [proc, batch, None, time.monotonic()]
@@ -129,8 +138,9 @@ def run_all(backend: str, device: str, names: list[str]) -> dict[str, tuple[str,
                 state[2] = None
                 finish(conn, None, "")
         now = time.monotonic()
-        for conn in [c for c, s in running.items() if s[2] is not None and now - s[3] > CASE_TIMEOUT_S]:
-            finish(conn, "hang", f"no result after {CASE_TIMEOUT_S:.0f} s")
+        for conn in [c for c, s in running.items() if s[2] is not None and now - s[3] > timeout_s(s[1][s[2]])]:
+            state = running[conn]
+            finish(conn, "hang", f"no result after {timeout_s(state[1][state[2]]):.0f} s")
     return results
 
 
@@ -180,3 +190,39 @@ def test_fuzz(backend, device, request):
     failures = sorted((n, r) for n, r in results.items() if r[0] in fuzz_cases.FAIL_CLASSES)
     assert not failures, f"{len(failures)} fuzz cases failed on {backend}:\n" + "\n".join(
         f"  {cls:22s} {name}: {detail}" for name, (cls, detail) in failures)
+
+
+def test_fuzz_front():
+    """The front-door section (tests/fuzz_front.py, issue 30): gk.swap, the TorchRec collections, the
+    sharders and sharding_plan, python -m model.train and python -m bench, checkpoints. Its own
+    outcome classes; every crash, hang, silent accept or wrong result, rejected valid input and
+    unclear error fails, listed with its detail. Id without "cpu": the CUDA-emulation pass skips it."""
+    from tests import fuzz_front
+
+    names = [n for n, c in fuzz_front.CASES.items() if fuzz_front.HAVE_TORCHREC or not c.torchrec]
+    skipped = len(fuzz_front.CASES) - len(names)
+    start = time.monotonic()
+    results = run_all("front", "cpu", names, "tests.fuzz_front", lambda n: fuzz_front.CASES[n].timeout_s)
+    elapsed = time.monotonic() - start
+    missing = [n for n in names if n not in results]
+    assert not missing, f"{len(missing)} cases never reported: {missing[:5]}"
+    classes = fuzz_front.OK_CLASSES + fuzz_front.FAIL_CLASSES
+    counts = collections.Counter(outcome for outcome, _ in results.values())
+    line = (f"fuzz front door: {len(names)} cases in {elapsed:.0f} s: "
+            + ", ".join(f"{cls} {counts.get(cls, 0)}" for cls in classes)
+            + (f" ({skipped} TorchRec cases not run: torchrec is not installed)" if skipped else ""))
+    by_surface = collections.defaultdict(collections.Counter)
+    for name, (outcome, _) in results.items():
+        by_surface[fuzz_front.CASES[name].surface][outcome] += 1
+    line += "\n  " + "; ".join(f"{surface}: " + ", ".join(f"{cls} {c[cls]}" for cls in classes if c[cls])
+                                for surface, c in sorted(by_surface.items()))
+    SUMMARY.append(line)
+    print("\n" + line)
+    out = ROOT / "build"
+    out.mkdir(exist_ok=True)
+    failures = sorted((n, r) for n, r in results.items() if r[0] in fuzz_front.FAIL_CLASSES)
+    (out / "fuzz_counts_front.json").write_text(
+        json.dumps(dict(section="front door", seconds=round(elapsed, 1), counts=counts,
+                        by_surface=by_surface, failures=dict(failures)), indent=1))
+    assert not failures, f"{len(failures)} front-door fuzz cases failed:\n" + "\n".join(
+        f"  {cls:16s} {name}: {detail}" for name, (cls, detail) in failures)

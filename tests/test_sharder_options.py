@@ -86,6 +86,7 @@ def _ebc_model():
 @pytest.mark.parametrize("sharders,error,match", [
     ([], ValueError, "non-empty list"),
     ([FusedEmbeddingBagCollectionSharder], TypeError, r"class FusedEmbeddingBagCollectionSharder"),
+    ([None], TypeError, r"sharders must hold TorchRec sharder instances.*got None"),  # front-door fuzz: AttributeError
 ])
 def test_sharding_plan_refuses_sharders_that_shard_nothing(sharders, error, match):
     with pytest.raises(error, match=match):
@@ -106,3 +107,10 @@ def test_sharding_plan_refuses_a_bad_world_size(world_size):
     with pytest.raises(ValueError, match="world_size must be None"):
         sharding_plan(_ebc_model(), [FusedEmbeddingBagCollectionSharder(module_type=EmbeddingBagCollection)],
                       "table_wise", world_size=world_size)
+
+
+def test_sharder_refuses_a_bad_backend_at_construction():
+    """Found by the front-door fuzz (issue 30 item 6's rule): backend="bogus" was accepted by the
+    sharder and failed only in the first forward under DMP."""
+    with pytest.raises(ValueError, match="backend.*bogus"):
+        FusedEmbeddingBagCollectionSharder(backend="bogus")

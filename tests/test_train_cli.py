@@ -41,6 +41,62 @@ def test_unwritable_outputs_are_refused_before_the_run(capsys, tmp_path):
     _refused(capsys, ["--checkpoint", str(blocker / "ckpt")], "--checkpoint", "cannot create the directory")
 
 
+@pytest.mark.parametrize("flag,path", [("--json", "/proc/gk-out.json"), ("--checkpoint", "/proc"),
+                                       ("--checkpoint", "/proc/gk-ckpt")])
+def test_outputs_no_one_can_write_are_refused_before_the_run(capsys, flag, path):
+    """Issue 30 item 26 as root (CI may run as root, and root passes every os.access check): /proc
+    takes no new file from anyone. --json /proc/x and --checkpoint /proc passed parse_args and the run
+    failed only at its end."""
+    _refused(capsys, [flag, path], flag)
+
+
+def test_read_only_directory_is_refused_before_the_run(capsys, tmp_path):
+    """Issue 30 item 26 for a user without root: a read-only --json or --checkpoint directory."""
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        try:
+            (locked / "probe").write_text("")
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("this user (root) can write into a read-only directory: the /proc test covers root")
+        _refused(capsys, ["--json", str(locked / "out.json")], "--json", "is not writable")
+        _refused(capsys, ["--checkpoint", str(locked)], "--checkpoint", "is not writable")
+    finally:
+        locked.chmod(0o700)
+        assert os.access(locked, os.W_OK)
+
+
+def test_checkpoint_file_that_is_a_directory_is_refused_before_the_run(capsys, tmp_path):
+    """Found by the front-door fuzz: DIR/checkpoint.pt as a directory was taken for "nothing to resume",
+    and the save at the end of the run failed with IsADirectoryError."""
+    (tmp_path / CHECKPOINT_FILE).mkdir()
+    _refused(capsys, ["--checkpoint", str(tmp_path), "--resume"], "--checkpoint", "is a directory")
+
+
+def test_corrupt_checkpoint_via_the_command_line(tmp_path):
+    """Issue 30 item 24 as a shell user sees it: python -m model.train --resume on a corrupt
+    checkpoint.pt exits 1 with "cannot read checkpoint DIR/checkpoint.pt: ..." and trains nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / CHECKPOINT_FILE).write_bytes(b"not a checkpoint")
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "model.train", *COMMON, "--steps", "1", "--checkpoint", str(tmp_path),
+                           "--resume"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ValueError: cannot read checkpoint {tmp_path / CHECKPOINT_FILE}: "), last
+    assert "loss" not in proc.stdout, proc.stdout  # no step ran
+
+
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory):
     """A 2-step run that left a checkpoint, and its losses."""

@@ -171,7 +171,10 @@ class _FusedCollection(PackedTables):
             raise ValueError(f"features is a variable-batch KJT (stride per key {features.stride_per_key()}): "
                              f"variable-batch KJTs are not supported; give every key the same batch size")
         values = features.values()
-        weights = features.weights() if with_weights else None
+        weights = features.weights_or_none() if with_weights else None
+        if with_weights and weights is None:
+            raise ValueError("features has no weights, but the collection is_weighted=True: build the KJT with "
+                             "weights= (one per value)")
         num_lengths = features.lengths().numel()
         if num_lengths % max(len(keys), 1):
             raise ValueError(f"features has {num_lengths} lengths for {len(keys)} keys {keys}: a KJT needs "
@@ -236,6 +239,16 @@ class _FusedCollection(PackedTables):
                 f"dtype={self.weights.dtype}, optimizer={self.optimizer}, bounds_check={self.bounds_check!r}")
 
 
+def _config_list(tables, config_type: type) -> list:
+    """``tables`` as a list, or a TypeError naming the argument (a bare config, None, a string)."""
+    if isinstance(tables, (str, bytes, config_type)) or not hasattr(tables, "__iter__"):
+        raise TypeError(f"tables must be a list of torchrec {config_type.__name__}, got {tables!r}")
+    tables = list(tables)
+    if not all(isinstance(t, config_type) for t in tables):
+        raise ValueError(f"tables must be a list of torchrec {config_type.__name__}, got {tables!r}")
+    return tables
+
+
 def _select_features(values, weights, lengths, select: list[int]):
     """The features ``select`` (indices into the KJT's keys, repeats allowed) of a KJT's values,
     weights and [F, B] lengths, in that order."""
@@ -297,9 +310,7 @@ class FusedEmbeddingBagCollection(_FusedCollection):
 
     def __init__(self, tables: list[EmbeddingBagConfig], is_weighted: bool = False, device=None, optimizer=None,
                  bounds_check: str = "fatal", backend: str | None = None):
-        tables = list(tables)
-        if not all(isinstance(t, EmbeddingBagConfig) for t in tables):
-            raise ValueError(f"tables must be a list of torchrec EmbeddingBagConfig, got {tables!r}")
+        tables = _config_list(tables, EmbeddingBagConfig)
         for t in tables:
             if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {t.name!r}: pooling must be SUM or MEAN, got {t.pooling}")
@@ -357,9 +368,7 @@ class FusedEmbeddingCollection(_FusedCollection):
 
     def __init__(self, tables: list[EmbeddingConfig], device=None, optimizer=None, bounds_check: str = "fatal",
                  backend: str | None = None, need_indices: bool = False):
-        tables = list(tables)
-        if not all(isinstance(t, EmbeddingConfig) for t in tables):
-            raise ValueError(f"tables must be a list of torchrec EmbeddingConfig, got {tables!r}")
+        tables = _config_list(tables, EmbeddingConfig)
         super().__init__(tables, device, optimizer, bounds_check, backend, unpooled=True)
         self._need_indices = bool(need_indices)
 

@@ -35,13 +35,13 @@ from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, Group
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dp_sharding import BaseDpEmbeddingSharding
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingType
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ..nn.embedding_bag import FusedEmbeddingBag, TableSpec
+from ..nn.embedding_bag import FusedEmbeddingBag, TableSpec, check_backend
 from ..optim import OPTIMIZERS, ExactAdam, ExactRowwiseAdagrad, ExactSGD
 
 __all__ = [
@@ -472,6 +472,7 @@ class _GemSharderMixin:
             raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
         if bounds_check not in ("fatal", "warn", "skip"):
             raise ValueError(f"bounds_check must be one of ('fatal', 'warn', 'skip'), got {bounds_check!r}")
+        check_backend(backend)
         self._gem_optimizer, self._gem_bounds_check, self._gem_backend = optimizer, bounds_check, backend
         self._gem_module_type = module_type
 
@@ -569,6 +570,9 @@ def _check_sharders(model: nn.Module, sharders: List[Any]) -> None:
         if isinstance(sharder, type):
             raise TypeError(f"sharders must hold sharder instances, got the class {sharder.__name__}; pass "
                             f"{sharder.__name__}()")
+        if not isinstance(sharder, ModuleSharder):
+            raise TypeError(f"sharders must hold TorchRec sharder instances (e.g. FusedEmbeddingBagCollectionSharder()), "
+                            f"got {sharder!r}")
     types = {s.module_type for s in sharders}
     if not any(type(m) in types for m in model.modules()):
         collections = sorted({f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules()
