@@ -335,6 +335,16 @@ def _swap_cases() -> None:
         psw = torch.ones(3, requires_grad=True)
         holder[0](torch.tensor([1, 2, 3]), torch.tensor([0, 1]), per_sample_weights=psw).sum().backward()
         return before, holder[0].weight.detach(), holder[0].weight.requires_grad
+    def meta_then_to_empty():
+        eager = nn.EmbeddingBag(10, 4, mode="sum")
+        holder = nn.Sequential(nn.EmbeddingBag(10, 4, mode="sum", device="meta"))
+        gk.swap(holder)
+        holder.to_empty(device="cpu")
+        holder[0].load_state_dict(eager.state_dict())
+        ids, offsets = torch.tensor([1, 9, 3]), torch.tensor([0, 0, 2])
+        return holder[0](ids, offsets).detach(), eager(ids, offsets).detach()
+    add("swap/meta-then-to_empty", "valid", meta_then_to_empty, check=lambda r: _close(r[0], r[1], "out"))
+
     add("swap/frozen-weight-with-fused-optimizer", "valid", frozen, check=lambda r: (
         _close(r[1], r[0], "frozen weight after a step"), _assert(not r[2], "requires_grad came back True")))
 
@@ -528,6 +538,13 @@ def _torchrec_cases() -> None:
         return run
     add("torchrec/ebc-variable-batch-kjt", "bad", variable_batch("FusedEmbeddingBagCollection"),
         names=("variable-batch",), torchrec=True)
+    add("torchrec/ec-variable-batch-kjt", "bad", variable_batch("FusedEmbeddingCollection"),
+        names=("variable-batch",), torchrec=True)
+
+    def extra_key():  # a key no table reads: TorchRec's EBC ignores it
+        theirs, ours = _ebc_pair(seed=3)
+        return _pooled_run(theirs, ours, _kjt(["c", "a", "b"], [2, 1, 0, 1, 1, 2], [0, 1, 7, 4, 2, 3, 1]))
+    add("torchrec/ebc-kjt-extra-key", "valid", extra_key, check=_pooled_check, torchrec=True)
 
     # Optimizer state.
     def load_state(value):
@@ -571,6 +588,15 @@ def _torchrec_cases() -> None:
         ours.load_state_dict(theirs.state_dict())
         return _pooled_run(theirs, ours, _kjt(["a", "b"], [2, 0, 1, 1], [3, 9, 5, 0]))
     add("torchrec/meta-then-to_empty", "valid", meta_then_to_empty, check=_pooled_check, torchrec=True)
+
+    def swap_meta_ebc():  # TorchRec's path before DMP: build on meta, swap, materialise, load
+        theirs, _ = _ebc_pair(seed=4)
+        holder = nn.Sequential(EmbeddingBagCollection(tables=_configs(), device=torch.device("meta")))
+        gk.swap(holder)
+        holder.to_empty(device="cpu")
+        holder[0].load_state_dict(theirs.state_dict())
+        return _pooled_run(theirs, holder[0], _kjt(["a", "b"], [1, 2, 2, 0], [3, 9, 5, 0, 1]))
+    add("torchrec/swap-meta-ebc-then-to_empty", "valid", swap_meta_ebc, check=_pooled_check, torchrec=True)
 
     def half_with_optimizer():
         ours = gtr.FusedEmbeddingBagCollection(_configs(), optimizer=gk.optim.ExactRowwiseAdagrad(lr=0.1)).half()
@@ -754,6 +780,10 @@ def _train_cli_cases() -> None:
         assert len(run["losses"]) == 2 and all(math.isfinite(x) for x in run["losses"]), run["losses"]
         assert path.is_file() and '"losses"' in path.read_text(), "no --json written"
     add("train_cli/tiny-run", "valid", tiny_run, check=check_run, timeout_s=90)
+    # A shell user's view, once (a fresh interpreter costs seconds; the corrupt checkpoint's is
+    # tests/test_train_cli.py::test_corrupt_checkpoint_via_the_command_line).
+    add("train_cli/subprocess---steps=0", "bad", lambda: _subprocess("model.train", "--steps", "0"),
+        names=("--steps",), timeout_s=90)
 
 
 # =============================================================================================
@@ -834,15 +864,20 @@ def _checkpoint_cases() -> None:
         ("a-list", lambda p: torch.save([1, 2], p)),
         ("missing-keys", lambda p: torch.save({"step": 1}, p)),
         ("config-not-a-dict", lambda p: torch.save(dict(complete, config=[1]), p)),
-        ("other-run", lambda p: torch.save(dict(complete, config={"batch_size": 99}), p)),
         ("a-directory", lambda p: p.mkdir()),
     ]
     for label, write in writers:
         add(f"checkpoint/checkpoint.pt-{label}", "bad", resume_from(write), names=("checkpoint", "--checkpoint"),
             timeout_s=60)
-    add("checkpoint/subprocess-garbage-checkpoint.pt", "bad", lambda: _subprocess(
-        "model.train", *TINY, "--steps", "1", "--checkpoint", str(_checkpoint_dir(b"garbage")), "--resume"),
-        names=("checkpoint",), timeout_s=90)
+    add("checkpoint/checkpoint.pt-of-another-batch-size", "bad", resume_from(
+        lambda p: torch.save(dict(complete, config={"batch_size": 99}), p)), names=("batch_size",), timeout_s=60)
+
+    def resume_below_the_step():
+        directory = _tmp()
+        _train_main(["--steps", "2", "--checkpoint", str(directory)])()
+        return _train_main(["--steps", "1", "--checkpoint", str(directory), "--resume"])()
+    add("checkpoint/resume-with---steps-below-the-checkpoint", "bad", resume_below_the_step, names=("--steps",),
+        timeout_s=90)
 
     def resume_equals_uninterrupted():
         directory = _tmp()
@@ -888,14 +923,6 @@ def _checkpoint_cases() -> None:
         return published(root / "ckpt")
     add("checkpoint/dcp-staging-is-not-resumed", "valid", published_staging,
         check=lambda got: _assert(got is None, f"resumes {got}"), torchrec=True)
-
-
-def _checkpoint_dir(content: bytes) -> Path:
-    from model.train import CHECKPOINT_FILE
-
-    directory = _tmp()
-    (directory / CHECKPOINT_FILE).write_bytes(content)
-    return directory
 
 
 _swap_cases()

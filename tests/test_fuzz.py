@@ -81,7 +81,7 @@ def _child(names: list[str], backend: str, device: str, conn, cases_module: str 
 
 
 def run_all(backend: str, device: str, names: list[str], cases_module: str = "tests.fuzz_cases",
-            timeout_s=None) -> dict[str, tuple[str, str]]:
+            timeout_s=None, batch: int = BATCH) -> dict[str, tuple[str, str]]:
     """{case name: (outcome, detail)} for every name of ``cases_module``'s CASES, run in forked
     children; a case running past ``timeout_s(name)`` (default CASE_TIMEOUT_S) is a hang."""
     timeout_s = timeout_s or (lambda name: CASE_TIMEOUT_S)
@@ -90,7 +90,7 @@ def run_all(backend: str, device: str, names: list[str], cases_module: str = "te
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.fuzz_server"])
-    pending = collections.deque(names[i:i + BATCH] for i in range(0, len(names), BATCH))
+    pending = collections.deque(names[i:i + batch] for i in range(0, len(names), batch))
     results: dict[str, tuple[str, str]] = {}
     running = {}  # conn -> [process, batch, index of the case running, its start time]
 
@@ -202,7 +202,12 @@ def test_fuzz_front():
     names = [n for n, c in fuzz_front.CASES.items() if fuzz_front.HAVE_TORCHREC or not c.torchrec]
     skipped = len(fuzz_front.CASES) - len(names)
     start = time.monotonic()
-    results = run_all("front", "cpu", names, "tests.fuzz_front", lambda n: fuzz_front.CASES[n].timeout_s)
+    # Four children, each with every fourth case: the slow ones (model.train runs, a subprocess) sit
+    # together at the end of the list and would otherwise all land in one child.
+    children = 4
+    dealt = [n for j in range(children) for n in names[j::children]]
+    results = run_all("front", "cpu", dealt, "tests.fuzz_front", lambda n: fuzz_front.CASES[n].timeout_s,
+                      batch=-(-len(names) // children))
     elapsed = time.monotonic() - start
     missing = [n for n in names if n not in results]
     assert not missing, f"{len(missing)} cases never reported: {missing[:5]}"
@@ -226,3 +231,39 @@ def test_fuzz_front():
                         by_surface=by_surface, failures=dict(failures)), indent=1))
     assert not failures, f"{len(failures)} front-door fuzz cases failed:\n" + "\n".join(
         f"  {cls:16s} {name}: {detail}" for name, (cls, detail) in failures)
+
+
+def test_front_door_outcome_classes():
+    """The front door's classifier on cases whose right class is known: each failing class is
+    reachable, so the section can fail."""
+    import sys as _sys
+
+    from tests.fuzz_front import Crash, FrontCase, Hang, run_case
+
+    def raises(error):
+        def run():
+            raise error
+        return run
+
+    def cli_error():
+        print("usage: x\nx: error: --steps must be >= 1, got 0", file=_sys.stderr)
+        raise SystemExit(2)
+
+    def wrong(result):
+        assert result == 2, "1 != 2"
+
+    expected = {
+        "clear_error": FrontCase("swap/a", "bad", raises(ValueError("backend must be ..., got 'x'")), ("backend",)),
+        "unclear_error": FrontCase("swap/b", "bad", raises(ValueError("shape '[2, 1]' is invalid")), ("lengths",)),
+        "silent_or_wrong": FrontCase("swap/c", "bad", lambda: 1, ("backend",)),
+        "rejected_valid": FrontCase("swap/d", "valid", raises(RuntimeError("no")), check=wrong),
+        "valid_correct": FrontCase("swap/e", "valid", lambda: 2, check=wrong),
+        "crash": FrontCase("swap/f", "bad", raises(Crash("signal 11")), ("x",)),
+        "hang": FrontCase("swap/g", "bad", raises(Hang("no exit")), ("x",)),
+    }
+    for cls, case in expected.items():
+        assert run_case(case)[0] == cls, (cls, run_case(case))
+    assert run_case(FrontCase("train_cli/a", "bad", cli_error, ("--steps",)))[0] == "clear_error"
+    assert run_case(FrontCase("train_cli/b", "bad", cli_error, ("--warmup",)))[0] == "unclear_error"
+    assert run_case(FrontCase("swap/h", "valid", lambda: 1, check=wrong))[0] == "silent_or_wrong"
+    assert run_case(FrontCase("swap/i", "bad", raises(AttributeError("'NoneType' object")), ("x",)))[0] == "unclear_error"
