@@ -115,7 +115,14 @@ def _names_in(message: str, names: tuple) -> bool:
 
 def run_case(case: FrontCase, backend: str = "", device: str = "cpu") -> tuple[str, str]:
     """(outcome class, detail) of one case, in this process (backend and device: the op fuzz's
-    signature; the front door runs on the CPU)."""
+    signature; the front door runs on the CPU). The files a case writes go to a temporary
+    directory, removed after the case and its check."""
+    global _TMP_ROOT
+    with tempfile.TemporaryDirectory(prefix="gk-fuzz-front-") as _TMP_ROOT:
+        return _classify(case)
+
+
+def _classify(case: FrontCase) -> tuple[str, str]:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -179,8 +186,11 @@ def _subprocess(*argv: str, timeout: float = 60) -> None:
         raise error(message if error is not RuntimeError else f"exit {proc.returncode}: {last}")
 
 
+_TMP_ROOT: str | None = None  # the running case's temporary directory, removed after it
+
+
 def _tmp() -> Path:
-    return Path(tempfile.mkdtemp(prefix="gk-fuzz-front-"))
+    return Path(tempfile.mkdtemp(dir=_TMP_ROOT))
 
 
 def _blocked() -> Path:
@@ -729,8 +739,9 @@ def _sharding_cases() -> None:
 # python -m model.train
 # =============================================================================================
 
-TINY = ["--config", "tiny", "--kernels", "fused", "--batch-size", "4", "--no-progress", "--eval-batches", "1",
-        "--warmup", "0"]
+# On the CPU also on a GPU machine: the fuzz's children run under an address-space limit.
+TINY = ["--config", "tiny", "--kernels", "fused", "--device", "cpu", "--batch-size", "4", "--no-progress",
+        "--eval-batches", "1", "--warmup", "0"]
 
 
 def _train_parse(argv):

@@ -913,6 +913,25 @@ def test_cli_unwritable_out_fails_before_the_run(tmp_path, cli):
     assert time.perf_counter() - start < 60
 
 
+@pytest.mark.parametrize("cli", ["bench", "distributed", "swap"])
+def test_cli_out_in_proc_fails_before_the_run(cli, capsys):
+    """Issue 30 item 26 as root (root passes os.access everywhere, and CI may run as root): /proc takes
+    no new file from anyone; each CLI's parse step refuses it."""
+    if cli == "bench":
+        from bench.__main__ import parse_args as run
+        argv = ["jagged", "--quick", "--out", "/proc/gk-results"]
+    elif cli == "distributed":
+        from bench.distributed import main as run
+        argv = ["--quick", "--out", "/proc/gk-results"]
+    else:
+        from bench.swap import main as run
+        argv = ["--loss-steps", "1", "--quick", "--out", "/proc/gk-results"]
+    with pytest.raises(SystemExit) as exc:
+        run(argv)
+    assert exc.value.code == 2
+    assert "--out /proc/gk-results: cannot write results there" in capsys.readouterr().err
+
+
 def test_cli_respects_omp_num_threads(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "bench", "jagged", "--quick", "--budget", "3", "--out", str(tmp_path)],
