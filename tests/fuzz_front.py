@@ -165,7 +165,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
         assert diff <= 1e-5, f"{what}: max |diff| {diff:.3g}"
 
 
-def _subprocess(*argv: str, timeout: float = 60) -> None:
+def _subprocess(*argv: str, timeout: float = 80) -> None:
     """``python -m argv``; raises what a failed command line stands for (its last stderr line as
     the message), returns on exit 0."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -842,7 +842,7 @@ def _bench_cli_cases() -> None:
     add("bench_cli/parse-valid", "valid", lambda: parse(["jagged", "--quick", "--budget", "5", "--repeats", "2",
                                                          "--out", str(_tmp())])(), check=check_parsed)
     add("bench_cli/subprocess---budget=nan", "bad", lambda: _subprocess("bench", "jagged", "--budget", "nan"),
-        names=("--budget",), timeout_s=60)
+        names=("--budget",), timeout_s=90)
 
 
 # =============================================================================================
