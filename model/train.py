@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("eval_every", "checkpoint_every", "warmup"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**63:  # torch's generators take 64 bits; the data generator wants >= 0
+        parser.error(f"--seed must be an int in [0, 2**63), got {args.seed}")
     if args.resume and args.checkpoint is None:
         parser.error("--resume needs --checkpoint DIR")
     try:

@@ -759,7 +759,7 @@ def _train_main(argv):
 def _train_cli_cases() -> None:
     rng = _rng("train_cli")
     flags = {"--steps": [0, -1], "--batch-size": [0, -4], "--eval-batches": [0, -2],
-             "--eval-every": [-1], "--warmup": [-3], "--checkpoint-every": [-1]}
+             "--eval-every": [-1], "--warmup": [-3], "--checkpoint-every": [-1], "--seed": [-1, 2**64, 10**23]}
     for flag, pool in flags.items():
         for value in rng.sample(pool + ["x", "1.5", "nan", ""], 3):
             add(f"train_cli/{flag}={value}", "bad", _train_parse([flag, str(value)]), names=(flag,))
