@@ -556,6 +556,21 @@ def _torchrec_cases() -> None:
         return _pooled_run(theirs, ours, _kjt(["c", "a", "b"], [2, 1, 0, 1, 1, 2], [0, 1, 7, 4, 2, 3, 1]))
     add("torchrec/ebc-kjt-extra-key", "valid", extra_key, check=_pooled_check, torchrec=True)
 
+    def id_dtype(dtype):
+        def run():
+            theirs, ours = _ebc_pair(seed=5)
+            features = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([9, 2, 5], dtype=dtype),
+                                         lengths=torch.tensor([2, 1]))
+            if dtype.is_floating_point or dtype == torch.bool:  # bad: TorchRec's own error is not the subject
+                return ours(features)
+            return _pooled_run(theirs, ours, features)
+        return run
+    for dtype in (torch.int32, torch.uint8, torch.int16):
+        add(f"torchrec/ebc-kjt-{str(dtype)[6:]}-values", "valid", id_dtype(dtype), check=_pooled_check, torchrec=True)
+    for dtype in (torch.float32, torch.bool):
+        add(f"torchrec/ebc-kjt-{str(dtype)[6:]}-values", "bad", id_dtype(dtype), names=("features", "values"),
+            torchrec=True)
+
     # Optimizer state.
     def load_state(value):
         def run():
@@ -819,6 +834,17 @@ def _bench_cli_cases() -> None:
     for kind in UNWRITABLE:
         add(f"bench_cli/--out-{kind}", "bad", lambda kind=kind: parse(["jagged", "--out", _unwritable(kind, "res")])(),
             names=("--out",))
+
+    def bench_main(argv):  # exits with main's code, as python -m bench does
+        from bench.__main__ import main
+
+        code = main(argv)
+        if code:
+            raise SystemExit(code)
+        return code
+    if not torch.cuda.is_available():
+        add("bench_cli/--device=cuda-without-cuda", "bad", lambda: bench_main(
+            ["jagged", "--quick", "--device", "cuda", "--out", str(_tmp())]), names=("--device",))
 
     def distributed(argv):
         from bench.distributed import main

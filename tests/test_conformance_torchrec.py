@@ -384,6 +384,21 @@ def test_weighted_collection_without_kjt_weights_is_named():
         module(_kjt(["a", "b"], [1, 2, 3], [0, 2, 3]))
 
 
+def test_kjt_id_dtypes_as_torchrec():
+    """Found by the front-door fuzz: uint8 ids, which TorchRec's EBC takes, were refused with the op's
+    "indices must have dtype ..."; float ids are refused naming the KJT's values."""
+    theirs = EmbeddingBagCollection(tables=_ebc_two_tables(["t0", "t1"]))
+    ours = FusedEmbeddingBagCollection(_ebc_two_tables(["t0", "t1"]))
+    ours.load_state_dict(theirs.state_dict())
+    for dtype in (torch.uint8, torch.int16):
+        features = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([9, 2, 5], dtype=dtype),
+                                     lengths=torch.tensor([2, 1]))
+        torch.testing.assert_close(ours(features).values(), theirs(features).values(), rtol=0, atol=1e-6)
+    floats = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([9.0, 2.0, 5.0]), lengths=torch.tensor([2, 1]))
+    with pytest.raises(TypeError, match="features' values must be integer ids"):
+        ours(floats)
+
+
 def test_embedding_dim_zero_refused_at_construction():
     """30/19: embedding_dim=0 was accepted at construction and refused at the first forward."""
     bad = EmbeddingBagConfig(name="t_zero", embedding_dim=0, num_embeddings=10, feature_names=["a"])

@@ -171,6 +171,10 @@ class _FusedCollection(PackedTables):
             raise ValueError(f"features is a variable-batch KJT (stride per key {features.stride_per_key()}): "
                              f"variable-batch KJTs are not supported; give every key the same batch size")
         values = features.values()
+        if values.dtype not in (torch.int32, torch.int64):
+            if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+                raise TypeError(f"features' values must be integer ids (int32 or int64), got {values.dtype}")
+            values = values.long()  # uint8/int8/int16 ids: TorchRec's modules take them too
         weights = features.weights_or_none() if with_weights else None
         if with_weights and weights is None:
             raise ValueError("features has no weights, but the collection is_weighted=True: build the KJT with "
