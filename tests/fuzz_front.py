@@ -739,14 +739,18 @@ def _sharding_cases() -> None:
             for key in want:
                 _close(got[key], want[key], f"batch {step} out[{key!r}]")
 
-    for i in range(3):
-        batches = [_random_kjt(rng, 2, keys) for keys in [("a", "b"), rng.choice([("a", "b"), ("b", "a")])]]
-        add(f"sharding/dmp-{'-'.join(''.join(b[0]) for b in batches)}#{i}", "valid", dmp(batches), check=check_dmp,
+    for i in range(4):
+        batches = [_random_kjt(rng, rng.choice([0, 1, 2]), keys, empty=rng.random() < 0.2)
+                   for keys in [("a", "b"), rng.choice([("a", "b"), ("b", "a")])]]
+        add(f"sharding/dmp-{'-'.join(''.join(b[0]) + f'-B{len(b[1]) // 2}' for b in batches)}#{i}", "valid",
+            dmp(batches), check=check_dmp,
             torchrec=True)
     for label, kjt, names in [("duplicate-keys", (["a", "a"], [1, 1], [1, 2]), ("keys",)),
                               ("missing-key", (["a"], [1, 1], [1, 2]), ("keys", "features")),
                               ("lengths-exceed-values", (["a", "b"], [1, 2], [1, 2]), ("lengths", "values")),
-                              ("id-past-table", (["a", "b"], [1, 0], [10]), ("a", "t0"))]:
+                              ("id-past-table", (["a", "b"], [1, 0], [10]), ("a", "t0")),
+                              ("negative-id", (["a", "b"], [0, 1], [-2]), ("b", "t1")),
+                              ("lengths-not-multiple-of-keys", (["a", "b"], [1, 0, 1], [1, 2]), ("lengths", "keys"))]:
         add(f"sharding/dmp-kjt-{label}", "bad", dmp([_random_kjt(rng, 1), kjt]), names=names, torchrec=True)
 
 

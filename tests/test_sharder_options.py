@@ -114,3 +114,22 @@ def test_sharder_refuses_a_bad_backend_at_construction():
     sharder and failed only in the first forward under DMP."""
     with pytest.raises(ValueError, match="backend.*bogus"):
         FusedEmbeddingBagCollectionSharder(backend="bogus")
+
+
+def test_dmp_input_with_lengths_not_a_multiple_of_the_keys_is_named():
+    """Found by the front-door fuzz: under DMP, 3 lengths for 2 keys gave "shape '[2, 1]' is invalid"
+    (issue 30 item 18 had fixed the unsharded collection only). The sharded collections' input check,
+    which runs before the input all-to-all, says what is wrong (checked here without a process group)."""
+    from types import SimpleNamespace
+
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+    from gem_kernels.torchrec.sharding import _BoundsAgreement
+
+    checker = _BoundsAgreement()
+    checker._setup_bounds([EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a"]),
+                           EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=6, feature_names=["b"])],
+                          "fatal", SimpleNamespace(process_group=None))
+    features = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match=r"features has 3 lengths for 2 keys \['a', 'b'\]"):
+        checker._checked_features(features)

@@ -337,6 +337,10 @@ class _BoundsAgreement:
         missing = sorted(set(self._gem_rows) - set(keys))
         if missing:
             raise ValueError(f"features is missing the keys {missing} (it has {keys})")
+        num_lengths = features.lengths().numel()
+        if not features.variable_stride_per_key() and num_lengths % len(keys):
+            raise ValueError(f"features has {num_lengths} lengths for {len(keys)} keys {keys}: a KJT needs "
+                             f"batch_size lengths per key")
         total, values = int(features.lengths().sum()), features.values().numel()
         if total != values:
             raise ValueError(f"features' lengths sum to {total}, but it has {values} values")
