@@ -154,6 +154,8 @@ def _classify(case: FrontCase) -> tuple[str, str]:
         case.check(result)
     except AssertionError as exc:
         return "silent_or_wrong", f"wrong result: {str(exc)[:300]}"
+    except Exception as exc:  # e.g. a key missing from the result
+        return "silent_or_wrong", f"wrong result: the check failed with {type(exc).__name__}: {str(exc)[:300]}"
     return "valid_correct", ""
 
 
@@ -745,6 +747,30 @@ def _sharding_cases() -> None:
         add(f"sharding/dmp-{'-'.join(''.join(b[0]) + f'-B{len(b[1]) // 2}' for b in batches)}#{i}", "valid",
             dmp(batches), check=check_dmp,
             torchrec=True)
+    def dmp_sequence(batches):
+        def run():
+            from torchrec.distributed import DistributedModelParallel
+
+            _gloo()
+            torch.manual_seed(2)
+            model = _Sparse(gtr.FusedEmbeddingCollection(_seq_configs()))
+            unsharded = copy.deepcopy(model.ebc)
+            sharders = [gtr.FusedEmbeddingCollectionSharder()]
+            wrapped = DistributedModelParallel(model, device=torch.device("cpu"), sharders=sharders,
+                                               plan=gtr.sharding_plan(model, sharders, "table_wise", world_size=1))
+            outs = []
+            for kjt in batches:
+                out = wrapped(_kjt(*kjt))
+                out = out.wait() if hasattr(out, "wait") else out
+                outs.append(({k: jt.values() for k, jt in out.items()},
+                             {k: jt.values() for k, jt in unsharded(_kjt(*kjt)).items()}))
+            return outs
+        return run
+
+    for i in range(2):
+        batches = [_random_kjt(rng, rng.choice([1, 2]), keys) for keys in [("a", "b"), ("b", "a")]]
+        add(f"sharding/dmp-sequence-{'-'.join(''.join(b[0]) + f'-B{len(b[1]) // 2}' for b in batches)}#{i}",
+            "valid", dmp_sequence(batches), check=check_dmp, torchrec=True)
     for label, kjt, names in [("duplicate-keys", (["a", "a"], [1, 1], [1, 2]), ("keys",)),
                               ("missing-key", (["a"], [1, 1], [1, 2]), ("keys", "features")),
                               ("lengths-exceed-values", (["a", "b"], [1, 2], [1, 2]), ("lengths", "values")),
