@@ -718,59 +718,47 @@ def _sharding_cases() -> None:
 
     # DMP on one gloo rank against the unsharded collection, batch after batch (keys reordered
     # after the first batch: issue 30 item 3).
-    def dmp(batches):
+    def dmp(batches, sequence=False):
+        """Each batch through DMP (the pooled or the sequence sharder) and through the unsharded
+        collection: {key: output values} of both."""
         def run():
             from torchrec.distributed import DistributedModelParallel
 
             _gloo()
-            model = _fused_model(seed=1)
+            torch.manual_seed(1)
+            if sequence:
+                model = _Sparse(gtr.FusedEmbeddingCollection(_seq_configs()))
+                sharders = [gtr.FusedEmbeddingCollectionSharder()]
+            else:
+                model = _Sparse(gtr.FusedEmbeddingBagCollection(_configs()))
+                sharders = [gtr.FusedEmbeddingBagCollectionSharder()]
             unsharded = copy.deepcopy(model.ebc)
-            sharders = [gtr.FusedEmbeddingBagCollectionSharder()]
             wrapped = DistributedModelParallel(model, device=torch.device("cpu"), sharders=sharders,
                                                plan=gtr.sharding_plan(model, sharders, "table_wise", world_size=1))
-            outs = []
-            for kjt in batches:
-                out = wrapped(_kjt(*kjt))
+
+            def values(out):
                 out = out.wait() if hasattr(out, "wait") else out
-                outs.append((out.to_dict(), unsharded(_kjt(*kjt)).to_dict()))
-            return outs
+                return {k: jt.values() for k, jt in out.items()} if sequence else out.to_dict()
+            return [(values(wrapped(_kjt(*kjt))), values(unsharded(_kjt(*kjt)))) for kjt in batches]
         return run
 
     def check_dmp(outs):
         for step, (got, want) in enumerate(outs):
+            assert sorted(got) == sorted(want), f"batch {step}: keys {sorted(got)} != {sorted(want)}"
             for key in want:
                 _close(got[key], want[key], f"batch {step} out[{key!r}]")
+
+    def label(batches):
+        return "-".join("".join(b[0]) + f"-B{len(b[1]) // 2}" for b in batches)
 
     for i in range(4):
         batches = [_random_kjt(rng, rng.choice([0, 1, 2]), keys, empty=rng.random() < 0.2)
                    for keys in [("a", "b"), rng.choice([("a", "b"), ("b", "a")])]]
-        add(f"sharding/dmp-{'-'.join(''.join(b[0]) + f'-B{len(b[1]) // 2}' for b in batches)}#{i}", "valid",
-            dmp(batches), check=check_dmp,
-            torchrec=True)
-    def dmp_sequence(batches):
-        def run():
-            from torchrec.distributed import DistributedModelParallel
-
-            _gloo()
-            torch.manual_seed(2)
-            model = _Sparse(gtr.FusedEmbeddingCollection(_seq_configs()))
-            unsharded = copy.deepcopy(model.ebc)
-            sharders = [gtr.FusedEmbeddingCollectionSharder()]
-            wrapped = DistributedModelParallel(model, device=torch.device("cpu"), sharders=sharders,
-                                               plan=gtr.sharding_plan(model, sharders, "table_wise", world_size=1))
-            outs = []
-            for kjt in batches:
-                out = wrapped(_kjt(*kjt))
-                out = out.wait() if hasattr(out, "wait") else out
-                outs.append(({k: jt.values() for k, jt in out.items()},
-                             {k: jt.values() for k, jt in unsharded(_kjt(*kjt)).items()}))
-            return outs
-        return run
-
+        add(f"sharding/dmp-{label(batches)}#{i}", "valid", dmp(batches), check=check_dmp, torchrec=True)
     for i in range(2):
         batches = [_random_kjt(rng, rng.choice([1, 2]), keys) for keys in [("a", "b"), ("b", "a")]]
-        add(f"sharding/dmp-sequence-{'-'.join(''.join(b[0]) + f'-B{len(b[1]) // 2}' for b in batches)}#{i}",
-            "valid", dmp_sequence(batches), check=check_dmp, torchrec=True)
+        add(f"sharding/dmp-sequence-{label(batches)}#{i}", "valid", dmp(batches, sequence=True), check=check_dmp,
+            torchrec=True)
     for label, kjt, names in [("duplicate-keys", (["a", "a"], [1, 1], [1, 2]), ("keys",)),
                               ("missing-key", (["a"], [1, 1], [1, 2]), ("keys", "features")),
                               ("lengths-exceed-values", (["a", "b"], [1, 2], [1, 2]), ("lengths", "values")),
