@@ -315,6 +315,59 @@ def _swap_cases() -> None:
         add(f"swap/forward-{mode}-{layout}-B{batch}-w{width}{'-psw' if weighted else ''}-{str(index_dtype)[6:]}#{i}",
             "valid", run, check=check)
 
+    # Swapped attention (MultiheadAttention, TransformerEncoderLayer) against the original: outputs
+    # at the valid positions and the input's gradient there (padded positions hold zeros on the fused
+    # path, as gk.nn.MultiheadAttention documents).
+    for i in range(8):
+        kind = rng.choice(["MultiheadAttention", "TransformerEncoderLayer"])
+        batch_first = rng.random() < 0.7
+        train = rng.random() < 0.5
+        batch, length = rng.choice([1, 3]), rng.choice([1, 5])
+        masks = rng.choice(["none", "pad", "causal", "pad+causal"])
+        lengths = [rng.randint(1, length) if "pad" in masks else length for _ in range(batch)]
+
+        def run(kind=kind, batch_first=batch_first, train=train, batch=batch, length=length, masks=masks,
+                lengths=lengths, seed=i):
+            torch.manual_seed(seed)
+            eager = (nn.MultiheadAttention(8, 2, batch_first=batch_first) if kind == "MultiheadAttention" else
+                     nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first))
+            holder = nn.Sequential(copy.deepcopy(eager))
+            gk.swap(holder)
+            x = torch.randn(batch, length, 8) if batch_first else torch.randn(length, batch, 8)
+            pad = torch.arange(length)[None, :] >= torch.tensor(lengths)[:, None] if "pad" in masks else None
+            causal = "causal" in masks
+            attn_mask = nn.Transformer.generate_square_subsequent_mask(length) if causal else None
+            valid = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+            outs = []
+            for module in (eager, holder[0]):
+                module.train(train)
+                leaf = x.clone().requires_grad_(True)
+                if kind == "MultiheadAttention":
+                    out = module(leaf, leaf, leaf, key_padding_mask=pad, attn_mask=attn_mask, need_weights=False,
+                                 is_causal=causal)[0]
+                else:
+                    out = module(leaf, src_mask=attn_mask, src_key_padding_mask=pad, is_causal=causal)
+                rows = (out if batch_first else out.transpose(0, 1))[valid]
+                (rows * torch.arange(rows.numel(), dtype=rows.dtype).view_as(rows).cos()).sum().backward()
+                grad = leaf.grad if batch_first else leaf.grad.transpose(0, 1)
+                outs.append((rows.detach(), grad[valid]))
+            return outs
+
+        def check(outs):
+            (want, want_grad), (got, got_grad) = outs
+            _close(got, want, "out at the valid positions")
+            _close(got_grad, want_grad, "grad of x at the valid positions")
+        add(f"swap/{kind}-{'batch_first' if batch_first else 'seq_first'}-{'train' if train else 'eval'}-B{batch}"
+            f"-L{length}-{masks}#{i}", "valid", run, check=check)
+
+    def mha_mask_shape():
+        holder = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
+        gk.swap(holder)
+        x = torch.randn(2, 3, 8)
+        return holder[0](x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool), need_weights=False)
+    add("swap/MultiheadAttention-key_padding_mask-shape", "bad", mha_mask_shape, names=("key_padding_mask",))
+    # (batch_first=False modules are not swapped, "batch_first=False" in the report: torch's own stay.)
+
     # Bad forward inputs into the swapped module.
     def swapped(mode="sum"):
         holder = nn.Sequential(nn.EmbeddingBag(10, 4, mode=mode))

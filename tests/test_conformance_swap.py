@@ -60,6 +60,18 @@ def test_a_dict_filter_is_refused(arg):
         gk.swap(nn.ModuleDict({"bag": nn.EmbeddingBag(10, 4)}), **{arg: {"bag": True}})
 
 
+def test_key_padding_mask_of_another_shape_is_named():
+    """Found by the front-door fuzz: a key_padding_mask of the wrong shape gave torch's bare
+    "AssertionError: Expected key_padded_mask.shape[1] to be 3, but got 4" (a batch_first=False
+    module is not swapped: torch's own module and message stay)."""
+    holder = nn.ModuleDict({"attn": nn.MultiheadAttention(8, 2, batch_first=True)})
+    gk.swap(holder)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, source length\) = \(2, 3\), "
+                                         r"got \(2, 4\)"):
+        holder["attn"](x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool), need_weights=False)
+
+
 def test_bad_backend_refused_at_the_call():
     """30/6: backend="bogus" passed gk.swap and the module constructors; the error came at the first forward."""
     with pytest.raises(ValueError, match="backend.*bogus"):

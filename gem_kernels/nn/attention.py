@@ -219,6 +219,12 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
         if is_proxy(query, key, value, key_padding_mask, attn_mask):
             return trace_call(self, query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                               attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
+        if key_padding_mask is not None and key.dim() == 3 and not key.is_nested:
+            # torch's own check on this path is a bare AssertionError (about a "key_padded_mask")
+            shape = tuple(key.shape[:2]) if self.batch_first else (key.shape[1], key.shape[0])
+            if tuple(key_padding_mask.shape) != shape:
+                raise ValueError(f"key_padding_mask must have shape (batch, source length) = {shape}, got "
+                                 f"{tuple(key_padding_mask.shape)}")
         why = self._why_not_fused(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         if why is None:
             why, lengths, causal = _jagged_masks(query, key_padding_mask, attn_mask)
