@@ -186,10 +186,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
           outs[3].view({n, num_heads, attention_dim}).to(dtype), stats};
 }
 
-// Per-block partial sums [blocks, 2 * width] reduced in block order -> two separate [width] tensors
-// (an op's outputs may not share storage).
+// Per-block fp64 partial sums [blocks, 2 * width] reduced in block order -> two separate fp32 [width]
+// tensors (an op's outputs may not share storage).
 std::pair<Tensor, Tensor> reduce_partials(const Tensor& partials, int64_t width) {
-  const Tensor sums = partials.sum(0);
+  const Tensor sums = partials.sum(0).to(at::kFloat);
   return {sums.narrow(0, 0, width).clone(), sums.narrow(0, width, width).clone()};
 }
 
@@ -243,33 +243,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   Tensor dxn = at::mm(dz, w.t());
   // Pass 2: LayerNorm backward per row; weight / bias gradients as per-block partials.
   Tensor dx = at::empty({n, d}, opts);
-  Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), 2 * d}, opts);
+  // fp64 partials: a norm weight's gradient sums N terms; in fp32, summed row after row, it came out
+  // several ulps off where torch's pairwise sum is within one (FlashAttention's rule failed).
+  Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), 2 * d}, opts.dtype(at::kDouble));
   const float* dxnp = dxn.data_ptr<float>();
   float* dxp = dx.data_ptr<float>();
-  float* pp = partials.data_ptr<float>();
+  double* pp = partials.data_ptr<double>();
   parallel_ranges(blocks, 1, workers_for(n * d * 4), [&](auto& claim) {
     for (int64_t b0, b1; claim(b0, b1);) {
       const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
-      float* dnw = pp + b0 * 2 * d;
-      float* dnb = dnw + d;
+      double* dnw = pp + b0 * 2 * d;
+      double* dnb = dnw + d;
       for (int64_t r = r0; r < r0 + rows; ++r) {
         const float mean = sp[2 * r], rstd = sp[2 * r + 1];
         const float* g = dxnp + r * d;
         const float* xr = xp + r * d;
-        float m1 = 0.0f, m2 = 0.0f;
+        // The row's norm backward in fp64: dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)) cancels,
+        // and rstd amplifies what is left; in fp32 its error was up to 3x eager's (FlashAttention's rule).
+        double m1 = 0.0, m2 = 0.0;
         for (int64_t j = 0; j < d; ++j) {
-          const float xhat = (xr[j] - mean) * rstd;
-          const float gh = g[j] * nwp[j];
+          const double xhat = (static_cast<double>(xr[j]) - mean) * rstd;
+          const double gh = static_cast<double>(g[j]) * nwp[j];
           m1 += gh;
           m2 += gh * xhat;
           dnw[j] += g[j] * xhat;
           dnb[j] += g[j];
         }
-        m1 /= static_cast<float>(d);
-        m2 /= static_cast<float>(d);
+        m1 /= static_cast<double>(d);
+        m2 /= static_cast<double>(d);
         for (int64_t j = 0; j < d; ++j) {
-          const float xhat = (xr[j] - mean) * rstd;
-          dxp[r * d + j] = rstd * (g[j] * nwp[j] - m1 - xhat * m2);
+          const double xhat = (static_cast<double>(xr[j]) - mean) * rstd;
+          dxp[r * d + j] = static_cast<float>(rstd * (static_cast<double>(g[j]) * nwp[j] - m1 - xhat * m2));
         }
       }
     }
@@ -378,17 +382,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   Tensor dob = has_output_bias ? g.sum(0).to(output_weight.scalar_type()) : at::empty({0}, opts);
   Tensor dc = at::mm(g, w.t());
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
-  const int64_t pw = nw.numel();
-  Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), 2 * pw}, opts);
+  // Norm-weight partials in fp64 (see the uvqk backward), per element even with group_norm (weight
+  // per head): the heads' sums over Lh are taken at the end.
+  Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), 2 * width}, opts.dtype(at::kDouble));
   float* dcp = dc.data_ptr<float>();
   float* dap = dattn.data_ptr<float>();
   float* dup = du.data_ptr<float>();
-  float* pp = partials.data_ptr<float>();
+  double* pp = partials.data_ptr<double>();
   const int64_t y_off = width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
   parallel_ranges(blocks, 1, workers_for(n * k * 8), [&](auto& claim) {
     for (int64_t b0, b1; claim(b0, b1);) {
-      float* dnw = pp + b0 * 2 * pw;
-      float* dnb = dnw + pw;
+      double* dnw = pp + b0 * 2 * width;
+      double* dnb = dnw + width;
       for (int64_t row = b0 * kBlockRows; row < std::min(n, (b0 + 1) * kBlockRows); ++row) {
         float* dcr = dcp + row * k;
         if (mp != nullptr) at::vec::map2([](Vec p, Vec q) { return p * q; }, dcr, dcr, mp + row * k, k);
@@ -399,35 +404,37 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
         float* dur = dup + row * width;
         for (int64_t grp = 0; grp < groups; ++grp) {
           const float mean = sp[row * 2 * groups + grp], rstd = sp[row * 2 * groups + groups + grp];
-          float m1 = 0.0f, m2 = 0.0f;
+          // In fp64, as the uvqk backward's row norm (the same cancellation).
+          double m1 = 0.0, m2 = 0.0;
           for (int64_t j = 0; j < gs; ++j) {
             const int64_t e = grp * gs + j;
-            const float xhat = (ar[e] - mean) * rstd;
+            const double xhat = (static_cast<double>(ar[e]) - mean) * rstd;
             const float s = ur[e] * sigmoid(ur[e]);
-            const float normed = xhat * ns.weight_at(grp, j) + ns.bias_at(grp, j);
-            const float du_total = dy[e] * normed + (concat_u ? dcr[e] : 0.0f);
-            dur[e] = du_total * silu_grad(ur[e]);
-            const float dn = dy[e] * s;
-            const int64_t pi = group_norm ? grp : e;
-            dnw[pi] += dn * xhat;
-            dnb[pi] += dn;
-            const float dxh = dn * ns.weight_at(grp, j);
+            const double normed = xhat * ns.weight_at(grp, j) + ns.bias_at(grp, j);
+            const double du_total = dy[e] * normed + (concat_u ? dcr[e] : 0.0f);
+            dur[e] = static_cast<float>(du_total * silu_grad(ur[e]));
+            const double dn = static_cast<double>(dy[e]) * s;
+            dnw[e] += dn * xhat;
+            dnb[e] += dn;
+            const double dxh = dn * ns.weight_at(grp, j);
             m1 += dxh;
             m2 += dxh * xhat;
-            dar[e] = dxh;  // finished below, once the group's means are known
           }
-          m1 /= static_cast<float>(gs);
-          m2 /= static_cast<float>(gs);
+          m1 /= static_cast<double>(gs);
+          m2 /= static_cast<double>(gs);
           for (int64_t j = 0; j < gs; ++j) {
             const int64_t e = grp * gs + j;
-            const float xhat = (ar[e] - mean) * rstd;
-            dar[e] = rstd * (dar[e] - m1 - xhat * m2) + (concat_x ? dcr[(concat_u ? width : 0) + e] : 0.0f);
+            const double xhat = (static_cast<double>(ar[e]) - mean) * rstd;
+            const double dxh = static_cast<double>(dy[e]) * (ur[e] * sigmoid(ur[e])) * ns.weight_at(grp, j);
+            dar[e] = static_cast<float>(rstd * (dxh - m1 - xhat * m2)) +
+                     (concat_x ? dcr[(concat_u ? width : 0) + e] : 0.0f);
           }
         }
       }
     }
   });
-  auto [dnw, dnb] = reduce_partials(partials, pw);
+  const Tensor per_element = group_norm ? partials.view({partials.size(0), 2 * groups, gs}).sum(2) : partials;
+  auto [dnw, dnb] = reduce_partials(per_element, nw.numel());
   return {dattn.to(attn_in.scalar_type()), du.to(u_in.scalar_type()), dnw.to(norm_weight.scalar_type()),
           dnb.to(norm_bias.scalar_type()), dw.to(output_weight.scalar_type()), dob};
 }

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import FAMILIES, kernel, resolve_backend
-from .._validate import FLOAT_DTYPES, check_same_device, check_tensor
+from .._validate import check_float64_on_reference, check_same_device, check_tensor, float_dtypes
 from .attention import jagged_attention
 
 FAMILY = "hstu_layer"
@@ -157,6 +158,7 @@ def _output_backward(ctx, grad_out, _grad_stats):
 
 
 hstu_output_fwd_op.register_autograd(_output_backward, setup_context=_output_setup)
+run_kernels_without_autocast(hstu_uvqk_fwd_op, hstu_uvqk_bwd_op, hstu_output_fwd_op, hstu_output_bwd_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def projection_backend(backend: str | None, device: torch.device) -> str:
 
 
 def _check_vector(name: str, t, size: int) -> None:
-    check_tensor(name, t, dtypes=FLOAT_DTYPES, dims=(1,))
+    check_tensor(name, t, dtypes=float_dtypes(), dims=(1,))
     if t.shape[0] != size:
         raise ValueError(f"{name} must have shape [{size}], got {tuple(t.shape)}")
 
@@ -210,7 +212,10 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
     Returns:
         out [N, D] in x's dtype, differentiable w.r.t. x and every weight.
     """
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, dims=(2,))
+    (x, input_norm_weight, input_norm_bias, uvqk_weight, uvqk_bias, output_norm_weight, output_norm_bias,
+     output_weight, output_bias) = autocast_operands(x, input_norm_weight, input_norm_bias, uvqk_weight, uvqk_bias,
+                                                     output_norm_weight, output_norm_bias, output_weight, output_bias)
+    check_tensor("x", x, dtypes=float_dtypes(), dims=(2,))
     for name, value in (("num_heads", num_heads), ("linear_dim", linear_dim), ("attention_dim", attention_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -229,7 +234,7 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
     k = width * (1 + concat_u + concat_x)
     _check_vector("input_norm_weight", input_norm_weight, dim)
     _check_vector("input_norm_bias", input_norm_bias, dim)
-    check_tensor("uvqk_weight", uvqk_weight, dtypes=FLOAT_DTYPES, dims=(2,))
+    check_tensor("uvqk_weight", uvqk_weight, dtypes=float_dtypes(), dims=(2,))
     if tuple(uvqk_weight.shape) != (dim, num_out):
         raise ValueError(f"uvqk_weight must have shape [D, H*(2*linear_dim + 2*attention_dim)] = [{dim}, {num_out}], "
                          f"got {tuple(uvqk_weight.shape)}")
@@ -237,14 +242,14 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
     norm_size = num_heads if group_norm else width
     _check_vector("output_norm_weight", output_norm_weight, norm_size)
     _check_vector("output_norm_bias", output_norm_bias, norm_size)
-    check_tensor("output_weight", output_weight, dtypes=FLOAT_DTYPES, dims=(2,))
+    check_tensor("output_weight", output_weight, dtypes=float_dtypes(), dims=(2,))
     if tuple(output_weight.shape) != (k, dim):
         raise ValueError(f"output_weight must have shape [K, D] = [{k}, {dim}] (K = H*linear_dim*(1 + concat_u + "
                          f"concat_x)), got {tuple(output_weight.shape)}")
     if output_bias is not None:
         _check_vector("output_bias", output_bias, dim)
     if dropout_mask is not None:
-        check_tensor("dropout_mask", dropout_mask, dtypes=FLOAT_DTYPES, dims=(2,))
+        check_tensor("dropout_mask", dropout_mask, dtypes=float_dtypes(), dims=(2,))
         if tuple(dropout_mask.shape) != (n, k):
             raise ValueError(f"dropout_mask must have shape [N, K] = [{n}, {k}], got {tuple(dropout_mask.shape)}")
     weights = dict(input_norm_weight=input_norm_weight, input_norm_bias=input_norm_bias, uvqk_weight=uvqk_weight,
@@ -256,15 +261,18 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
         weights["dropout_mask"] = dropout_mask
     check_same_device(x=x, **weights)
     proj = projection_backend(backend, x.device)
+    check_float64_on_reference(proj, x=x, **weights)
+    # contiguous: the fakes' gradients are contiguous, as the kernels' are (an nn.Linear weight arrives
+    # transposed; the copy is D*O elements, nothing beside the GEMMs).
     u_pre, v, q, k_ = hstu_uvqk_fwd_op(x.contiguous(), input_norm_weight, input_norm_bias, float(eps),
-                                       uvqk_weight, uvqk_bias, num_heads, linear_dim, attention_dim, silu_qkv,
+                                       uvqk_weight.contiguous(), uvqk_bias, num_heads, linear_dim, attention_dim, silu_qkv,
                                        proj)[:4]
     attn = jagged_attention(q, k_, v, seq_offsets, max_seq_len, kind="hstu", causal=causal, scale=attn_alpha,
                             num_targets=num_targets, contextual_len=contextual_len, max_attn_len=max_attn_len,
                             pos_bias=pos_bias, time_bias=time_bias, timestamps=timestamps,
                             query_timestamps=query_timestamps, backend=backend)
     out, _stats = hstu_output_fwd_op(attn.view(n, width), u_pre, x.contiguous(), output_norm_weight,
-                                     output_norm_bias, float(eps), output_weight, output_bias,
+                                     output_norm_bias, float(eps), output_weight.contiguous(), output_bias,
                                      None if dropout_mask is None else dropout_mask.contiguous(), num_heads,
                                      group_norm, concat_u, concat_x, proj)
     return out

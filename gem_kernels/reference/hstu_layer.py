@@ -1,8 +1,9 @@
 """Reference HSTU layer: generative-recommenders' ``STULayer`` written from its maths in plain PyTorch.
 
 The twin of ``gem_kernels.nn.HSTULayer`` (and of GR's ``STULayer`` with its PyTorch kernels:
-``hstu_compute_uqvk``, ``pytorch_hstu_mha``, ``pytorch_hstu_compute_output``). All maths in fp32,
-cast back to x's dtype; gradients by autograd. On jagged rows x [N, D] (``seq_offsets`` [B+1])::
+``hstu_compute_uqvk``, ``pytorch_hstu_mha``, ``pytorch_hstu_compute_output``). All maths in fp32
+(fp64 kept as fp64: the float64 run is the ground truth of the FlashAttention-rule checks), cast
+back to x's dtype; gradients by autograd. On jagged rows x [N, D] (``seq_offsets`` [B+1])::
 
     xn          = LayerNorm(x; norm_weight, norm_bias, eps)
     z           = xn @ uvqk_weight + uvqk_bias             # uvqk_weight [D, H*(2*Lh + 2*A)]
@@ -25,11 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as ref_attention
+from . import wide
 
 
 def _norm_stats(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """[N, 2 * groups] fp32: the mean and 1 / sqrt(var + eps) of each row's groups (biased variance)."""
-    xg = x.float().reshape(x.shape[0], groups, -1)
+    if x.shape[0] == 0:  # var_mean warns on an empty batch
+        return x.new_empty((0, 2 * groups), dtype=torch.float32)
+    xg = x.float().reshape(x.shape[0], groups, x.shape[1] // groups)
     var, mean = torch.var_mean(xg, dim=-1, unbiased=False)
     return torch.cat([mean, torch.rsqrt(var + eps)], dim=1)
 
@@ -38,8 +42,8 @@ def uvqk(x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, num_heads, line
     """(u_pre [N, H*Lh], v [N, H, Lh], q [N, H, A], k [N, H, A]) in x's dtype: u before its SiLU (the
     output half applies it), v, q, k after theirs when silu_qkv. Differentiable."""
     n, h = x.shape[0], num_heads
-    xn = F.layer_norm(x.float(), (x.shape[1],), norm_weight.float(), norm_bias.float(), eps)
-    z = torch.addmm(uvqk_bias.float(), xn, uvqk_weight.float())
+    xn = F.layer_norm(wide(x), (x.shape[1],), wide(norm_weight), wide(norm_bias), eps)
+    z = torch.addmm(wide(uvqk_bias), xn, wide(uvqk_weight))
     u, v, q, k = z.split([h * linear_dim, h * linear_dim, h * attention_dim, h * attention_dim], dim=1)
     if silu_qkv:
         v, q, k = F.silu(v), F.silu(q), F.silu(k)
@@ -53,20 +57,20 @@ def output(attn, u_pre, x, norm_weight, norm_bias, eps, output_weight, output_bi
     """out [N, D] = x + (dropout_mask *) concat(...) @ output_weight (+ output_bias), in x's dtype.
 
     attn, u_pre [N, H*Lh]; dropout_mask [N, K] (0 or 1 / (1 - p)) or None. Differentiable."""
-    a, u = attn.float(), F.silu(u_pre.float())
+    a, u = wide(attn), F.silu(wide(u_pre))
     if group_norm:
-        normed = F.group_norm(a.reshape(a.shape[0], num_heads, -1), num_heads, norm_weight.float(),
-                              norm_bias.float(), eps).reshape(a.shape)
+        normed = F.group_norm(a.reshape(a.shape[0], num_heads, a.shape[1] // num_heads), num_heads, wide(norm_weight),
+                              wide(norm_bias), eps).reshape(a.shape)
     else:
-        normed = F.layer_norm(a, (a.shape[1],), norm_weight.float(), norm_bias.float(), eps)
+        normed = F.layer_norm(a, (a.shape[1],), wide(norm_weight), wide(norm_bias), eps)
     y = u * normed
     parts = ([u] if concat_u else []) + ([a] if concat_x else []) + [y]
     c = torch.cat(parts, dim=1)
     if dropout_mask is not None:
-        c = c * dropout_mask.float()
-    out = torch.addmm(x.float(), c, output_weight.float())
+        c = c * wide(dropout_mask)
+    out = torch.addmm(wide(x), c, wide(output_weight))
     if output_bias is not None:
-        out = out + output_bias.float()
+        out = out + wide(output_bias)
     return out.to(x.dtype)
 
 
@@ -111,18 +115,20 @@ def _norm_backward(dnormed, xhat, rstd, weight, groups):
     """(dx, dweight, dbias) of normed = xhat * weight + bias over [N, G, gs] groups (weight per element
     [G*gs], or per group [G]); rstd [N, G]."""
     n = xhat.shape[0]
-    dn = dnormed.reshape(n, groups, -1)
+    dn = dnormed.reshape(n, groups, dnormed.shape[1] // groups)
     per_group = weight.numel() == groups
-    w = weight.float().reshape(1, groups, 1) if per_group else weight.float().reshape(1, groups, -1)
+    w = wide(weight).reshape(1, groups, 1) if per_group else wide(weight).reshape(1, groups, -1)
     dxh = dn * w
     dx = rstd.unsqueeze(2) * (dxh - dxh.mean(2, keepdim=True) - xhat * (dxh * xhat).mean(2, keepdim=True))
     dims = (0, 2) if per_group else (0,)
-    return dx.reshape(n, -1), (dn * xhat).sum(dims).reshape(-1), dn.sum(dims).reshape(-1)
+    return dx.reshape(n, dnormed.shape[1]), (dn * xhat).sum(dims).reshape(-1), dn.sum(dims).reshape(-1)
 
 
 def _normalized(x: torch.Tensor, groups: int, eps: float):
     """(xhat [N, G, gs], rstd [N, G]) in fp32."""
-    xg = x.float().reshape(x.shape[0], groups, -1)
+    xg = wide(x).reshape(x.shape[0], groups, x.shape[1] // groups)
+    if x.shape[0] == 0:  # var_mean warns on an empty batch
+        return xg, xg.new_empty((0, groups))
     var, mean = torch.var_mean(xg, dim=-1, unbiased=False, keepdim=True)
     rstd = torch.rsqrt(var + eps)
     return (xg - mean) * rstd, rstd.squeeze(2)
@@ -135,11 +141,11 @@ def hstu_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps
     del stats
     n, hl = x.shape[0], num_heads * linear_dim
     xhat, rstd = _normalized(x, 1, eps)
-    xn = xhat.reshape(n, -1) * norm_weight.float() + norm_bias.float()
-    w = uvqk_weight.float()
-    dz = torch.cat([g.float().reshape(n, -1) for g in (grad_u, grad_v, grad_q, grad_k)], dim=1)
+    xn = xhat.reshape(n, x.shape[1]) * wide(norm_weight) + wide(norm_bias)
+    w = wide(uvqk_weight)
+    dz = torch.cat([wide(g).reshape(n, g.shape[1:].numel()) for g in (grad_u, grad_v, grad_q, grad_k)], dim=1)
     if silu_qkv:
-        z = torch.addmm(uvqk_bias.float()[hl:], xn, w[:, hl:])
+        z = torch.addmm(wide(uvqk_bias)[hl:], xn, w[:, hl:])
         dz = torch.cat([dz[:, :hl], dz[:, hl:] * _silu_grad(z)], dim=1)
     dxn = dz @ w.t()
     dx, dnw, dnb = _norm_backward(dxn, xhat, rstd, norm_weight, 1)
@@ -164,19 +170,19 @@ def hstu_output_bwd(grad_out, attn, u_pre, norm_weight, norm_bias, eps, output_w
     del stats
     n, width = attn.shape
     groups = num_heads if group_norm else 1
-    g = grad_out.float()
-    u = u_pre.float()
+    g = wide(grad_out)
+    u = wide(u_pre)
     s = F.silu(u)
     xhat, rstd = _normalized(attn, groups, eps)
     per_group = norm_weight.numel() == groups
     shape = (1, groups, 1) if per_group else (1, groups, -1)
-    normed = (xhat * norm_weight.float().reshape(shape) + norm_bias.float().reshape(shape)).reshape(n, width)
-    parts = ([s] if concat_u else []) + ([attn.float()] if concat_x else []) + [s * normed]
+    normed = (xhat * wide(norm_weight).reshape(shape) + wide(norm_bias).reshape(shape)).reshape(n, width)
+    parts = ([s] if concat_u else []) + ([wide(attn)] if concat_x else []) + [s * normed]
     c = torch.cat(parts, dim=1)
-    dc = g @ output_weight.float().t()
+    dc = g @ wide(output_weight).t()
     if dropout_mask is not None:
-        c = c * dropout_mask.float()
-        dc = dc * dropout_mask.float()
+        c = c * wide(dropout_mask)
+        dc = dc * wide(dropout_mask)
     dy = dc[:, -width:]
     du = dy * normed + (dc[:, :width] if concat_u else 0)
     da, dnw, dnb = _norm_backward(dy * s, xhat, rstd, norm_weight, groups)
