@@ -243,6 +243,29 @@ def test_empty_batch_and_empty_sequences(backend):
     assert x.grad.shape == (0, 8) and layer.uvqk.weight.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_cpu_kernels_on_several_threads(grad_mode):
+    """A batch large enough for the cpu kernels' worker threads, with weights that require grad, under
+    no_grad and with grad: the GEMMs on the workers raised (addmm out= with an operand requiring grad)
+    where the small shapes of the other tests ran on the calling thread only."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, offsets, max_seq_len, num_targets, params, grad_out = _layer_inputs(0, dim=64, lengths=(300, 5, 250))
+        leaves = {n: p.requires_grad_(True) for n, p in params.items()}
+        with torch.set_grad_enabled(grad_mode):
+            out = ops.hstu_layer(x, offsets, max_seq_len, num_targets, **leaves, **DIMS, backend="cpu")
+            expected = ref.stu_layer(x, offsets, max_seq_len, num_targets, **leaves, **DIMS)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        if grad_mode:
+            grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
+            grads_expected = torch.autograd.grad(expected, list(leaves.values()), grad_out)
+            for name, g, e in zip(leaves, grads, grads_expected):
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-3 * float(e.abs().max()), msg=name)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_module_options_are_checked():
     with pytest.raises(ValueError, match="concat_u and concat_x must be equal"):
         gk.nn.HSTULayer(8, 2, 4, 4, group_norm=True, concat_u=True)

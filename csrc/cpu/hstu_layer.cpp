@@ -47,7 +47,10 @@ using Vec = at::vec::Vectorized<float>;
 // [64, D] x [D, O] GEMM is large enough for MKL's kernels to run at speed.
 constexpr int64_t kBlockRows = 64;
 
-Tensor as_float(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
+// detach(): the GEMMs run on at::parallel_for's worker threads, which do not inherit the caller's
+// below-autograd dispatch state; an operand that requires grad then made at::addmm_out raise
+// ("functions with out=... arguments don't support automatic differentiation").
+Tensor as_float(const Tensor& t) { return t.detach().to(at::kFloat).contiguous(); }
 
 int64_t workers_for(int64_t work) { return work < kMinParallelWork ? 1 : at::get_num_threads(); }
 
