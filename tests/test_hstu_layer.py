@@ -266,6 +266,21 @@ def test_cpu_kernels_on_several_threads(grad_mode):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.triton
+@pytest.mark.skipif("triton" not in gk.available_backends(), reason="triton backend unavailable here")
+def test_triton_attention_runs_with_the_reference_projections():
+    """backend="triton": the attention runs triton (the interpreter here), the projections the
+    reference twins (projection_backend's documented fallback: no triton projection kernels)."""
+    assert ops.projection_backend("triton", torch.device("cpu")) == "cpu"
+    assert ops.projection_backend("triton", torch.device("cuda")) == "reference"
+    x, offsets, max_seq_len, num_targets, params, grad_out = _layer_inputs(0, lengths=(3, 0, 4))
+    args = (x, offsets, max_seq_len, num_targets, params, grad_out)
+    got = _run(lambda *a, **p: ops.hstu_layer(*a, **p, **DIMS, backend="triton"), *args, torch.float32)
+    expected = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS), *args, torch.float32)
+    for name, g, e in zip(("out", "x", *params), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_module_options_are_checked():
     with pytest.raises(ValueError, match="concat_u and concat_x must be equal"):
         gk.nn.HSTULayer(8, 2, 4, 4, group_norm=True, concat_u=True)
@@ -277,7 +292,7 @@ def test_module_options_are_checked():
 
 @pytest.mark.parametrize("change, error, match", [
     (dict(uvqk_weight=torch.zeros(24, 7)), ValueError, r"uvqk_weight must have shape \[D, H\*\(2\*linear_dim"),
-    (dict(output_weight=torch.zeros(32, 24)), ValueError, r"output_weight must have shape \[K, D\] = \[48, 24\]"),
+    (dict(output_weight=torch.zeros(32, 24)), ValueError, r"output_weight must have shape \[K, D\] \(K = .*\) = \[48, 24\]"),
     (dict(output_norm_weight=torch.zeros(2)), ValueError, r"output_norm_weight must have shape \[16\]"),
     (dict(input_norm_bias=torch.zeros(24, dtype=torch.int64)), ValueError, "input_norm_bias must have dtype"),
     (dict(x=torch.zeros(18, 24, dtype=torch.float64)), ValueError, "x must have dtype"),
@@ -316,6 +331,25 @@ def test_torch_compile_fullgraph(backend):
     grads_expected = torch.autograd.grad(expected.square().sum(), [x, *layer.parameters()])
     for g, e in zip(grads, grads_expected):
         torch.testing.assert_close(g, e)
+
+
+def test_module_traces_with_torch_fx():
+    """torch.fx.symbolic_trace of a model holding the layer: one leaf call, same result."""
+    torch.manual_seed(0)
+    layer = gk.nn.HSTULayer(16, 2, 8, 4, silu_qkv=False, concat_u=True, concat_x=True, output_bias=False)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = layer
+
+        def forward(self, x, offsets, num_targets):
+            return self.inner(x, offsets, 7, num_targets) * 2.0
+
+    wrapper = Wrapper()
+    gm = torch.fx.symbolic_trace(wrapper)
+    x, offsets, num_targets = torch.randn(12, 16), offsets_from_lengths([5, 0, 7]), torch.tensor([1, 0, 2])
+    torch.testing.assert_close(gm(x, offsets, num_targets), wrapper(x, offsets, num_targets))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

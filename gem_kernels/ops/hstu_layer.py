@@ -181,6 +181,12 @@ def _check_vector(name: str, t, size: int) -> None:
         raise ValueError(f"{name} must have shape [{size}], got {tuple(t.shape)}")
 
 
+def _check_matrix(name: str, t, shape: tuple[int, int], formula: str) -> None:
+    check_tensor(name, t, dtypes=float_dtypes(), dims=(2,))
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {formula} = {list(shape)}, got {tuple(t.shape)}")
+
+
 def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num_targets: torch.Tensor | None = None,
                *, input_norm_weight: torch.Tensor, input_norm_bias: torch.Tensor, uvqk_weight: torch.Tensor,
                uvqk_bias: torch.Tensor, output_norm_weight: torch.Tensor, output_norm_bias: torch.Tensor,
@@ -234,18 +240,12 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
     k = width * (1 + concat_u + concat_x)
     _check_vector("input_norm_weight", input_norm_weight, dim)
     _check_vector("input_norm_bias", input_norm_bias, dim)
-    check_tensor("uvqk_weight", uvqk_weight, dtypes=float_dtypes(), dims=(2,))
-    if tuple(uvqk_weight.shape) != (dim, num_out):
-        raise ValueError(f"uvqk_weight must have shape [D, H*(2*linear_dim + 2*attention_dim)] = [{dim}, {num_out}], "
-                         f"got {tuple(uvqk_weight.shape)}")
+    _check_matrix("uvqk_weight", uvqk_weight, (dim, num_out), "[D, H*(2*linear_dim + 2*attention_dim)]")
     _check_vector("uvqk_bias", uvqk_bias, num_out)
     norm_size = num_heads if group_norm else width
     _check_vector("output_norm_weight", output_norm_weight, norm_size)
     _check_vector("output_norm_bias", output_norm_bias, norm_size)
-    check_tensor("output_weight", output_weight, dtypes=float_dtypes(), dims=(2,))
-    if tuple(output_weight.shape) != (k, dim):
-        raise ValueError(f"output_weight must have shape [K, D] = [{k}, {dim}] (K = H*linear_dim*(1 + concat_u + "
-                         f"concat_x)), got {tuple(output_weight.shape)}")
+    _check_matrix("output_weight", output_weight, (k, dim), "[K, D] (K = H*linear_dim*(1 + concat_u + concat_x))")
     if output_bias is not None:
         _check_vector("output_bias", output_bias, dim)
     if dropout_mask is not None:
