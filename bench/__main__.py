@@ -19,6 +19,7 @@ FAMILIES = {
     "embedding_bag": "bench.embedding_bag",
     "attention": "bench.attention",
     "interaction": "bench.interaction",
+    "hstu_layer": "bench.hstu_layer",
     "model": "bench.model",
     "swap": "bench.swap",
     "inference": "bench.inference",

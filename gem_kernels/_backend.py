@@ -215,6 +215,11 @@ def _triton_attention() -> ModuleType:
     return attention
 
 
+def _reference_hstu_layer() -> ModuleType:
+    from .reference import hstu_layer
+    return hstu_layer
+
+
 def _reference_interaction() -> ModuleType:
     from .reference import interaction
     return interaction
@@ -259,6 +264,8 @@ FAMILIES: dict[str, Family] = {
     # shape; cuda runs when named, or under `auto` when triton is missing.
     "attention": Family(_reference_attention, _triton_attention, auto_cuda=("triton", "cuda")),
     "interaction": Family(_reference_interaction, _triton_interaction),
+    # The HSTU layer's projection halves: reference and cpu kernels only so far (never asks triton).
+    "hstu_layer": Family(_reference_hstu_layer, _reference_hstu_layer, implemented=("reference", "cpu")),
 }
 
 

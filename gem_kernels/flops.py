@@ -112,6 +112,37 @@ def jagged_attention(offsets: torch.Tensor, num_heads: int, dim_qk: int, dim_v: 
         nbytes += total * num_heads * (4 * dim_qk + 4 * dim_v) * elem_bytes
     return flops, nbytes
 
+def hstu_layer(offsets: torch.Tensor, dim: int, num_heads: int, linear_dim: int, attention_dim: int,
+               elem_bytes: int, *, concat_u: bool = True, concat_x: bool = True,
+               backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of one HSTU layer (generative-recommenders' STULayer) on the real tokens.
+
+    FLOPs: the UVQK GEMM 2 * N * D * O (O = H * (2 * linear_dim + 2 * attention_dim)), the output GEMM
+    2 * N * K * D (K = H * linear_dim * (1 + concat_u + concat_x)), and the causal attention
+    (``jagged_attention`` with Dqk = attention_dim, Dv = linear_dim); norms and gating are O(N * (D + K))
+    and not counted. The backward of a GEMM is two GEMMs (2x), of the attention 2.5x.
+    Bytes: x read and out written, the weights read, and u, v, q, k and the attention output written
+    once and read once (what a layer that fuses the projections but not the attention must move);
+    the backward adds reading x and grad_out and writing dx and the weight gradients, plus the
+    attention's own backward traffic.
+    """
+    total = int(_lengths(offsets).sum())
+    width = num_heads * linear_dim
+    num_out = num_heads * (2 * linear_dim + 2 * attention_dim)
+    k = width * (1 + concat_u + concat_x)
+    gemm = 2 * total * dim * num_out + 2 * total * k * dim
+    attn_flops, attn_bytes = jagged_attention(offsets, num_heads, attention_dim, linear_dim, elem_bytes,
+                                              backward=backward)
+    weights = dim * num_out + k * dim + 2 * dim + num_out + 2 * width
+    nbytes = elem_bytes * (2 * total * dim + weights + 2 * total * (num_out + width))
+    flops = gemm + attn_flops
+    if backward:
+        flops += 2 * gemm
+        nbytes += elem_bytes * (3 * total * dim + weights) + attn_bytes - total * num_heads * (
+            2 * attention_dim + 2 * linear_dim) * elem_bytes
+    return flops, nbytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Interaction family. `backward=True` returns forward + backward totals (what a fwd+bwd bench
 # iteration does). Minimum bytes read each input once and write each output once; saved

@@ -74,7 +74,9 @@ def test_auto_resolution():
              "triton": "triton" if triton_ok else ("cuda" if cuda_ok else "reference")}
     # One rule, a per-family preference: attention takes triton first on CUDA tensors, the others cuda.
     for family, fam in _backend.FAMILIES.items():
-        assert _backend.resolve_backend("auto", cuda, family) == first[fam.auto_cuda[0]], family
+        # hstu_layer has no GPU kernels: auto gives its reference on CUDA tensors, whatever is built.
+        expected = first[fam.auto_cuda[0]] if set(fam.auto_cuda) <= set(fam.implemented) else "reference"
+        assert _backend.resolve_backend("auto", cuda, family) == expected, family
     assert _backend.FAMILIES["attention"].auto_cuda[0] == "triton"
     assert {f.auto_cuda[0] for n, f in _backend.FAMILIES.items() if n != "attention"} == {"cuda"}
 

@@ -442,9 +442,9 @@ def test_flops_per_step_wukong_counts_its_layers():
 
 def test_flops_per_step_against_an_independent_count():
     """The whole step's model FLOPs against FlopCounterMode on the fused model's forward + backward
-    (every nn.Linear: dense arch, contextual projection, HSTU projections, Wukong MLP, over arch,
-    heads) plus, by hand, what runs in gem_kernels' custom ops, which FlopCounterMode cannot see:
-    HSTU attention (Q K^T and P V over the causal half of each user's L^2, backward 2.5x), Wukong's
+    (every nn.Linear: dense arch, contextual projection, Wukong MLP, over arch, heads) plus, by
+    hand, what runs in gem_kernels' custom ops, which FlopCounterMode cannot see: the HSTU layers
+    (their projections' GEMMs, and the attention: Q K^T and P V over the causal half of each user's L^2, backward 2.5x), Wukong's
     FM compression and feature mix with their LayerNorms, the embedding bags' pooling and gradient
     sums. The optimizer update is not model work: it is flops_by_component's "optimizer" alone."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -456,6 +456,9 @@ def test_flops_per_step_against_an_independent_count():
     d, h, dl, da = cfg.embedding_dim, cfg.num_heads, cfg.hstu_linear_dim, cfg.hstu_attention_dim
     lengths = [cfg.contextual_len + int(L) + int(k) for L, k in zip(b.history_offsets.diff(), b.num_candidates)]
     attention = cfg.num_hstu_layers * 3.5 * sum(2 * L * L * h * (da + dl) / 2 for L in lengths)
+    # The HSTU layer's two projections run inside gem_kernels' fused hstu_layer ops too: the UVQK
+    # and output GEMMs, forward and their two backward GEMMs each.
+    attention += cfg.num_hstu_layers * 3 * sum(lengths) * (2 * d * h * (2 * dl + 2 * da) + 2 * h * dl * d)
     rows, wukong, num_in = int(b.num_candidates.sum()), 0, cfg.num_features
     for _ in range(cfg.wukong_layers):
         num_out, k = cfg.wukong_fm_out + cfg.wukong_lcb_out, cfg.wukong_fm_rank

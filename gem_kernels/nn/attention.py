@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.attention import jagged_attention
+from ..ops.hstu_layer import hstu_layer
 from ..ops.jagged import jagged_to_padded, padded_to_jagged
 from ._fx import NotScriptable, is_proxy, trace_call
 
@@ -77,11 +78,18 @@ class JaggedMultiheadAttention(nn.Module):
 
 
 class HSTULayer(nn.Module):
-    """The HSTU block of generative-recommenders (Zhai et al. 2024), on a jagged batch::
+    """The HSTU layer of generative-recommenders (Zhai et al. 2024) on a jagged batch, one call of the
+    fused ``gem_kernels.ops.hstu_layer.hstu_layer`` (maths: ``gem_kernels.reference.hstu_layer``)::
 
-        u, v, q, k = split(silu(Linear(LayerNorm(x))))         # one fused projection
-        a = jagged_attention(q, k, v, kind="hstu")             # [N, H, linear_dim]
-        y = x + Linear(dropout(u * LayerNorm(a)))              # gating by u, residual
+        u, v, q, k = split(LayerNorm(x) @ W_uvqk + b_uvqk)     # one projection
+        u = silu(u); v, q, k = silu(v, q, k) if silu_qkv
+        a = jagged_attention(q, k, v, kind="hstu", scale=attn_alpha)   # [N, H * linear_dim]
+        y = u * Norm(a)                                        # LayerNorm, or GroupNorm per head
+        out = x + dropout([u] + [a] + [y]) @ W_out (+ b_out)   # [u] if concat_u, [a] if concat_x
+
+    The defaults are the HSTU paper's block (SiLU on all four, y alone, an output bias);
+    ``from_generative_recommenders(stu_layer)`` builds generative-recommenders' ``STULayer`` (SiLU on
+    u only, concat_u and concat_x, no output bias) with a copy of its weights.
 
     Args:
         embed_dim: model dim of x [N, embed_dim].
@@ -89,43 +97,97 @@ class HSTULayer(nn.Module):
         linear_dim: per-head dim of u and v.
         attention_dim: per-head dim of q and k.
         causal, contextual_len, max_attn_len, max_seq_len, num_time_buckets, backend: as in
-            ``JaggedMultiheadAttention``.
-        dropout: on the gated attention output.
-        eps: of both layer norms.
+            ``JaggedMultiheadAttention`` (backend: of the attention; the projections run
+            ``gem_kernels.ops.hstu_layer.projection_backend(backend)``).
+        dropout: on the concatenated input of the output projection (training mode only).
+        eps: of both norms.
+        silu_qkv: SiLU on v, q, k too (STULayer: False).
+        concat_u, concat_x: concatenate u and a before y (STULayer: both).
+        group_norm: GroupNorm of a over the H heads (weight and bias [H]) instead of LayerNorm over
+            H * linear_dim; then concat_u and concat_x must be equal.
+        attn_alpha: the attention's scale (default 1 / sqrt(attention_dim)).
+        output_bias: whether the output projection has a bias (STULayer: no).
+        target_aware: pass num_targets to the attention (STULayer's ``target_aware``); False ignores it.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, linear_dim: int, attention_dim: int, *, causal: bool = True,
                  contextual_len: int = 0, max_attn_len: int = 0, max_seq_len: int = 0, num_time_buckets: int = 0,
-                 dropout: float = 0.0, eps: float = 1e-6, backend: str | None = None):
+                 dropout: float = 0.0, eps: float = 1e-6, silu_qkv: bool = True, concat_u: bool = False,
+                 concat_x: bool = False, group_norm: bool = False, attn_alpha: float | None = None,
+                 output_bias: bool = True, target_aware: bool = True, backend: str | None = None):
         super().__init__()
+        if group_norm and concat_u != concat_x:
+            raise ValueError(f"with group_norm, concat_u and concat_x must be equal (generative-recommenders "
+                             f"concatenates only both), got concat_u={concat_u}, concat_x={concat_x}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.num_heads, self.linear_dim, self.attention_dim = num_heads, linear_dim, attention_dim
         self.causal, self.contextual_len, self.max_attn_len = causal, contextual_len, max_attn_len
-        self.backend = backend
+        self.silu_qkv, self.concat_u, self.concat_x, self.group_norm = silu_qkv, concat_u, concat_x, group_norm
+        self.attn_alpha, self.target_aware, self.eps, self.backend = attn_alpha, target_aware, eps, backend
+        width = num_heads * linear_dim
         self.input_norm = nn.LayerNorm(embed_dim, eps=eps)
         self.uvqk = nn.Linear(embed_dim, num_heads * (2 * linear_dim + 2 * attention_dim))
-        self.attn_norm = nn.LayerNorm(num_heads * linear_dim, eps=eps)
+        # GroupNorm(H, H) on [N, H, linear_dim]: one group per head, weight and bias per head (STULayer's).
+        self.attn_norm = nn.GroupNorm(num_heads, num_heads, eps=eps) if group_norm else nn.LayerNorm(width, eps=eps)
         self.dropout = nn.Dropout(dropout)
-        self.out = nn.Linear(num_heads * linear_dim, embed_dim)
+        self.out = nn.Linear(width * (1 + concat_u + concat_x), embed_dim, bias=output_bias)
         self.bias = _RelativeBias(num_heads, max_seq_len, num_time_buckets)
+
+    @classmethod
+    def from_generative_recommenders(cls, stu_layer: nn.Module, *, backend: str | None = None) -> "HSTULayer":
+        """An ``HSTULayer`` computing generative-recommenders' ``STULayer`` (modules/stu.py), with a copy
+        of its weights (same dtype and device) and its training mode. ``forward(x, seq_offsets,
+        max_seq_len, num_targets)`` then equals ``stu_layer(x=x, x_lengths=seq_offsets.diff(),
+        x_offsets=seq_offsets, max_seq_len=max_seq_len, num_targets=num_targets)``; dropout (its
+        ``output_dropout_ratio``) draws its own mask."""
+        missing = [a for a in ("_uvqk_weight", "_uvqk_beta", "_output_weight", "_num_heads", "_hidden_dim",
+                               "_attention_dim", "_use_group_norm") if not hasattr(stu_layer, a)]
+        if missing:
+            raise TypeError(f"stu_layer must be a generative_recommenders STULayer, got {type(stu_layer).__name__} "
+                            f"(missing {missing})")
+        uvqk_weight = stu_layer._uvqk_weight
+        layer = cls(uvqk_weight.shape[0], stu_layer._num_heads, stu_layer._hidden_dim, stu_layer._attention_dim,
+                    causal=stu_layer._causal, contextual_len=stu_layer._contextual_seq_len,
+                    max_attn_len=stu_layer._max_attn_len, dropout=stu_layer._output_dropout_ratio,
+                    silu_qkv=False, concat_u=True, concat_x=True, group_norm=stu_layer._use_group_norm,
+                    attn_alpha=stu_layer._attn_alpha, output_bias=False, target_aware=stu_layer._target_aware,
+                    backend=backend).to(device=uvqk_weight.device, dtype=uvqk_weight.dtype)
+        with torch.no_grad():
+            layer.input_norm.weight.copy_(stu_layer._input_norm_weight)
+            layer.input_norm.bias.copy_(stu_layer._input_norm_bias)
+            layer.uvqk.weight.copy_(uvqk_weight.t())  # GR stores [in, out], nn.Linear [out, in]
+            layer.uvqk.bias.copy_(stu_layer._uvqk_beta)
+            layer.attn_norm.weight.copy_(stu_layer._output_norm_weight)
+            layer.attn_norm.bias.copy_(stu_layer._output_norm_bias)
+            layer.out.weight.copy_(stu_layer._output_weight.t())
+        return layer.train(stu_layer.training)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                 num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
                 query_timestamps: torch.Tensor | None = None) -> torch.Tensor:
+        if is_proxy(x, seq_offsets, max_seq_len, num_targets, timestamps, query_timestamps):
+            return trace_call(self, x, seq_offsets, max_seq_len, num_targets, timestamps, query_timestamps)
         self.bias.check(max_seq_len, timestamps)
-        n, h = x.shape[0], self.num_heads
-        uvqk = F.silu(self.uvqk(self.input_norm(x)))
-        u, v, q, k = uvqk.split([h * self.linear_dim, h * self.linear_dim, h * self.attention_dim,
-                                 h * self.attention_dim], dim=-1)
-        attn = jagged_attention(q.reshape(n, h, self.attention_dim), k.reshape(n, h, self.attention_dim),
-                                v.reshape(n, h, self.linear_dim), seq_offsets, max_seq_len, kind="hstu",
-                                causal=self.causal, num_targets=num_targets, contextual_len=self.contextual_len,
-                                max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
-                                time_bias=self.bias.time_bias,
-                                timestamps=timestamps if self.bias.time_bias is not None else None,
-                                query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
-                                backend=self.backend)
-        gated = u * self.attn_norm(attn.reshape(n, h * self.linear_dim))
-        return x + self.out(self.dropout(gated))
+        mask = None
+        if self.training and self.dropout.p > 0:
+            # F.dropout's distribution (GR applies it to the concat); the mask is one operand of the
+            # output GEMM's prologue, so no dropped copy of the concat is ever stored.
+            keep = 1.0 - self.dropout.p
+            mask = torch.empty(x.shape[0], self.out.in_features, device=x.device, dtype=x.dtype).bernoulli_(keep)
+            mask.div_(keep)
+        return hstu_layer(x, seq_offsets, max_seq_len, num_targets if self.target_aware else None,
+                          input_norm_weight=self.input_norm.weight, input_norm_bias=self.input_norm.bias,
+                          uvqk_weight=self.uvqk.weight.t(), uvqk_bias=self.uvqk.bias,
+                          output_norm_weight=self.attn_norm.weight, output_norm_bias=self.attn_norm.bias,
+                          output_weight=self.out.weight.t(), output_bias=self.out.bias, num_heads=self.num_heads,
+                          linear_dim=self.linear_dim, attention_dim=self.attention_dim, attn_alpha=self.attn_alpha,
+                          causal=self.causal, contextual_len=self.contextual_len, max_attn_len=self.max_attn_len,
+                          pos_bias=self.bias.pos_bias, time_bias=self.bias.time_bias,
+                          timestamps=timestamps if self.bias.time_bias is not None else None,
+                          query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
+                          silu_qkv=self.silu_qkv, group_norm=self.group_norm, concat_u=self.concat_u,
+                          concat_x=self.concat_x, dropout_mask=mask, eps=self.eps, backend=self.backend)
 
 
 def _end_padding_lengths(key_padding_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:

@@ -1,0 +1,447 @@
+"""The fused HSTU layer (gem_kernels.ops.hstu_layer, gk.nn.HSTULayer).
+
+Three checks, each able to fail on its own:
+- the reference twin (gem_kernels.reference.hstu_layer) against the plain-torch layer written out
+  below, in float64 (so CI on a clean clone pins the twin's maths without generative-recommenders);
+- the fused op on every backend here, output and every gradient, by FlashAttention's rule against
+  the twin's float64 run (at most twice the fp32 twin's error, plus a rounding atol);
+- gk.nn.HSTULayer.from_generative_recommenders(stu_layer) against generative-recommenders' own
+  STULayer on its PyTorch path (imported from $GENERATIVE_RECOMMENDERS_PATH, default /tmp/gr; skipped
+  with the reason where it is not there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gem_kernels as gk
+from gem_kernels.ops import hstu_layer as ops
+from gem_kernels.reference import float64_ground_truth
+from gem_kernels.reference import hstu_layer as ref
+
+from .utils import assert_close_vs_eager, offsets_from_lengths, rounding_atol
+
+BACKENDS = [pytest.param(b, marks=[] if b in gk.available_backends() else pytest.mark.skip(reason=f"{b} not built"))
+            for b in ("reference", "cpu")]
+PARAM_NAMES = ("input_norm_weight", "input_norm_bias", "uvqk_weight", "uvqk_bias", "output_norm_weight",
+               "output_norm_bias", "output_weight", "output_bias")
+LENGTHS = (5, 0, 9, 1, 3)
+
+
+def _layer_inputs(seed, *, dim=24, heads=2, linear_dim=8, attention_dim=4, group_norm=False, concat_u=True,
+                  concat_x=True, output_bias=False, lengths=LENGTHS, targets=True):
+    """(x, seq_offsets, max_seq_len, num_targets, params, grad_out), fp32, with non-trivial norm weights."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    width = heads * linear_dim
+    num_out = heads * (2 * linear_dim + 2 * attention_dim)
+    k = width * (1 + concat_u + concat_x)
+    norm_size = heads if group_norm else width
+    params = dict(input_norm_weight=1 + randn(dim, scale=0.2), input_norm_bias=randn(dim, scale=0.2),
+                  uvqk_weight=randn(dim, num_out, scale=dim ** -0.5), uvqk_bias=randn(num_out, scale=0.2),
+                  output_norm_weight=1 + randn(norm_size, scale=0.2), output_norm_bias=randn(norm_size, scale=0.2),
+                  output_weight=randn(k, dim, scale=k ** -0.5))
+    if output_bias:
+        params["output_bias"] = randn(dim, scale=0.2)
+    offsets = offsets_from_lengths(lengths)
+    n = int(offsets[-1])
+    num_targets = torch.tensor([min(2, length) for length in lengths]) if targets else None
+    return randn(n, dim), offsets, max(lengths), num_targets, params, randn(n, dim)
+
+
+def _run(fn, x, offsets, max_seq_len, num_targets, params, grad_out, dtype):
+    """(out, dx, d<param> for each param), every tensor a fresh leaf in ``dtype``."""
+    leaves = [x.to(dtype).requires_grad_(True)] + [p.to(dtype).requires_grad_(True) for p in params.values()]
+    out = fn(leaves[0], offsets, max_seq_len, num_targets, **dict(zip(params, leaves[1:])))
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out.to(dtype))]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain-torch layer: generative-recommenders' STULayer maths, one sequence and one query at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def _visible(n, i, j, num_targets, contextual_len, max_attn_len):
+    """Whether query i sees key j in a causal sequence of n (GR's _get_valid_attn_mask rule): positions
+    are ids clamped to the last history id (targets see the history and themselves), the contextual
+    prefix shares id 0 and sees every history position."""
+    def pos(t):
+        p = max(t - contextual_len + 1, 0) if contextual_len > 0 else t
+        return min(p, last)
+
+    last = (n - contextual_len + 1 if contextual_len > 0 else n) - num_targets
+    dist = pos(i) - pos(j)
+    seen = i == j or dist > 0
+    if max_attn_len > 0:
+        seen = seen and dist <= max_attn_len
+    if contextual_len > 0 and pos(i) == 0 and pos(j) < last:
+        seen = True
+    return seen
+
+
+def _plain_layer(x, offsets, max_seq_len, num_targets, *, input_norm_weight, input_norm_bias, uvqk_weight, uvqk_bias,
+                 output_norm_weight, output_norm_bias, output_weight, output_bias=None, num_heads, linear_dim,
+                 attention_dim, attn_alpha=None, contextual_len=0, max_attn_len=0, silu_qkv=False, group_norm=False,
+                 concat_u=True, concat_x=True, eps=1e-6):
+    h, width = num_heads, num_heads * linear_dim
+    alpha = attention_dim ** -0.5 if attn_alpha is None else attn_alpha
+    xn = F.layer_norm(x, (x.shape[1],), input_norm_weight, input_norm_bias, eps)
+    u, v, q, k = (xn @ uvqk_weight + uvqk_bias).split([width, width, h * attention_dim, h * attention_dim], 1)
+    u = F.silu(u)
+    if silu_qkv:
+        v, q, k = F.silu(v), F.silu(q), F.silu(k)
+    q, k, v = q.view(-1, h, attention_dim), k.view(-1, h, attention_dim), v.view(-1, h, linear_dim)
+    rows = []
+    for b in range(len(offsets) - 1):
+        s, e = int(offsets[b]), int(offsets[b + 1])
+        n = e - s
+        targets = 0 if num_targets is None else int(num_targets[b])
+        for i in range(n):
+            seen = [j for j in range(n) if _visible(n, i, j, targets, contextual_len, max_attn_len)]
+            w = F.silu(torch.einsum("hd,jhd->hj", q[s + i], k[s + torch.tensor(seen, dtype=torch.long)]) * alpha)
+            rows.append(torch.einsum("hj,jhd->hd", w / max_seq_len, v[s + torch.tensor(seen, dtype=torch.long)]))
+    a = torch.stack(rows).reshape(-1, width) if rows else x.new_zeros((0, width))
+    if group_norm:
+        ah = a.view(-1, h, linear_dim)
+        mean, var = ah.mean(2, keepdim=True), ah.var(2, unbiased=False, keepdim=True)
+        normed = ((ah - mean) / torch.sqrt(var + eps) * output_norm_weight.view(1, h, 1)
+                  + output_norm_bias.view(1, h, 1)).reshape(-1, width)
+    else:
+        normed = F.layer_norm(a, (width,), output_norm_weight, output_norm_bias, eps)
+    c = torch.cat(([u] if concat_u else []) + ([a] if concat_x else []) + [u * normed], 1)
+    out = x + c @ output_weight
+    return out if output_bias is None else out + output_bias
+
+
+CONFIGS = {  # name: (layer options, input options)
+    "stu": (dict(), dict()),
+    "stu_context_window": (dict(contextual_len=2, max_attn_len=3), dict()),
+    "group_norm": (dict(group_norm=True, contextual_len=1), dict(group_norm=True)),
+    "group_norm_no_concat": (dict(group_norm=True, concat_u=False, concat_x=False, max_attn_len=2),
+                             dict(group_norm=True, concat_u=False, concat_x=False)),
+    "concat_u_only_alpha": (dict(concat_x=False, attn_alpha=0.7), dict(concat_x=False)),
+    "concat_x_only_no_targets": (dict(concat_u=False), dict(concat_u=False, targets=False)),
+    "paper_block": (dict(silu_qkv=True, concat_u=False, concat_x=False),
+                    dict(concat_u=False, concat_x=False, output_bias=True)),
+}
+DIMS = dict(num_heads=2, linear_dim=8, attention_dim=4)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_reference_twin_is_the_plain_maths(config):
+    """The twin (padded attention, fused-halves split) equals the plain per-query layer, output and every
+    gradient, in float64."""
+    options, inputs = CONFIGS[config]
+    x, offsets, max_seq_len, num_targets, params, grad_out = _layer_inputs(1, **inputs)
+    twin = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS, **options), x, offsets, max_seq_len, num_targets,
+                params, grad_out, torch.float64)
+    plain = _run(lambda *a, **p: _plain_layer(*a, **p, **DIMS, **options), x, offsets, max_seq_len, num_targets,
+                 params, grad_out, torch.float64)
+    for name, a, b in zip(("out", "x", *params), twin, plain):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def _assert_fa_rule(actual, eager, truth, names, what):
+    """FlashAttention's rule on the output, dx and every weight gradient.
+
+    # NOTE: a weight gradient sums N tokens' terms, each carrying a few fp32 roundings from the GEMMs
+    # and the attention before it; on a tensor of H (2) or H * linear_dim (16) entries, the eager max
+    # error is one draw of that noise (0.1 to 4 roundings of the largest entry across seeds here,
+    # with both backends' own sums in fp64), so its atol is 8 roundings rather than one. The
+    # output and dx, and every tensor of the bench's larger shapes, keep the plain rule.
+    """
+    for name, a, e, t in zip(names, actual, eager, truth):
+        if name in ("out", "x"):
+            assert_close_vs_eager(a, t, e, torch.float32, msg=f"{what}: {name}")
+            continue
+        err = (a.double() - t).abs().max().item() if a.numel() else 0.0
+        eager_err = (e.double() - t).abs().max().item() if e.numel() else 0.0
+        bound = 2 * eager_err + 8 * rounding_atol(t, torch.float32)
+        assert err <= bound, f"{what}: {name}: max error {err} > 2 x eager's {eager_err} + 8 roundings"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fused_op_by_the_flash_attention_rule(backend, config):
+    """hstu_layer on a backend: output and every gradient within twice the fp32 twin's error of the
+    twin's float64 run (the twin in float64 is float64 throughout: an fp32 'ground truth' made the
+    rule fail on every result computed in another order)."""
+    options, inputs = CONFIGS[config]
+    for seed in range(3):
+        x, offsets, max_seq_len, num_targets, params, grad_out = _layer_inputs(seed, **inputs)
+        args = (x, offsets, max_seq_len, num_targets, params, grad_out)
+        with float64_ground_truth():
+            truth = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS, **options), *args, torch.float64)
+        eager = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS, **options), *args, torch.float32)
+        fused = _run(lambda *a, **p: ops.hstu_layer(*a, **p, **DIMS, **options, backend=backend), *args,
+                     torch.float32)
+        _assert_fa_rule(fused, eager, truth, ("out", "x", *params), f"{config} seed {seed}")
+
+
+def test_float64_twin_is_float64():
+    """The twin keeps float64 (it cast to fp32 before: the 'ground truth' then carried fp32 rounding)."""
+    x, offsets, max_seq_len, num_targets, params, _ = _layer_inputs(0)
+    out = ref.stu_layer(x.double(), offsets, max_seq_len, num_targets, **{k: v.double() for k, v in params.items()},
+                        **DIMS)
+    plain = _plain_layer(x.double(), offsets, max_seq_len, num_targets, **{k: v.double() for k, v in params.items()},
+                         **DIMS)
+    assert out.dtype == torch.float64
+    assert (out - plain).abs().max().item() < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# gk.nn.HSTULayer
+# ---------------------------------------------------------------------------------------------
+
+
+def _module_params(layer):
+    """The module's parameters as the op's (GR's layouts), for the twin."""
+    params = dict(input_norm_weight=layer.input_norm.weight, input_norm_bias=layer.input_norm.bias,
+                  uvqk_weight=layer.uvqk.weight.t(), uvqk_bias=layer.uvqk.bias,
+                  output_norm_weight=layer.attn_norm.weight, output_norm_bias=layer.attn_norm.bias,
+                  output_weight=layer.out.weight.t())
+    if layer.out.bias is not None:
+        params["output_bias"] = layer.out.bias
+    return params
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_dropout_draws_one_mask_for_the_concat(backend):
+    """Training mode with dropout: the module's output is the twin's with the module's mask (drawn from
+    the global generator: F.dropout's distribution on the concat, as STULayer's)."""
+    torch.manual_seed(0)
+    layer = gk.nn.HSTULayer(16, 2, 8, 4, dropout=0.5, silu_qkv=False, concat_u=True, concat_x=True,
+                            output_bias=False, backend=backend)
+    x, offsets = torch.randn(9, 16), offsets_from_lengths([4, 5])
+    torch.manual_seed(1)
+    out = layer(x, offsets, 5)
+    torch.manual_seed(1)
+    mask = torch.empty(9, 48).bernoulli_(0.5).div_(0.5)
+    expected = ref.stu_layer(x, offsets, 5, None, **_module_params(layer), num_heads=2, linear_dim=8,
+                             attention_dim=4, dropout_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, layer.eval()(x, offsets, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_empty_sequences(backend):
+    layer = gk.nn.HSTULayer(8, 2, 4, 4, concat_u=True, concat_x=True, backend=backend)
+    x = torch.zeros(0, 8, requires_grad=True)
+    out = layer(x, offsets_from_lengths([0, 0]), 0)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert x.grad.shape == (0, 8) and layer.uvqk.weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_cpu_kernels_on_several_threads(grad_mode):
+    """A batch large enough for the cpu kernels' worker threads, with weights that require grad, under
+    no_grad and with grad: the GEMMs on the workers raised (addmm out= with an operand requiring grad)
+    where the small shapes of the other tests ran on the calling thread only."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, offsets, max_seq_len, num_targets, params, grad_out = _layer_inputs(0, dim=64, lengths=(300, 5, 250))
+        leaves = {n: p.requires_grad_(True) for n, p in params.items()}
+        with torch.set_grad_enabled(grad_mode):
+            out = ops.hstu_layer(x, offsets, max_seq_len, num_targets, **leaves, **DIMS, backend="cpu")
+            expected = ref.stu_layer(x, offsets, max_seq_len, num_targets, **leaves, **DIMS)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        if grad_mode:
+            grads = torch.autograd.grad(out, list(leaves.values()), grad_out)
+            grads_expected = torch.autograd.grad(expected, list(leaves.values()), grad_out)
+            for name, g, e in zip(leaves, grads, grads_expected):
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-3 * float(e.abs().max()), msg=name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif("triton" not in gk.available_backends(), reason="triton backend unavailable here")
+def test_triton_attention_runs_with_the_reference_projections():
+    """backend="triton": the attention runs triton (the interpreter here), the projections the
+    reference twins (projection_backend's documented fallback: no triton projection kernels)."""
+    assert ops.projection_backend("triton", torch.device("cpu")) == "cpu"
+    assert ops.projection_backend("triton", torch.device("cuda")) == "reference"
+    x, offsets, max_seq_len, num_targets, params, grad_out = _layer_inputs(0, lengths=(3, 0, 4))
+    args = (x, offsets, max_seq_len, num_targets, params, grad_out)
+    got = _run(lambda *a, **p: ops.hstu_layer(*a, **p, **DIMS, backend="triton"), *args, torch.float32)
+    expected = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS), *args, torch.float32)
+    for name, g, e in zip(("out", "x", *params), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_module_options_are_checked():
+    with pytest.raises(ValueError, match="concat_u and concat_x must be equal"):
+        gk.nn.HSTULayer(8, 2, 4, 4, group_norm=True, concat_u=True)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        gk.nn.HSTULayer(8, 2, 4, 4, dropout=1.0)
+    with pytest.raises(TypeError, match="stu_layer must be a generative_recommenders STULayer"):
+        gk.nn.HSTULayer.from_generative_recommenders(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(uvqk_weight=torch.zeros(24, 7)), ValueError, r"uvqk_weight must have shape \[D, H\*\(2\*linear_dim"),
+    (dict(output_weight=torch.zeros(32, 24)), ValueError, r"output_weight must have shape \[K, D\] \(K = .*\) = \[48, 24\]"),
+    (dict(output_norm_weight=torch.zeros(2)), ValueError, r"output_norm_weight must have shape \[16\]"),
+    (dict(input_norm_bias=torch.zeros(24, dtype=torch.int64)), ValueError, "input_norm_bias must have dtype"),
+    (dict(x=torch.zeros(18, 24, dtype=torch.float64)), ValueError, "x must have dtype"),
+    (dict(x=torch.zeros(18, 2, 12)), ValueError, "x must have 2 dims"),
+    (dict(num_heads=0), ValueError, "num_heads must be an int >= 1, got 0"),
+    (dict(concat_x=1), ValueError, "concat_x must be a bool"),
+    (dict(group_norm=True, concat_x=False), ValueError, "concat_u and concat_x must be equal"),
+    (dict(eps=0.0), ValueError, "eps must be a float > 0"),
+    (dict(dropout_mask=torch.ones(18, 3)), ValueError, r"dropout_mask must have shape \[N, K\] = \[18, 48\]"),
+    (dict(seq_offsets=torch.tensor([0, 5, 3, 12, 15, 18])), ValueError, "seq_offsets"),
+])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_refused(backend, change, error, match):
+    x, offsets, max_seq_len, num_targets, params, _ = _layer_inputs(0)
+    args = dict(x=x, seq_offsets=offsets, max_seq_len=max_seq_len, num_targets=num_targets, **params, **DIMS)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        ops.hstu_layer(**args, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph(backend):
+    """The registered ops' fakes and autograd formulas let dynamo and AOT autograd trace the whole
+    layer (forward and backward) as one graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = gk.nn.HSTULayer(16, 2, 8, 4, silu_qkv=False, concat_u=True, concat_x=True, output_bias=False,
+                            contextual_len=1, backend=backend)
+    x = torch.randn(12, 16, requires_grad=True)
+    offsets, num_targets = offsets_from_lengths([5, 0, 7]), torch.tensor([1, 0, 2])
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = compiled(x, offsets, 7, num_targets)
+    expected = layer(x, offsets, 7, num_targets)
+    torch.testing.assert_close(got, expected)
+    grads = torch.autograd.grad(got.square().sum(), [x, *layer.parameters()])
+    grads_expected = torch.autograd.grad(expected.square().sum(), [x, *layer.parameters()])
+    for g, e in zip(grads, grads_expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_module_traces_with_torch_fx():
+    """torch.fx.symbolic_trace of a model holding the layer: one leaf call, same result."""
+    torch.manual_seed(0)
+    layer = gk.nn.HSTULayer(16, 2, 8, 4, silu_qkv=False, concat_u=True, concat_x=True, output_bias=False)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = layer
+
+        def forward(self, x, offsets, num_targets):
+            return self.inner(x, offsets, 7, num_targets) * 2.0
+
+    wrapper = Wrapper()
+    gm = torch.fx.symbolic_trace(wrapper)
+    x, offsets, num_targets = torch.randn(12, 16), offsets_from_lengths([5, 0, 7]), torch.tensor([1, 0, 2])
+    torch.testing.assert_close(gm(x, offsets, num_targets), wrapper(x, offsets, num_targets))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    x, offsets, max_seq_len, num_targets, p, _ = _layer_inputs(0)
+    uvqk_args = (x, p["input_norm_weight"], p["input_norm_bias"], 1e-6, p["uvqk_weight"], p["uvqk_bias"], 2, 8, 4,
+                 False, backend)
+    torch.library.opcheck(ops.hstu_uvqk_fwd_op, uvqk_args)
+    u_pre = ops.hstu_uvqk_fwd_op(*uvqk_args)[0]
+    attn = torch.randn_like(u_pre)
+    torch.library.opcheck(ops.hstu_output_fwd_op, (attn, u_pre, x, p["output_norm_weight"], p["output_norm_bias"],
+                                                   1e-6, p["output_weight"], None, None, 2, False, True, True,
+                                                   backend))
+
+
+# ---------------------------------------------------------------------------------------------
+# generative-recommenders' own STULayer
+# ---------------------------------------------------------------------------------------------
+
+GR_PATH = os.environ.get("GENERATIVE_RECOMMENDERS_PATH", "/tmp/gr")
+
+
+@pytest.fixture(scope="module")
+def gr():
+    """generative_recommenders (installed, or a checkout at GR_PATH), with fbgemm_gpu's CPU ops that
+    its PyTorch path calls; skips with the reason when either is missing."""
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.jagged_to_padded_dense on the CPU)
+    except ImportError as exc:
+        pytest.skip(f"fbgemm_gpu is not installed ({exc}): generative-recommenders' PyTorch path needs it")
+    if importlib.util.find_spec("generative_recommenders") is None:
+        if not os.path.isdir(os.path.join(GR_PATH, "generative_recommenders")):
+            pytest.skip(f"generative-recommenders is neither installed nor checked out at {GR_PATH} "
+                        f"(set GENERATIVE_RECOMMENDERS_PATH)")
+        sys.path.insert(0, GR_PATH)
+    from generative_recommenders.common import HammerKernel
+    from generative_recommenders.modules.stu import STULayer, STULayerConfig
+    return STULayer, STULayerConfig, HammerKernel
+
+
+GR_VARIANTS = {
+    "targets": dict(),
+    "contextual_window": dict(contextual_seq_len=2, max_attn_len=3),
+    "group_norm_alpha": dict(use_group_norm=True, attn_alpha=0.3),
+    "not_target_aware": dict(target_aware=False),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", list(GR_VARIANTS))
+def test_equals_generative_recommenders_stu_layer(gr, backend, variant):
+    """from_generative_recommenders(stu_layer): forward and the gradient of x and of every parameter
+    (mapped to GR's) by FlashAttention's rule, with GR's fp32 run as the eager side and the twin's
+    float64 run as the truth (GR's PyTorch path runs fbgemm's jagged_to_padded_dense, which has no
+    float64 kernel); GR's own distance to that truth is held to fp32 rounding too, so a twin that
+    computed another layer would fail here."""
+    STULayer, STULayerConfig, HammerKernel = gr
+    torch.manual_seed(0)
+    config = STULayerConfig(embedding_dim=24, num_heads=2, hidden_dim=8, attention_dim=4, output_dropout_ratio=0.3,
+                            **GR_VARIANTS[variant])
+    stu = STULayer(config)
+    stu.set_hammer_kernel(HammerKernel.PYTORCH)
+    with torch.no_grad():  # GR initialises norms to 1 / 0 and the bias to 0: make every term count
+        for p in (stu._input_norm_weight, stu._output_norm_weight):
+            p.add_(0.2 * torch.randn_like(p))
+        for p in (stu._input_norm_bias, stu._output_norm_bias, stu._uvqk_beta):
+            p.normal_(0, 0.2)
+    stu.eval()  # dropout off: STULayer's F.dropout and ours draw different masks
+    ours = gk.nn.HSTULayer.from_generative_recommenders(stu, backend=backend)
+    assert not ours.training and ours.dropout.p == 0.3
+    x, offsets, max_seq_len, num_targets, _, grad_out = _layer_inputs(2)
+
+    gr_params = [stu._input_norm_weight, stu._input_norm_bias, stu._uvqk_weight, stu._uvqk_beta,
+                 stu._output_norm_weight, stu._output_norm_bias, stu._output_weight]
+    xg = x.clone().requires_grad_(True)
+    out_gr = stu(x=xg, x_lengths=offsets.diff(), x_offsets=offsets, max_seq_len=max_seq_len, num_targets=num_targets)
+    eager = [out_gr.detach(), *torch.autograd.grad(out_gr, [xg, *gr_params], grad_out)]
+
+    xo = x.clone().requires_grad_(True)
+    out = ours(xo, offsets, max_seq_len, num_targets)
+    mine = [ours.input_norm.weight, ours.input_norm.bias, ours.uvqk.weight, ours.uvqk.bias, ours.attn_norm.weight,
+            ours.attn_norm.bias, ours.out.weight]
+    fused = [out.detach(), *torch.autograd.grad(out, [xo, *mine], grad_out)]
+    fused[4], fused[8] = fused[4].t(), fused[8].t()  # nn.Linear's [out, in] to GR's [in, out]
+
+    options = dict(attn_alpha=stu._attn_alpha, contextual_len=stu._contextual_seq_len,
+                   max_attn_len=stu._max_attn_len, group_norm=stu._use_group_norm)
+    twin_params = dict(zip(PARAM_NAMES, (p.detach().double().requires_grad_(True) for p in gr_params)))
+    with float64_ground_truth():
+        truth = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS, **options), x, offsets, max_seq_len,
+                     num_targets if stu._target_aware else None, twin_params, grad_out, torch.float64)
+    names = ("out", "x", *PARAM_NAMES[:-1])
+    _assert_fa_rule(fused, eager, truth, names, f"{variant} ours vs GR")
+    for name, e, t in zip(names, eager, truth):
+        torch.testing.assert_close(e.double(), t, rtol=1e-4, atol=1e-5, msg=f"GR vs the twin: {name}")
