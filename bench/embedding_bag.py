@@ -39,7 +39,7 @@ import gem_kernels as gk
 from gem_kernels import flops
 
 from .harness import Case, rotate
-from .peaks import gather_gbps
+from .peaks import gather_roof
 
 SEED = 0
 ZIPF_ALPHA = 1.05
@@ -213,15 +213,19 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
     case_flops, formula_bytes = flops.embedding_bag(lookups, dims, batch, 4, 8)
     floor_bytes = flops.embedding_bag_floor(first_indices, first_offsets, dims, batch, 4)
     # The roof of a pooled lookup: reading these rows of these tables in this order (bench.peaks).
-    gather = gather_gbps([module.weight(t).detach() for t in range(len(specs))],
-                         [batches[0][0][lo:hi] for lo, hi in bounds], device)
-    gather_note = (f"gather peak {gather:.1f} GB/s: batch 0's looked-up rows read in its order from these tables "
-                   f"(bench.peaks.gather_gbps: ATen's index_select, no software prefetch, so a prefetching kernel "
-                   f"can pass 100 %); '% of gather' = GB/s by FBGEMM's formula over it")
+    roof = gather_roof([module.weight(t).detach() for t in range(len(specs))],
+                       [batches[0][0][lo:hi] for lo, hi in bounds], device)
+    measured = f"ATen index_select {roof['aten_gbps']:.1f}"
+    if roof["prefetched_gbps"]:
+        measured += "; prefetching reader " + ", ".join(f"distance {d}: {g:.1f}"
+                                                        for d, g in roof["prefetched_gbps"].items())
+    gather_note = (f"gather peak {roof['gbps']:.1f} GB/s ({roof['best']}): batch 0's looked-up rows read in its order "
+                   f"from these tables, the best of bench.peaks.gather_roof's readers ({measured} GB/s); "
+                   f"'% of gather' = GB/s by FBGEMM's formula over it")
     bags64 = _eager_bags(module, copy=True, dtype=torch.float64)
     yield Case(op="embedding_bag fwd", shape=shape, dtype=dtype, flops=case_flops, bytes=floor_bytes,
                formula_bytes=formula_bytes, impls=impls, baseline="eager-loop", peak="bandwidth",
-               notes=[*notes, gather_note], gather_gbps=gather,
+               notes=[*notes, gather_note], gather_gbps=roof["gbps"],
                reference="eager-loop", fp64=lambda: _no_grad(lambda: _loop_forward(bags64, batch)(*arg_sets[0][::2])),
                compiled=[n for n in impls if n == "compile"])
     del bags64

@@ -5,8 +5,10 @@ is relative to are the better of the two measurements (``measure_peaks_again``).
   fp16 on GPU (tf32 = fp32 inputs with TF32 tensor cores allowed);
 - copy GB/s: ``dst.copy_(src)`` of a tensor far larger than the caches, counting read + write bytes
   (2 * nbytes), which is how the bandwidth-bound ops' minimum bytes are counted too;
-- gather GB/s (``gather_gbps``, per case: the embedding-bag family's roof): reading the case's own
-  looked-up rows from its own tables in its own order, the access pattern a pooled lookup cannot avoid.
+- gather GB/s (``gather_roof``, per case: the embedding-bag family's roof): reading the case's own
+  looked-up rows from its own tables in its own order, the access pattern a pooled lookup cannot avoid,
+  the best of ATen's index_select (``gather_gbps``) and a prefetching C++ reader at several prefetch
+  distances (``prefetched_gather_gbps``).
 On CPU torch uses all cores (the bench sets the thread count once for the whole run).
 """
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from gem_kernels import _backend
 
 from .harness import Settings, dtype_name, log, measure
 
@@ -75,6 +79,50 @@ def gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor], device: tor
     nbytes = sum(i.numel() * t.shape[1] * t.element_size() for t, i in zip(tables, ids))
     timing = measure(gather, device, settings)
     return nbytes / (timing.p10_ms / 1e3) / 1e9
+
+
+# Prefetch distances (ids ahead, within a work item's ids; 0 = no software prefetch) the prefetching
+# reader tries: the best is the roof, whichever distance this core's memory latency and fill buffers
+# favour (the embedding-bag forward uses 16, FBGEMM's default).
+PREFETCH_DISTANCES = (0, 4, 8, 16, 32, 64)
+
+
+def prefetched_gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor],
+                           settings: Settings | None = None) -> dict[int, float]:
+    """{prefetch distance: GB/s} of gem_kernels._C.gather_rows_read (csrc/cpu/gather_peak.cpp): the
+    rows ``ids[t]`` of ``tables[t]`` (CPU) read in order, split and scheduled over the threads as the
+    embedding-bag forward splits its bags, each row's cache lines prefetched ``distance`` ids ahead,
+    XOR-ed into registers (no output, no bag bookkeeping, no index checks in the timed loop beyond a
+    range test). Bytes as ``gather_gbps``: every looked-up row once."""
+    ext = _backend._C
+    if ext is None:
+        raise RuntimeError("prefetched_gather_gbps needs the gem_kernels extension (gem_kernels._C), "
+                           "which is not built")
+    settings = settings or Settings(min_repeats=3, min_time=0.2, max_time=2.0, warmup_time=0.05)
+    tables = [t.contiguous() for t in tables]
+    ids = [i.cpu().contiguous() for i in ids]
+    nbytes = sum(i.numel() * t.shape[1] * t.element_size() for t, i in zip(tables, ids))
+    cpu = torch.device("cpu")
+    return {d: nbytes / (measure(lambda d=d: ext.gather_rows_read(tables, ids, d), cpu, settings).p10_ms / 1e3) / 1e9
+            for d in PREFETCH_DISTANCES}
+
+
+def gather_roof(tables: list[torch.Tensor], ids: list[torch.Tensor], device: torch.device,
+                settings: Settings | None = None) -> dict:
+    """The roof of a pooled lookup of rows ``ids[t]`` of ``tables[t]`` in that order (GB/s, bytes: every
+    looked-up row once): {"gbps": the best of the measurements below, "aten_gbps": gather_gbps,
+    "prefetched_gbps": prefetched_gather_gbps by distance (None off the CPU or without the
+    extension), "best": the name of the best ("aten" or "prefetch <distance>")}. On the CPU it is an
+    upper bound of the embedding-bag forward: the same reads in the same order at the best prefetch
+    distance, without the forward's other work."""
+    aten = gather_gbps(tables, ids, device, settings)
+    prefetched = (prefetched_gather_gbps(tables, ids, settings)
+                  if device.type == "cpu" and _backend._C is not None else None)
+    candidates = {"aten": aten, **{f"prefetch {d}": g for d, g in (prefetched or {}).items()}}
+    best = max(candidates, key=candidates.get)
+    log(f"[peaks] gather roof {candidates[best]:.1f} GB/s ({best}); aten {aten:.1f}"
+        + ("".join(f", prefetch {d}: {g:.1f}" for d, g in prefetched.items()) if prefetched else ""))
+    return {"gbps": candidates[best], "aten_gbps": aten, "prefetched_gbps": prefetched, "best": best}
 
 
 def matmul_peak_tflops(dtype: torch.dtype, device: torch.device, quick: bool = True) -> float:

@@ -100,6 +100,10 @@ at::Tensor attention_fast_exp(const at::Tensor& x, bool vectorized);
 // the tests use to run both paths; returns the previous mode (-1 = not decided yet).
 bool streaming_stores_pay_off();
 int64_t set_streaming_stores(int64_t mode);
+// cpu/gather_peak.cpp: the bench's gather roof (bench/peaks.py): rows ids[t] of tables[t] read in
+// order with a software prefetch distance; returns the XOR of their 8-byte words.
+int64_t gather_rows_read(const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& ids,
+                         int64_t prefetch_distance);
 }  // namespace gem_kernels
 
 namespace {
@@ -126,4 +130,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_streaming_stores", &gem_kernels::set_streaming_stores,
         "force the CPU store kind: 0 normal, 1 streaming, -1 measure again; returns the previous mode",
         pybind11::arg("mode"));
+  m.def("gather_rows_read", &gem_kernels::gather_rows_read,
+        "bench helper: read rows ids[t] of tables[t] in order, prefetching the row prefetch_distance ids ahead "
+        "(0: none); returns the XOR of the rows' 8-byte words (a last partial word zero-extended)",
+        pybind11::arg("tables"), pybind11::arg("ids"), pybind11::arg("prefetch_distance"));
 }

@@ -44,3 +44,81 @@ def test_embedding_bag_row_reports_pct_of_its_gather_peak():
                          baseline="a", unverified="test")
     assert harness.make_row("x", plain, "a", harness.Timing([0.001], False), torch.device("cpu"), {}, "s",
                             "n")["pct_gather_peak"] is None
+
+
+def _xor_of_rows(table: torch.Tensor, ids: torch.Tensor) -> int:
+    """The XOR of the 8-byte words of table[ids] (each row zero-padded to a whole word), in numpy."""
+    import numpy as np
+
+    rows = table[ids.long()].contiguous().view(torch.uint8).reshape(ids.numel(), table.shape[1] * table.element_size()).numpy()
+    padded = np.zeros((rows.shape[0], -(-rows.shape[1] // 8) * 8), dtype=np.uint8)
+    padded[:, :rows.shape[1]] = rows
+    return int(np.bitwise_xor.reduce(padded.view(np.int64).ravel(), initial=0))
+
+
+needs_ext = pytest.mark.skipif(__import__("gem_kernels")._backend._C is None, reason="gem_kernels._C not built")
+
+
+@needs_ext
+@pytest.mark.parametrize("distance", [0, 3, 16, 5000])
+def test_prefetched_gather_reads_every_row_in_order(distance):
+    """gather_rows_read (the prefetching gather roof's reader) XORs exactly the looked-up rows: row
+    sizes of the unrolled kernels (128/256/512 bytes) and odd ones (12, 10, 1000 bytes), fp32 and
+    fp16, int32 and int64 ids, repeats, an empty list, and enough ids to split over the threads."""
+    from gem_kernels import _backend
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1000, 32, torch.float32), (300, 64, torch.float32), (97, 128, torch.float32), (59, 3, torch.float32),
+              (40, 5, torch.float16), (7, 250, torch.float32), (5, 64, torch.bfloat16)]
+    tables = [torch.randn(r, d, generator=gen).to(dt) for r, d, dt in shapes]
+    sizes = [20000, 3000, 1, 0, 2561, 77, 5120]
+    ids = [torch.randint(0, t.shape[0], (n,), generator=gen, dtype=torch.int32 if k % 2 else torch.int64)
+           for k, (t, n) in enumerate(zip(tables, sizes))]
+    expected = 0
+    for table, table_ids in zip(tables, ids):
+        expected ^= _xor_of_rows(table, table_ids)
+    assert _backend._C.gather_rows_read(tables, ids, distance) == expected
+    assert _backend._C.gather_rows_read([], [], distance) == 0
+
+
+@needs_ext
+def test_prefetched_gather_rejects_bad_input():
+    from gem_kernels import _backend
+
+    read = _backend._C.gather_rows_read
+    table, ids = torch.randn(10, 4), torch.tensor([0, 9])
+    with pytest.raises(IndexError, match=r"ids\[0\]\[1\] = 10 is out of range"):
+        read([table], [torch.tensor([0, 10, 3])], 4)
+    with pytest.raises(IndexError, match=r"= -1 is out of range"):
+        read([table], [torch.tensor([-1])], 0)
+    with pytest.raises(ValueError, match="same length"):
+        read([table], [], 0)
+    with pytest.raises(ValueError, match="prefetch_distance"):
+        read([table], [ids], -1)
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        read([table.t()], [ids], 0)
+    with pytest.raises(ValueError, match="1-D"):
+        read([table], [ids[None]], 0)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        read([table], [ids.float()], 0)
+
+
+@needs_ext
+def test_gather_roof_is_the_best_reader(monkeypatch):
+    """gather_roof keeps the fastest of ATen's gather and every prefetch distance, and names it; the
+    prefetching reader counts the bytes as gather_gbps does (timings pinned: the best is known)."""
+    from bench import peaks
+
+    tables, ids = [torch.randn(100, 8)], [torch.arange(100).repeat(3)]
+    monkeypatch.setattr(peaks, "gather_gbps", lambda *a, **k: 0.005)
+    times = iter([0.004, 0.002, 0.001, 0.003])  # seconds per distance, in PREFETCH_DISTANCES order
+    monkeypatch.setattr(peaks, "measure", lambda fn, device, settings: (fn(), harness.Timing([next(times)], False))[1])
+    monkeypatch.setattr(peaks, "PREFETCH_DISTANCES", (0, 4, 8, 16))
+    roof = peaks.gather_roof(tables, ids, torch.device("cpu"))
+    nbytes = 300 * 8 * 4
+    assert roof["prefetched_gbps"] == pytest.approx({0: nbytes / 0.004 / 1e9, 4: nbytes / 0.002 / 1e9,
+                                                     8: nbytes / 0.001 / 1e9, 16: nbytes / 0.003 / 1e9})
+    assert roof["best"] == "prefetch 8" and roof["gbps"] == roof["prefetched_gbps"][8] and roof["aten_gbps"] == 0.005
+    monkeypatch.setattr(peaks, "gather_gbps", lambda *a, **k: 1e9)
+    times = iter([1.0] * 4)
+    assert peaks.gather_roof(tables, ids, torch.device("cpu"))["best"] == "aten"
