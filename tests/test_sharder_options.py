@@ -10,8 +10,9 @@ import torch
 pytest.importorskip("torchrec")
 
 import gem_kernels as gk  # noqa: E402
-from gem_kernels.torchrec.sharding import (FusedEmbeddingBagCollectionSharder, _GemOptions,  # noqa: E402
-                                           _resolve_optimizer, optimizer_from_fused_params, sharding_plan)
+from gem_kernels.torchrec.sharding import (FusedEmbeddingBagCollectionSharder,  # noqa: E402
+                                           FusedEmbeddingCollectionSharder, _GemOptions, _resolve_optimizer,
+                                           optimizer_from_fused_params, sharding_plan)
 
 
 def _emb_opt(cls):
@@ -106,3 +107,17 @@ def test_sharding_plan_refuses_a_bad_world_size(world_size):
     with pytest.raises(ValueError, match="world_size must be None"):
         sharding_plan(_ebc_model(), [FusedEmbeddingBagCollectionSharder(module_type=EmbeddingBagCollection)],
                       "table_wise", world_size=world_size)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sharders_offer_only_sharding_types_torchrec_shards(device):
+    """A sharding type the planner may pick must be one TorchRec's sharded module builds: TorchRec's
+    ShardedEmbeddingCollection has no table-column-wise ("Sharding not supported"), so a planner
+    that chose it for a FusedEmbeddingCollection made DMP fail."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    for ours, theirs in ((FusedEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()),
+                         (FusedEmbeddingCollectionSharder(), EmbeddingCollectionSharder())):
+        offered = ours.sharding_types(device)
+        assert offered and set(offered) <= set(theirs.sharding_types(device)), (type(ours).__name__, offered)
