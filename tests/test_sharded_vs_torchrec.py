@@ -6,13 +6,16 @@ The route is the README's: ``gk.swap(model, optimizer=ExactSGD(lr))``, then DMP 
 ``FusedEmbeddingBagCollectionSharder()`` / ``FusedEmbeddingCollectionSharder()``. TorchRec's side
 trains its tables with FBGEMM's fused EXACT_SGD at the same lr (SGD: the update is Lipschitz in the
 gradient, so updated tables can be compared). Every case has a table shared by two features and a
-table of its own; plans: table-wise, column-wise and table-column-wise (what the sharders offer on the
-CPU); sum and mean pooling, per-sample weights; int32 and int64 lengths.
+table of its own; plans: every one the sharders offer on the CPU (table-wise, column-wise and, for
+the bag collection, table-column-wise); sum and mean pooling, per-sample weights; int32 and int64
+lengths.
 
 Verification (FlashAttention's rule): each side's outputs at every step and its tables after the
 steps against a float64 run of the same computation on the global batch (``_reference``); ours may
-err by at most twice TorchRec + FBGEMM's error plus a small atol. One spawn of 2 ranks runs every
-case (a process start costs seconds of imports).
+err by at most twice TorchRec + FBGEMM's error plus a small atol. TorchRec + FBGEMM's error is taken
+against what it computes: with per-sample weights, FBGEMM's CPU MEAN backward is the weighted sum's
+(its forward divides by the length, its backward does not), and the test asserts that divergence.
+One spawn of 2 ranks runs every case (a process start costs seconds of imports).
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ STEPS = 2
 LR = 0.5
 ATOL = 1e-5
 
+
 def _plans(sharder) -> tuple:
     """The model-parallel plans a gem_kernels sharder offers on the CPU."""
     return tuple(t for t in sharder.sharding_types("cpu") if t != "data_parallel")
+
 
 # (table, rows, dim, features): t0 is read by two features (a shared table)
 TABLES = (("t0", 59, 8, ("f0", "f1")), ("t1", 31, 8, ("f2",)))
