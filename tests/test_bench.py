@@ -229,8 +229,19 @@ def test_run_family_matmul_peak_and_skip_and_budget():
 
     result = harness.run_family("late", iter([case, case]), torch.device("cpu"), settings, harness.Budget(0.0),
                                 peaks, "sha", "ts")
-    assert result.status == "partial" and not result.rows
-    assert "budget" in result.notes[-1]
+    assert result.status == "partial" and len(result.rows) == 1  # the first case runs whatever the budget
+    assert "budget" in result.notes[-1] and "case 2" in result.notes[-1]
+
+
+def test_a_family_past_its_budget_still_verifies_its_first_case():
+    """On a loaded machine a family's budget can be spent before its first case (building the
+    inputs): the run then verified nothing and exited 0. The first case is verified anyway."""
+    x = torch.arange(8.0)
+    settings = harness.Settings(min_repeats=2, min_time=0.0, max_time=0.1, warmup_time=0.0)
+    case = _case({"slow": lambda: x.clone(), "wrong": lambda: x + 1})
+    result = harness.run_family("late", iter([case]), torch.device("cpu"), settings, harness.Budget(0.0),
+                                {"copy_gbps": 10.0, "matmul_tflops": {"float32": 1.0}}, "sha", "ts")
+    assert len(result.mismatches) == 1 and "wrong" in result.mismatches[0], result.mismatches
 
 
 def test_load_family_reports_missing_and_broken_modules(tmp_path, monkeypatch):

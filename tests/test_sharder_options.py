@@ -10,8 +10,9 @@ import torch
 pytest.importorskip("torchrec")
 
 import gem_kernels as gk  # noqa: E402
-from gem_kernels.torchrec.sharding import (FusedEmbeddingBagCollectionSharder, _GemOptions,  # noqa: E402
-                                           _resolve_optimizer, optimizer_from_fused_params, sharding_plan)
+from gem_kernels.torchrec.sharding import (FusedEmbeddingBagCollectionSharder,  # noqa: E402
+                                           FusedEmbeddingCollectionSharder, _GemOptions, _resolve_optimizer,
+                                           optimizer_from_fused_params, sharding_plan)
 
 
 def _emb_opt(cls):
@@ -133,3 +134,17 @@ def test_dmp_input_with_lengths_not_a_multiple_of_the_keys_is_named():
     features = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1]))
     with pytest.raises(ValueError, match=r"features has 3 lengths for 2 keys \['a', 'b'\]"):
         checker._checked_features(features)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sharders_offer_only_sharding_types_torchrec_shards(device):
+    """A sharding type the planner may pick must be one TorchRec's sharded module builds: TorchRec's
+    ShardedEmbeddingCollection has no table-column-wise ("Sharding not supported"), so a planner
+    that chose it for a FusedEmbeddingCollection made DMP fail."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    for ours, theirs in ((FusedEmbeddingBagCollectionSharder(), EmbeddingBagCollectionSharder()),
+                         (FusedEmbeddingCollectionSharder(), EmbeddingCollectionSharder())):
+        offered = ours.sharding_types(device)
+        assert offered and set(offered) <= set(theirs.sharding_types(device)), (type(ours).__name__, offered)

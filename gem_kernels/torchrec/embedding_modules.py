@@ -99,6 +99,7 @@ class _FusedCollection(PackedTables):
                          for j, (f, e) in enumerate(zip(fs, es))]
         self._flat_features = [f for _, _, f, _ in self._lookups]
         self._slots_per_table = max(len(fs) for fs in self._feature_names)  # K
+        self._feature_slots = [(t, j) for t, j, _, _ in self._lookups]
         dims = [t.embedding_dim for t in tables]
         if unpooled and len(set(dims)) != 1:
             raise ValueError(f"every table of an EmbeddingCollection must have the same embedding_dim, got {dims}")
@@ -196,17 +197,7 @@ class _FusedCollection(PackedTables):
         if list(keys) != self._flat_features:  # gather the values into the collection's feature order
             select = [keys.index(f) for f in self._flat_features]
             values, weights, lengths = _select_features(values, weights, lengths, select)
-        # Slot (table t, feature j) is row t*K + j of the bag layout; the rest are empty bags.
-        slots = self._slots_per_table
-        if slots == 1:
-            bag_lengths = lengths
-        else:
-            pad = len(self._lookups)
-            order = [pad] * (len(self._configs) * slots)
-            for i, (t, j, _, _) in enumerate(self._lookups):
-                order[t * slots + j] = i
-            bag_lengths = torch.cat([lengths, lengths.new_zeros(1, batch)])[torch.tensor(order, device=lengths.device)]
-        bag_lengths = bag_lengths.reshape(-1)
+        bag_lengths = slot_bag_lengths(lengths, self._feature_slots, len(self._configs))
         offsets = torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]).to(values.dtype)
         return values, offsets, weights, bag_lengths, lengths, batch
 
@@ -251,6 +242,36 @@ def _config_list(tables, config_type: type) -> list:
     if not all(isinstance(t, config_type) for t in tables):
         raise ValueError(f"tables must be a list of torchrec {config_type.__name__}, got {tables!r}")
     return tables
+
+
+def slot_bag_lengths(lengths: torch.Tensor, slots_of_features: list[tuple[int, int]], num_tables: int) -> torch.Tensor:
+    """The op's [T*K*B] bag lengths from a KJT's [F, B] lengths, the features in table order.
+
+    The op wants the same number of bags in every table; feature i reads table t as its j-th
+    feature (``slots_of_features[i] = (t, j)``): slot (t, j) is bags (t*K + j)*B ... of the op,
+    K = the most features on one table, and the slots no feature fills are empty bags. The values
+    need no reordering: features in table order are the op's bags in order, padding being empty.
+    """
+    slots = 1 + max(j for _, j in slots_of_features)
+    if slots == 1 and len(slots_of_features) == num_tables:
+        return lengths.reshape(-1)
+    pad = len(slots_of_features)
+    order = [pad] * (num_tables * slots)
+    for i, (t, j) in enumerate(slots_of_features):
+        order[t * slots + j] = i
+    padded = torch.cat([lengths, lengths.new_zeros(1, lengths.shape[1])])
+    return padded[torch.tensor(order, device=lengths.device)].reshape(-1)
+
+
+def pooled_by_feature(out: torch.Tensor, slots_of_features: list[tuple[int, int]], D_offsets: list[int],
+                      batch: int) -> torch.Tensor:
+    """The op's pooled output in the bag layout of ``slot_bag_lengths`` -> [B, sum of the features'
+    dims], one block per feature in order (what TorchRec's and FBGEMM's lookups return)."""
+    slots = 1 + max(j for _, j in slots_of_features)
+    if slots == 1 and len(slots_of_features) == len(D_offsets) - 1:
+        return out
+    out3 = out.view(slots, batch, out.shape[-1])
+    return torch.cat([out3[j, :, D_offsets[t]:D_offsets[t + 1]] for t, j in slots_of_features], dim=1)
 
 
 def _select_features(values, weights, lengths, select: list[int]):
@@ -355,11 +376,8 @@ class FusedEmbeddingBagCollection(_FusedCollection):
             bag_scale = torch.where(slot_is_mean.repeat_interleave(batch), 1.0 / bag_lengths.clamp(min=1).float(), 1.0)
             scale = torch.repeat_interleave(bag_scale, bag_lengths, output_size=values.numel())
             psw = scale if psw is None else psw * scale
-        out = self._lookup(values, offsets, psw, self._pooling, batch)
-        if slots > 1 or len(self._lookups) != len(self._configs):
-            out3 = out.view(slots, batch, self.output_dim)
-            c = self.layout.D_offsets
-            out = torch.cat([out3[j, :, c[t]:c[t + 1]] for t, j, _, _ in self._lookups], dim=1)
+        out = pooled_by_feature(self._lookup(values, offsets, psw, self._pooling, batch),
+                                self._feature_slots, self.layout.D_offsets, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out.float())
 
 

@@ -42,6 +42,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ..nn.embedding_bag import FusedEmbeddingBag, TableSpec, check_backend
+from .embedding_modules import pooled_by_feature, slot_bag_lengths
 from ..optim import OPTIMIZERS, ExactAdam, ExactRowwiseAdagrad, ExactSGD
 
 __all__ = [
@@ -135,15 +136,33 @@ class _GemTBE(nn.Module):
     state_dict plumbing call (``split_embedding_weights``, ``get_optimizer_state``, learning rate)."""
 
     def __init__(self, rows: List[int], cols: List[int], pooling: str, dtype: torch.dtype, device, options,
-                 optimizer):
+                 optimizer, feature_table_map: List[int]):
         super().__init__()
         self.bags = FusedEmbeddingBag([TableSpec(r, c) for r, c in zip(rows, cols)], pooling=pooling, dtype=dtype,
                                       device=device, optimizer=optimizer,
                                       bounds_check=options.bounds_check, backend=options.backend)
+        # FBGEMM's feature_table_map: feature i reads table feature_table_map[i]; a table read by
+        # several features (a shared table) gets one bag slot per feature (see slot_bag_lengths).
+        seen: Dict[int, int] = {}
+        self._feature_slots = []
+        for t in feature_table_map:
+            self._feature_slots.append((t, seen.get(t, 0)))
+            seen[t] = seen.get(t, 0) + 1
+        self._shared = any(count > 1 for count in seen.values())
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.bags(indices, offsets, per_sample_weights)
+        if not self._shared:
+            return self.bags(indices, offsets, per_sample_weights)
+        features = len(self._feature_slots)
+        batch = (offsets.numel() - 1) // features
+        lengths = (offsets[1:] - offsets[:-1]).view(features, batch)
+        bag_lengths = slot_bag_lengths(lengths, self._feature_slots, self.bags.num_tables)
+        slot_offsets = torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]).to(offsets.dtype)
+        out = self.bags(indices, slot_offsets, per_sample_weights)
+        if self.bags.pooling == "none":  # rows follow the ids, already in the op's bag order
+            return out
+        return pooled_by_feature(out, self._feature_slots, self.bags.layout.D_offsets, batch)
 
     def split_embedding_weights(self) -> List[torch.Tensor]:
         return [self.bags.weight(t).detach() for t in range(self.bags.num_tables)]
@@ -189,22 +208,15 @@ class _GemTBE(nn.Module):
         pass
 
 
-def _check_one_feature_per_table(config: GroupedEmbeddingConfig) -> None:
-    for table in config.embedding_tables:
-        if table.num_features() != 1:
-            raise ValueError(f"table {table.name!r} is shared by features {table.feature_names}; the gem_kernels "
-                             f"sharded kernel needs one feature per table (give each feature its own table)")
-
-
 class _GemKernelMixin:
     """What the pooled and the sequence kernel share: the emb_module, parameters as TorchRec's
     FUSED kernels expose them (a slice per table that no outside optimizer touches), the fused
     optimizer with sharded state for checkpoints."""
 
     def _build(self, config: GroupedEmbeddingConfig, pg, device, pooling: str, options: _GemOptions) -> None:
-        _check_one_feature_per_table(config)
+        feature_table_map = [t for t, table in enumerate(config.embedding_tables) for _ in range(table.num_features())]
         self._emb_module = _GemTBE(self._local_rows, self._local_cols, pooling, data_type_to_dtype(config.data_type),
-                                   device, options, _resolve_optimizer(options, config))
+                                   device, options, _resolve_optimizer(options, config), feature_table_map)
         self._optim = EmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
 
@@ -551,6 +563,12 @@ class FusedEmbeddingCollectionSharder(_GemSharderMixin, EmbeddingCollectionShard
                  qcomm_codecs_registry=None) -> None:
         super().__init__(fused_params=fused_params, qcomm_codecs_registry=qcomm_codecs_registry)
         self._init_gem(optimizer, bounds_check, backend, module_type or _default_module_type("seq"))
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        # TorchRec's ShardedEmbeddingCollection has no table-column-wise or table-row-wise sharding
+        # ("Sharding not supported"): a planner told it could choose them, and DMP would then fail.
+        unsupported = (ShardingType.TABLE_COLUMN_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+        return [t for t in super().sharding_types(compute_device_type) if t not in unsupported]
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> ShardedFusedEmbeddingCollection:
         return ShardedFusedEmbeddingCollection(module, params, env, fused_params=self.fused_params, device=device,
