@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._validate import FLOAT_DTYPES
 from .nn._fx import NotScriptable, is_proxy, trace_call
 from .nn.embedding_bag import check_backend, reference_fallback
 from .optim import OPTIMIZERS
@@ -409,7 +410,7 @@ def _convert_embedding_bag(module: nn.EmbeddingBag, *, optimizer, backend) -> nn
         raise SwapSkip(f"max_norm={module.max_norm}: renormalising looked-up rows is not fused")
     if module.scale_grad_by_freq:
         raise SwapSkip("scale_grad_by_freq=True is not fused")
-    if module.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if module.weight.dtype not in FLOAT_DTYPES:
         raise SwapSkip(f"weight dtype {module.weight.dtype}: the fused op takes float32/float16/bfloat16")
     if not module.weight.is_contiguous():
         raise SwapSkip("weight is not contiguous")
@@ -531,7 +532,7 @@ class FusedLowRankCrossNet(NotScriptable, nn.Module):
 
 def _float_params(module: nn.Module) -> None:
     for name, p in module.named_parameters():
-        if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if p.dtype not in FLOAT_DTYPES:
             raise SwapSkip(f"parameter {name} has dtype {p.dtype}; the fused ops take float32/float16/bfloat16")
 
 
