@@ -14,7 +14,7 @@ from .._embedding_bag import POOLING_CODES, advise_huge_pages, check_module_opti
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, DEFAULT_ROW_ALIGNMENT,
                                        OUTPUT_DTYPES, QuantTableLayout, QuantTableMeta, pack_quant_tables,
                                        quant_embedding_bag, quantize_rows, weight_type_code)
-from ..swap import SwapSkip, register
+from .._swap import SwapSkip, register
 from ._fx import is_proxy, trace_call
 from .embedding_bag import PackedTables, TableSpec, torch_bags
 
