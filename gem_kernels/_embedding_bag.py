@@ -11,6 +11,10 @@ the Triton kernels as named tl.constexpr. The preparation runs on the host side 
 (torch ops on the indices' device): the bounds check and the kept mask (ops/ for the cuda kernels,
 triton/, reference/) and the backward's sort into per-row segments (triton/; the cuda kernels
 build the same segments in C++, csrc/cuda/embedding_bag.cu).
+
+The modules' construction-time facts live here too: ``check_module_options`` (the fused optimizer
+and bounds_check of every embedding module and sharder) and ``advise_huge_pages`` (their packed
+CPU buffers).
 """
 
 from __future__ import annotations
