@@ -31,33 +31,22 @@ from __future__ import annotations
 
 import gc
 import itertools
-import math
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+# The timing core lives in the package (model/ uses the peak probes too); the bench's names stay.
+from gem_kernels.testing.timing import (RecompileError, Settings, Timing, compile_count, dtype_name, log, measure,
+                                        percentile, sync)
+
 PEAK_KINDS = ("bandwidth", "matmul")
 
 
 class SkipFamily(Exception):
     """Raised by a family's ``cases()`` when the family cannot run here (the message says why)."""
-
-
-class RecompileError(RuntimeError):
-    """A compiled impl compiled again during its timed calls: the timing would include compilation."""
-
-
-def _compile_count() -> int:
-    """Frames torch.compile has compiled so far in this process (recompiles included)."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # a torch without dynamo compiles nothing
-        return 0
-    return int(counters["frames"]["total"])
 
 
 @dataclass
@@ -163,144 +152,6 @@ def rotate(arg_sets: Iterable[tuple], fn: Callable[..., Any]) -> Callable[[], An
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Settings:
-    """How hard to time: per-impl repeats and times (seconds)."""
-
-    min_repeats: int
-    min_time: float
-    max_time: float
-    warmup_time: float
-
-    @staticmethod
-    def for_run(quick: bool, repeats: int | None = None) -> "Settings":
-        if quick:
-            s = Settings(min_repeats=5, min_time=0.05, max_time=0.25, warmup_time=0.02)
-        else:
-            s = Settings(min_repeats=10, min_time=0.5, max_time=3.0, warmup_time=0.1)
-        if repeats is not None:
-            s.min_repeats = repeats
-        return s
-
-
-@dataclass
-class Timing:
-    times: list[float]  # seconds, one per timed call
-    capped: bool  # stopped by the maximum time before the minimum count/time was reached
-    page_faults: float | None = None  # CPU: mean minor page faults per timed call (fresh output pages)
-
-    @property
-    def repeats(self) -> int:
-        return len(self.times)
-
-    @property
-    def median_ms(self) -> float:
-        return percentile(self.times, 50) * 1e3
-
-    @property
-    def p10_ms(self) -> float:
-        return percentile(self.times, 10) * 1e3
-
-    @property
-    def p90_ms(self) -> float:
-        return percentile(self.times, 90) * 1e3
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of an empty list")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(fn: Callable[[], Any], device: torch.device, settings: Settings, max_time: float | None = None,
-            warmed: float | None = None, min_calls: int = 0) -> Timing:
-    """Time ``fn``: warm-up, then repeats until ``min_repeats`` calls AND ``min_time`` seconds are
-    reached, or ``max_time`` seconds (warm-up included) have passed; one timed call whatever the
-    limits. ``warmed`` is the duration (s) of a call that already ran (the verification call): it
-    stands in for the first warm-up call, and a call that slow gets no more warm-up.
-
-    CPU: each call timed with ``time.perf_counter``. CUDA: a pair of events around each call,
-    launched back to back and synchronised once per chunk (so launch latency overlaps as in a real
-    program); the wall-clock limit is checked between chunks. ``min_calls`` timed calls are made
-    whatever ``max_time`` (compiled impls: a speedup needs MIN_REPEATS_FOR_GOALS of them). A compile
-    during the timed calls raises ``RecompileError``.
-    """
-    max_time = settings.max_time if max_time is None else max_time
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        last = warmed
-        while True:
-            elapsed = time.perf_counter() - start
-            if last is not None and (elapsed >= settings.warmup_time or elapsed + last >= max_time / 4):
-                break
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            last = time.perf_counter() - t0
-        estimate = last
-        compiles = _compile_count()
-        if device.type == "cuda":
-            timing = _measure_cuda(fn, device, settings, start + max_time, estimate, min_calls)
-        else:
-            timing = _measure_cpu(fn, settings, start + max_time, min_calls)
-        if _compile_count() != compiles:
-            raise RecompileError(f"compiled {_compile_count() - compiles} frame(s) during its timed calls")
-        return timing
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-def _measure_cpu(fn, settings: Settings, deadline: float, min_calls: int = 0) -> Timing:
-    times: list[float] = []
-    begin = time.perf_counter()
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        if len(times) >= settings.min_repeats and t1 - begin >= settings.min_time:
-            return Timing(times, capped=False)
-        if t1 >= deadline and len(times) >= min_calls:
-            return Timing(times, capped=True)
-
-
-def _measure_cuda(fn, device: torch.device, settings: Settings, deadline: float, estimate: float | None,
-                  min_calls: int = 0) -> Timing:
-    # Chunk size from the warm-up estimate: about 20 ms of work between wall-clock checks.
-    chunk = 1 if not estimate else max(1, min(100, int(0.02 / max(estimate, 1e-6))))
-    times: list[float] = []
-    begin = time.perf_counter()
-    while True:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(chunk)]
-        for ev_start, ev_end in events:
-            ev_start.record()
-            fn()
-            ev_end.record()
-        torch.cuda.synchronize(device)
-        times.extend(ev_start.elapsed_time(ev_end) / 1e3 for ev_start, ev_end in events)
-        now = time.perf_counter()
-        if len(times) >= settings.min_repeats and now - begin >= settings.min_time:
-            return Timing(times, capped=False)
-        if now >= deadline and len(times) >= min_calls:
-            return Timing(times, capped=True)
-
-
 def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, max_times: dict[str, float],
                         warmed: dict[str, float] | None = None, min_calls: dict[str, int] | None = None,
                         ) -> tuple[dict[str, Timing], dict[str, Exception]]:
@@ -336,14 +187,14 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, m
         active = [name for name in fns if name not in failed]
         while active:
             for name in list(active):
-                compiles = _compile_count()
+                compiles = compile_count()
                 f0 = _minor_faults()
                 t0 = time.perf_counter()
                 try:
                     fns[name]()
                     dt = time.perf_counter() - t0
-                    if _compile_count() != compiles:
-                        raise RecompileError(f"compiled {_compile_count() - compiles} frame(s) in timed call "
+                    if compile_count() != compiles:
+                        raise RecompileError(f"compiled {compile_count() - compiles} frame(s) in timed call "
                                              f"{len(times[name]) + 1}")
                 except Exception as exc:
                     failed[name] = exc
@@ -571,10 +422,6 @@ class ReluBranches(torch.overrides.TorchFunctionMode):
 # ---------------------------------------------------------------------------------------------
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha: str, timestamp: str) -> dict:
     return {
         "family": family,
@@ -707,10 +554,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def run_family(name: str, cases: Iterator[Case], device: torch.device, settings: Settings, budget: Budget,
                peaks: dict, git_sha: str, timestamp: str) -> FamilyResult:
     """Verify and time every case of a family within its budget."""
@@ -769,7 +612,7 @@ def run_family(name: str, cases: Iterator[Case], device: torch.device, settings:
 def _timed_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    sync(device)
     return out, time.perf_counter() - t0
 
 

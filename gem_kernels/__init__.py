@@ -25,9 +25,11 @@ from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
 from .ops.quant_embedding_bag import quant_embedding_bag
 from .nn.quant_embedding_bag import QuantizedEmbeddingBag
 from .nn.hashed_embedding_bag import HashedEmbeddingBag
-from .swap import SwapReport, SwapSkip, register, swap
+from ._swap import SwapReport, SwapSkip, register, swap
 
-# `gem_kernels.swap` is the function; its module's names stay reachable through it too.
+# `gem_kernels.swap` is the function (its engine is the private module _swap); register, SwapSkip and
+# SwapReport are gem_kernels' own names. They stay reachable as attributes of the function too, for code
+# written when gem_kernels.swap was also a module (`gem_kernels.swap.register(...)`).
 swap.register, swap.SwapSkip, swap.SwapReport = register, SwapSkip, SwapReport
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch._library.custom_ops import CustomOpDef
 
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+from ._validate import FLOAT_DTYPES
 
 
 def autocast_operands(*values):
@@ -34,7 +34,7 @@ def autocast_operands(*values):
 
     def cast(v):
         if isinstance(v, torch.Tensor):
-            return v.to(dtype) if v.dtype in _CASTABLE else v
+            return v.to(dtype) if v.dtype in FLOAT_DTYPES else v
         if isinstance(v, (tuple, list)):
             return type(v)(cast(x) for x in v)
         return v

@@ -11,15 +11,23 @@ the Triton kernels as named tl.constexpr. The preparation runs on the host side 
 (torch ops on the indices' device): the bounds check and the kept mask (ops/ for the cuda kernels,
 triton/, reference/) and the backward's sort into per-row segments (triton/; the cuda kernels
 build the same segments in C++, csrc/cuda/embedding_bag.cu).
+
+The modules' construction-time facts live here too: ``check_module_options`` (the fused optimizer
+and bounds_check of every embedding module and sharder) and ``advise_huge_pages`` (their packed
+CPU buffers).
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from .optim import OPTIMIZERS
 
 POOLING_CODES = {"sum": 0, "mean": 1, "none": 2}
 BOUNDS_CHECK_CODES = {"fatal": 0, "warn": 1, "skip": 2}
@@ -28,6 +36,38 @@ SUM, MEAN, NONE = (POOLING_CODES[k] for k in ("sum", "mean", "none"))
 FATAL, WARN, SKIP = (BOUNDS_CHECK_CODES[k] for k in ("fatal", "warn", "skip"))
 OPT_NONE, OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ADAM = (OPTIMIZER_CODES[k] for k in ("none", "sgd", "rowwise_adagrad", "adam"))
 
+
+
+def check_module_options(optimizer, bounds_check: str = "fatal") -> None:
+    """At a module's construction (not at its first forward): the fused optimizer (None or a
+    ``gem_kernels.optim`` config) and the bounds-check option (one of ``BOUNDS_CHECK_CODES``)."""
+    if bounds_check not in BOUNDS_CHECK_CODES:
+        raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
+    if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
+        raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux to back a large CPU buffer (packed tables, their optimizer state) with transparent
+    huge pages, before its first touch.
+
+    Lookups hit random rows of a table of up to gigabytes: with 4 KiB pages nearly every one also
+    misses the TLB and walks the page tables; 2 MiB pages cut those misses ~500x. Advice only: where
+    THP is off, or not Linux, nothing changes.
+    """
+    if t.device.type != "cpu" or t.nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return
+    begin = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (t.data_ptr() + t.nbytes) & ~(_HUGE_PAGE - 1)
+    if end > begin:
+        try:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass
 
 class TableMeta(NamedTuple):
     """The per-table tensors of the embedding_bag ops: T tables back to back in one flat ``weights``.

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import gem_kernels
-import gem_kernels.swap
 from gem_kernels.nn import HSTULayer, WukongStack
 
 from .config import GemConfig
@@ -133,10 +132,10 @@ def _to_fused(fused_type):
     return convert
 
 
-gem_kernels.swap.register(ReferenceHSTULayer, _to_fused(HSTULayer))
-gem_kernels.swap.register(ReferenceWukongStack, _to_fused(WukongStack))
-gem_kernels.swap.register(EagerDotInteraction,
-                          lambda module, *, optimizer, backend: gem_kernels.nn.DotInteraction(backend=backend))
+gem_kernels.register(ReferenceHSTULayer, _to_fused(HSTULayer))
+gem_kernels.register(ReferenceWukongStack, _to_fused(WukongStack))
+gem_kernels.register(EagerDotInteraction,
+                     lambda module, *, optimizer, backend: gem_kernels.nn.DotInteraction(backend=backend))
 
 
 def eager_collection_types() -> tuple[type, ...]:

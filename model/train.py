@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from gem_kernels.testing.peaks import matmul_peak_tflops
+
 from .archs import KERNELS
 from .config import INTERACTIONS, PRESETS, GemConfig
 from .data import Batch, SyntheticBatches
@@ -267,8 +269,6 @@ def tf32_enabled(device: torch.device) -> bool | None:
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
-    from bench.peaks import matmul_peak_tflops
-
     return matmul_peak_tflops(dtype, device, quick=True)
 
 

@@ -417,7 +417,7 @@ def _swap_cases() -> None:
         pass
 
     def none_converter():
-        swap_module = sys.modules["gem_kernels.swap"]
+        swap_module = sys.modules["gem_kernels._swap"]
         swap_module.register(Custom, lambda m, *, optimizer, backend: None)
         try:
             return gk.swap(nn.Sequential(Custom()))

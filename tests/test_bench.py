@@ -800,12 +800,12 @@ def test_report_writes_two_figures_and_redraws_them_from_the_json(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# bench.swap loss curves (python -m bench.swap --loss-steps N)
+# bench.swap_loss loss curves (python -m bench.swap_loss --loss-steps N)
 # ---------------------------------------------------------------------------------------------
 
 
 def test_swap_loss_rule():
-    from bench import swap
+    from bench import swap_loss as swap
 
     g = torch.Generator().manual_seed(0)
     base = (0.7 + 0.01 * torch.randn(50, generator=g, dtype=torch.float64)).tolist()
@@ -829,7 +829,7 @@ def test_swap_loss_curves_learn_and_the_frozen_table_control_fails(tmp_path):
     labels every curve went to ln 2 and a frozen-table run passed."""
     pytest.importorskip("torchrec")
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "bench.swap", "--loss-steps", "100", "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "bench.swap_loss", "--loss-steps", "100", "--quick", "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "swap-loss-cpu.json").read_text())
@@ -850,7 +850,7 @@ def test_swap_loss_curves_learn_and_the_frozen_table_control_fails(tmp_path):
 
 
 def test_swap_loss_verdict_needs_the_control_to_fail():
-    from bench import swap
+    from bench import swap_loss as swap
 
     passing = {"checks": {}, "verdict": "pass"}
     failing = {"checks": {}, "verdict": "FAIL"}
@@ -863,10 +863,10 @@ def test_swap_teacher_labels_depend_on_the_teacher_tables_only():
     pytest.importorskip("torchrec")
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from bench import swap
+    from bench import swap, swap_loss
 
     batch = next(iter(swap._dataset(True, 1, 1)))
-    labels = swap.Teacher(True)(batch).labels
+    labels = swap_loss.Teacher(True)(batch).labels
     assert labels.shape == batch.labels.shape and set(labels.unique().tolist()) <= {0, 1}
     assert 0.2 < labels.float().mean() < 0.8
     # Other ids in a table outside TEACHER_TABLES and other dense features: the same labels (a fresh
@@ -882,9 +882,9 @@ def test_swap_teacher_labels_depend_on_the_teacher_tables_only():
                            sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()),
                            labels=batch.labels)
 
-    other = next(t for t in range(26) if t not in swap.TEACHER_TABLES)
-    assert torch.equal(swap.Teacher(True)(with_ids_of(other)).labels, labels)
-    assert not torch.equal(swap.Teacher(True)(with_ids_of(swap.TEACHER_TABLES[0])).labels, labels)
+    other = next(t for t in range(26) if t not in swap_loss.TEACHER_TABLES)
+    assert torch.equal(swap_loss.Teacher(True)(with_ids_of(other)).labels, labels)
+    assert not torch.equal(swap_loss.Teacher(True)(with_ids_of(swap_loss.TEACHER_TABLES[0])).labels, labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -911,7 +911,7 @@ def test_cli_rejects_unknown_flags_of_the_distributed_bench():
 
 
 @pytest.mark.parametrize("cli", [["bench", "jagged", "--quick"], ["bench", "distributed", "--quick"],
-                                 ["bench.swap", "--loss-steps", "1", "--quick"]], ids=["bench", "distributed", "swap"])
+                                 ["bench.swap_loss", "--loss-steps", "1", "--quick"]], ids=["bench", "distributed", "swap"])
 def test_cli_unwritable_out_fails_before_the_run(tmp_path, cli):
     # A folder inside a regular file: no user can create it, root included (a read-only folder would
     # not stop root, and CI may run as root).

@@ -23,7 +23,7 @@ from torch import nn
 import gem_kernels as gk
 from gem_kernels import _backend
 from gem_kernels.nn import embedding_bag as gk_embedding_bag
-from gem_kernels.swap import register
+from gem_kernels import register
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

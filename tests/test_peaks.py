@@ -1,4 +1,4 @@
-"""bench.peaks' gather peak and the embedding-bag rows' % of it."""
+"""The gather peak (gem_kernels.testing.peaks, bench.peaks) and the embedding-bag rows' % of it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench import harness
-from bench.peaks import gather_gbps
+from gem_kernels.testing.peaks import gather_gbps
 
 
 def test_gather_peak_reads_the_given_rows(monkeypatch):
@@ -22,7 +22,7 @@ def test_gather_peak_reads_the_given_rows(monkeypatch):
         return original(table, dim, index, out=out)
 
     monkeypatch.setattr(torch, "index_select", counting)
-    monkeypatch.setattr("bench.peaks.measure", lambda fn, device, settings: (fn(), harness.Timing([0.002], False))[1])
+    monkeypatch.setattr("gem_kernels.testing.peaks.measure", lambda fn, device, settings: (fn(), harness.Timing([0.002], False))[1])
     gbps = gather_gbps(tables, ids, torch.device("cpu"))
     assert gbps == pytest.approx((4 * 8 + 5000 * 16) * 4 / 0.002 / 1e9)
     assert torch.equal(torch.cat(calls), torch.cat(ids))  # the rows in the case's order, nothing else
@@ -107,7 +107,7 @@ def test_prefetched_gather_rejects_bad_input():
 def test_gather_roof_is_the_best_reader(monkeypatch):
     """gather_roof keeps the fastest of ATen's gather and every prefetch distance, and names it; the
     prefetching reader counts the bytes as gather_gbps does (timings pinned: the best is known)."""
-    from bench import peaks
+    from gem_kernels.testing import peaks
 
     tables, ids = [torch.randn(100, 8)], [torch.arange(100).repeat(3)]
     monkeypatch.setattr(peaks, "gather_gbps", lambda *a, **k: 0.005)

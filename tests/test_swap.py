@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gem_kernels as gk
-from gem_kernels.swap import SwapSkip, register
+from gem_kernels import SwapSkip, register
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -102,11 +102,14 @@ def test_embedding_bag_sparse_grad_and_step(name, opt):
     opts = [make(list(m.parameters())) for m in (eager, swapped)]
     for step in range(2):
         indices, offsets, psw = _bag_inputs(case, 11, seed=step)
-        for model, o in zip((eager, swapped), opts):
+        psws = [psw if psw is None else psw.detach().clone().requires_grad_() for _ in range(2)]
+        for model, o, p in zip((eager, swapped), opts, psws):
             o.zero_grad()
-            model["bag"](indices, offsets, per_sample_weights=psw).square().sum().backward()
+            model["bag"](indices, offsets, per_sample_weights=p).square().sum().backward()
         assert swapped["bag"].weight.grad.is_sparse
         _assert_same_grads(swapped, eager)
+        if psw is not None:
+            torch.testing.assert_close(psws[1].grad, psws[0].grad, **TOL)
         for o in opts:
             o.step()
         torch.testing.assert_close(swapped["bag"].weight, eager["bag"].weight, **TOL)

@@ -2,9 +2,11 @@
 
 from .attention import HSTULayer, JaggedMultiheadAttention, MultiheadAttention, TransformerEncoderLayer
 from .embedding_bag import EmbeddingBag, FusedEmbeddingBag, TableSpec
-from .interaction import CrossNet, DotInteraction, WukongLayer, WukongStack
+from .interaction import (CrossNet, DotInteraction, FusedCrossNet, FusedInteractionArch, FusedLowRankCrossNet,
+                          WukongLayer, WukongStack)
 
-__all__ = ["CrossNet", "DotInteraction", "EmbeddingBag", "FusedEmbeddingBag", "HSTULayer", "JaggedMultiheadAttention", "MultiheadAttention",
+__all__ = ["CrossNet", "DotInteraction", "EmbeddingBag", "FusedCrossNet", "FusedEmbeddingBag", "FusedInteractionArch",
+           "FusedLowRankCrossNet", "HSTULayer", "JaggedMultiheadAttention", "MultiheadAttention",
            "TableSpec",
            "TransformerEncoderLayer",
            "WukongLayer", "WukongStack"]

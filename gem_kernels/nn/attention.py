@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._validate import FLOAT_DTYPES
 from ..ops.attention import jagged_attention
 from ..ops.hstu_layer import hstu_layer
 from ..ops.jagged import jagged_to_padded, padded_to_jagged
@@ -268,7 +269,7 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
             return "dropout > 0 in training mode"
         if self.in_proj_weight is None or self.bias_k is not None or self.add_zero_attn:
             return "separate q/k/v projections, add_bias_kv or add_zero_attn"
-        if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if query.dtype not in FLOAT_DTYPES:
             return f"dtype {query.dtype}"
         if is_causal and attn_mask is None:
             return "is_causal=True without attn_mask"  # torch raises; the original call says so
@@ -399,7 +400,7 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
             return "separate q/k/v projections, add_bias_kv or add_zero_attn"
         if self.training and any(p > 0 for p in (self.dropout.p, self.dropout1.p, self.dropout2.p, attn.dropout)):
             return "dropout > 0 in training mode"
-        if src.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if src.dtype not in FLOAT_DTYPES:
             return f"dtype {src.dtype}"
         return None
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -12,32 +10,10 @@ from torch import nn
 
 from .. import _backend
 from .._validate import FLOAT_DTYPES, INT64_MAX, check_int64
-from ..ops.embedding_bag import embedding_bag
-from ..optim import OPTIMIZERS
-from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES, TableLayout, TableMeta, pack_tables
+from ..ops.embedding_bag import FAMILY, embedding_bag, embedding_bag_per_sample_weights_backward_op
+from .._embedding_bag import (POOLING_CODES, SUM, TableLayout, TableMeta, advise_huge_pages, check_module_options,
+                              pack_tables)
 from ._fx import NotScriptable, is_proxy, trace_call
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-
-
-def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux to back a large CPU buffer with transparent huge pages, before its first touch.
-
-    Lookups hit random rows of a table of up to gigabytes: with 4 KiB pages nearly every one also
-    misses the TLB and walks the page tables; 2 MiB pages cut those misses ~500x. Advice only: where
-    THP is off, or not Linux, nothing changes.
-    """
-    if t.device.type != "cpu" or t.nbytes < 4 * _HUGE_PAGE or not sys.platform.startswith("linux"):
-        return
-    begin = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-    end = (t.data_ptr() + t.nbytes) & ~(_HUGE_PAGE - 1)
-    if end > begin:
-        try:
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
 
 
 def check_backend(backend) -> None:
@@ -120,6 +96,16 @@ class PackedTables(NotScriptable, nn.Module):
     def _state_table_names(self) -> list[str]:
         """The name of each packed table, in layout order (the keys of the optimizer state)."""
         raise NotImplementedError
+
+    def _register_optimizer_state(self, optimizer, device, *, persistent: bool) -> None:
+        """The buffers ``momentum1`` / ``momentum2`` (fp32, sized by the layout for ``optimizer``) and
+        ``step`` (int64 scalar), all zero; the momenta get huge-page advice before their first touch."""
+        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
+        for name, size in (("momentum1", size1), ("momentum2", size2)):
+            buffer = torch.empty(size, dtype=torch.float32, device=device)
+            advise_huge_pages(buffer)
+            self.register_buffer(name, buffer.zero_(), persistent=persistent)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device), persistent=persistent)
 
     def _apply(self, fn, recurse=True):
         state = {n: self._buffers[n] for n in ("momentum1", "momentum2") if self._buffers.get(n) is not None}
@@ -236,12 +222,9 @@ class FusedEmbeddingBag(PackedTables):
             raise ValueError(f"tables must be a non-empty list of TableSpec, got {tables!r}")
         if pooling not in POOLING_CODES:
             raise ValueError(f"pooling must be one of {tuple(POOLING_CODES)}, got {pooling!r}")
-        if bounds_check not in BOUNDS_CHECK_CODES:
-            raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
+        check_module_options(optimizer, bounds_check)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
-            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
         check_backend(backend)
         dims = [t.embedding_dim for t in tables]
         if pooling == "none" and len(set(dims)) != 1:
@@ -251,13 +234,8 @@ class FusedEmbeddingBag(PackedTables):
         self._set_layout(pack_tables([t.num_embeddings for t in tables], dims), device)
         self.output_dim = self.layout.output_dim(pooled=pooling != "none")
         self.weights = nn.Parameter(torch.empty(self.layout.num_elements, dtype=dtype, device=device))
-        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
-        state = dict(dtype=torch.float32, device=device)
-        self.register_buffer("momentum1", torch.empty(size1, **state))
-        self.register_buffer("momentum2", torch.empty(size2, **state))
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
-        for buffer in (self.weights, self.momentum1, self.momentum2):
-            _advise_huge_pages(buffer)
+        advise_huge_pages(self.weights)
+        self._register_optimizer_state(optimizer, device, persistent=True)
         reference_fallback(backend, device, "embedding_bag")
         self.reset_parameters()
 
@@ -330,13 +308,14 @@ class _SparseGradEmbeddingBag(torch.autograd.Function):
             out = module._lookup(weight.detach(), indices, offsets, per_sample_weights)
         if per_sample_weights is None:
             per_sample_weights = weight.new_empty(0)
-        ctx.save_for_backward(weight, indices, offsets, per_sample_weights)
+        ctx.save_for_backward(weight, indices, offsets, per_sample_weights, *module.table_meta)
         ctx.mean = module.mode == "mean"
+        ctx.backend = _backend.resolve_backend(module.backend, weight.device, FAMILY)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, indices, offsets, per_sample_weights = ctx.saved_tensors
+        weight, indices, offsets, per_sample_weights, *meta = ctx.saved_tensors
         lengths = offsets.diff()
         bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device), lengths,
                                       output_size=indices.numel())
@@ -347,8 +326,9 @@ class _SparseGradEmbeddingBag(torch.autograd.Function):
         elif per_sample_weights.numel():
             scale = per_sample_weights.to(grad_out.dtype)
         grad_psw = None
-        if ctx.needs_input_grad[3]:
-            grad_psw = (rows.float() * weight[indices].float()).sum(1).to(per_sample_weights.dtype)
+        if ctx.needs_input_grad[3]:  # per_sample_weights come with mode "sum" only
+            grad_psw = embedding_bag_per_sample_weights_backward_op(
+                grad_out.contiguous(), weight.view(-1), *meta, indices, offsets, SUM, ctx.backend).to(per_sample_weights.dtype)
         if scale is not None:
             rows = rows * scale.unsqueeze(1)
         grad_weight = None
@@ -389,10 +369,7 @@ class EmbeddingBag(PackedTables):
             raise ValueError(f"max_norm must be None (renormalising rows in the lookup is not fused), got {max_norm}")
         if scale_grad_by_freq:
             raise ValueError("scale_grad_by_freq must be False, got True")
-        if bounds_check not in BOUNDS_CHECK_CODES:
-            raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
-        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
-            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        check_module_options(optimizer, bounds_check)
         check_backend(backend)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -415,11 +392,7 @@ class EmbeddingBag(PackedTables):
             raise ValueError(f"weight must be contiguous (the fused update writes it in place), got stride "
                              f"{self.weight.stride()}")
         self._set_layout(pack_tables([num_embeddings], [embedding_dim]), self.weight.device)
-        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
-        state = dict(dtype=torch.float32, device=self.weight.device)
-        self.register_buffer("momentum1", torch.zeros(size1, **state), persistent=False)
-        self.register_buffer("momentum2", torch.zeros(size2, **state), persistent=False)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=self.weight.device), persistent=False)
+        self._register_optimizer_state(optimizer, self.weight.device, persistent=False)
         reference_fallback(backend, self.weight.device, "embedding_bag")
 
     def _state_table_names(self) -> list[str]:

@@ -16,9 +16,8 @@ import torch
 from .._validate import FLOAT_DTYPES
 from ..ops.embedding_bag import embedding_bag
 from ..ops.zch import ZchTables, zch_remap
-from ..optim import OPTIMIZERS
-from .._embedding_bag import pack_tables
-from .embedding_bag import PackedTables, TableSpec, _advise_huge_pages
+from .._embedding_bag import advise_huge_pages, check_module_options, pack_tables
+from .embedding_bag import PackedTables, TableSpec
 
 UNADMITTED = ("zeros", "default_row")
 
@@ -85,8 +84,7 @@ class HashedEmbeddingBag(PackedTables):
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
-        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
-            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        check_module_options(optimizer)
         if unadmitted not in UNADMITTED:
             raise ValueError(f"unadmitted must be one of {UNADMITTED}, got {unadmitted!r}")
         if unadmitted == "default_row" and any(t.num_embeddings < 2 for t in tables):
@@ -109,15 +107,10 @@ class HashedEmbeddingBag(PackedTables):
         self._set_layout(pack_tables(rows, [t.embedding_dim for t in tables]), device)
         self.output_dim = self.layout.output_dim(pooled=True)
         self.weights = torch.nn.Parameter(torch.empty(self.layout.num_elements, dtype=dtype, device=device))
-        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
-        state = dict(dtype=torch.float32, device=device)
-        self.register_buffer("momentum1", torch.zeros(size1, **state))
-        self.register_buffer("momentum2", torch.zeros(size2, **state))
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        advise_huge_pages(self.weights)
+        self._register_optimizer_state(optimizer, device, persistent=True)
         self.register_buffer("init_bounds", torch.tensor(init_bounds, dtype=torch.float64, device=device),
                              persistent=False)
-        for buffer in (self.weights, self.momentum1, self.momentum2):
-            _advise_huge_pages(buffer)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -1,4 +1,6 @@
-"""nn.Modules of the interaction family: DLRM DotInteraction, DCNv2 CrossNet, Wukong layers.
+"""nn.Modules of the interaction family: DLRM DotInteraction, DCNv2 CrossNet, Wukong layers, and the
+replacements ``gk.swap`` puts in for TorchRec's DLRM ``InteractionArch``, ``CrossNet`` and
+``LowRankCrossNet`` (they hold the originals' parameters; TorchRec itself is not imported).
 
 Every module takes ``backend`` ("reference" | "cpu" | "cuda" | "triton" | "auto", None for the
 ``use_backend`` default) and passes it to the fused ops; the rest of the layer is plain PyTorch.
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from ..ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
+from ._fx import NotScriptable, is_proxy, trace_call
 
 
 class DotInteraction(nn.Module):
@@ -172,3 +175,60 @@ class WukongStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class FusedInteractionArch(NotScriptable, nn.Module):
+    """TorchRec DLRM ``InteractionArch`` on the fused dot interaction: the same output
+    ``cat(dense, <x_i, x_j> for i < j over [dense, sparse_1..F])`` in ``triu_indices(F+1, F+1, 1)`` order."""
+
+    def __init__(self, num_sparse_features: int, backend: str | None = None):
+        super().__init__()
+        self.F = num_sparse_features
+        self.backend = backend
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if is_proxy(dense_features, sparse_features):
+            return trace_call(self, dense_features, sparse_features)
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        return torch.cat((dense_features, dot_interaction(combined, False, backend=self.backend)), dim=1)
+
+
+class FusedCrossNet(NotScriptable, nn.Module):
+    """TorchRec ``CrossNet`` (full rank: ``kernels`` [N, N], ``bias`` [N, 1]) on fused cross layers;
+    holds the original's ParameterLists (same state_dict keys, same Parameters)."""
+
+    def __init__(self, kernels: nn.ParameterList, bias: nn.ParameterList, backend: str | None = None):
+        super().__init__()
+        self._num_layers = len(kernels)
+        self.kernels, self.bias, self.backend = kernels, bias, backend
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if is_proxy(input):
+            return trace_call(self, input)
+        x_l = input
+        for layer in range(self._num_layers):
+            x_l = cross_layer(input, x_l, self.kernels[layer], self.bias[layer].view(-1), backend=self.backend)
+        return x_l
+
+
+class FusedLowRankCrossNet(NotScriptable, nn.Module):
+    """TorchRec ``LowRankCrossNet`` (``W_kernels`` [N, r], ``V_kernels`` [r, N], ``bias`` [N]) on fused
+    cross layers: ``x_{l+1} = x_0 * (W (V x_l) + b) + x_l``."""
+
+    def __init__(self, W_kernels: nn.ParameterList, V_kernels: nn.ParameterList, bias: nn.ParameterList,
+                 backend: str | None = None):
+        super().__init__()
+        self._num_layers = len(W_kernels)
+        self._low_rank = W_kernels[0].shape[1] if len(W_kernels) else 0
+        self.W_kernels, self.V_kernels, self.bias, self.backend = W_kernels, V_kernels, bias, backend
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if is_proxy(input):
+            return trace_call(self, input)
+        x_l = input
+        for layer in range(self._num_layers):
+            x_l = cross_layer(input, x_l, (self.W_kernels[layer], self.V_kernels[layer]), self.bias[layer],
+                              backend=self.backend)
+        return x_l

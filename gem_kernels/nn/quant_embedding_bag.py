@@ -10,13 +10,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .._embedding_bag import BOUNDS_CHECK_CODES, POOLING_CODES
+from .._embedding_bag import POOLING_CODES, advise_huge_pages, check_module_options
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, DEFAULT_ROW_ALIGNMENT,
                                        OUTPUT_DTYPES, QuantTableLayout, QuantTableMeta, pack_quant_tables,
                                        quant_embedding_bag, quantize_rows, weight_type_code)
-from ..swap import SwapSkip, register
+from .._swap import SwapSkip, register
 from ._fx import is_proxy, trace_call
-from .embedding_bag import PackedTables, TableSpec, _advise_huge_pages, torch_bags
+from .embedding_bag import PackedTables, TableSpec, torch_bags
 
 
 class QuantPackedTables(PackedTables):
@@ -27,7 +27,7 @@ class QuantPackedTables(PackedTables):
         self._set_layout(layout, device)
         self.register_buffer("weights", torch.zeros(layout.num_bytes, dtype=torch.uint8, device=device),
                              persistent=persistent)
-        _advise_huge_pages(self.weights)
+        advise_huge_pages(self.weights)
 
     @property
     def table_meta(self) -> QuantTableMeta:
@@ -72,8 +72,7 @@ class QuantizedEmbeddingBag(QuantPackedTables):
         codes = [weight_type_code(d) for d in dtypes]
         if pooling not in POOLING_CODES:
             raise ValueError(f"pooling must be one of {tuple(POOLING_CODES)}, got {pooling!r}")
-        if bounds_check not in BOUNDS_CHECK_CODES:
-            raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
+        check_module_options(None, bounds_check)
         if output_dtype not in OUTPUT_DTYPES:
             raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype!r}")
         dims = [t.embedding_dim for t in tables]

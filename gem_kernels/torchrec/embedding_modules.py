@@ -42,10 +42,9 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from ..nn._fx import is_proxy, trace_call
-from ..nn.embedding_bag import PackedTables, _advise_huge_pages, check_backend, reference_fallback
+from ..nn.embedding_bag import PackedTables, check_backend, reference_fallback
 from ..ops.embedding_bag import embedding_bag
-from ..optim import OPTIMIZERS
-from .._embedding_bag import BOUNDS_CHECK_CODES, pack_tables
+from .._embedding_bag import advise_huge_pages, check_module_options, pack_tables
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 # The op's bounds-check message (reference, cpu and triton backends): renamed to table and feature names.
@@ -67,10 +66,7 @@ class _FusedCollection(PackedTables):
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"table names must be unique, got {names}")
-        if bounds_check not in BOUNDS_CHECK_CODES:
-            raise ValueError(f"bounds_check must be one of {tuple(BOUNDS_CHECK_CODES)}, got {bounds_check!r}")
-        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
-            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
+        check_module_options(optimizer, bounds_check)
         check_backend(backend)
         dtypes = set()
         for t in tables:
@@ -106,13 +102,8 @@ class _FusedCollection(PackedTables):
         self._set_layout(pack_tables([t.num_embeddings for t in tables], dims), device)
         self.output_dim = self.layout.output_dim(pooled=not unpooled)
         self.weights = nn.Parameter(torch.empty(self.layout.num_elements, dtype=dtype, device=device))
-        size1, size2 = self.layout.state_sizes(optimizer.name if optimizer is not None else None)
-        state = dict(dtype=torch.float32, device=device)
-        self.register_buffer("momentum1", torch.zeros(size1, **state), persistent=False)
-        self.register_buffer("momentum2", torch.zeros(size2, **state), persistent=False)
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
-        for buffer in (self.weights, self.momentum1, self.momentum2):
-            _advise_huge_pages(buffer)
+        advise_huge_pages(self.weights)
+        self._register_optimizer_state(optimizer, device, persistent=False)
         self.register_state_dict_post_hook(_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_hook)
         reference_fallback(backend, device, "embedding_bag")

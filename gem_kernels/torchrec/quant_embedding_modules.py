@@ -19,7 +19,7 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchRecQ
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..nn.quant_embedding_bag import QuantPackedTables
-from ..swap import SwapSkip, register
+from .._swap import SwapSkip, register
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, OUTPUT_DTYPES,
                                        WEIGHT_TYPES, pack_quant_tables, quant_embedding_bag)
 from ..nn._fx import is_proxy, trace_call

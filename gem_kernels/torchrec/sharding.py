@@ -41,9 +41,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from .._embedding_bag import check_module_options
 from ..nn.embedding_bag import FusedEmbeddingBag, TableSpec, check_backend
+from ..optim import ExactAdam, ExactRowwiseAdagrad, ExactSGD
 from .embedding_modules import pooled_by_feature, slot_bag_lengths
-from ..optim import OPTIMIZERS, ExactAdam, ExactRowwiseAdagrad, ExactSGD
 
 __all__ = [
     "FusedEmbeddingBagCollectionSharder",
@@ -484,10 +485,7 @@ def _copy_unsharded_weights(sharded: nn.Module, module: nn.Module) -> None:
 
 class _GemSharderMixin:
     def _init_gem(self, optimizer, bounds_check: str, backend: Optional[str], module_type) -> None:
-        if optimizer is not None and not isinstance(optimizer, OPTIMIZERS):
-            raise ValueError(f"optimizer must be None or one of {[o.__name__ for o in OPTIMIZERS]}, got {optimizer!r}")
-        if bounds_check not in ("fatal", "warn", "skip"):
-            raise ValueError(f"bounds_check must be one of ('fatal', 'warn', 'skip'), got {bounds_check!r}")
+        check_module_options(optimizer, bounds_check)
         check_backend(backend)
         self._gem_optimizer, self._gem_bounds_check, self._gem_backend = optimizer, bounds_check, backend
         self._gem_module_type = module_type

@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ..nn.hashed_embedding_bag import UNADMITTED, remap_by_table
 from ..ops.zch import ZchTables
-from ..swap import SwapSkip, register
+from .._swap import SwapSkip, register
 from .embedding_modules import FusedEmbeddingBagCollection
 
 torch.fx.wrap("remap_by_table")  # this module's calls of it are one node of a trace too

@@ -1,5 +1,8 @@
 """``gem_kernels.swap``: put the fused kernels into a model that was built without them, in one call.
 
+(This module is private: ``gem_kernels.swap`` is the function; ``register``, ``SwapSkip`` and
+``SwapReport`` are ``gem_kernels.register`` / ``gem_kernels.SwapSkip`` / ``gem_kernels.SwapReport``.)
+
     report = gk.swap(model, optimizer=None, backend=None, include=None, exclude=None)
     print(report)
 
@@ -52,7 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .nn._fx import NotScriptable, is_proxy, trace_call
+from ._validate import FLOAT_DTYPES
 from .nn.embedding_bag import check_backend, reference_fallback
 from .optim import OPTIMIZERS
 
@@ -409,7 +412,7 @@ def _convert_embedding_bag(module: nn.EmbeddingBag, *, optimizer, backend) -> nn
         raise SwapSkip(f"max_norm={module.max_norm}: renormalising looked-up rows is not fused")
     if module.scale_grad_by_freq:
         raise SwapSkip("scale_grad_by_freq=True is not fused")
-    if module.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if module.weight.dtype not in FLOAT_DTYPES:
         raise SwapSkip(f"weight dtype {module.weight.dtype}: the fused op takes float32/float16/bfloat16")
     if not module.weight.is_contiguous():
         raise SwapSkip("weight is not contiguous")
@@ -443,10 +446,11 @@ def _convert_transformer_encoder_layer(module: nn.TransformerEncoderLayer, *, op
 def _register_builtin() -> None:
     from .nn.attention import MultiheadAttention, TransformerEncoderLayer
     from .nn.embedding_bag import EmbeddingBag
+    from .nn.interaction import FusedCrossNet, FusedInteractionArch, FusedLowRankCrossNet
 
-    _mark(EmbeddingBag)
-    _mark(MultiheadAttention)
-    _mark(TransformerEncoderLayer)
+    for fused in (EmbeddingBag, MultiheadAttention, TransformerEncoderLayer, FusedInteractionArch, FusedCrossNet,
+                  FusedLowRankCrossNet):
+        _mark(fused)
     register(nn.EmbeddingBag, _convert_embedding_bag)
     register(nn.MultiheadAttention, _convert_multihead_attention)
     register(nn.TransformerEncoderLayer, _convert_transformer_encoder_layer)
@@ -463,88 +467,28 @@ _register_builtin()
 _TORCHREC_REGISTERED = False
 
 
-@_mark
-class FusedInteractionArch(NotScriptable, nn.Module):
-    """TorchRec DLRM ``InteractionArch`` on the fused dot interaction: the same output
-    ``cat(dense, <x_i, x_j> for i < j over [dense, sparse_1..F])`` in ``triu_indices(F+1, F+1, 1)`` order."""
-
-    def __init__(self, num_sparse_features: int, backend: str | None = None):
-        super().__init__()
-        self.F = num_sparse_features
-        self.backend = backend
-
-    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
-        from .ops.interaction import dot_interaction
-
-        if is_proxy(dense_features, sparse_features):
-            return trace_call(self, dense_features, sparse_features)
-        if self.F <= 0:
-            return dense_features
-        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
-        return torch.cat((dense_features, dot_interaction(combined, False, backend=self.backend)), dim=1)
-
-
-@_mark
-class FusedCrossNet(NotScriptable, nn.Module):
-    """TorchRec ``CrossNet`` (full rank: ``kernels`` [N, N], ``bias`` [N, 1]) on fused cross layers;
-    holds the original's ParameterLists (same state_dict keys, same Parameters)."""
-
-    def __init__(self, kernels: nn.ParameterList, bias: nn.ParameterList, backend: str | None = None):
-        super().__init__()
-        self._num_layers = len(kernels)
-        self.kernels, self.bias, self.backend = kernels, bias, backend
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        from .ops.interaction import cross_layer
-
-        if is_proxy(input):
-            return trace_call(self, input)
-        x_l = input
-        for layer in range(self._num_layers):
-            x_l = cross_layer(input, x_l, self.kernels[layer], self.bias[layer].view(-1), backend=self.backend)
-        return x_l
-
-
-@_mark
-class FusedLowRankCrossNet(NotScriptable, nn.Module):
-    """TorchRec ``LowRankCrossNet`` (``W_kernels`` [N, r], ``V_kernels`` [r, N], ``bias`` [N]) on fused
-    cross layers: ``x_{l+1} = x_0 * (W (V x_l) + b) + x_l``."""
-
-    def __init__(self, W_kernels: nn.ParameterList, V_kernels: nn.ParameterList, bias: nn.ParameterList,
-                 backend: str | None = None):
-        super().__init__()
-        self._num_layers = len(W_kernels)
-        self._low_rank = W_kernels[0].shape[1] if len(W_kernels) else 0
-        self.W_kernels, self.V_kernels, self.bias, self.backend = W_kernels, V_kernels, bias, backend
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        from .ops.interaction import cross_layer
-
-        if is_proxy(input):
-            return trace_call(self, input)
-        x_l = input
-        for layer in range(self._num_layers):
-            x_l = cross_layer(input, x_l, (self.W_kernels[layer], self.V_kernels[layer]), self.bias[layer],
-                              backend=self.backend)
-        return x_l
-
-
 def _float_params(module: nn.Module) -> None:
     for name, p in module.named_parameters():
-        if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if p.dtype not in FLOAT_DTYPES:
             raise SwapSkip(f"parameter {name} has dtype {p.dtype}; the fused ops take float32/float16/bfloat16")
 
 
 def _convert_interaction_arch(module, *, optimizer, backend) -> nn.Module:
+    from .nn.interaction import FusedInteractionArch
+
     return FusedInteractionArch(module.F, backend=backend)
 
 
 def _convert_crossnet(module, *, optimizer, backend) -> nn.Module:
+    from .nn.interaction import FusedCrossNet
+
     _float_params(module)
     return FusedCrossNet(module.kernels, module.bias, backend=backend)
 
 
 def _convert_low_rank_crossnet(module, *, optimizer, backend) -> nn.Module:
+    from .nn.interaction import FusedLowRankCrossNet
+
     _float_params(module)
     if module._num_layers < 1:
         raise SwapSkip("no layers")

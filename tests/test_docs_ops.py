@@ -1,0 +1,43 @@
+"""docs/ops.md (op -> its four backends' file:function) is what scripts/gen_ops_doc.py reads from the sources."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return runpy.run_path(str(ROOT / "scripts" / "gen_ops_doc.py"))
+
+
+def test_ops_doc_is_up_to_date(gen):
+    assert gen["main"](["--check"]) == 0, "docs/ops.md is stale: run python scripts/gen_ops_doc.py"
+
+
+def test_ops_doc_check_fails_on_a_stale_doc(gen, tmp_path, monkeypatch):
+    stale = tmp_path / "ops.md"
+    stale.write_text(gen["render"]().replace("jagged_to_padded_cpu", "renamed_cpu"))
+    monkeypatch.setitem(gen["main"].__globals__, "DOC", stale)
+    assert gen["main"](["--check"]) == 1
+
+
+def test_ops_doc_names_every_native_op_and_its_kernels(gen):
+    """Every native schema has a row, its front door, reference and cpu kernel; cuda and triton for
+    every family but zch (CPU-only)."""
+    import torch
+
+    import gem_kernels  # noqa: F401  (loads the extension's schemas)
+
+    rows = {line.split("|")[1].strip().strip("`"): [c.strip() for c in line.split("|")[2:-1]]
+            for line in gen["render"]().splitlines() if line.startswith("| `")}
+    native = {name.removeprefix("gem_kernels::").removesuffix("_native") for name in torch._C._dispatch_get_all_op_names()
+              if name.startswith("gem_kernels::") and name.endswith("_native")}
+    assert native and native == set(rows)
+    for op, (front, reference, triton, cpu, cuda) in rows.items():
+        assert "—" not in (front, reference, cpu), op
+        assert ("—" in (triton, cuda)) == (op == "zch_remap"), op
