@@ -926,12 +926,12 @@ def _bench_cli_cases() -> None:
         ["--out", _unwritable("inside-a-file", "res")])(), names=("--out",))
 
     def swap_cli(argv):
-        from bench.swap import main
+        from bench.swap_loss import main
 
         return lambda: main(argv)
     for value in rng.sample(["0", "-2", "x"], 2):
-        add(f"bench_cli/swap---loss-steps={value}", "bad", swap_cli(["--loss-steps", value]), names=("--loss-steps",))
-    add("bench_cli/swap---out-proc", "bad", lambda: swap_cli(["--loss-steps", "1", "--out", "/proc/res"])(),
+        add(f"bench_cli/swap_loss---loss-steps={value}", "bad", swap_cli(["--loss-steps", value]), names=("--loss-steps",))
+    add("bench_cli/swap_loss---out-proc", "bad", lambda: swap_cli(["--loss-steps", "1", "--out", "/proc/res"])(),
         names=("--out",))
 
     def check_parsed(args):

@@ -28,7 +28,7 @@ def test_ops_doc_check_fails_on_a_stale_doc(gen, tmp_path, monkeypatch):
 
 def test_ops_doc_names_every_native_op_and_its_kernels(gen):
     """Every native schema has a row, its front door, reference and cpu kernel; cuda and triton for
-    every family but zch (CPU-only)."""
+    every family but the CPU-only ones: zch and the HSTU layer's projection halves (FAMILIES says so)."""
     import torch
 
     import gem_kernels  # noqa: F401  (loads the extension's schemas)
@@ -38,6 +38,10 @@ def test_ops_doc_names_every_native_op_and_its_kernels(gen):
     native = {name.removeprefix("gem_kernels::").removesuffix("_native") for name in torch._C._dispatch_get_all_op_names()
               if name.startswith("gem_kernels::") and name.endswith("_native")}
     assert native and native == set(rows)
+    from gem_kernels._backend import FAMILIES
+
+    assert FAMILIES["hstu_layer"].implemented == ("reference", "cpu")
     for op, (front, reference, triton, cpu, cuda) in rows.items():
         assert "—" not in (front, reference, cpu), op
-        assert ("—" in (triton, cuda)) == (op == "zch_remap"), op
+        cpu_only = op == "zch_remap" or op.startswith(("hstu_uvqk_", "hstu_output_"))
+        assert ("—" in (triton, cuda)) == cpu_only, op
