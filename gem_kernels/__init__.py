@@ -15,6 +15,7 @@ from ._backend import (
     use_backend,
 )
 from .ops.attention import jagged_attention
+from .ops.cached_attention import cached_jagged_attention
 from ._embedding_bag import TableLayout, TableMeta, pack_tables
 from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
@@ -50,6 +51,7 @@ __all__ = [
     "get_backend",
     "use_backend",
     "jagged_attention",
+    "cached_jagged_attention",
     "jagged_to_padded",
     "padded_to_jagged",
     "dot_interaction",
