@@ -21,7 +21,7 @@ from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 from .ops.zch import ZchTables, zch_remap
-from . import nn, optim
+from . import inference, nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
 from .ops.quant_embedding_bag import quant_embedding_bag
 from .nn.quant_embedding_bag import QuantizedEmbeddingBag
@@ -73,6 +73,7 @@ __all__ = [
     "SwapReport",
     "SwapSkip",
     "register",
+    "inference",
     "nn",
     "optim",
     "__version__",

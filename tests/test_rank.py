@@ -158,6 +158,29 @@ def test_rank_equals_forward(m, page_size):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_rank_reuses_a_kept_cache():
+    """A cache kept across requests is not encoded again: a second request of the same shapes but another
+    history is scored against the first one's cached rows (the caller's to keep in step)."""
+    cfg, model = _model()
+    batch = make_batch(cfg, 3, torch.Generator().manual_seed(3))
+    layer = model.sequence_arch.layers[0]
+    cache = KVCache(cfg.num_hstu_layers, layer.num_heads, layer.attention_dim, layer.linear_dim, page_size=4)
+    with torch.no_grad():
+        expected = model(batch)
+    torch.testing.assert_close(model.rank(batch, 2, cache=cache, user_ids=[10, 11, 12]), expected, atol=1e-5,
+                               rtol=1e-5)
+    assert cache.users(0) == [10, 11, 12]
+    other = dataclasses.replace(batch, history_ids=torch.flip(batch.history_ids, [0]))
+    torch.testing.assert_close(model.rank(other, 2, cache=cache, user_ids=[10, 11, 12]), expected, atol=1e-5,
+                               rtol=1e-5)
+    cache.remove(11)  # encoded again from `other`'s history: user 11's scores change
+    moved = model.rank(other, 2, cache=cache, user_ids=[10, 11, 12])
+    with torch.no_grad():
+        fresh = model(other)
+    rows = torch.repeat_interleave(torch.arange(3), batch.num_candidates) == 1
+    torch.testing.assert_close(moved[rows], fresh[rows], atol=1e-5, rtol=1e-5)
+
+
 def test_rank_bad_microbatch():
     cfg, model = _model()
     batch = make_batch(cfg, 2, torch.Generator().manual_seed(3))
