@@ -19,8 +19,10 @@ class KVCache:
 
     Two layouts:
 
-    - contiguous (``page_size=None``): one tensor per (layer, user); `append` concatenates (a copy of
-      the user's rows), `truncate` keeps a copy of the prefix (so that the dropped rows are freed).
+    - contiguous (``page_size=None``): one buffer per (layer, user) with spare capacity (a vector's:
+      `append` writes in place and doubles the buffer when full); `truncate` keeps the capacity,
+      `remove` frees it. `scratch` lends the spare rows to a ranking micro-batch (no copy of the user's
+      rows: `HSTULayer.cached_forward` of one user attends over a view of the buffer).
     - paged (``page_size=P``): one pool per layer of fixed-size pages, [num_pages, P, H, D] for keys
       and values, and a page table per (layer, user). Users of different lengths share the pool:
       `append` writes the new rows into the user's last page and fresh pages, `truncate` returns
@@ -54,9 +56,10 @@ class KVCache:
         self.dtype, self.device, self.page_size = dtype, torch.device(device), page_size
         self._len: list[dict[int, int]] = [{} for _ in range(num_layers)]
         self._ts: list[dict[int, torch.Tensor | None]] = [{} for _ in range(num_layers)]
-        if page_size is None:
+        if page_size is None:  # buffers [capacity, H, D]; rows past the user's length are spare
             self._k: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
             self._v: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
+            self._ts_buf: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
         else:
             self._k_pool = [self._new_pool(num_pages, attention_dim) for _ in range(num_layers)]
             self._v_pool = [self._new_pool(num_pages, linear_dim) for _ in range(num_layers)]
@@ -118,17 +121,14 @@ class KVCache:
         length = held or 0
         if timestamps is not None:
             timestamps = timestamps.to(device=self.device, dtype=torch.int64)
-            self._ts[layer][user] = timestamps if old_ts is None else torch.cat([old_ts, timestamps])
-        else:
-            self._ts[layer][user] = None
-        self._len[layer][user] = length + n
         if not self.paged:
-            if held is None:
-                self._k[layer][user], self._v[layer][user] = k.clone(), v.clone()
-            else:
-                self._k[layer][user] = torch.cat([self._k[layer][user], k])
-                self._v[layer][user] = torch.cat([self._v[layer][user], v])
+            self._write(layer, user, length, k, v, timestamps)
+            self._ts[layer][user] = None if timestamps is None else self._ts_buf[layer][user][:length + n]
+            self._len[layer][user] = length + n
             return
+        self._ts[layer][user] = None if timestamps is None else (
+            timestamps if old_ts is None else torch.cat([old_ts, timestamps]))
+        self._len[layer][user] = length + n
         pages = self._pages[layer].setdefault(user, [])
         need = -(-(length + n) // self.page_size) - len(pages)
         if need > len(self._free[layer]):
@@ -137,6 +137,49 @@ class KVCache:
         rows = self._rows(pages, length, length + n)
         self._k_pool[layer].view(-1, self.num_heads, self.attention_dim).index_copy_(0, rows, k)
         self._v_pool[layer].view(-1, self.num_heads, self.linear_dim).index_copy_(0, rows, v)
+
+    def _write(self, layer: int, user: int, begin: int, k: torch.Tensor, v: torch.Tensor,
+               timestamps: torch.Tensor | None) -> None:
+        """Contiguous layout: rows [begin, begin + n) of the user's buffers <- k, v, timestamps (the buffers
+        grow to max(2 x capacity, begin + n) when short, keeping rows [0, begin))."""
+        end = begin + k.shape[0]
+        buf = self._k[layer].get(user)
+        capacity = 0 if buf is None else buf.shape[0]
+        if buf is None or end > capacity:
+            new_capacity = max(2 * capacity, end)
+            grown = []
+            for old, dim, dtype in ((buf, (self.num_heads, self.attention_dim), self.dtype),
+                                    (self._v[layer].get(user), (self.num_heads, self.linear_dim), self.dtype),
+                                    (self._ts_buf[layer].get(user), (), torch.int64)):
+                new = torch.zeros(new_capacity, *dim, dtype=dtype, device=self.device)
+                if old is not None:
+                    new[:begin] = old[:begin]
+                grown.append(new)
+            self._k[layer][user], self._v[layer][user], self._ts_buf[layer][user] = grown
+        self._k[layer][user][begin:end] = k
+        self._v[layer][user][begin:end] = v
+        if timestamps is not None:
+            self._ts_buf[layer][user][begin:end] = timestamps
+
+    def scratch(self, layer: int, user: int, begin: int, k: torch.Tensor, v: torch.Tensor,
+                timestamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Contiguous layout: write rows k, v (timestamps) at positions [begin, begin + n) past `user`'s
+        length, without appending them, and return views (k, v, timestamps or None) of the buffer's rows
+        [0, begin + n): the user's rows, whatever spare rows lie between (an earlier micro-batch's), and
+        these. The next `append` or `scratch` overwrites them."""
+        self._check_layer(layer)
+        if self.paged:
+            raise ValueError("scratch needs the contiguous layout (page_size=None); gather the paged rows instead")
+        length = self._len[layer].get(user, 0)
+        if isinstance(begin, bool) or not isinstance(begin, int) or begin < length:
+            raise ValueError(f"begin must be an int >= user {user}'s length {length}, got {begin!r}")
+        if length and (timestamps is None) != (self._ts[layer][user] is None):
+            raise ValueError(f"timestamps must be given exactly when user {user}'s rows have them")
+        self._write(layer, user, begin, k.to(self.dtype), v.to(self.dtype),
+                    None if timestamps is None else timestamps.to(torch.int64))
+        end = begin + k.shape[0]
+        ts = None if timestamps is None else self._ts_buf[layer][user][:end]
+        return self._k[layer][user][:end], self._v[layer][user][:end], ts
 
     def _grow(self, layer: int, at_least: int) -> None:
         old = self._k_pool[layer].shape[0]
@@ -167,11 +210,8 @@ class KVCache:
             self._len[lay][user] = keep
             ts = self._ts[lay][user]
             if ts is not None:
-                self._ts[lay][user] = ts[:keep].clone()
-            if not self.paged:
-                self._k[lay][user] = self._k[lay][user][:keep].clone()
-                self._v[lay][user] = self._v[lay][user][:keep].clone()
-            else:
+                self._ts[lay][user] = ts[:keep] if not self.paged else ts[:keep].clone()
+            if self.paged:
                 pages = self._pages[lay][user]
                 keep_pages = -(-keep // self.page_size)
                 self._free[lay].extend(reversed(pages[keep_pages:]))
@@ -186,7 +226,7 @@ class KVCache:
                 if self.paged:
                     del self._pages[lay][user]
                 else:
-                    del self._k[lay][user], self._v[lay][user]
+                    del self._k[lay][user], self._v[lay][user], self._ts_buf[lay][user]
 
     def gather(self, layer: int, users: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                               torch.Tensor]:
@@ -208,8 +248,8 @@ class KVCache:
                 return (torch.zeros(0, self.num_heads, self.attention_dim, dtype=self.dtype, device=self.device),
                         torch.zeros(0, self.num_heads, self.linear_dim, dtype=self.dtype, device=self.device),
                         ts, offsets)
-            return (torch.cat([self._k[layer][u] for u in held]), torch.cat([self._v[layer][u] for u in held]),
-                    ts, offsets)
+            return (torch.cat([self._k[layer][u][:self._len[layer][u]] for u in held]),
+                    torch.cat([self._v[layer][u][:self._len[layer][u]] for u in held]), ts, offsets)
         rows = [self._rows(self._pages[layer][u], 0, self._len[layer][u]) for u in held]
         rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=self.device)
         k = self._k_pool[layer].view(-1, self.num_heads, self.attention_dim).index_select(0, rows)
@@ -228,10 +268,12 @@ class KVCache:
         return total
 
     def reserved_bytes(self) -> int:
-        """Bytes the cache allocated for its rows: nbytes() in the contiguous layout; the pools (every
-        page, used or free) plus the timestamps in the paged one."""
+        """Bytes the cache allocated for its rows: the buffers with their spare capacity in the contiguous
+        layout; the pools (every page, used or free) plus the timestamps in the paged one."""
         if not self.paged:
-            return self.nbytes()
+            return sum(t.numel() * t.element_size() for bufs in (self._k, self._v) for lay in bufs
+                       for t in lay.values()) + sum(8 * t.numel() for lay, held in zip(self._ts_buf, self._ts)
+                                                    for u, t in lay.items() if held.get(u) is not None)
         pools = sum(p.numel() * p.element_size() for p in self._k_pool + self._v_pool)
         stamps = sum(8 * t.numel() for lay in self._ts for t in lay.values() if t is not None)
         return pools + stamps

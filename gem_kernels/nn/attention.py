@@ -174,40 +174,33 @@ class HSTULayer(nn.Module):
                                  h * self.attention_dim], dim=-1)
         q, k = q.reshape(n, h, self.attention_dim), k.reshape(n, h, self.attention_dim)
         v = v.reshape(n, h, self.linear_dim)
-        cached_k, cached_v, cached_ts, _ = cache.gather(layer, users)
         cached_lengths = [cache.length(user, layer) for user in users]
         starts = cached_lengths if delta_start is None else [int(s) for s in delta_start]
         if len(starts) != num_users or any(s < c for s, c in zip(starts, cached_lengths)):
             raise ValueError(f"delta_start must be len(users) = {num_users} positions >= the cached lengths "
                              f"{cached_lengths}, got {delta_start}")
+        time_bias = self.bias.time_bias
+        if time_bias is not None and timestamps is None:
+            raise ValueError("this layer has a time bias: timestamps of the new rows are required, got None")
         bounds = [0]
         for s in starts:
             bounds.append(bounds[-1] + s + delta)
         device = delta_x.device
         offsets = torch.tensor(bounds, device=device)
-        # Row of every cached row and every new row in the whole sequences (jagged over users).
-        cached_rows = torch.arange(cached_k.shape[0], device=device) + torch.tensor(
-            [b - sum(cached_lengths[:i]) for i, b in enumerate(bounds[:-1])], device=device).repeat_interleave(
-            torch.tensor(cached_lengths, device=device), output_size=cached_k.shape[0])
-        new_rows = (torch.tensor([b + s for b, s in zip(bounds, starts)], device=device).repeat_interleave(
-            delta, output_size=n) + torch.arange(delta, device=device).repeat(num_users))
-        total = bounds[-1]
-
-        def whole(cached_part, new_part):
-            full = new_part.new_zeros((total, *new_part.shape[1:]))
-            return full.index_copy(0, cached_rows, cached_part.to(new_part.dtype)).index_copy(0, new_rows, new_part)
-
-        time_bias = self.bias.time_bias
-        whole_ts = None
-        if time_bias is not None:
-            if cached_ts is None:
-                raise ValueError("this layer has a time bias: the cached rows need timestamps (append them with "
-                                 "timestamps), got rows without")
-            whole_ts = whole(cached_ts, timestamps.long())
-        attn = cached_jagged_attention(q, whole(cached_k, k), whole(cached_v, v), offsets, max_seq_len, kind="hstu",
+        if num_users == 1 and not cache.paged:
+            # One user, contiguous buffer: the new rows go to its spare rows, the attention reads a view of
+            # the buffer (no copy of the cached rows).
+            whole_k, whole_v, whole_ts = cache.scratch(layer, users[0], starts[0], k, v, timestamps)
+        else:
+            whole_k, whole_v, whole_ts = self._gathered(cache, layer, users, k, v, timestamps, cached_lengths,
+                                                        starts, bounds, delta)
+        if time_bias is not None and whole_ts is None:
+            raise ValueError("this layer has a time bias: the cached rows need timestamps (append them with "
+                             "timestamps), got rows without")
+        attn = cached_jagged_attention(q, whole_k, whole_v, offsets, max_seq_len, kind="hstu",
                                        num_targets=num_targets, contextual_len=self.contextual_len,
                                        max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
-                                       time_bias=time_bias, timestamps=whole_ts,
+                                       time_bias=time_bias, timestamps=whole_ts if time_bias is not None else None,
                                        query_timestamps=query_timestamps if time_bias is not None else None,
                                        backend=self.backend)
         if append:
@@ -216,6 +209,28 @@ class HSTULayer(nn.Module):
                 cache.append(layer, user, k[rows], v[rows], None if timestamps is None else timestamps[rows])
         gated = u * self.attn_norm(attn.reshape(n, h * self.linear_dim))
         return delta_x + self.out(self.dropout(gated))
+
+
+    @staticmethod
+    def _gathered(cache, layer, users, k, v, timestamps, cached_lengths, starts, bounds, delta):
+        """(k, v, timestamps or None) of the users' whole sequences: the cached rows (a copy gathered from
+        the cache), zeros up to starts[b], then the new rows."""
+        cached_k, cached_v, cached_ts, _ = cache.gather(layer, users)
+        device, n, num_users = k.device, k.shape[0], len(users)
+        cached_rows = torch.arange(cached_k.shape[0], device=device) + torch.tensor(
+            [b - sum(cached_lengths[:i]) for i, b in enumerate(bounds[:-1])], device=device).repeat_interleave(
+            torch.tensor(cached_lengths, device=device), output_size=cached_k.shape[0])
+        new_rows = (torch.tensor([b + s for b, s in zip(bounds, starts)], device=device).repeat_interleave(
+            delta, output_size=n) + torch.arange(delta, device=device).repeat(num_users))
+
+        def whole(cached_part, new_part):
+            full = new_part.new_zeros((bounds[-1], *new_part.shape[1:]))
+            return full.index_copy(0, cached_rows, cached_part.to(new_part.dtype)).index_copy(0, new_rows, new_part)
+
+        whole_ts = None
+        if timestamps is not None and cached_ts is not None:
+            whole_ts = whole(cached_ts, timestamps.long())
+        return whole(cached_k, k), whole(cached_v, v), whole_ts
 
 
 def _end_padding_lengths(key_padding_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
