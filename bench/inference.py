@@ -34,6 +34,9 @@ from .embedding_bag import SEED, zipf_batch
 from .harness import Case, SkipFamily, rotate
 
 QUANT_DTYPES = ("int8", "int4", "fp16")
+# Seconds of timing (full, quick): two groups, and the ranking cases time whole model passes of up to 4.6k
+# tokens (bench/__main__.py caps each family at this, or at its even share of the run's budget).
+FAMILY_BUDGET = {False: 600.0, True: 9.0}
 
 
 def _torchrec_quant_collection(num_tables: int, rows: int, dim: int, weight_dtype: str):

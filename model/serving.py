@@ -11,6 +11,7 @@ writes rank.pt2; `torch._inductor.aoti_load_package("rank.pt2")(*request_tensors
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from torch import nn
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="rank.pt2", help="the AOTInductor package to write")
     args = parser.parse_args(argv)
     cfg: GemConfig = PRESETS[args.preset]()
-    cfg = GemConfig(**{**cfg.__dict__, "max_seq_len": max(cfg.max_seq_len, args.history),
-                       "max_num_candidates": max(cfg.max_num_candidates, args.candidates)})
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, args.history),
+                              max_num_candidates=max(cfg.max_num_candidates, args.candidates))
     model = GemModel(cfg, "fused", seed=args.seed).eval()
     example = request_tensors(fixed_request(cfg, args.history, args.candidates, args.seed), 0)
     path = export_ranking(model, example, args.microbatch, args.out)

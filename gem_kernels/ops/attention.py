@@ -219,6 +219,21 @@ def check_options(q: torch.Tensor, num_rows: int, num_seqs: int, max_seq_len: in
     return num_targets, pos_bias, time_bias, timestamps, query_timestamps
 
 
+def check_operands(q_name: str, q, k, v, seq_offsets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) after autocast (gem_kernels/_autocast.py), checked: 3-D float tensors of q's dtype on
+    seq_offsets' device, seq_offsets 1-D int32/int64. q_name: the queries' name in messages."""
+    q, k, v = autocast_operands(q, k, v)
+    check_tensor(q_name, q, dtypes=float_dtypes(), dims=(3,))
+    check_tensor("k", k, dtypes=float_dtypes(), dims=(3,))
+    check_tensor("v", v, dtypes=float_dtypes(), dims=(3,))
+    check_offsets_meta("seq_offsets", seq_offsets)
+    check_same_device(**{q_name: q}, k=k, v=v, seq_offsets=seq_offsets)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have {q_name}'s dtype {q.dtype}, got {t.dtype}")
+    return q, k, v
+
+
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                      max_seq_len: int, *, kind: str = "softmax", causal: bool = True, scale: float | None = None,
                      num_targets: torch.Tensor | None = None, contextual_len: int = 0, max_attn_len: int = 0,
@@ -294,16 +309,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         autocast dtype first, like SDPA's (gem_kernels/_autocast.py); the biases keep theirs (they
         are added in fp32).
     """
-    q, k, v = autocast_operands(q, k, v)
-    check_tensor("q", q, dtypes=float_dtypes(), dims=(3,))
-    check_tensor("k", k, dtypes=float_dtypes(), dims=(3,))
-    check_tensor("v", v, dtypes=float_dtypes(), dims=(3,))
-    check_offsets_meta("seq_offsets", seq_offsets)
-    check_same_device(q=q, k=k, v=v, seq_offsets=seq_offsets)
-    if k.dtype != q.dtype:
-        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
-    if v.dtype != q.dtype:
-        raise ValueError(f"v must have q's dtype {q.dtype}, got {v.dtype}")
+    q, k, v = check_operands("q", q, k, v, seq_offsets)
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != q.shape[:2]:

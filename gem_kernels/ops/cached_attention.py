@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .._autocast import autocast_operands, run_kernels_without_autocast
+from .._autocast import run_kernels_without_autocast
 from .._backend import Family, resolve_backend
-from .._validate import (check_float64_on_reference, check_nonnegative_int, check_offsets_meta, check_same_device,
-                         check_tensor, float_dtypes)
-from .attention import KINDS, _check_values, _round_to_fp32, check_options
+from .._validate import check_float64_on_reference, check_nonnegative_int
+from .attention import KINDS, _check_values, _round_to_fp32, check_operands, check_options
 
 
 def _reference_cached_attention():
@@ -107,15 +106,7 @@ def cached_jagged_attention(delta_q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         out [B * delta, H, Dv] in delta_q's dtype, accumulated in fp32. Forward only: a backward through
         it raises RuntimeError.
     """
-    delta_q, k, v = autocast_operands(delta_q, k, v)
-    check_tensor("delta_q", delta_q, dtypes=float_dtypes(), dims=(3,))
-    check_tensor("k", k, dtypes=float_dtypes(), dims=(3,))
-    check_tensor("v", v, dtypes=float_dtypes(), dims=(3,))
-    check_offsets_meta("seq_offsets", seq_offsets)
-    check_same_device(delta_q=delta_q, k=k, v=v, seq_offsets=seq_offsets)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != delta_q.dtype:
-            raise ValueError(f"{name} must have delta_q's dtype {delta_q.dtype}, got {t.dtype}")
+    delta_q, k, v = check_operands("delta_q", delta_q, k, v, seq_offsets)
     if k.shape[1:] != delta_q.shape[1:]:
         raise ValueError(f"k must have shape [N, H, Dqk] = [N, {delta_q.shape[1]}, {delta_q.shape[2]}] like "
                          f"delta_q, got {tuple(k.shape)}")
