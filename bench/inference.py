@@ -200,7 +200,8 @@ def ranking_cases(quick: bool, device: torch.device) -> Iterator[Case]:
                 raise AssertionError(f"{name} scores differ from the uncached pass by {diff} (P={history}, "
                                      f"K={num_candidates})")
             notes.append(f"{name}: max |score - uncached| = {diff:.2e}" + (
-                " (a candidate alone sits at the first target position: its pos bias differs)" if name == "alone"
+                " (a candidate alone sits at the first target position: equal only while the pos bias is 0, as in "
+                "this untrained model)" if name == "alone"
                 else ""))
         yield Case(op="rank (KV-cached HSTU)", shape=f"GemModel(small) P={history} K={num_candidates}",
                    dtype=torch.float32, flops=0, bytes=0, impls=impls, baseline="uncached", notes=notes,
