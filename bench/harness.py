@@ -439,6 +439,7 @@ def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha:
         "ms": None,
         "ms_p10": None,
         "ms_p90": None,
+        "ms_p99": None,
         "repeats": 0,
         "capped": False,
         "page_faults_per_call": None,
@@ -470,6 +471,7 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         "ms": timing.median_ms,
         "ms_p10": timing.p10_ms,
         "ms_p90": timing.p90_ms,
+        "ms_p99": timing.p99_ms,
         "repeats": timing.repeats,
         "capped": timing.capped,
         "page_faults_per_call": timing.page_faults,
@@ -768,7 +770,7 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         extra = f" {row['gbps']:.1f} GB/s" if row["gbps"] is not None else ""
         extra += f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
         log(f"{tag} {i + 1}/{len(names)} {case.op} {dtype_name(case.dtype)} {impl}: {row['ms']:.3f} ms "
-            f"(p10 {row['ms_p10']:.3f}, p90 {row['ms_p90']:.3f}, n={row['repeats']}"
+            f"(p10 {row['ms_p10']:.3f}, p90 {row['ms_p90']:.3f}, p99 {row['ms_p99']:.3f}, n={row['repeats']}"
             f"{', capped' if timing.capped else ''}){extra}"
             + (f", {timing.page_faults:.0f} page faults/call" if timing.page_faults else ""))
 

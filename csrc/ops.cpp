@@ -39,6 +39,12 @@ TORCH_LIBRARY(gem_kernels, m) {
         "int contextual_len, int max_attn_len, Tensor? pos_bias, Tensor? time_bias, Tensor? timestamps, "
         "Tensor? query_timestamps, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
+  // cached attention (inference): delta_q [B * delta, H, Dqk] = the last delta rows of every sequence,
+  // k [N, H, Dqk], v [N, H, Dv] the whole sequences; causal -> out [B * delta, H, Dv]
+  m.def("cached_jagged_attention_fwd_native(Tensor delta_q, Tensor k, Tensor v, Tensor seq_offsets, "
+        "int max_seq_len, str kind, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, "
+        "Tensor? pos_bias, Tensor? time_bias, Tensor? timestamps, Tensor? query_timestamps) -> Tensor");
+
   // interaction: dot interaction x [B, F, D] -> [B, P]; cross layer (u [N, N] or u [N, r] + v [r, N],
   // v empty for full rank) -> (out, z, p); fm_compress x [B, F, D], y [F, k] -> (out, mean, rstd)
   m.def("dot_interaction_native(Tensor x, bool self_interaction) -> Tensor");

@@ -15,12 +15,13 @@ from ._backend import (
     use_backend,
 )
 from .ops.attention import jagged_attention
+from .ops.cached_attention import cached_jagged_attention
 from ._embedding_bag import TableLayout, TableMeta, pack_tables
 from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
 from .ops.zch import ZchTables, zch_remap
-from . import nn, optim
+from . import inference, nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
 from .ops.quant_embedding_bag import quant_embedding_bag
 from .nn.quant_embedding_bag import QuantizedEmbeddingBag
@@ -52,6 +53,7 @@ __all__ = [
     "get_backend",
     "use_backend",
     "jagged_attention",
+    "cached_jagged_attention",
     "jagged_to_padded",
     "padded_to_jagged",
     "dot_interaction",
@@ -73,6 +75,7 @@ __all__ = [
     "SwapReport",
     "SwapSkip",
     "register",
+    "inference",
     "nn",
     "optim",
     "__version__",

@@ -473,8 +473,9 @@ std::vector<SeqInfo> sequences(const at::Tensor& offsets, const c10::optional<at
 }
 
 // Runs fn(item, workspace) over items b * H + h, longest sequences first, on every thread.
+// `queries`: query rows per sequence (its last ones), 0 = every row; only the thread count depends on it.
 template <typename Fn>
-void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn) {
+void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn, int64_t queries = 0) {
   const int64_t num_items = static_cast<int64_t>(seqs.size()) * p.H;
   std::vector<int64_t> order(num_items);
   std::iota(order.begin(), order.end(), 0);
@@ -483,7 +484,8 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn) {
   // Small batches run on fewer threads: a parallel region costs a wake-up of every thread (and, on a
   // loaded machine, waiting for a descheduled one), worth it only past ~2^24 FLOPs per thread.
   double flops = 0.0;
-  for (const auto& s : seqs) flops += 2.0 * static_cast<double>(s.len) * s.len * p.H * (p.D + p.Dv);
+  for (const auto& s : seqs)
+    flops += 2.0 * static_cast<double>(queries > 0 ? queries : s.len) * s.len * p.H * (p.D + p.Dv);
   const int64_t by_work = static_cast<int64_t>(flops / static_cast<double>(1 << 24)) + 1;
   parallel_ranges(num_items, 1, by_work, [&](auto& claim) {
     // Each worker already owns a core: a BLAS call that forked threads of its own would oversubscribe
@@ -544,7 +546,8 @@ struct Prepared {
   at::Tensor q, k, v, pos_bias, time_bias, timestamps, query_timestamps;
   Params p;
   std::vector<SeqInfo> seqs;
-  int64_t N = 0;
+  int64_t N = 0;      // rows of k and v (every sequence's rows)
+  int64_t delta = 0;  // the cached forward: q holds the last delta rows of every sequence; 0: q has N rows
 };
 
 Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -552,9 +555,9 @@ Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
                  double scale, const c10::optional<at::Tensor>& num_targets, int64_t contextual_len,
                  int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
                  const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
-                 const c10::optional<at::Tensor>& query_timestamps_in) {
-  attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CPU);
+                 const c10::optional<at::Tensor>& query_timestamps_in, int64_t delta = 0) {
   Prepared in;
+  in.delta = delta;
   in.q = q_in.to(at::kFloat).contiguous();
   in.k = k_in.to(at::kFloat).contiguous();
   in.v = v_in.to(at::kFloat).contiguous();
@@ -562,21 +565,23 @@ Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tenso
   in.time_bias = as_float(time_bias_in);
   in.timestamps = as_long(timestamps_in);
   in.query_timestamps = as_long(query_timestamps_in);
-  in.p = make_params(in.q, in.v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, in.pos_bias,
+  in.p = make_params(in.k, in.v, max_seq_len, kind, causal, scale, contextual_len, max_attn_len, in.pos_bias,
                      in.time_bias, in.timestamps, in.query_timestamps);
   in.seqs = sequences(seq_offsets, num_targets);
-  in.N = in.q.size(0);
+  in.N = in.k.size(0);
   for (const auto& s : in.seqs) {
     TORCH_CHECK(s.start + s.len <= in.N, "seq_offsets out of range");
     TORCH_CHECK(s.len <= max_seq_len, "a sequence is longer than max_seq_len");
+    TORCH_CHECK_VALUE(s.len >= delta, "every sequence must hold its delta = ", delta, " query rows");
   }
   return in;
 }
 
-// One work item: head h of one sequence (rows [start, start + L)); q0, k0, v0 point at the item's
-// first row (row strides H * D and H * Dv).
+// One work item: head h of one sequence (rows [start, start + L)); its query rows are [q_lo, L)
+// (q_lo = L - delta in the cached forward, else 0) and live in q from row q_row0 on; q0, k0, v0 point
+// at the item's first query row, key row and value row (row strides H * D and H * Dv).
 struct Item {
-  int64_t h, start, L;
+  int64_t h, start, L, q_lo, q_row0;
   const float *q0, *k0, *v0;
 };
 
@@ -588,11 +593,112 @@ bool begin_item(const Prepared& in, int64_t item, Workspace& ws, Item& it) {
   it.h = item % p.H;
   it.start = seq.start;
   it.L = seq.len;
-  it.q0 = in.q.const_data_ptr<float>() + (seq.start * p.H + it.h) * p.D;
+  it.q_lo = in.delta > 0 ? seq.len - in.delta : 0;
+  it.q_row0 = in.delta > 0 ? item / p.H * in.delta : seq.start;
+  it.q0 = in.q.const_data_ptr<float>() + (it.q_row0 * p.H + it.h) * p.D;
   it.k0 = in.k.const_data_ptr<float>() + (seq.start * p.H + it.h) * p.D;
   it.v0 = in.v.const_data_ptr<float>() + (seq.start * p.H + it.h) * p.Dv;
   ws.mask.init(p, seq.len, seq.targets);
   return true;
+}
+
+// The forward of one item for its query rows [q_lo, L): every row in the full forward, the last
+// delta rows in the cached one. A query row keeps its position i in the sequence (the mask, pos_bias
+// and timestamps see i); it reads q row and writes out (and lse) row q_row0 + i - q_lo.
+void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, float* lp) {
+  const Params& p = in.p;
+  const int64_t q_lo = it.q_lo, out_row0 = it.q_row0;
+  const float* q_rows = it.q0;
+  const int64_t H = p.H, D = p.D, Dv = p.Dv;
+  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t L = it.L, h = it.h;
+  float* s = ws.s.data();
+  float* acc = ws.acc.data();
+  static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
+  nonfinite_tiles(it.v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
+  for (int64_t i0 = q_lo; i0 < L; i0 += kBlockM) {
+    const int64_t bm = std::min(kBlockM, L - i0);
+    std::fill(acc, acc + bm * Dv, 0.0f);
+    std::fill(ws.row_max.begin(), ws.row_max.end(), neg_inf);
+    std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0f);
+    for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
+      const int64_t bn = std::min(kBlockN, L - j0);
+      const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
+      if (tile_kind == 0) continue;
+      mm(false, true, bm, bn, D, 1.0f, q_rows + (i0 - q_lo) * H * D, H * D, it.k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
+      scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
+      for (int64_t r = 0; r < bm; ++r) {
+        float* row = s + r * kBlockN;
+        const uint8_t* vis = ws.vis.data() + r * kBlockN;
+        const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
+        // Outside the span the weights are 0 (the P V product takes the whole tile).
+        std::fill(row, row + span.begin, 0.0f);
+        std::fill(row + span.end, row + bn, 0.0f);
+        if (p.softmax) {
+          std::fill(row + span.hole_begin, row + span.hole_end, neg_inf);
+          if (span.ask)
+            for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : neg_inf;
+          const float new_max = max_keep_nan(ws.row_max[r], row_max(row + span.begin, span.end - span.begin));
+          if (new_max == neg_inf) continue;  // nothing visible in this row yet
+          const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
+          const float sum = exp_shifted_sum(row + span.begin, span.end - span.begin, new_max);
+          ws.row_sum[r] = ws.row_sum[r] * alpha + sum;
+          ws.row_max[r] = new_max;
+          if (alpha != 1.0f) {
+            float* a = acc + r * Dv;
+            for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+          }
+        } else {
+          for (int64_t c = span.begin; c < span.end; ++c) {
+            const float x = row[c];
+            const float w = x / (1.0f + fast_exp(-x)) * inv_m;
+            row[c] = (!span.ask || vis[c]) ? w : 0.0f;
+          }
+          std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
+        }
+      }
+      if (p.softmax) {
+        // Rows with nothing visible yet hold -inf scores: zero them before the product.
+        for (int64_t r = 0; r < bm; ++r)
+          if (ws.row_max[r] == neg_inf)
+            std::fill(s + r * kBlockN, s + r * kBlockN + bn, 0.0f);
+      }
+      if (tile_kind == 1 && ws.bad_v[j0 / kBlockN])
+        masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), it.v0 + j0 * H * Dv, H * Dv, acc, Dv);
+      else
+        mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, it.v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
+    }
+    for (int64_t r = 0; r < bm; ++r) {
+      const int64_t row_out = out_row0 + i0 - q_lo + r;
+      float* dst = op + (row_out * H + h) * Dv;
+      const float* a = acc + r * Dv;
+      if (p.softmax) {
+        // l == 0: every visible score is -inf (or none is visible): out 0, lse -inf. A NaN l stays NaN.
+        const float l = ws.row_sum[r];
+        const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+        for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+        lp[row_out * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
+      } else {
+        std::copy(a, a + Dv, dst);
+      }
+    }
+  }
+}
+
+// out [rows, H, Dv] in `dtype` and fp32 lse [rows, H] (softmax; [0] for hstu), rows = q's rows.
+std::tuple<at::Tensor, at::Tensor> forward(const Prepared& in, at::ScalarType dtype) {
+  const Params& p = in.p;
+  const int64_t rows = in.q.size(0), H = p.H, Dv = p.Dv;
+  auto out = at::empty({rows, H, Dv}, in.q.options());
+  auto lse = p.softmax ? at::empty({rows, H}, in.q.options()) : at::empty({0}, in.q.options());
+  float* op = out.data_ptr<float>();
+  float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
+  for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
+    Item it;
+    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp);
+  }, in.delta);
+  return {dtype == at::kFloat ? out : out.to(dtype), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
@@ -601,94 +707,52 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
     int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in) {
+  attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CPU);
   const Prepared in = prepare(q_in, k_in, v_in, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
                               contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
                               query_timestamps_in);
-  const Params& p = in.p;
-  const int64_t N = in.N, H = p.H, D = p.D, Dv = p.Dv;
-  auto out = at::empty({N, H, Dv}, in.q.options());
-  auto lse = p.softmax ? at::empty({N, H}, in.q.options()) : at::empty({0}, in.q.options());
-  float* op = out.data_ptr<float>();
-  float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
-  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  return forward(in, q_in.scalar_type());
+}
 
-  for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
-    Item it;
-    if (!begin_item(in, item, ws, it)) return;
-    const int64_t L = it.L, h = it.h;
-    float* s = ws.s.data();
-    float* acc = ws.acc.data();
-    static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
-    nonfinite_tiles(it.v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
-    for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
-      const int64_t bm = std::min(kBlockM, L - i0);
-      std::fill(acc, acc + bm * Dv, 0.0f);
-      std::fill(ws.row_max.begin(), ws.row_max.end(), neg_inf);
-      std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0f);
-      for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
-        const int64_t bn = std::min(kBlockN, L - j0);
-        const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
-        if (tile_kind == 0) continue;
-        mm(false, true, bm, bn, D, 1.0f, it.q0 + i0 * H * D, H * D, it.k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
-        scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
-        for (int64_t r = 0; r < bm; ++r) {
-          float* row = s + r * kBlockN;
-          const uint8_t* vis = ws.vis.data() + r * kBlockN;
-          const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
-          // Outside the span the weights are 0 (the P V product takes the whole tile).
-          std::fill(row, row + span.begin, 0.0f);
-          std::fill(row + span.end, row + bn, 0.0f);
-          if (p.softmax) {
-            std::fill(row + span.hole_begin, row + span.hole_end, neg_inf);
-            if (span.ask)
-              for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : neg_inf;
-            const float new_max = max_keep_nan(ws.row_max[r], row_max(row + span.begin, span.end - span.begin));
-            if (new_max == neg_inf) continue;  // nothing visible in this row yet
-            const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
-            const float sum = exp_shifted_sum(row + span.begin, span.end - span.begin, new_max);
-            ws.row_sum[r] = ws.row_sum[r] * alpha + sum;
-            ws.row_max[r] = new_max;
-            if (alpha != 1.0f) {
-              float* a = acc + r * Dv;
-              for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-            }
-          } else {
-            for (int64_t c = span.begin; c < span.end; ++c) {
-              const float x = row[c];
-              const float w = x / (1.0f + fast_exp(-x)) * inv_m;
-              row[c] = (!span.ask || vis[c]) ? w : 0.0f;
-            }
-            std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
-          }
-        }
-        if (p.softmax) {
-          // Rows with nothing visible yet hold -inf scores: zero them before the product.
-          for (int64_t r = 0; r < bm; ++r)
-            if (ws.row_max[r] == neg_inf)
-              std::fill(s + r * kBlockN, s + r * kBlockN + bn, 0.0f);
-        }
-        if (tile_kind == 1 && ws.bad_v[j0 / kBlockN])
-          masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), it.v0 + j0 * H * Dv, H * Dv, acc, Dv);
-        else
-          mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, it.v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
-      }
-      for (int64_t r = 0; r < bm; ++r) {
-        float* dst = op + ((it.start + i0 + r) * H + h) * Dv;
-        const float* a = acc + r * Dv;
-        if (p.softmax) {
-          // l == 0: every visible score is -inf (or none is visible): out 0, lse -inf. A NaN l stays NaN.
-          const float l = ws.row_sum[r];
-          const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
-          lp[(it.start + i0 + r) * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
-        } else {
-          std::copy(a, a + Dv, dst);
-        }
-      }
+// generative-recommenders' delta_hstu_mha: delta_q [B * delta, H, D] holds the queries of the last
+// delta rows of every sequence, k and v [N, H, *] the whole sequences; causal. The work is the
+// full forward's restricted to those query rows: delta * L pairs per sequence instead of L^2.
+at::Tensor cached_jagged_attention_fwd_cpu(
+    const at::Tensor& delta_q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& seq_offsets,
+    int64_t max_seq_len, c10::string_view kind, double scale, const c10::optional<at::Tensor>& num_targets,
+    int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+    const c10::optional<at::Tensor>& query_timestamps_in) {
+  attention_checks::cached_qkv(delta_q, k_in, v_in, seq_offsets, kind, c10::DeviceType::CPU);
+  const int64_t B = seq_offsets.numel() - 1, N = k_in.size(0);
+  const int64_t delta = B > 0 ? delta_q.size(0) / B : 0;
+  // No query rows (B = 0 or delta = 0): Prepared's delta = 0 would mean "every row is a query".
+  if (delta == 0) return at::empty({0, delta_q.size(1), v_in.size(2)}, delta_q.options());
+  // The kernel reads tq_i at row start + i of the sequence: query_timestamps [B * delta] go to their
+  // rows of a copy of timestamps (the other rows' tq are never read).
+  c10::optional<at::Tensor> query_timestamps = c10::nullopt;
+  if (query_timestamps_in.has_value() && query_timestamps_in->defined() && timestamps_in.has_value() &&
+      timestamps_in->defined()) {
+    GK_CHECK_CPU((*query_timestamps_in));
+    GK_CHECK_CPU((*timestamps_in));
+    TORCH_CHECK(query_timestamps_in->numel() == B * delta, "query_timestamps must be [B * delta]");
+    TORCH_CHECK(timestamps_in->numel() == N, "timestamps must be [N]");
+    const auto off = seq_offsets.to(at::kLong).contiguous();
+    const int64_t* o = off.const_data_ptr<int64_t>();
+    auto full = timestamps_in->to(at::kLong).contiguous().clone();
+    const auto tq = query_timestamps_in->to(at::kLong).contiguous();
+    int64_t* dst = full.data_ptr<int64_t>();
+    const int64_t* src = tq.const_data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(o[b] <= o[b + 1] && o[b + 1] <= N && o[b + 1] - o[b] >= delta, "seq_offsets out of range");
+      std::copy(src + b * delta, src + (b + 1) * delta, dst + o[b + 1] - delta);
     }
-  });
-  return {q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type()), lse};
+    query_timestamps = full;
+  }
+  const Prepared in = prepare(delta_q, k_in, v_in, seq_offsets, max_seq_len, kind, /*causal=*/true, scale,
+                              num_targets, contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
+                              query_timestamps, delta);
+  return std::get<0>(forward(in, delta_q.scalar_type()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cpu(
@@ -699,6 +763,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in, bool deterministic) {
   (void)deterministic;  // always: no atomics, fixed reduction order
+  attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CPU);
   const Prepared in = prepare(q_in, k_in, v_in, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
                               contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
                               query_timestamps_in);
@@ -894,6 +959,7 @@ at::Tensor attention_fast_exp(const at::Tensor& x_in, bool vectorized) {
 TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
   m.impl("jagged_attention_fwd_native", &jagged_attention_fwd_cpu);
   m.impl("jagged_attention_bwd_native", &jagged_attention_bwd_cpu);
+  m.impl("cached_jagged_attention_fwd_native", &cached_jagged_attention_fwd_cpu);
 }
 
 }  // namespace gem_kernels

@@ -190,6 +190,111 @@ class HSTULayer(nn.Module):
                           silu_qkv=self.silu_qkv, group_norm=self.group_norm, concat_u=self.concat_u,
                           concat_x=self.concat_x, dropout_mask=mask, eps=self.eps, backend=self.backend)
 
+    def cached_forward(self, delta_x: torch.Tensor, cache, layer: int, users: list[int], max_seq_len: int, *,
+                       num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+                       query_timestamps: torch.Tensor | None = None, delta_start: list[int] | None = None,
+                       append: bool = False) -> torch.Tensor:
+        """This layer on the next delta rows of every user, over the users' rows held in `cache` (M-FALCON).
+
+        The rows of user b are: its cached rows (keys and values of this layer, from
+        ``cache.gather(layer, users)``), then, at positions delta_start[b] .. delta_start[b] + delta - 1,
+        the delta new rows delta_x[b * delta : (b + 1) * delta]. The output equals `forward`'s on those
+        rows of the whole sequences (causal; same biases, mask and normaliser), computed at delta * L
+        attention work (`gem_kernels.cached_jagged_attention`). Positions between the cached rows and
+        delta_start[b] (e.g. the candidates of earlier micro-batches) hold no rows: they must be targets
+        (num_targets[b] >= delta_start[b] + delta - cached length), so that no delta row may see them.
+
+        Args:
+            delta_x: [B * delta, embed_dim], B = len(users), delta the same for every user.
+            cache: a gem_kernels.inference.KVCache with this layer's H, attention_dim, linear_dim.
+            layer: this layer's index in `cache`.
+            users: the users' keys in `cache` (a user it does not hold has no cached rows).
+            max_seq_len, num_targets: as in `forward`, over the whole sequences (num_targets [B]).
+            timestamps: [B * delta] int, the new rows' timestamps (the cached rows' are in the cache);
+                required with the time bias.
+            query_timestamps: [B * delta] int or None (= timestamps), as in `forward`.
+            delta_start: B ints, the positions of the first new rows, >= the cached lengths; None = the
+                cached lengths. Python ints, like every size here: the layer reads no tensor's values,
+                so it traces (torch.export) with the cache's contents as constants.
+            append: also append the new rows' keys, values and timestamps to `cache` (encoding a history
+                incrementally); candidates are scored with append=False.
+
+        Returns:
+            [B * delta, embed_dim]. Forward only (inference): run it under torch.no_grad().
+        """
+        from ..ops.cached_attention import cached_jagged_attention
+
+        if not self.causal:
+            raise ValueError("cached_forward needs a causal layer (later rows must not change earlier ones), "
+                             "got causal=False")
+        self.bias.check(max_seq_len, timestamps)
+        n, h, num_users = delta_x.shape[0], self.num_heads, len(users)
+        if (num_users == 0 and n != 0) or (num_users > 0 and n % num_users != 0):
+            raise ValueError(f"delta_x must have len(users) * delta rows (len(users) = {num_users}), got {n} rows")
+        delta = n // num_users if num_users else 0
+        uvqk = F.silu(self.uvqk(self.input_norm(delta_x)))
+        u, v, q, k = uvqk.split([h * self.linear_dim, h * self.linear_dim, h * self.attention_dim,
+                                 h * self.attention_dim], dim=-1)
+        q, k = q.reshape(n, h, self.attention_dim), k.reshape(n, h, self.attention_dim)
+        v = v.reshape(n, h, self.linear_dim)
+        cached_lengths = [cache.length(user, layer) for user in users]
+        starts = cached_lengths if delta_start is None else [int(s) for s in delta_start]
+        if len(starts) != num_users or any(s < c for s, c in zip(starts, cached_lengths)):
+            raise ValueError(f"delta_start must be len(users) = {num_users} positions >= the cached lengths "
+                             f"{cached_lengths}, got {delta_start}")
+        time_bias = self.bias.time_bias
+        if time_bias is not None and timestamps is None:
+            raise ValueError("this layer has a time bias: timestamps of the new rows are required, got None")
+        bounds = [0]
+        for s in starts:
+            bounds.append(bounds[-1] + s + delta)
+        device = delta_x.device
+        offsets = torch.tensor(bounds, device=device)
+        if num_users == 1 and not cache.paged:
+            # One user, contiguous buffer: the new rows go to its spare rows, the attention reads a view of
+            # the buffer (no copy of the cached rows).
+            whole_k, whole_v, whole_ts = cache.scratch(layer, users[0], starts[0], k, v, timestamps)
+        else:
+            whole_k, whole_v, whole_ts = self._gathered(cache, layer, users, k, v, timestamps, cached_lengths,
+                                                        starts, bounds, delta)
+        if time_bias is not None and whole_ts is None:
+            raise ValueError("this layer has a time bias: the cached rows need timestamps (append them with "
+                             "timestamps), got rows without")
+        attn = cached_jagged_attention(q, whole_k, whole_v, offsets, max_seq_len, kind="hstu",
+                                       num_targets=num_targets, contextual_len=self.contextual_len,
+                                       max_attn_len=self.max_attn_len, pos_bias=self.bias.pos_bias,
+                                       time_bias=time_bias, timestamps=whole_ts if time_bias is not None else None,
+                                       query_timestamps=query_timestamps if time_bias is not None else None,
+                                       backend=self.backend)
+        if append:
+            for b, user in enumerate(users):
+                rows = slice(b * delta, (b + 1) * delta)
+                cache.append(layer, user, k[rows], v[rows], None if timestamps is None else timestamps[rows])
+        gated = u * self.attn_norm(attn.reshape(n, h * self.linear_dim))
+        return delta_x + self.out(self.dropout(gated))
+
+
+    @staticmethod
+    def _gathered(cache, layer, users, k, v, timestamps, cached_lengths, starts, bounds, delta):
+        """(k, v, timestamps or None) of the users' whole sequences: the cached rows (a copy gathered from
+        the cache), zeros up to starts[b], then the new rows."""
+        cached_k, cached_v, cached_ts, _ = cache.gather(layer, users)
+        device, n, num_users = k.device, k.shape[0], len(users)
+        cached_rows = torch.arange(cached_k.shape[0], device=device) + torch.tensor(
+            [b - sum(cached_lengths[:i]) for i, b in enumerate(bounds[:-1])], device=device).repeat_interleave(
+            torch.tensor(cached_lengths, device=device), output_size=cached_k.shape[0])
+        new_rows = (torch.tensor([b + s for b, s in zip(bounds, starts)], device=device).repeat_interleave(
+            delta, output_size=n) + torch.arange(delta, device=device).repeat(num_users))
+
+        def whole(cached_part, new_part):
+            full = new_part.new_zeros((bounds[-1], *new_part.shape[1:]))
+            return full.index_copy(0, cached_rows, cached_part.to(new_part.dtype)).index_copy(0, new_rows, new_part)
+
+        whole_ts = None
+        if timestamps is not None and cached_ts is not None:
+            whole_ts = whole(cached_ts, timestamps.long())
+        return whole(cached_k, k), whole(cached_v, v), whole_ts
+
 
 def _end_padding_lengths(key_padding_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor | None:
     """Sequence lengths [B] when ``key_padding_mask`` (bool, True = pad; or float, -inf = pad and 0

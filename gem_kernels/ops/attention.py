@@ -31,19 +31,26 @@ KINDS = ("softmax", "hstu")
 IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
-def _check_values(q, seq_offsets, max_seq_len, num_targets) -> None:
+def _check_values(q, seq_offsets, max_seq_len, num_targets, delta: int = 0) -> None:
     """Data-dependent checks (read the tensors): run in the forward op's real kernel only, never while
     tracing, and not again in the backward, which runs on the tensors the forward saw
     (docs/op-flow.md, "checks once per step"). Everything is read in one device-to-host copy; an
-    error reads more to word its message."""
+    error reads more to word its message. q: the rows tensor ([N, ...]); delta > 0 (the cached op):
+    every sequence must also hold its delta query rows."""
     lengths = seq_offsets.long().diff()
     zero = lengths.new_zeros(())
     longest = lengths.max() if lengths.numel() > 0 else zero
+    shortest = lengths.min() if lengths.numel() > 0 else zero
     has_targets = num_targets is not None and num_targets.numel() > 0
     bad = ((num_targets.long() < 0) | (num_targets.long() > lengths)) if has_targets else None
-    summary = torch.cat([offsets_summary(seq_offsets), torch.stack([longest, bad.sum() if has_targets else zero])])
-    first, decreasing, last, longest, num_bad = summary.tolist()
+    summary = torch.cat([offsets_summary(seq_offsets),
+                         torch.stack([longest, shortest, bad.sum() if has_targets else zero])])
+    first, decreasing, last, longest, shortest, num_bad = summary.tolist()
     check_offsets_values("seq_offsets", seq_offsets, q.shape[0], summary=[first, decreasing, last])
+    if lengths.numel() > 0 and shortest < delta:
+        b = int((lengths < delta).nonzero()[0, 0])
+        raise ValueError(f"every sequence must hold its delta = {delta} query rows (delta_q has B * delta rows), "
+                         f"but sequence {b} has length {int(lengths[b])}")
     if longest > max_seq_len:
         raise ValueError(f"max_seq_len must be >= every sequence length, got {max_seq_len} < {longest}")
     if num_bad:
@@ -169,6 +176,64 @@ def _check_bias(name: str, bias, num_heads: int, width: int | None, device) -> N
         raise ValueError(f"{name} is on {bias.device} but q is on {device}; they must match")
 
 
+def check_options(q: torch.Tensor, num_rows: int, num_seqs: int, max_seq_len: int, contextual_len, max_attn_len,
+                  num_targets, pos_bias, time_bias, timestamps, query_timestamps, query_rows_name: str = "N"):
+    """Checks the mask and bias arguments shared by jagged_attention and cached_jagged_attention, and
+    returns (num_targets, pos_bias, time_bias, timestamps, query_timestamps) contiguous (timestamps None
+    without time_bias). q: the queries ([rows, H, D]: N rows, or B * delta in the cached op), whose rows
+    query_timestamps follows (named query_rows_name in messages); num_rows: N, the key rows that timestamps
+    follows."""
+    check_nonnegative_int("contextual_len", contextual_len)
+    check_nonnegative_int("max_attn_len", max_attn_len)
+    if num_targets is not None:
+        check_tensor("num_targets", num_targets, dtypes=INDEX_DTYPES, dims=(1,))
+        check_same_device(q=q, num_targets=num_targets)
+        if num_targets.shape[0] != num_seqs:
+            raise ValueError(f"num_targets must have B = {num_seqs} elements, got shape {tuple(num_targets.shape)}")
+        num_targets = num_targets.contiguous()
+    num_heads = q.shape[1]
+    if pos_bias is not None:
+        _check_bias("pos_bias", pos_bias, num_heads, 2 * max_seq_len - 1, q.device)
+        pos_bias = pos_bias.contiguous()
+    if time_bias is not None:
+        _check_bias("time_bias", time_bias, num_heads, None, q.device)
+        if timestamps is None:
+            raise ValueError("timestamps must be given with time_bias, got None")
+        time_bias = time_bias.contiguous()
+    if timestamps is not None:
+        check_tensor("timestamps", timestamps, dtypes=INDEX_DTYPES, dims=(1,))
+        check_same_device(q=q, timestamps=timestamps)
+        if timestamps.shape[0] != num_rows:
+            raise ValueError(f"timestamps must have N = {num_rows} elements, got shape {tuple(timestamps.shape)}")
+        timestamps = timestamps.contiguous() if time_bias is not None else None
+    if query_timestamps is not None:
+        if time_bias is None:
+            raise ValueError("query_timestamps is only used by the time bias: pass time_bias (and timestamps) "
+                             "with it, got time_bias=None")
+        check_tensor("query_timestamps", query_timestamps, dtypes=INDEX_DTYPES, dims=(1,))
+        check_same_device(q=q, query_timestamps=query_timestamps)
+        if query_timestamps.shape[0] != q.shape[0]:
+            raise ValueError(f"query_timestamps must have {query_rows_name} = {q.shape[0]} elements, got shape "
+                             f"{tuple(query_timestamps.shape)}")
+        query_timestamps = query_timestamps.contiguous()
+    return num_targets, pos_bias, time_bias, timestamps, query_timestamps
+
+
+def check_operands(q_name: str, q, k, v, seq_offsets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) after autocast (gem_kernels/_autocast.py), checked: 3-D float tensors of q's dtype on
+    seq_offsets' device, seq_offsets 1-D int32/int64. q_name: the queries' name in messages."""
+    q, k, v = autocast_operands(q, k, v)
+    check_tensor(q_name, q, dtypes=float_dtypes(), dims=(3,))
+    check_tensor("k", k, dtypes=float_dtypes(), dims=(3,))
+    check_tensor("v", v, dtypes=float_dtypes(), dims=(3,))
+    check_offsets_meta("seq_offsets", seq_offsets)
+    check_same_device(**{q_name: q}, k=k, v=v, seq_offsets=seq_offsets)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have {q_name}'s dtype {q.dtype}, got {t.dtype}")
+    return q, k, v
+
+
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                      max_seq_len: int, *, kind: str = "softmax", causal: bool = True, scale: float | None = None,
                      num_targets: torch.Tensor | None = None, contextual_len: int = 0, max_attn_len: int = 0,
@@ -244,16 +309,7 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         autocast dtype first, like SDPA's (gem_kernels/_autocast.py); the biases keep theirs (they
         are added in fp32).
     """
-    q, k, v = autocast_operands(q, k, v)
-    check_tensor("q", q, dtypes=float_dtypes(), dims=(3,))
-    check_tensor("k", k, dtypes=float_dtypes(), dims=(3,))
-    check_tensor("v", v, dtypes=float_dtypes(), dims=(3,))
-    check_offsets_meta("seq_offsets", seq_offsets)
-    check_same_device(q=q, k=k, v=v, seq_offsets=seq_offsets)
-    if k.dtype != q.dtype:
-        raise ValueError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
-    if v.dtype != q.dtype:
-        raise ValueError(f"v must have q's dtype {q.dtype}, got {v.dtype}")
+    q, k, v = check_operands("q", q, k, v, seq_offsets)
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != q.shape[:2]:
@@ -272,40 +328,9 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = _round_to_fp32(float(scale))
-    check_nonnegative_int("contextual_len", contextual_len)
-    check_nonnegative_int("max_attn_len", max_attn_len)
-    num_seqs = seq_offsets.shape[0] - 1
-    if num_targets is not None:
-        check_tensor("num_targets", num_targets, dtypes=INDEX_DTYPES, dims=(1,))
-        check_same_device(q=q, num_targets=num_targets)
-        if num_targets.shape[0] != num_seqs:
-            raise ValueError(f"num_targets must have B = {num_seqs} elements, got shape {tuple(num_targets.shape)}")
-        num_targets = num_targets.contiguous()
-    num_heads = q.shape[1]
-    if pos_bias is not None:
-        _check_bias("pos_bias", pos_bias, num_heads, 2 * max_seq_len - 1, q.device)
-        pos_bias = pos_bias.contiguous()
-    if time_bias is not None:
-        _check_bias("time_bias", time_bias, num_heads, None, q.device)
-        if timestamps is None:
-            raise ValueError("timestamps must be given with time_bias, got None")
-        time_bias = time_bias.contiguous()
-    if timestamps is not None:
-        check_tensor("timestamps", timestamps, dtypes=INDEX_DTYPES, dims=(1,))
-        check_same_device(q=q, timestamps=timestamps)
-        if timestamps.shape[0] != q.shape[0]:
-            raise ValueError(f"timestamps must have N = {q.shape[0]} elements, got shape {tuple(timestamps.shape)}")
-        timestamps = timestamps.contiguous() if time_bias is not None else None
-    if query_timestamps is not None:
-        if time_bias is None:
-            raise ValueError("query_timestamps is only used by the time bias: pass time_bias (and timestamps) "
-                             "with it, got time_bias=None")
-        check_tensor("query_timestamps", query_timestamps, dtypes=INDEX_DTYPES, dims=(1,))
-        check_same_device(q=q, query_timestamps=query_timestamps)
-        if query_timestamps.shape[0] != q.shape[0]:
-            raise ValueError(f"query_timestamps must have N = {q.shape[0]} elements, got shape "
-                             f"{tuple(query_timestamps.shape)}")
-        query_timestamps = query_timestamps.contiguous()
+    num_targets, pos_bias, time_bias, timestamps, query_timestamps = check_options(
+        q, k.shape[0], seq_offsets.shape[0] - 1, max_seq_len, contextual_len, max_attn_len, num_targets, pos_bias,
+        time_bias, timestamps, query_timestamps)
     name = resolve_backend(backend, q.device, FAMILY)
     check_float64_on_reference(name, q=q, pos_bias=pos_bias, time_bias=time_bias)
     out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),

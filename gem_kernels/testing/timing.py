@@ -72,6 +72,11 @@ class Timing:
     def p90_ms(self) -> float:
         return percentile(self.times, 90) * 1e3
 
+    @property
+    def p99_ms(self) -> float:
+        """Serving's tail latency; with n timed calls it is the max once n < 100 (see `repeats`)."""
+        return percentile(self.times, 99) * 1e3
+
 
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
