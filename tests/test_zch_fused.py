@@ -110,18 +110,6 @@ def test_fused_forward_opcheck(backend):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_fused_forward_traces_with_torch_fx():
-    module, twin = _module(BACKENDS[-1]), _module(BACKENDS[-1])
-    twin.load_state_dict(module.state_dict())
-    traced = torch.fx.symbolic_trace(module)
-    assert "traced_call" in [n.target.__name__ for n in traced.graph.nodes if n.op == "call_function"]
-    traced.train()
-    twin.train()
-    for step in range(3):
-        ids, offsets = _batch(step)
-        assert torch.equal(traced(ids, offsets), twin(ids, offsets))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_bad_input(backend):
     module = _module(backend)
