@@ -2,7 +2,8 @@
 
 ``ZchTables`` holds the identity tables of T tables (which raw id owns each slot) and their eviction
 metadata; ``zch_remap(ids, id_offsets, tables)`` maps a batch of raw ids to slots and, in training,
-admits new ids and evicts old ones. The algorithm and the state layout are in
+admits new ids and evicts old ones; ``zch_embedding_bag`` fuses that remap into the embedding-bag
+lookup (one pass over the ids remaps and pools; the modules' forward). The algorithm and the state layout are in
 gem_kernels/reference/zch.py; csrc/cpu/zch.cpp runs the same steps. Backends: ``cpu`` (C++) and
 ``reference`` (plain Python); both give the same state bit for bit, at any thread count (tables run in
 parallel, one table's ids in order).

@@ -48,7 +48,6 @@ from .sharding import (
     _GemOptions,
     _GemPooledLookup,
     _GemTBE,
-    _POOLING,
     _check_one_feature_per_table,
     _resolve_optimizer,
 )
