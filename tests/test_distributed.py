@@ -11,7 +11,6 @@ scripts/test.sh does not run this module a second time (its processes cost a min
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import pickle
 import time
@@ -432,19 +431,11 @@ def _torchrec_loop(plan: str, ours: bool, rank: int, world: int) -> dict:
     return {"losses": losses, "lengths_dtype": lengths_dtype, "kernels": kernels}
 
 
-def _job(fn: str):
-    """A job's function: a name of this module, or "module:name" of another (its test module's jobs)."""
-    if ":" in fn:
-        module, name = fn.split(":")
-        return getattr(importlib.import_module(module), name)
-    return globals()[fn]
-
-
 def _run_jobs(rank: int, world: int, jobs: list) -> dict:
     results = {}
-    for name, fn, args in jobs:
+    for name, fn, args in jobs:  # fn: a function of this module by name, or any importable function
         try:
-            results[name] = _job(fn)(*args, rank=rank, world=world)
+            results[name] = (globals()[fn] if isinstance(fn, str) else fn)(*args, rank=rank, world=world)
         except Exception:  # recorded; the test that needs it fails with this traceback
             results[name] = RuntimeError(traceback.format_exc())
     return results

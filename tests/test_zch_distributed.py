@@ -90,7 +90,7 @@ def sharded(tmp_path_factory):
     """Every rank's result of ``_sharded_run`` (tests/test_distributed.py's spawned gloo group)."""
     from .test_distributed import _get, _run_spawned
 
-    results = _run_spawned(WORLD, [("zch", "tests.test_zch_distributed:_sharded_run", ())],
+    results = _run_spawned(WORLD, [("zch", _sharded_run, ())],
                            str(tmp_path_factory.mktemp("zch_dist")))
     return _get(results, "zch")
 
