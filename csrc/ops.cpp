@@ -75,6 +75,14 @@ TORCH_LIBRARY(gem_kernels, m) {
         "int admit_threshold, int max_probe, bool train, bool default_row, Tensor(f!) weights, "
         "Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, Tensor(g!) momentum1, Tensor(h!) momentum2, "
         "Tensor init_bounds, int seed) -> Tensor");
+  // The fused remap + pooling forward (sum/mean): ids [N] raw, offsets [T*B+1] (table t's bags at
+  // t*B .. (t+1)*B) -> (out [B, output_dim], slots [N]); the remap's state as zch_remap_native's.
+  m.def("zch_embedding_bag_forward_native(Tensor ids, Tensor offsets, Tensor per_sample_weights, "
+        "Tensor(a!) slot_meta, Tensor(b!) heap, Tensor(c!) index, Tensor(d!) pending, Tensor(e!) table_state, "
+        "Tensor layout, int policy, int ttl, int now, int admit_threshold, int max_probe, bool train, "
+        "bool default_row, Tensor(f!) weights, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
+        "Tensor(g!) momentum1, Tensor(h!) momentum2, Tensor init_bounds, int seed, int output_dim, int pooling) "
+        "-> (Tensor, Tensor)");
 }
 
 // hstu_layer: the two projection halves around the HSTU attention (generative-recommenders' STULayer).

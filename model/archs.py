@@ -155,7 +155,11 @@ def _collection(eager, kernels: str, cfg: GemConfig) -> nn.Module:
         return eager
     from gem_kernels.torchrec import FusedEmbeddingBagCollection, FusedEmbeddingCollection
 
-    fused_type = FusedEmbeddingBagCollection if type(eager).__name__ == "EmbeddingBagCollection" else FusedEmbeddingCollection
+    from gem_kernels.torchrec import ZchEmbeddingBagCollection
+
+    fused_type = {"EmbeddingBagCollection": FusedEmbeddingBagCollection,
+                  "ManagedCollisionEmbeddingBagCollection": ZchEmbeddingBagCollection}.get(type(eager).__name__,
+                                                                                            FusedEmbeddingCollection)
     with _own_rng():
         return fused_type.from_torchrec(eager, optimizer=gem_kernels.optim.ExactRowwiseAdagrad(lr=cfg.sparse_lr))
 
@@ -170,6 +174,10 @@ class SparseArch(nn.Module):
 
     eager: torchrec's EmbeddingBagCollection (the model's eager RowwiseAdagrad trains its tables);
     fused: gk.torchrec.FusedEmbeddingBagCollection (one fused call, row-wise Adagrad in the backward).
+    With cfg.hashed_ids the ids are raw 64-bit ids: eager wraps the collection in TorchRec's
+    ManagedCollisionEmbeddingBagCollection (one MCHManagedCollisionModule per table, LRU, evicting
+    every batch), fused is its gk.swap twin gk.torchrec.ZchEmbeddingBagCollection (LRU; the identity
+    tables are in its state_dict, so checkpoints restore them).
     """
 
     def __init__(self, cfg: GemConfig, kernels: str):
@@ -188,10 +196,29 @@ class SparseArch(nn.Module):
         with torch.no_grad():
             for t, table in enumerate(tables):
                 ebc.embedding_bags[f"table_{t}"].weight.copy_(table)
+        self.hashed_ids = cfg.hashed_ids
+        if cfg.hashed_ids:
+            ebc = _managed_collision(ebc, configs)
         self.ebc = _collection(ebc, kernels, cfg)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.ebc(batch.sparse_features()).values().view(batch.batch_size, self.num_tables, self.dim)
+        out = self.ebc(batch.sparse_features())
+        if self.hashed_ids:  # the managed-collision collections return (KeyedTensor, remapped KJT or None)
+            out = out[0]
+        return out.values().view(batch.batch_size, self.num_tables, self.dim)
+
+
+def _managed_collision(ebc: nn.Module, configs) -> nn.Module:
+    """TorchRec's MC-EBC around ``ebc``: per table an MCH module of num_embeddings slots (the last
+    is the default row of ids without one), LRU, evicting on every training batch."""
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import LRU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+
+    mcms = {c.name: MCHManagedCollisionModule(zch_size=c.num_embeddings, device=torch.device("cpu"),
+                                              eviction_interval=1, eviction_policy=LRU_EvictionPolicy())
+            for c in configs}
+    return ManagedCollisionEmbeddingBagCollection(
+        ebc, ManagedCollisionCollection(managed_collision_modules=mcms, embedding_configs=configs))
 
 
 class SequenceEmbeddings(nn.Module):

@@ -26,6 +26,11 @@ class GemConfig:
     num_embeddings_per_table: tuple[int, ...] = (1000, 1000, 1000, 1000)
     embedding_dim: int = 16
     max_bag_size: int = 4
+    # hashed_ids: the categorical features are raw 64-bit ids (hashes) whose population drifts (new
+    # ids every batch, old ones fading; model/data.py), looked up through zero-collision hashed
+    # tables of num_embeddings_per_table slots (gk.torchrec.ZchEmbeddingBagCollection, fused; TorchRec's
+    # ManagedCollisionEmbeddingBagCollection with MCH modules, eager), which admit and evict (LRU).
+    hashed_ids: bool = False
     # User history: item ids, action ids, increasing timestamps; lognormal lengths (median
     # seq_len_median, log-std seq_len_sigma) capped at max_seq_len. K candidates per user, K uniform
     # in [1, max_num_candidates], appended to the history as HSTU targets.
@@ -94,6 +99,11 @@ class GemConfig:
         if not self.seq_len_median > 0 or not self.seq_len_sigma >= 0:
             raise ValueError(f"seq_len_median must be > 0 and seq_len_sigma >= 0, got {self.seq_len_median} "
                              f"and {self.seq_len_sigma}")
+        if not isinstance(self.hashed_ids, bool):
+            raise ValueError(f"hashed_ids must be a bool, got {self.hashed_ids!r}")
+        if self.hashed_ids and min(self.num_embeddings_per_table) < 2:
+            raise ValueError(f"hashed_ids needs num_embeddings_per_table >= 2 everywhere (one row is the default "
+                             f"row of ids without a slot), got {self.num_embeddings_per_table}")
         for name in ("dense_lr", "sparse_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -91,6 +91,41 @@ def _segment_mean(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return sums / lengths.clamp(min=1).unsqueeze(1)
 
 
+# hashed_ids: table t's population at batch i is a window of HASHED_WINDOW x rows_t concepts that
+# slides by rows_t // HASHED_DRIFT_DIVISOR concepts per batch; within it the newest concept is the most
+# frequent (Zipf rank 0), so new ids arrive every batch and old ones fade; each concept is a fixed
+# pseudo-random 64-bit id. With twice as many live ids as slots, the tables must evict.
+HASHED_WINDOW = 2
+HASHED_DRIFT_DIVISOR = 16
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX_A, _MIX_B = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def raw_id(concepts: torch.Tensor, table: int) -> torch.Tensor:
+    """The raw 64-bit id of each concept of table ``table``: splitmix64's finaliser of
+    (concept + table * 2**40), in int64 arithmetic that wraps (any value, sign bit included)."""
+    x = concepts + (table << 40)
+    x = (x ^ _logical_shift(x, 30)) * _MIX_A
+    x = (x ^ _logical_shift(x, 27)) * _MIX_B
+    return x ^ _logical_shift(x, 31)
+
+
+def _hashed_ids(num_rows: int, table: int, count: int, index: int, generator: torch.Generator) -> torch.Tensor:
+    """``count`` raw ids of table ``table`` at batch ``index`` (see HASHED_WINDOW)."""
+    window = HASHED_WINDOW * num_rows
+    newest = window - 1 + index * max(1, num_rows // HASHED_DRIFT_DIVISOR)
+    return raw_id(newest - _zipf_ids(window, count, generator), table)
+
+
 TEACHER_TASTE_DIM = 4
 RECENCY_SECONDS = _DAY
 
@@ -154,7 +189,8 @@ class SyntheticBatches:
     drawn the same way, for evaluation. Every batch is a pure function of (config, batch_size,
     seed, stream, i), generated on the CPU.
 
-    Ids are Zipf-distributed (P(k) ~ 1/(k+1)); bag sizes uniform in [0, max_bag_size]; history
+    Ids are Zipf-distributed (P(k) ~ 1/(k+1)); with ``hashed_ids`` the categorical ids are raw 64-bit
+    ids of a drifting population (HASHED_WINDOW), the same Zipf over its concepts; bag sizes uniform in [0, max_bag_size]; history
     lengths lognormal (median seq_len_median, log-std seq_len_sigma) capped at max_seq_len, so
     empty histories occur; timestamps increase by exponential gaps (mean 8 hours), the request comes
     a little after the last event; K_b uniform in [1, max_num_candidates]; half the candidates
@@ -188,18 +224,23 @@ class SyntheticBatches:
         # The CPU generator keeps 32 bits of its seed: mix (seed, stream, index) into 32 bits.
         key = hashlib.blake2b(f"{self.seed}/{int(held_out)}/{index}".encode(), digest_size=4).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
-        return make_batch(self.config, self.batch_size, generator)
+        return make_batch(self.config, self.batch_size, generator, index)
 
 
-def make_batch(cfg: GemConfig, batch_size: int, generator: torch.Generator) -> Batch:
-    """One batch drawn with `generator` (see SyntheticBatches for the distributions)."""
+def make_batch(cfg: GemConfig, batch_size: int, generator: torch.Generator, index: int = 0) -> Batch:
+    """Batch ``index`` drawn with `generator` (see SyntheticBatches for the distributions; the index
+    only places the window of raw ids with ``cfg.hashed_ids``)."""
     num_tables = cfg.num_tables
     dense = torch.randn(batch_size, cfg.num_dense, generator=generator)
 
     sparse_lengths = torch.randint(0, cfg.max_bag_size + 1, (num_tables * batch_size,), generator=generator)
     per_table = sparse_lengths.view(num_tables, batch_size).sum(1).tolist()
-    sparse_values = torch.cat([_zipf_ids(rows, count, generator)
-                               for rows, count in zip(cfg.num_embeddings_per_table, per_table)])
+    if cfg.hashed_ids:
+        sparse_values = torch.cat([_hashed_ids(rows, t, count, index, generator)
+                                   for t, (rows, count) in enumerate(zip(cfg.num_embeddings_per_table, per_table))])
+    else:
+        sparse_values = torch.cat([_zipf_ids(rows, count, generator)
+                                   for rows, count in zip(cfg.num_embeddings_per_table, per_table)])
 
     normal = torch.randn(batch_size, generator=generator, dtype=torch.float64)
     lengths = torch.exp(math.log(cfg.seq_len_median) + cfg.seq_len_sigma * normal).floor().long()

@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="users per batch (default: the preset's)")
     parser.add_argument("--interaction", choices=INTERACTIONS, default=None, help="default: the preset's (wukong)")
     parser.add_argument("--no-sequence", action="store_true", help="drop the sequence arch (the baseline it must beat)")
+    parser.add_argument("--hashed-ids", action="store_true",
+                        help="categorical features as raw 64-bit ids with drift, through zero-collision hashed tables")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="torch.compile every dense arch")
     parser.add_argument("--amp", choices=("none", "bf16"), default="none",
@@ -94,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be an int in [0, 2**63), got {args.seed}")
     if args.resume and args.checkpoint is None:
         parser.error("--resume needs --checkpoint DIR")
+    if args.hashed_ids and args.distributed:
+        parser.error("--hashed-ids with --distributed: the hashed tables have no sharder in model/distributed.py")
     try:
         device = torch.device(args.device)
     except RuntimeError as error:
@@ -147,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> GemConfig:
         changes["use_sequence"] = False
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
+    if args.hashed_ids:
+        changes["hashed_ids"] = True
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 

@@ -927,7 +927,7 @@ def test_cli_unwritable_out_fails_before_the_run(tmp_path, cli):
     assert time.perf_counter() - start < 60
 
 
-@pytest.mark.parametrize("cli", ["bench", "distributed", "swap"])
+@pytest.mark.parametrize("cli", ["bench", "distributed", "swap_loss"])
 def test_cli_out_in_proc_fails_before_the_run(cli, capsys):
     """Issue 30 item 26 as root (root passes os.access everywhere, and CI may run as root): /proc takes
     no new file from anyone; each CLI's parse step refuses it."""
@@ -938,7 +938,7 @@ def test_cli_out_in_proc_fails_before_the_run(cli, capsys):
         from bench.distributed import main as run
         argv = ["--quick", "--out", "/proc/gk-results"]
     else:
-        from bench.swap import main as run
+        from bench.swap_loss import main as run
         argv = ["--loss-steps", "1", "--quick", "--out", "/proc/gk-results"]
     with pytest.raises(SystemExit) as exc:
         run(argv)

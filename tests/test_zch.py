@@ -353,8 +353,10 @@ def test_opcheck(backend):
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_remap_traces_with_torch_fx():
-    """The remap is one node of a torch.fx trace (it reads sizes and the clock, which a trace cannot)."""
+@pytest.mark.parametrize("call,node", [("remap", "remap_by_table"), ("__call__", "traced_call")])
+def test_remap_traces_with_torch_fx(call, node):
+    """The remap, and the fused remap + lookup of the forward, are one node of a torch.fx trace (they
+    read sizes and the clock, which a trace cannot)."""
 
     class Remap(torch.nn.Module):
         def __init__(self):
@@ -362,12 +364,12 @@ def test_remap_traces_with_torch_fx():
             self.bags = _module(BACKENDS[-1])
 
         def forward(self, ids, offsets):
-            return self.bags.remap(ids, offsets)
+            return getattr(self.bags, call)(ids, offsets)
 
     module, twin = Remap(), Remap()
     twin.load_state_dict(module.state_dict())
     traced = torch.fx.symbolic_trace(module)
-    assert "remap_by_table" in [n.target.__name__ for n in traced.graph.nodes if n.op == "call_function"]
+    assert node in [n.target.__name__ for n in traced.graph.nodes if n.op == "call_function"]
     module.train()
     twin.train()
     for step in range(3):

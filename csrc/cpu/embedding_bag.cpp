@@ -49,7 +49,9 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_alloc.h"
+#include "gem_kernels/cpu_rows.h"
 #include "gem_kernels/embedding_bag_codes.h"
+#include "gem_kernels/offsets_check.h"
 #include "gem_kernels/parallel.h"
 #include "gem_kernels/table_meta.h"
 
@@ -71,46 +73,6 @@ constexpr int64_t kPrefetchDistance = 16;
 constexpr int64_t kBagsPerChunk = 128;
 // Work items per table in the backward (slices of its unique rows).
 constexpr int64_t kSlicesPerTable = 16;
-
-template <typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t D) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte);
-}
-
-// acc[0:D] += scale * row[0:D], row converted to fp32.
-template <typename scalar_t>
-inline void axpy_row(float* __restrict__ acc, const scalar_t* __restrict__ row, float scale, int64_t D) {
-  const Vec s(scale);
-  int64_t d = 0;
-  for (; d + Vec::size() <= D; d += Vec::size()) {
-    Vec x;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      x = Vec::loadu(row + d);
-    } else {
-      at::vec::load_to_float<scalar_t>(row + d, x);
-    }
-    at::vec::fmadd(x, s, Vec::loadu(acc + d)).store(acc + d);
-  }
-  for (; d < D; ++d) acc[d] += scale * static_cast<float>(row[d]);
-}
-
-// dst[0:D] = src[0:D] * scale, converted to scalar_t.
-template <typename scalar_t>
-inline void store_row(scalar_t* __restrict__ dst, const float* __restrict__ src, float scale, int64_t D) {
-  int64_t d = 0;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    const Vec s(scale);
-    for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(src + d) * s).store(dst + d);
-  } else {
-    const Vec s(scale);
-    for (; d + 2 * Vec::size() <= D; d += 2 * Vec::size()) {
-      at::vec::convert_from_float<scalar_t>(Vec::loadu(src + d) * s, Vec::loadu(src + d + Vec::size()) * s)
-          .store(dst + d);
-    }
-  }
-  for (; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * scale);
-}
 
 template <typename scalar_t>
 inline void load_row(float* __restrict__ dst, const scalar_t* __restrict__ src, int64_t D) {
@@ -166,23 +128,6 @@ void check_common(const at::Tensor& weights, const at::Tensor& indices, const at
   TORCH_CHECK(per_sample_weights.numel() == 0 ||
                   (per_sample_weights.scalar_type() == at::kFloat && per_sample_weights.numel() == indices.numel()),
               "per_sample_weights must be empty or fp32 [N]");
-}
-
-// The data checks of gem_kernels._validate.check_offsets_values, same messages (ValueError in
-// Python), done here for the cpu backend: one serial pass over T*B+1 offsets costs microseconds,
-// three small ATen ops on them cost milliseconds of thread-pool wake-ups.
-void check_offsets_values(const at::Tensor& offsets, int64_t total) {
-  AT_DISPATCH_INDEX_TYPES(offsets.scalar_type(), "check_offsets_values", [&] {
-    const index_t* off = offsets.data_ptr<index_t>();
-    const int64_t n = offsets.numel();
-    TORCH_CHECK_VALUE(off[0] == 0, "offsets[0] must be 0, got ", static_cast<int64_t>(off[0]));
-    for (int64_t i = 1; i < n; ++i) {
-      TORCH_CHECK_VALUE(off[i] >= off[i - 1], "offsets must be nondecreasing, but offsets[", i, "] = ",
-                        static_cast<int64_t>(off[i]), " < offsets[", i - 1, "] = ", static_cast<int64_t>(off[i - 1]));
-    }
-    TORCH_CHECK_VALUE(off[n - 1] == total, "offsets[-1] must equal the number of rows ", total, ", got ",
-                      static_cast<int64_t>(off[n - 1]));
-  });
 }
 
 // grad_output of a backward: [B, D_offsets[-1]] pooled or [N, max D] for pooling none, as the forward

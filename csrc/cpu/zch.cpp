@@ -31,6 +31,9 @@
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_rows.h"
+#include "gem_kernels/embedding_bag_codes.h"
+#include "gem_kernels/offsets_check.h"
 
 namespace gem_kernels {
 namespace {
@@ -232,13 +235,24 @@ void reset_row(int64_t id, int64_t t_index, int64_t row, uint64_t seed, double l
   if (m2_size > 0) std::fill(momentum2 + w_offset + row * dim, momentum2 + w_offset + (row + 1) * dim, 0.0f);
 }
 
-at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tensor slot_meta,
-                         at::Tensor heap, at::Tensor index, at::Tensor pending, at::Tensor table_state,
-                         const at::Tensor& layout, int64_t policy, int64_t ttl, int64_t now, int64_t admit_threshold,
-                         int64_t max_probe, bool train, bool default_row, at::Tensor weights,
-                         const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
-                         const at::Tensor& rows_offsets, at::Tensor momentum1, at::Tensor momentum2,
-                         const at::Tensor& init_bounds, int64_t seed) {
+// The state tensors of one call, checked, as raw pointers; the layout of reference/zch.py.
+struct State {
+  int64_t T;
+  const int64_t *slot_off, *index_off, *pending_off, *off;
+  int64_t *meta, *heap, *index, *pending, *state;
+  bool reset;  // weights given: a slot given to a new id gets fresh weights and zero optimizer state
+  const int64_t *w_off, *d_off, *r_off;
+  const double* bounds;
+  float *m1, *m2;
+  int64_t m1_size, m2_size;
+};
+
+State check_state(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tensor& slot_meta, at::Tensor& heap,
+                  at::Tensor& index, at::Tensor& pending, at::Tensor& table_state, const at::Tensor& layout,
+                  int64_t policy, int64_t now, int64_t admit_threshold, int64_t max_probe, bool train,
+                  at::Tensor& weights, const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+                  const at::Tensor& rows_offsets, at::Tensor& momentum1, at::Tensor& momentum2,
+                  const at::Tensor& init_bounds) {
   for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&ids, &id_offsets, &slot_meta, &heap, &index, &pending, &table_state, &layout}) {
     GK_CHECK_CPU(*x);
     GK_CHECK_CONTIGUOUS(*x);
@@ -252,14 +266,17 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
   TORCH_CHECK(table_state.dim() == 2 && table_state.size(0) == T && table_state.size(1) == kNumFields,
               "zch_remap: table_state must be [T, ", kNumFields, "]");
   const int64_t* lay = layout.data_ptr<int64_t>();
-  const int64_t* slot_off = lay;
-  const int64_t* index_off = lay + (T + 1);
-  const int64_t* pending_off = lay + 2 * (T + 1);
-  TORCH_CHECK(slot_meta.numel() == slot_off[T] * kMetaFields && heap.numel() == slot_off[T] * 3 &&
-                  index.numel() == index_off[T] * 2 && pending.numel() == pending_off[T] * 2,
+  State s{};
+  s.T = T;
+  s.slot_off = lay;
+  s.index_off = lay + (T + 1);
+  s.pending_off = lay + 2 * (T + 1);
+  TORCH_CHECK(slot_meta.numel() == s.slot_off[T] * kMetaFields && heap.numel() == s.slot_off[T] * 3 &&
+                  index.numel() == s.index_off[T] * 2 && pending.numel() == s.pending_off[T] * 2,
               "zch_remap: state tensors do not match layout");
   const int64_t N = ids.numel();
   const int64_t* off = id_offsets.data_ptr<int64_t>();
+  s.off = off;
   TORCH_CHECK_VALUE(off[0] == 0 && off[T] == N, "id_offsets must start at 0 and end at ids.numel() = ", N,
                     ", got ", off[0], " and ", off[T]);
   for (int64_t t = 0; t < T; ++t) {
@@ -273,8 +290,8 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
   // the weights metadata (the slots held in the index and heap are checked where they are read).
   const int64_t* st = table_state.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t slots = slot_off[t + 1] - slot_off[t], cells = index_off[t + 1] - index_off[t];
-    const int64_t pcells = pending_off[t + 1] - pending_off[t];
+    const int64_t slots = s.slot_off[t + 1] - s.slot_off[t], cells = s.index_off[t + 1] - s.index_off[t];
+    const int64_t pcells = s.pending_off[t + 1] - s.pending_off[t];
     TORCH_CHECK(slots >= 1 && cells >= 1 && (cells & (cells - 1)) == 0 && pcells >= 0 && (pcells & (pcells - 1)) == 0 &&
                     (admit_threshold <= 1 || pcells >= 1),
                 "zch_remap: layout of table ", t, " is invalid (slots ", slots, ", index cells ", cells,
@@ -284,8 +301,8 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
                 "zch_remap: table_state of table ", t, " is inconsistent (used ", ts[kUsed], ", heap_size ",
                 ts[kHeapSize], ", slots ", slots, ")");
   }
-  const bool reset = weights.numel() > 0;
-  if (reset) {
+  s.reset = weights.numel() > 0;
+  if (s.reset) {
     GK_CHECK_CONTIGUOUS(weights);
     for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&weights_offsets, &D_offsets, &rows_offsets,
                                                                          &init_bounds, &momentum1, &momentum2}) {
@@ -299,132 +316,153 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
                 "zch_remap: weights metadata / init_bounds do not match T = ", T);
     TORCH_CHECK(momentum1.scalar_type() == at::kFloat && momentum2.scalar_type() == at::kFloat,
                 "zch_remap: optimizer state must be float32");
-    const int64_t* w_off = weights_offsets.data_ptr<int64_t>();
-    const int64_t* d_off = D_offsets.data_ptr<int64_t>();
-    const int64_t* r_off = rows_offsets.data_ptr<int64_t>();
-    const int64_t m1 = momentum1.numel(), m2 = momentum2.numel();
-    TORCH_CHECK((m2 == 0 && (m1 == 0 || m1 == r_off[T])) || (m1 == weights.numel() && m2 == weights.numel()),
+    s.w_off = weights_offsets.data_ptr<int64_t>();
+    s.d_off = D_offsets.data_ptr<int64_t>();
+    s.r_off = rows_offsets.data_ptr<int64_t>();
+    s.bounds = init_bounds.data_ptr<double>();
+    s.m1 = momentum1.data_ptr<float>();
+    s.m2 = momentum2.data_ptr<float>();
+    s.m1_size = momentum1.numel();
+    s.m2_size = momentum2.numel();
+    TORCH_CHECK((s.m2_size == 0 && (s.m1_size == 0 || s.m1_size == s.r_off[T])) ||
+                    (s.m1_size == weights.numel() && s.m2_size == weights.numel()),
                 "zch_remap: momentum1/momentum2 sizes match no optimizer layout");
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t dim = d_off[t + 1] - d_off[t], rows = r_off[t + 1] - r_off[t];
-      const int64_t slots = slot_off[t + 1] - slot_off[t];
-      TORCH_CHECK(dim >= 1 && r_off[t] >= 0 && rows >= slots && w_off[t] >= 0 &&
-                      w_off[t] + rows * dim <= weights.numel(),
-                  "zch_remap: table ", t, " (", rows, " rows x ", dim, " at ", w_off[t],
+      const int64_t dim = s.d_off[t + 1] - s.d_off[t], rows = s.r_off[t + 1] - s.r_off[t];
+      const int64_t slots = s.slot_off[t + 1] - s.slot_off[t];
+      TORCH_CHECK(dim >= 1 && s.r_off[t] >= 0 && rows >= slots && s.w_off[t] >= 0 &&
+                      s.w_off[t] + rows * dim <= weights.numel(),
+                  "zch_remap: table ", t, " (", rows, " rows x ", dim, " at ", s.w_off[t],
                   ") does not hold its slots inside weights");
     }
   }
-  auto slots_out = at::empty({N}, ids.options());
+  s.meta = slot_meta.data_ptr<int64_t>();
+  s.heap = heap.data_ptr<int64_t>();
+  s.index = index.data_ptr<int64_t>();
+  s.pending = pending.data_ptr<int64_t>();
+  s.state = table_state.data_ptr<int64_t>();
+  return s;
+}
+
+TableView table_view(const State& s, int64_t ti) {
+  return TableView{s.slot_off[ti + 1] - s.slot_off[ti], s.index_off[ti + 1] - s.index_off[ti],
+                   s.pending_off[ti + 1] - s.pending_off[ti], s.meta + s.slot_off[ti] * kMetaFields,
+                   s.heap + s.slot_off[ti] * 3, s.index + s.index_off[ti] * 2, s.pending + s.pending_off[ti] * 2,
+                   s.state + ti * kNumFields};
+}
+
+// The slot of one id of table ti (the miss value when it has none), admitting and evicting in
+// training; a slot given to the id gets its fresh row (s.reset).
+template <typename scalar_t>
+int64_t remap_id(const State& s, TableView& t, const Options& o, int64_t ti, int64_t id, int64_t batch_start,
+                 uint64_t seed, scalar_t* weights) {
+  const int64_t miss = o.default_row ? t.slots : -1;
+  t.state[kLookups] += 1;
+  int64_t pos = index_find(t, id, o.max_probe);
+  if (pos >= 0) {
+    const int64_t slot = t.index[2 * pos + 1];
+    TORCH_CHECK(slot < t.slots, "zch_remap: index holds slot ", slot, " outside [0, ", t.slots, ")");
+    t.state[kHits] += 1;
+    if (o.train) {
+      int64_t* m = t.meta + slot * kMetaFields;
+      m[kCount] += 1;
+      m[kLastSeq] = ++t.state[kSeq];
+      m[kLastTime] = o.now;
+    }
+    return slot;
+  }
+  int64_t pending_pos;
+  if (!admit(t, o, id, pending_pos) || !o.train) {
+    t.state[kUnadmitted] += 1;
+    return miss;
+  }
+  if (pos == -1) {
+    t.state[kProbeOverflows] += 1;
+    t.state[kUnadmitted] += 1;
+    return miss;
+  }
+  int64_t slot;
+  const bool fresh = t.state[kUsed] < t.slots;
+  if (fresh) {
+    slot = t.state[kUsed]++;
+  } else {
+    slot = find_victim(t, o, batch_start);
+    if (slot < 0) {
+      t.state[kUnadmitted] += 1;
+      return miss;
+    }
+    const int64_t old = index_find(t, t.meta[slot * kMetaFields + kId], o.max_probe);
+    TORCH_CHECK(old >= 0, "zch_remap: the id of slot ", slot, " is missing from the index");
+    index_erase(t, old);
+    pos = index_find(t, id, o.max_probe);  // the erase may have moved the first empty cell closer
+    TORCH_CHECK(pos <= -2, "zch_remap: the index changed under the insertion of id ", id);
+    t.state[kEvictions] += 1;
+  }
+  const int64_t cell = -(pos + 2);
+  t.index[2 * cell] = id;
+  t.index[2 * cell + 1] = slot;
+  if (pending_pos >= 0) t.pending[2 * pending_pos + 1] = 0;
+  int64_t* m = t.meta + slot * kMetaFields;
+  m[kId] = id;
+  m[kCount] = 1;
+  m[kLastSeq] = ++t.state[kSeq];
+  m[kLastTime] = o.now;
+  const Key key = slot_key(t, o.policy, slot);
+  if (fresh) {  // a slot never used before: push its entry
+    const int64_t h = t.state[kHeapSize]++;
+    t.heap[3 * h] = slot;
+    t.heap[3 * h + 1] = key.a;
+    t.heap[3 * h + 2] = key.b;
+    sift_up(t, h);
+  } else {  // the victim is the top: its entry now carries the new id's key
+    t.heap[1] = key.a;
+    t.heap[2] = key.b;
+    sift_down(t, 0, t.state[kHeapSize]);
+  }
+  if (s.reset) {
+    const int64_t dim = s.d_off[ti + 1] - s.d_off[ti];
+    reset_row<scalar_t>(id, ti, slot, seed, s.bounds[2 * ti], s.bounds[2 * ti + 1], weights, s.w_off[ti], dim,
+                        s.r_off[ti] + slot, s.m1, s.m1_size, s.m2, s.m2_size);
+  }
+  return slot;
+}
+
+// End of a table's batch: the LFU entries set aside go back into the heap; the clock advances.
+void end_batch(TableView& t, const Options& o) {
+  while (t.state[kHeapSize] < t.state[kUsed]) {
+    const int64_t h = t.state[kHeapSize]++;
+    sift_up(t, h);
+  }
+  if (o.train) t.state[kLastNow] = o.now;
+}
+
+at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tensor slot_meta,
+                         at::Tensor heap, at::Tensor index, at::Tensor pending, at::Tensor table_state,
+                         const at::Tensor& layout, int64_t policy, int64_t ttl, int64_t now, int64_t admit_threshold,
+                         int64_t max_probe, bool train, bool default_row, at::Tensor weights,
+                         const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+                         const at::Tensor& rows_offsets, at::Tensor momentum1, at::Tensor momentum2,
+                         const at::Tensor& init_bounds, int64_t seed) {
+  const State s = check_state(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, now,
+                              admit_threshold, max_probe, train, weights, weights_offsets, D_offsets, rows_offsets,
+                              momentum1, momentum2, init_bounds);
+  auto slots_out = at::empty({ids.numel()}, ids.options());
   const int64_t* id_data = ids.data_ptr<int64_t>();
   int64_t* out = slots_out.data_ptr<int64_t>();
-  int64_t* meta_all = slot_meta.data_ptr<int64_t>();
-  int64_t* heap_all = heap.data_ptr<int64_t>();
-  int64_t* index_all = index.data_ptr<int64_t>();
-  int64_t* pending_all = pending.data_ptr<int64_t>();
-  int64_t* state_all = table_state.data_ptr<int64_t>();
   const Options opts{policy, ttl, now, admit_threshold, max_probe, train, default_row};
-
   auto run = [&](auto* weights_ptr) {
-    using scalar_t = std::remove_pointer_t<decltype(weights_ptr)>;
-    const int64_t* w_off = reset ? weights_offsets.data_ptr<int64_t>() : nullptr;
-    const int64_t* d_off = reset ? D_offsets.data_ptr<int64_t>() : nullptr;
-    const int64_t* r_off = reset ? rows_offsets.data_ptr<int64_t>() : nullptr;
-    const double* bounds = reset ? init_bounds.data_ptr<double>() : nullptr;
-    float* m1 = reset ? momentum1.data_ptr<float>() : nullptr;
-    float* m2 = reset ? momentum2.data_ptr<float>() : nullptr;
-    const int64_t m1_size = reset ? momentum1.numel() : 0;
-    const int64_t m2_size = reset ? momentum2.numel() : 0;
-    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, s.T, 1, [&](int64_t begin, int64_t end) {
       for (int64_t ti = begin; ti < end; ++ti) {
-        TableView t{slot_off[ti + 1] - slot_off[ti], index_off[ti + 1] - index_off[ti],
-                    pending_off[ti + 1] - pending_off[ti], meta_all + slot_off[ti] * kMetaFields,
-                    heap_all + slot_off[ti] * 3, index_all + index_off[ti] * 2, pending_all + pending_off[ti] * 2,
-                    state_all + ti * kNumFields};
-        const int64_t miss = default_row ? t.slots : -1;
+        TableView t = table_view(s, ti);
         const int64_t batch_start = t.state[kSeq];
-        for (int64_t i = off[ti]; i < off[ti + 1]; ++i) {
-          const int64_t id = id_data[i];
-          t.state[kLookups] += 1;
-          int64_t pos = index_find(t, id, max_probe);
-          if (pos >= 0) {
-            const int64_t slot = t.index[2 * pos + 1];
-            TORCH_CHECK(slot < t.slots, "zch_remap: index holds slot ", slot, " outside [0, ", t.slots, ")");
-            out[i] = slot;
-            t.state[kHits] += 1;
-            if (train) {
-              int64_t* m = t.meta + slot * kMetaFields;
-              m[kCount] += 1;
-              m[kLastSeq] = ++t.state[kSeq];
-              m[kLastTime] = now;
-            }
-            continue;
-          }
-          out[i] = miss;
-          int64_t pending_pos;
-          if (!admit(t, opts, id, pending_pos) || !train) {
-            t.state[kUnadmitted] += 1;
-            continue;
-          }
-          if (pos == -1) {
-            t.state[kProbeOverflows] += 1;
-            t.state[kUnadmitted] += 1;
-            continue;
-          }
-          int64_t slot;
-          const bool fresh = t.state[kUsed] < t.slots;
-          if (fresh) {
-            slot = t.state[kUsed]++;
-          } else {
-            slot = find_victim(t, opts, batch_start);
-            if (slot < 0) {
-              t.state[kUnadmitted] += 1;
-              continue;
-            }
-            const int64_t old = index_find(t, t.meta[slot * kMetaFields + kId], max_probe);
-            TORCH_CHECK(old >= 0, "zch_remap: the id of slot ", slot, " is missing from the index");
-            index_erase(t, old);
-            pos = index_find(t, id, max_probe);  // the erase may have moved the first empty cell closer
-            TORCH_CHECK(pos <= -2, "zch_remap: the index changed under the insertion of id ", id);
-            t.state[kEvictions] += 1;
-          }
-          const int64_t cell = -(pos + 2);
-          t.index[2 * cell] = id;
-          t.index[2 * cell + 1] = slot;
-          if (pending_pos >= 0) t.pending[2 * pending_pos + 1] = 0;
-          int64_t* m = t.meta + slot * kMetaFields;
-          m[kId] = id;
-          m[kCount] = 1;
-          m[kLastSeq] = ++t.state[kSeq];
-          m[kLastTime] = now;
-          const Key key = slot_key(t, policy, slot);
-          if (fresh) {  // a slot never used before: push its entry
-            const int64_t h = t.state[kHeapSize]++;
-            t.heap[3 * h] = slot;
-            t.heap[3 * h + 1] = key.a;
-            t.heap[3 * h + 2] = key.b;
-            sift_up(t, h);
-          } else {  // the victim is the top: its entry now carries the new id's key
-            t.heap[1] = key.a;
-            t.heap[2] = key.b;
-            sift_down(t, 0, t.state[kHeapSize]);
-          }
-          out[i] = slot;
-          if (reset) {
-            const int64_t dim = d_off[ti + 1] - d_off[ti];
-            reset_row<scalar_t>(id, ti, slot, static_cast<uint64_t>(seed), bounds[2 * ti], bounds[2 * ti + 1],
-                                weights_ptr, w_off[ti], dim, r_off[ti] + slot, m1, m1_size, m2, m2_size);
-          }
+        for (int64_t i = s.off[ti]; i < s.off[ti + 1]; ++i) {
+          out[i] = remap_id(s, t, opts, ti, id_data[i], batch_start, static_cast<uint64_t>(seed), weights_ptr);
         }
-        // End of batch: the LFU entries set aside go back into the heap.
-        while (t.state[kHeapSize] < t.state[kUsed]) {
-          const int64_t h = t.state[kHeapSize]++;
-          sift_up(t, h);
-        }
-        if (train) t.state[kLastNow] = now;
+        end_batch(t, opts);
       }
     });
   };
-  if (reset) {
+  if (s.reset) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "zch_remap_cpu",
                                     [&] { run(weights.data_ptr<scalar_t>()); });
   } else {
@@ -433,8 +471,91 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
   return slots_out;
 }
 
+// The fused remap + pooling forward: one pass over the ids. Per table (tables in parallel, as the
+// remap), its bags in order: each id is remapped (admitted, evicted, its fresh row written) and its
+// row added to the bag's fp32 sum at once. A slot used earlier in the batch is never a victim, so
+// every row a bag read stays that id's row to the end of the call: the output equals the remap
+// followed by embedding_bag (whose row primitives, gem_kernels/cpu_rows.h, pool here too).
+// Roofline: FLOPs 2 * N * D; bytes the remap's plus N * D * s rows read and B * sum_t D_t * s written.
+std::tuple<at::Tensor, at::Tensor> zch_embedding_bag_forward_cpu(
+    const at::Tensor& ids, const at::Tensor& offsets, const at::Tensor& per_sample_weights, at::Tensor slot_meta,
+    at::Tensor heap, at::Tensor index, at::Tensor pending, at::Tensor table_state, const at::Tensor& layout,
+    int64_t policy, int64_t ttl, int64_t now, int64_t admit_threshold, int64_t max_probe, bool train,
+    bool default_row, at::Tensor weights, const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
+    const at::Tensor& rows_offsets, at::Tensor momentum1, at::Tensor momentum2, const at::Tensor& init_bounds,
+    int64_t seed, int64_t output_dim, int64_t pooling) {
+  GK_CHECK_CPU(offsets);
+  GK_CHECK_CONTIGUOUS(offsets);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1, "zch_embedding_bag: offsets must be int64 [T*B+1]");
+  TORCH_CHECK(weights.numel() > 0, "zch_embedding_bag: weights must not be empty");
+  TORCH_CHECK(pooling == kSum || pooling == kMean, "zch_embedding_bag: pooling code must be sum or mean, got ", pooling);
+  const int64_t T = layout.dim() == 2 ? layout.size(1) - 1 : 0;
+  TORCH_CHECK(T >= 1 && (offsets.numel() - 1) % T == 0, "zch_embedding_bag: offsets must have T*B+1 elements");
+  const int64_t B = (offsets.numel() - 1) / T;
+  const int64_t* bag_off = offsets.data_ptr<int64_t>();
+  check_offsets_values(offsets, ids.numel());
+  // Table t's ids are offsets[t*B] .. offsets[(t+1)*B]: the remap's per-table segments.
+  auto id_offsets = at::empty({T + 1}, offsets.options());
+  for (int64_t t = 0; t <= T; ++t) id_offsets.data_ptr<int64_t>()[t] = bag_off[t * B];
+  const State s = check_state(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, now,
+                              admit_threshold, max_probe, train, weights, weights_offsets, D_offsets, rows_offsets,
+                              momentum1, momentum2, init_bounds);
+  TORCH_CHECK(output_dim == s.d_off[T], "zch_embedding_bag: output_dim must be D_offsets[-1] = ", s.d_off[T]);
+  const bool weighted = per_sample_weights.numel() > 0;
+  if (weighted) {
+    GK_CHECK_CPU(per_sample_weights);
+    GK_CHECK_CONTIGUOUS(per_sample_weights);
+    TORCH_CHECK(per_sample_weights.scalar_type() == at::kFloat && per_sample_weights.numel() == ids.numel(),
+                "zch_embedding_bag: per_sample_weights must be float32 [N]");
+  }
+  auto slots_out = at::empty({ids.numel()}, ids.options());
+  auto out = at::empty({B, output_dim}, weights.options());
+  const int64_t* id_data = ids.data_ptr<int64_t>();
+  int64_t* slots = slots_out.data_ptr<int64_t>();
+  const float* psw = weighted ? per_sample_weights.data_ptr<float>() : nullptr;
+  const Options opts{policy, ttl, now, admit_threshold, max_probe, train, default_row};
+  auto run = [&](auto* w) {
+    using scalar_t = std::remove_pointer_t<decltype(w)>;
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, s.T, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc;
+      for (int64_t ti = begin; ti < end; ++ti) {
+        TableView t = table_view(s, ti);
+        const int64_t batch_start = t.state[kSeq];
+        const int64_t D = s.d_off[ti + 1] - s.d_off[ti];
+        const int64_t rows = s.r_off[ti + 1] - s.r_off[ti];
+        const scalar_t* table = w + s.w_off[ti];
+        acc.assign(D, 0.f);
+        for (int64_t b = 0; b < B; ++b) {
+          std::fill(acc.begin(), acc.end(), 0.f);
+          int64_t kept = 0;
+          for (int64_t p = bag_off[ti * B + b]; p < bag_off[ti * B + b + 1]; ++p) {
+            const int64_t slot = remap_id(s, t, opts, ti, id_data[p], batch_start, static_cast<uint64_t>(seed), w);
+            slots[p] = slot;
+            if (slot < 0 || slot >= rows) continue;  // no row: left out of its bag ("zeros")
+            axpy_row(acc.data(), table + slot * D, psw ? psw[p] : 1.f, D);
+            ++kept;
+          }
+          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+          store_row(o + b * output_dim + s.d_off[ti], acc.data(), scale, D);
+        }
+        end_batch(t, opts);
+      }
+    });
+  };
+  // The weights dtypes of the embedding-bag ops (the front door refuses the rest).
+  AT_DISPATCH_SWITCH(weights.scalar_type(), "zch_embedding_bag_cpu",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { run(weights.data_ptr<scalar_t>()); })
+                         AT_DISPATCH_CASE(at::kHalf, [&] { run(weights.data_ptr<scalar_t>()); })
+                             AT_DISPATCH_CASE(at::kBFloat16, [&] { run(weights.data_ptr<scalar_t>()); }));
+  return {out, slots_out};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) { m.impl("zch_remap_native", &zch_remap_cpu); }
+TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
+  m.impl("zch_remap_native", &zch_remap_cpu);
+  m.impl("zch_embedding_bag_forward_native", &zch_embedding_bag_forward_cpu);
+}
 
 }  // namespace gem_kernels

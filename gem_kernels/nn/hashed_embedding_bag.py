@@ -14,9 +14,9 @@ import math
 import torch
 
 from .._validate import FLOAT_DTYPES
-from ..ops.embedding_bag import embedding_bag
-from ..ops.zch import ZchTables, zch_remap
+from ..ops.zch import ZchTables, zch_embedding_bag
 from .._embedding_bag import advise_huge_pages, check_module_options, pack_tables
+from ._fx import is_proxy, trace_call
 from .embedding_bag import PackedTables, TableSpec
 
 UNADMITTED = ("zeros", "default_row")
@@ -41,8 +41,23 @@ def remap_by_table(zch: ZchTables, ids: torch.Tensor, offsets: torch.Tensor, tra
 torch.fx.wrap("remap_by_table")
 
 
+def hashed_lookup(module, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
+                  pooling: str, timestamp: int | None) -> torch.Tensor:
+    """The fused remap + lookup (``zch_embedding_bag``) of a module holding hashed tables (weights,
+    table_meta, optimizer state, zch, init_bounds, seed, unadmitted, backend). Frozen weights
+    (requires_grad False) are never updated."""
+    optimizer = module.optimizer if module.weights.requires_grad else None
+    return zch_embedding_bag(module.weights, module.table_meta, ids, offsets, module.zch, per_sample_weights,
+                             output_dim=module.output_dim, pooling=pooling, train=module.training, timestamp=timestamp,
+                             default_row=module.unadmitted == "default_row", init_bounds=module.init_bounds,
+                             seed=module.seed, optimizer=optimizer, momentum1=module.momentum1,
+                             momentum2=module.momentum2, step=module.step, backend=module.backend)
+
+
+
 class HashedEmbeddingBag(PackedTables):
-    """T embedding bags over raw int64 ids: remap (``zch_remap``) then the fused embedding-bag op.
+    """T embedding bags over raw int64 ids: the remap (``zch_remap``) fused into the embedding-bag
+    lookup (``zch_embedding_bag``: one pass over the ids remaps and pools).
 
     ``out = module(ids, offsets, per_sample_weights=None, timestamp=None)``: ids [N] raw int64 (any
     value), offsets [T*B+1] feature-major as ``FusedEmbeddingBag`` (bag b of table t is
@@ -138,11 +153,9 @@ class HashedEmbeddingBag(PackedTables):
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
                 timestamp: int | None = None) -> torch.Tensor:
-        slots = self.remap(ids, offsets, timestamp)
-        return embedding_bag(self.weights, self.table_meta, slots, offsets, per_sample_weights,
-                             output_dim=self.output_dim, pooling=self.pooling,
-                             bounds_check="skip" if self.unadmitted == "zeros" else "fatal", optimizer=self.optimizer,
-                             momentum1=self.momentum1, momentum2=self.momentum2, step=self.step, backend=self.backend)
+        if is_proxy(ids, offsets, per_sample_weights):  # torch.fx: the whole call is one node
+            return trace_call(self, ids, offsets, per_sample_weights, timestamp)
+        return hashed_lookup(self, ids, offsets, per_sample_weights, self.pooling, timestamp)
 
     def extra_repr(self) -> str:
         return (f"rows={list(self.layout.rows)}, dims={list(self.layout.dims)}, pooling={self.pooling!r}, "

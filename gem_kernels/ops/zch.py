@@ -2,7 +2,8 @@
 
 ``ZchTables`` holds the identity tables of T tables (which raw id owns each slot) and their eviction
 metadata; ``zch_remap(ids, id_offsets, tables)`` maps a batch of raw ids to slots and, in training,
-admits new ids and evicts old ones. The algorithm and the state layout are in
+admits new ids and evicts old ones; ``zch_embedding_bag`` fuses that remap into the embedding-bag
+lookup (one pass over the ids remaps and pools; the modules' forward). The algorithm and the state layout are in
 gem_kernels/reference/zch.py; csrc/cpu/zch.cpp runs the same steps. Backends: ``cpu`` (C++) and
 ``reference`` (plain Python); both give the same state bit for bit, at any thread count (tables run in
 parallel, one table's ids in order).
@@ -14,8 +15,10 @@ import torch
 from torch import nn
 
 from .._backend import Family, resolve_backend
-from .._validate import check_int64, check_same_device, check_tensor
+from .._embedding_bag import OPT_NONE, OPTIMIZER_CODES, POOLING_CODES, SKIP, TableMeta
+from .._validate import (check_int64, check_offsets_meta, check_same_device, check_tensor, per_sample_weights_arg)
 from ..reference.zch import POLICY_CODES, STATE_FIELDS
+from .embedding_bag import _backward as _embedding_bag_backward, _setup as _embedding_bag_setup
 
 _NO_TRITON = None  # the zch family has no Triton kernels: Family.module never asks for them
 
@@ -129,18 +132,22 @@ class ZchTables(nn.Module):
         start = sum(self.slots[:t])
         return self.slot_meta[start:start + self.slots[t], 1] > 0
 
+    def now(self, train: bool, timestamp: int | None) -> int:
+        """The time of a call: the count of training calls, this one included (ttl_unit "steps"), or
+        ``timestamp`` (ttl_unit "seconds"; required in training)."""
+        if self.ttl_unit == "seconds":
+            if train and timestamp is None:
+                raise ValueError("timestamp is required in training with ttl_unit 'seconds' (the batch's time, an int)")
+            return 0 if timestamp is None else timestamp
+        if timestamp is not None:
+            raise ValueError(f"timestamp is only used with ttl_unit 'seconds', got timestamp={timestamp!r}")
+        return int(self.step) + int(bool(train))
+
     def remap(self, ids: torch.Tensor, id_offsets: torch.Tensor, train: bool, timestamp: int | None = None,
               default_row: bool = False, reset=None, backend: str | None = None) -> torch.Tensor:
         """``zch_remap`` on this clock: ``now`` is the count of training calls (ttl_unit "steps"; this
         one included) or ``timestamp`` (ttl_unit "seconds"; required in training)."""
-        if self.ttl_unit == "seconds":
-            if train and timestamp is None:
-                raise ValueError("timestamp is required in training with ttl_unit 'seconds' (the batch's time, an int)")
-            now = 0 if timestamp is None else timestamp
-        else:
-            if timestamp is not None:
-                raise ValueError(f"timestamp is only used with ttl_unit 'seconds', got timestamp={timestamp!r}")
-            now = int(self.step) + int(bool(train))
+        now = self.now(train, timestamp)
         with torch.no_grad():
             slots = zch_remap(ids, id_offsets, self, now=now, train=train, default_row=default_row, reset=reset,
                               backend=backend)
@@ -232,3 +239,123 @@ def zch_remap(ids: torch.Tensor, id_offsets: torch.Tensor, tables: ZchTables, no
                         POLICY_CODES[tables.eviction], tables.ttl, int(now), tables.admission_threshold,
                         tables.max_probe, bool(train), bool(default_row), weights, *meta, m1, m2, bounds, int(seed),
                         name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused remap + lookup: one pass over the ids remaps each one and pools its row.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("gem_kernels::zch_embedding_bag_forward",
+                         mutates_args=("slot_meta", "heap", "index", "pending", "table_state", "weights", "momentum1",
+                                       "momentum2"))
+def zch_embedding_bag_forward_op(ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor,
+                                 slot_meta: torch.Tensor, heap: torch.Tensor, index: torch.Tensor,
+                                 pending: torch.Tensor, table_state: torch.Tensor, layout: torch.Tensor, policy: int,
+                                 ttl: int, now: int, admit_threshold: int, max_probe: int, train: bool,
+                                 default_row: bool, weights: torch.Tensor, weights_offsets: torch.Tensor,
+                                 D_offsets: torch.Tensor, rows_offsets: torch.Tensor, momentum1: torch.Tensor,
+                                 momentum2: torch.Tensor, init_bounds: torch.Tensor, seed: int, output_dim: int,
+                                 pooling: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pooled [B, output_dim], slots [N]): the remap of ``ids`` (table t's ids are its bags'
+    ``offsets[t*B]:offsets[(t+1)*B]``) and the sum/mean of each bag's rows (an id without a row is
+    left out). cpu: one pass (csrc/cpu/zch.cpp); reference: the remap, then the embedding bag."""
+    args = (slot_meta, heap, index, pending, table_state, layout, policy, ttl, now, admit_threshold, max_probe, train,
+            default_row, weights, weights_offsets, D_offsets, rows_offsets, momentum1, momentum2, init_bounds, seed)
+    if backend == "cpu":
+        return torch.ops.gem_kernels.zch_embedding_bag_forward_native(ids, offsets, per_sample_weights, *args,
+                                                                      output_dim, pooling)
+    from ..reference.embedding_bag import embedding_bag_forward
+
+    num_tables = layout.shape[1] - 1
+    batch = (offsets.numel() - 1) // num_tables
+    id_offsets = offsets[::batch] if batch else offsets.new_zeros(num_tables + 1)
+    slots = _reference_zch().zch_remap(ids, id_offsets, *args)
+    out = embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, slots, offsets, per_sample_weights,
+                                output_dim, pooling, SKIP)
+    return out, slots
+
+
+def _zch_embedding_bag_fake(ids, offsets, per_sample_weights, slot_meta, heap, index, pending, table_state, layout,
+                            policy, ttl, now, admit_threshold, max_probe, train, default_row, weights, *rest):
+    output_dim = rest[-3] if len(rest) == 10 else rest[-2]  # the custom op has `backend` last, the schema not
+    batch = (offsets.shape[0] - 1) // (layout.shape[1] - 1)
+    return weights.new_empty(batch, output_dim), torch.empty_like(ids)
+
+
+zch_embedding_bag_forward_op.register_fake(_zch_embedding_bag_fake)
+if hasattr(torch.ops.gem_kernels, "zch_embedding_bag_forward_native"):
+    torch.library.register_fake("gem_kernels::zch_embedding_bag_forward_native")(_zch_embedding_bag_fake)
+
+
+class _ZchEmbeddingBag(torch.autograd.Function):
+    """The autograd of the fused op. torch.library refuses an autograd formula on an op that mutates
+    its inputs (the remap state, the reset rows), so the glue is a Function; its backward is the
+    registered embedding-bag backward ops on the forward's slots (dropped ids touch no row: a fused
+    optimizer updates live rows only). Inputs 0-9 and 10-19 are ``embedding_bag_op``'s (indices: the
+    raw ids), so its setup and backward serve unchanged."""
+
+    @staticmethod
+    def forward(ctx, weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets, ids, offsets,
+                per_sample_weights, output_dim, pooling, bounds_check, optimizer, lr, eps, beta1, beta2,
+                weight_decay, backend, zch_args):
+        out, slots = zch_embedding_bag_forward_op(
+            ids, offsets, per_sample_weights, *zch_args[:13], weights, weights_offsets, D_offsets, rows_offsets,
+            momentum1, momentum2, *zch_args[13:], output_dim, pooling, backend)
+        _embedding_bag_setup(ctx, (weights, momentum1, momentum2, step, weights_offsets, D_offsets, rows_offsets,
+                                   slots, offsets, per_sample_weights, output_dim, pooling, bounds_check, optimizer,
+                                   lr, eps, beta1, beta2, weight_decay, backend), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _embedding_bag_backward(ctx, grad_output) + (None,)
+
+
+def zch_embedding_bag(weights: torch.Tensor, tables: TableMeta, ids: torch.Tensor, offsets: torch.Tensor,
+                      zch: ZchTables, per_sample_weights: torch.Tensor | None = None, *, output_dim: int,
+                      pooling: str = "sum", train: bool = True, timestamp: int | None = None,
+                      default_row: bool = False, init_bounds: torch.Tensor, seed: int = 0, optimizer=None,
+                      momentum1: torch.Tensor | None = None, momentum2: torch.Tensor | None = None,
+                      step: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """Remap raw ids and pool their rows in one pass: ``zch.remap`` then ``embedding_bag`` on the slots,
+    fused (the result is the two calls', bit for bit on the cpu backend without per-sample weights).
+
+    ids [N] raw int64 (int32 widened), offsets [T*B+1] int32/int64 feature-major (table t's bags
+    ``t*B .. (t+1)*B``, its ids one remap segment), per_sample_weights [N] or None; pooling "sum" or
+    "mean" (over the ids that have a row). ``train``/``timestamp``: the remap's (``ZchTables.now``);
+    ``default_row``: an id without a row reads row ``slots_t`` of its table, else it is left out.
+    ``weights``/``tables``/``optimizer``/``momentum1``/``momentum2``/``step``: as ``embedding_bag``'s
+    (the optimizer, if any, updates the looked-up rows in the backward); a row given to a new id gets
+    the fresh weights of ``init_bounds`` [T, 2] float64 and ``seed``, and zero optimizer state.
+    """
+    if not isinstance(zch, ZchTables):
+        raise TypeError(f"zch must be a gem_kernels ZchTables, got {type(zch).__name__}")
+    check_tensor("ids", ids, dtypes=(torch.int32, torch.int64), dims=(1,))
+    check_offsets_meta("offsets", offsets)
+    num_tables = zch.num_tables
+    if (offsets.numel() - 1) % num_tables:
+        raise ValueError(f"offsets must have T*B+1 elements with T = {num_tables}, got {offsets.numel()}")
+    if pooling not in ("sum", "mean"):
+        raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+    per_sample_weights = per_sample_weights_arg(per_sample_weights, ids, weights.device)
+    check_same_device(weights=weights, ids=ids, offsets=offsets, per_sample_weights=per_sample_weights,
+                      tables=zch.slot_meta)
+    if optimizer is None:
+        opt_code, hyper = OPT_NONE, (0.0, 0.0, 0.0, 0.0, 0.0)
+        momentum1 = momentum2 = step = weights.new_empty(0, dtype=torch.float32)
+    else:
+        opt_code, hyper = OPTIMIZER_CODES[optimizer.name], optimizer.hyperparams()
+    now = zch.now(train, timestamp)
+    name = resolve_backend(backend, ids.device, FAMILY)
+    zch_args = (zch.slot_meta, zch.heap, zch.index, zch.pending, zch.table_state, zch.layout,
+                POLICY_CODES[zch.eviction], zch.ttl, now, zch.admission_threshold, zch.max_probe, bool(train),
+                bool(default_row), init_bounds, int(seed))
+    out = _ZchEmbeddingBag.apply(weights, momentum1, momentum2, step, *(m.contiguous() for m in tables),
+                                 ids.long().contiguous(), offsets.long().contiguous(),
+                                 per_sample_weights.contiguous(), output_dim, POOLING_CODES[pooling], SKIP, opt_code,
+                                 *hyper, name, zch_args)
+    if train:
+        with torch.no_grad():
+            zch.step += 1
+    return out

@@ -24,7 +24,8 @@ from .sharding import (  # noqa: E402
     sharding_plan,
 )
 from .zch_modules import ZchEmbeddingBagCollection  # noqa: E402  (also registers its gk.swap converter)
+from .zch_sharding import ZchEmbeddingBagCollectionSharder  # noqa: E402
 
 __all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "QuantEmbeddingBagCollection",
            "ZchEmbeddingBagCollection", "FusedEmbeddingBagCollectionSharder", "FusedEmbeddingCollectionSharder",
-           "sharding_plan", "INSTALL_HINT"]
+           "ZchEmbeddingBagCollectionSharder", "sharding_plan", "INSTALL_HINT"]

@@ -1,5 +1,5 @@
 """``ZchEmbeddingBagCollection``: TorchRec's ``ManagedCollisionEmbeddingBagCollection`` on raw ids, as
-one zero-collision remap (``gk.zch_remap``) plus one fused embedding-bag call.
+one fused call: the zero-collision remap inside the embedding-bag lookup (``zch_embedding_bag``).
 
 It takes the KJT of raw ids and returns ``(KeyedTensor, None)`` as the MC-EBC does. Each table's
 features share one identity table. As TorchRec's MCH modules do, an id without a row reads the
@@ -23,12 +23,10 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCo
 from torchrec.modules.mc_modules import LFU_EvictionPolicy, LRU_EvictionPolicy, MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ..nn.hashed_embedding_bag import UNADMITTED, remap_by_table
+from ..nn.hashed_embedding_bag import UNADMITTED, hashed_lookup
 from ..ops.zch import ZchTables
 from .._swap import SwapSkip, register
 from .embedding_modules import FusedEmbeddingBagCollection
-
-torch.fx.wrap("remap_by_table")  # this module's calls of it are one node of a trace too
 
 
 class ZchEmbeddingBagCollection(FusedEmbeddingBagCollection):
@@ -66,11 +64,7 @@ class ZchEmbeddingBagCollection(FusedEmbeddingBagCollection):
 
     def _lookup(self, values, offsets, psw, pooling: str, batch: int) -> torch.Tensor:
         # The op's layout puts table t's bags (all its features) at t*K*B ... (t+1)*K*B: one id segment per table.
-        slots = remap_by_table(self.zch, values, offsets, self.training, self._timestamp,
-                               self.unadmitted == "default_row",
-                               (self.weights, self.table_meta, self.momentum1, self.momentum2, self.init_bounds,
-                                self.seed), self.backend)
-        return super()._lookup(slots, offsets, psw, pooling, batch)
+        return hashed_lookup(self, values, offsets, psw, pooling, self._timestamp)
 
     def forward(self, features: KeyedJaggedTensor, timestamp: int | None = None) -> tuple[KeyedTensor, None]:
         self._timestamp = timestamp
