@@ -265,15 +265,7 @@ def zch_embedding_bag_forward_op(ids: torch.Tensor, offsets: torch.Tensor, per_s
     if backend == "cpu":
         return torch.ops.gem_kernels.zch_embedding_bag_forward_native(ids, offsets, per_sample_weights, *args,
                                                                       output_dim, pooling)
-    from ..reference.embedding_bag import embedding_bag_forward
-
-    num_tables = layout.shape[1] - 1
-    batch = (offsets.numel() - 1) // num_tables
-    id_offsets = offsets[::batch] if batch else offsets.new_zeros(num_tables + 1)
-    slots = _reference_zch().zch_remap(ids, id_offsets, *args)
-    out = embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, slots, offsets, per_sample_weights,
-                                output_dim, pooling, SKIP)
-    return out, slots
+    return _reference_zch().zch_embedding_bag_forward(ids, offsets, per_sample_weights, *args, output_dim, pooling)
 
 
 def _zch_embedding_bag_fake(ids, offsets, per_sample_weights, slot_meta, heap, index, pending, table_state, layout,

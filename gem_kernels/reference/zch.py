@@ -291,3 +291,24 @@ def _reset_rows(resets, weights, w_off, d_off, r_off, momentum1, momentum2, boun
             momentum2[start:start + dim] = 0
         elif momentum1.numel():
             momentum1[r_off[t] + slot] = 0
+
+
+def zch_embedding_bag_forward(ids, offsets, per_sample_weights, slot_meta, heap, index, pending, table_state, layout,
+                              policy, ttl, now, admit_threshold, max_probe, train, default_row, weights,
+                              weights_offsets, D_offsets, rows_offsets, momentum1, momentum2, init_bounds, seed,
+                              output_dim, pooling):
+    """The native schema's signature: (pooled [B, output_dim], slots [N]). The remap (``zch_remap``, table
+    t's ids being its bags' ``offsets[t*B]:offsets[(t+1)*B]``), then the embedding bag over the slots
+    (an id without a row, slot -1, is skipped); the cpu kernel does both in one pass."""
+    from .._embedding_bag import SKIP
+    from .embedding_bag import embedding_bag_forward
+
+    num_tables = layout.shape[1] - 1
+    batch = (offsets.numel() - 1) // num_tables
+    id_offsets = offsets[::batch] if batch else offsets.new_zeros(num_tables + 1)
+    slots = zch_remap(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, ttl, now,
+                      admit_threshold, max_probe, train, default_row, weights, weights_offsets, D_offsets,
+                      rows_offsets, momentum1, momentum2, init_bounds, seed)
+    out = embedding_bag_forward(weights, weights_offsets, D_offsets, rows_offsets, slots, offsets, per_sample_weights,
+                                output_dim, pooling, SKIP)
+    return out, slots

@@ -48,7 +48,6 @@ from .sharding import (
     _GemOptions,
     _GemPooledLookup,
     _GemTBE,
-    _check_one_feature_per_table,
     _resolve_optimizer,
 )
 from .zch_modules import ZchEmbeddingBagCollection
@@ -129,6 +128,15 @@ class _ZchTBE(_GemTBE):
         renamed = {"learning_rate": "lr"}
         update = {renamed.get(k, k): v for k, v in params_dict.items() if renamed.get(k, k) in fields}
         self._set_optimizer(dataclasses.replace(self.optimizer, **update))
+
+
+def _check_one_feature_per_table(config) -> None:
+    # A hashed table's identity table is keyed by one feature's raw ids: two features on one table
+    # would share slots and evict each other's ids.
+    for table in config.embedding_tables:
+        if table.num_features() != 1:
+            raise ValueError(f"table {table.name!r} is shared by features {table.feature_names}; a hashed (zch) "
+                             f"table takes one feature (give each feature its own table)")
 
 
 class _ZchBatchedEmbeddingBag(GemBatchedFusedEmbeddingBag):
