@@ -29,9 +29,7 @@ from .nn.hashed_embedding_bag import HashedEmbeddingBag
 from ._swap import SwapReport, SwapSkip, register, swap
 
 # `gem_kernels.swap` is the function (its engine is the private module _swap); register, SwapSkip and
-# SwapReport are gem_kernels' own names. They stay reachable as attributes of the function too, for code
-# written when gem_kernels.swap was also a module (`gem_kernels.swap.register(...)`).
-swap.register, swap.SwapSkip, swap.SwapReport = register, SwapSkip, SwapReport
+# SwapReport are gem_kernels' own names, not attributes of the function.
 
 __version__ = "0.1.0"
 

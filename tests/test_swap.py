@@ -548,3 +548,16 @@ def test_torchrec_out_of_range_id_names_table_and_feature():
         keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 17, 3]), lengths=torch.tensor([1, 0, 1, 1, 1, 0, 0, 0]))
     with pytest.raises(IndexError, match=r"(?s)(t1.*f1|f1.*t1)"):
         model["ebc"](features)
+
+
+def test_swap_is_one_function_and_its_engine_a_private_module():
+    """Issue 29 item 5: `gem_kernels.swap` was both a module and the function that shadowed it, with
+    register/SwapSkip/SwapReport hung on the function. Now the engine is gem_kernels._swap and those
+    names are gem_kernels' own."""
+    import importlib
+    import types
+
+    engine = importlib.import_module("gem_kernels._swap")
+    assert isinstance(gk.swap, types.FunctionType) and gk.swap is engine.swap
+    assert (gk.register, gk.SwapSkip, gk.SwapReport) == (engine.register, engine.SwapSkip, engine.SwapReport)
+    assert not any(hasattr(gk.swap, name) for name in ("register", "SwapSkip", "SwapReport"))
