@@ -23,7 +23,7 @@ from .._swap import SwapSkip, register
 from ..ops.quant_embedding_bag import (DEFAULT_FP8_EXPONENT_BIAS, DEFAULT_FP8_EXPONENT_BITS, OUTPUT_DTYPES,
                                        WEIGHT_TYPES, pack_quant_tables, quant_embedding_bag)
 from ..nn._fx import is_proxy, trace_call
-from .embedding_modules import FusedEmbeddingBagCollection, _FusedCollection
+from .embedding_modules import FusedEmbeddingBagCollection, _FusedCollection, pooled_by_feature
 
 _WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.INT8: "int8", DataType.INT4: "int4",
                   DataType.INT2: "int2"}
@@ -78,7 +78,7 @@ class QuantEmbeddingBagCollection(QuantPackedTables):
                                                                          self._embedding_names_by_table))
                          for j, (f, e) in enumerate(zip(fs, es))]
         self._flat_features = [f for _, _, f, _ in self._lookups]
-        self._slots_per_table = max(len(fs) for fs in self._feature_names)
+        self._feature_slots = [(t, j) for t, j, _, _ in self._lookups]  # what _op_inputs' bag layout reads
         self.weight_dtypes = [_WEIGHT_DTYPES[t.data_type] for t in tables]
         layout = pack_quant_tables([t.num_embeddings for t in tables], [t.embedding_dim for t in tables],
                                    [WEIGHT_TYPES[d] for d in self.weight_dtypes], row_alignment)
@@ -140,11 +140,7 @@ class QuantEmbeddingBagCollection(QuantPackedTables):
                 out = run()
             except IndexError as error:
                 raise self._name_bad_index(error, batch) from None
-        slots = self._slots_per_table
-        if slots > 1 or len(self._lookups) != len(self._configs):
-            out3 = out.view(slots, batch, self.output_dim)
-            c = self.layout.D_offsets
-            out = torch.cat([out3[j, :, c[t]:c[t + 1]] for t, j, _, _ in self._lookups], dim=1)
+        out = pooled_by_feature(out, self._feature_slots, self.layout.D_offsets, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out)
 
     def extra_repr(self) -> str:
