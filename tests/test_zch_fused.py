@@ -6,6 +6,7 @@ every gradient / fused update, over a stream that evicts and resets rows inside 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -22,6 +23,16 @@ BACKENDS = [b for b in ("reference", "cpu") if b in gk.available_backends()]
 
 def _module(backend, **kw):
     return gk.HashedEmbeddingBag([TableSpec(4, 8), TableSpec(6, 16)], backend=backend, **kw)
+
+
+# Under GK_CUDA_EMU the `cpu` embedding-bag op is the CUDA kernel's code (tests/cuda_emu), which sums a
+# bag in its own order, while the fused zch pass has no CUDA kernel and stays the C++ one: the two
+# paths then agree to fp32 rounding, not bit for bit.
+_EMU = os.environ.get("GK_CUDA_EMU") == "1"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-6, atol=1e-6) if _EMU else torch.equal(a, b)
 
 
 def _two_calls(module, ids, offsets, psw):
@@ -52,18 +63,18 @@ def test_fused_equals_remap_then_lookup(backend, unadmitted, pooling, optimizer,
         out = fused(ids, offsets, psw)
         expected = _two_calls(twin, ids, offsets, psw_twin)
         # One summation order (ids in bag order, the same row primitives): bit for bit.
-        assert torch.equal(out, expected)
+        assert _same(out, expected)
         grad = torch.randn(out.shape, generator=g)
         out.backward(grad)
         expected.backward(grad)
         if weighted:
-            assert torch.equal(psw.grad, psw_twin.grad)
+            assert _same(psw.grad, psw_twin.grad)
         if opt is None:
-            assert torch.equal(fused.weights.grad, twin.weights.grad)
+            assert _same(fused.weights.grad, twin.weights.grad)
             fused.weights.grad = twin.weights.grad = None
         for name in STATE_BUFFERS + ("step",):
             assert torch.equal(getattr(fused.zch, name), getattr(twin.zch, name)), name
-        assert torch.equal(fused.weights, twin.weights)  # the fresh rows, and the SGD updates
+        assert _same(fused.weights, twin.weights)  # the fresh rows, and the SGD updates
         assert torch.equal(fused.step, twin.step)
     assert sum(fused.zch.stats()["evictions"]) > 0
 
