@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -86,6 +87,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="rank.pt2", help="the AOTInductor package to write")
     args = parser.parse_args(argv)
+    # Checked before the model is built and the (minutes-long) compile starts, naming the flag.
+    for flag, value, least in (("--history", args.history, 0), ("--candidates", args.candidates, 1),
+                               ("--microbatch", args.microbatch, 1), ("--seed", args.seed, 0)):
+        if value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
+    from .train import _unwritable
+
+    problem = _unwritable(Path(args.out), directory=False)
+    if problem is not None:
+        parser.error(f"--out {args.out} {problem}")
     cfg: GemConfig = PRESETS[args.preset]()
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, args.history),
                               max_num_candidates=max(cfg.max_num_candidates, args.candidates))

@@ -42,3 +42,19 @@ def test_aoti_package_gives_the_same_scores(tmp_path):
     path = export_ranking(model, example, 2, str(tmp_path / "rank.pt2"))
     runner = torch._inductor.aoti_load_package(path)
     torch.testing.assert_close(runner(*example), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("argv, flag", [(["--history", "-1"], "--history"), (["--candidates", "0"], "--candidates"),
+                                        (["--microbatch", "0"], "--microbatch"), (["--seed", "-2"], "--seed"),
+                                        (["--out", "/proc/rank.pt2"], "--out")])
+def test_cli_refuses_bad_values_before_building(argv, flag, capsys, monkeypatch):
+    """`python -m model.serving` with a negative history, no candidates, an empty micro-batch, a negative
+    seed or an unwritable package path: a usage error naming the flag, before any model is built
+    (it gave torch's "negative dimension", wrote a package of zero candidates, or failed mid-run)."""
+    import model.serving as serving
+
+    monkeypatch.setattr(serving, "GemModel", lambda *a, **k: pytest.fail("built a model for bad arguments"))
+    with pytest.raises(SystemExit) as exc:
+        serving.main(argv)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
