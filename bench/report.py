@@ -216,7 +216,14 @@ def markdown(result: dict) -> str:
 # other impl of a case is a peer (eager PyTorch, torch.compile, SDPA, flex, FBGEMM, TorchRec, and
 # gem_kernels' own padded reference twin, which is plain PyTorch).
 GEM_KERNELS_IMPLS = ("cuda", "triton", "triton-det", "cpu", "fused", "fused+compile", "swap_rowwise", "swap_none",
-                     "swapped")
+                     "swapped", "attn-only", "gk-torchrec", "fp32-fused", "uncached", "alone")
+
+
+def is_gem_kernels(impl: str) -> bool:
+    """Whether an impl is gem_kernels' own: the names above, and the KV-cached ranking's "rank m=<m>[ warm]"
+    (its uncached and one-candidate baselines are the fused model too; "attn-only" is torch ops around
+    gem_kernels' attention)."""
+    return impl in GEM_KERNELS_IMPLS or impl.startswith("rank m=")
 
 
 def _timed(rows: list[dict]) -> list[dict]:
@@ -248,7 +255,7 @@ def speedup_figure(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     families = [f["name"] for f in result["families"] if any(r["family"] == f["name"] for r in result["rows"])]
-    impls = sorted({r["impl"] for r in result["rows"]}, key=lambda i: (i not in GEM_KERNELS_IMPLS, i))
+    impls = sorted({r["impl"] for r in result["rows"]}, key=lambda i: (not is_gem_kernels(i), i))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"] + ["#444444", "#999933", "#882255", "#44aa99"]
     color = {impl: colors[i % len(colors)] for i, impl in enumerate(impls)}
     panels = []
@@ -296,7 +303,7 @@ def _speedup_panel(ax, family: str, cases: list[list[dict]], color: dict) -> Non
             else:
                 values.append(value)
                 ax.barh(y, abs(value - 1) or 0.01, left=min(value, 1.0), height=0.8, color=color[r["impl"]],
-                        hatch=None if r["impl"] in GEM_KERNELS_IMPLS else "///", edgecolor="white", lw=0)
+                        hatch=None if is_gem_kernels(r["impl"]) else "///", edgecolor="white", lw=0)
                 ax.text(value, y, f" {r['impl']} {value:.2f}x " if value >= 1 else f" {r['impl']} {value:.2f}x ",
                         va="center", ha="left" if value >= 1 else "right", fontsize=7)
             y += 1
@@ -319,7 +326,7 @@ def _speedup_panel(ax, family: str, cases: list[list[dict]], color: dict) -> Non
 
 
 def _best(case: list[dict], mine: bool) -> dict | None:
-    rows = [r for r in _timed(case) if (r["impl"] in GEM_KERNELS_IMPLS) == mine]
+    rows = [r for r in _timed(case) if is_gem_kernels(r["impl"]) == mine]
     return min(rows, key=lambda r: r["ms"]) if rows else None
 
 

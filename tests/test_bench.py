@@ -1025,3 +1025,15 @@ def test_ci_runs_the_quick_bench_at_one_and_two_threads():
     assert 'OMP_NUM_THREADS=$threads python -m bench --quick' in script
     assert "set -euo pipefail" in script
     assert 'python -m bench "$@"' in (REPO / "scripts" / "bench.sh").read_text()
+
+
+def test_plots_draw_gem_kernels_own_impls_solid():
+    """The speedup plot hatches peers only: the HSTU layer's "attn-only" (torch ops around gem_kernels'
+    attention), the quantized family's gk-torchrec / fp32-fused and the ranking's rank/uncached/alone
+    rows are gem_kernels' own (they were drawn as peers); eager, TorchRec and FBGEMM stay peers."""
+    from bench.report import is_gem_kernels
+
+    for impl in ("cpu", "attn-only", "gk-torchrec", "fp32-fused", "rank m=16", "rank m=64 warm", "uncached", "alone"):
+        assert is_gem_kernels(impl), impl
+    for impl in ("eager", "torchrec-quant", "nn.EmbeddingBag", "torchrec_mch", "fbgemm", "reference", "compile"):
+        assert not is_gem_kernels(impl), impl
