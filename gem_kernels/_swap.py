@@ -46,6 +46,7 @@ refuses ``torch.jit.script`` with a message naming ``torch.export``.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import sys
 import weakref
@@ -222,7 +223,10 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
     replacements: list[tuple[nn.Module, nn.Module]] = []
     undo: list[tuple[nn.Module, str, nn.Module]] = []
 
-    def visit(parent: nn.Module, prefix: str) -> None:
+    group_of = _param_groups(torch_optimizer) if torch_optimizer is not None else {}
+
+    def visit(parent: nn.Module, prefix: str, fresh: bool = False) -> None:
+        """``fresh``: ``parent`` is a replacement just put in (its swapped children are its own parts)."""
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
@@ -236,11 +240,12 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
                     report.skipped.append((path, type(child).__name__, "excluded"))
                 continue
             if _is_swapped(child):
-                report.skipped.append((path, type(child).__name__, "already swapped"))
+                if not fresh:
+                    report.skipped.append((path, type(child).__name__, "already swapped"))
                 continue
             convert, registered = _converter(child, quantize)
             if registered is None:
-                visit(child, path)
+                visit(child, path, fresh)
                 continue
             if convert is None:
                 report.skipped.append((path, type(child).__name__,
@@ -260,6 +265,8 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             if not isinstance(new, nn.Module):
                 raise TypeError(f"the converter registered for {registered.__name__} ({convert!r}) returned "
                                 f"{type(new).__name__} for {path!r}; it must return an nn.Module or raise SwapSkip")
+            if torch_optimizer is not None:
+                new = _split_by_optimizer(torch_optimizer, group_of, child, new)
             new.train(child.training)
             _SWAPPED_TYPES.add(type(new))
             parent._modules[name] = new
@@ -267,19 +274,19 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             done[id(child)] = new
             report.replaced.append((path, type(child).__name__, _public_name(type(new))))
             replacements.append((child, new))
-            visit(new, path)  # e.g. the self_attn of a swapped TransformerEncoderLayer
+            visit(new, path, fresh=True)  # e.g. the self_attn of a swapped TransformerEncoderLayer
 
     if _converter(model)[1] is not None and not _is_swapped(model):
         report.skipped.append(("", type(model).__name__, "the root module cannot be replaced in place: "
                                                           "swap a module that holds it"))
-    visit(model, "")
+    try:
+        visit(model, "")
+        plan = _rewire_plan(torch_optimizer, replacements) if torch_optimizer is not None else []
+    except ValueError:
+        for parent, name, child in reversed(undo):  # refused: the model is left as it was
+            parent._modules[name] = child
+        raise
     if torch_optimizer is not None:
-        try:
-            plan = _rewire_plan(torch_optimizer, replacements)
-        except ValueError:
-            for parent, name, child in reversed(undo):  # refused: the model is left as it was
-                parent._modules[name] = child
-            raise
         _rewire(torch_optimizer, plan)
     for path, module in model.named_modules():
         if _is_swapped(module):
@@ -303,33 +310,135 @@ def _note_reference_backend(report: SwapReport, model: nn.Module, backend: str |
                 report.notes.append(message)
 
 
+def _param_groups(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(Parameter) -> the index of the param group that holds it."""
+    return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def _sources(old: nn.Module, new: nn.Module) -> dict[int, tuple[nn.Parameter, list]] | None:
+    """Where the Parameters of ``old`` that ``new`` repacks went, each followed by its name (the
+    swap keeps state_dict keys): {id(new Parameter): (it, [(name, old Parameter, its [rows, dim] view
+    in the new one)])}; {} when ``new`` repacks nothing, None when a repacked Parameter has no view
+    of its name in ``new`` (a replacement that moves elements, e.g. the ZCH collection's rows)."""
+    new_params = {id(p): p for p in new.parameters()}
+    dropped = [(n, p) for n, p in old.named_parameters() if id(p) not in new_params]
+    if not dropped:
+        return {}
+    views = new.state_dict(keep_vars=True)
+    sources: dict[int, tuple[nn.Parameter, list]] = {}
+    for name, p in dropped:
+        view = views.get(name)
+        base = getattr(view, "_base", None)
+        if base is None or id(base) not in new_params or view.shape != p.shape:
+            return None
+        sources.setdefault(id(base), (base, []))[1].append((name, p, view))
+    return sources
+
+
+def _part_key(optimizer: torch.optim.Optimizer, group_of: dict[int, int], p: nn.Parameter, owner: str) -> tuple:
+    """Parameters of equal keys can share one packed Parameter: the same param group (None: not in
+    the optimizer) and state that packs, i.e. the same keys, elementwise tensors (shaped like the
+    Parameter: Adagrad's sum, Adam's exp_avg, momentum_buffer) and equal scalars (Adam's step).
+    ValueError for state of another shape, which has no packed form."""
+    signature = []
+    for key, value in sorted((optimizer.state.get(p) or {}).items()):
+        if isinstance(value, torch.Tensor) and value.shape == p.shape:
+            signature.append((key, "elementwise", value.dtype, value.device))
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            signature.append((key, "scalar", value.dtype, value.device, value.item()))
+        elif isinstance(value, torch.Tensor):
+            raise ValueError(f"{type(optimizer).__name__} holds state {key!r} of shape {tuple(value.shape)} for a "
+                             f"table of shape {tuple(p.shape)} of a {owner}: only state shaped like the table, or "
+                             f"scalars, can be packed; build the optimizer after gk.swap")
+        else:
+            signature.append((key, "value", repr(value)))
+    return group_of.get(id(p)), tuple(signature)
+
+
+def _split_by_optimizer(optimizer: torch.optim.Optimizer, group_of: dict[int, int], old: nn.Module,
+                        new: nn.Module) -> nn.Module:
+    """``new``, or, where the optimizer puts Parameters that ``new`` packs into one in param groups of
+    their own (per-table lr, weight decay...) or holds state that cannot share one Parameter,
+    ``new.split_by_keys(parts)``: one packed Parameter per part. ValueError if ``new`` cannot split."""
+    sources = _sources(old, new)
+    if not sources:
+        return new
+    parts, split = [], False
+    for _, pairs in sources.values():
+        by_key: dict[tuple, list[str]] = {}
+        for name, p, _ in pairs:
+            by_key.setdefault(_part_key(optimizer, group_of, p, type(old).__name__), []).append(name)
+        parts += by_key.values()
+        split |= len(by_key) > 1
+    if not split:
+        return new
+    if not hasattr(new, "split_by_keys"):
+        raise ValueError(f"optimizer puts parameters of a {type(old).__name__} that its replacement "
+                         f"{type(new).__name__} packs into one Parameter in different param groups or with different "
+                         f"state ({parts}), and {type(new).__name__} cannot split them: use one group for them, or "
+                         f"build the optimizer after gk.swap")
+    return new.split_by_keys(parts)
+
+
 def _rewire_plan(optimizer: torch.optim.Optimizer, replacements) -> list[tuple[int, list, list, dict | None]]:
-    """[(param group, the Parameters a replacement dropped, the ones it added, the added one's initial
-    optimizer state)] for the replacements
-    whose Parameters the optimizer holds; ValueError where the new Parameters cannot keep the old
-    ones' hyperparameters or state."""
-    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    """[(param group, the Parameters a replacement dropped, the ones it added, the added one's
+    optimizer state)] for the replacements whose Parameters the optimizer holds. A packed Parameter
+    (one per param group after ``_split_by_optimizer``) takes its tables' state, packed like them."""
+    group_of = _param_groups(optimizer)
     plan = []
     for old, new in replacements:
-        old_params, new_params = list(old.parameters()), list(new.parameters())
-        new_ids, old_ids = {id(p) for p in new_params}, {id(p) for p in old_params}
-        dropped = [p for p in old_params if id(p) not in new_ids]
-        held = [p for p in dropped if id(p) in group_of]
-        if not held:
+        sources = _sources(old, new)
+        if sources is None:
+            plan += _opaque_plan(optimizer, group_of, old, new)
             continue
-        name = type(old).__name__
-        if len(held) != len(dropped):
-            raise ValueError(f"optimizer holds {len(held)} of the {len(dropped)} parameters of a {name} that the swap "
-                             f"repacks into one buffer: put all of them in the optimizer or none")
-        groups = sorted({group_of[id(p)] for p in held})
-        settings = [{k: v for k, v in optimizer.param_groups[g].items() if k != "params"} for g in groups]
-        if any(repr(s) != repr(settings[0]) for s in settings):
-            raise ValueError(f"optimizer puts the tables of a {name} in param groups {groups} with different settings "
-                             f"{settings}; the swap packs them into one Parameter, which takes one group's settings: "
-                             f"use one group for them, or build the optimizer after gk.swap")
-        added = [p for p in new_params if id(p) not in old_ids]
-        plan.append((groups[0], held, added, _initial_state(optimizer, held, added, name)))
+        for base, pairs in sources.values():
+            g = group_of.get(id(pairs[0][1]))
+            if g is not None:
+                plan.append((g, [p for _, p, _ in pairs], [base], _packed_state(optimizer, base, pairs)))
     return plan
+
+
+def _packed_state(optimizer: torch.optim.Optimizer, base: nn.Parameter, pairs: list) -> dict | None:
+    """The state of the packed ``base`` from its tables' (of one part key): elementwise tensors
+    copied into each table's place, scalars taken once."""
+    states = [optimizer.state.get(p) for _, p, _ in pairs]
+    if not states[0]:
+        return None
+    packed = {}
+    for key, first in states[0].items():
+        if isinstance(first, torch.Tensor) and first.shape == pairs[0][1].shape:
+            value = torch.zeros(base.shape, dtype=first.dtype, device=first.device)
+            for (_, _, view), state in zip(pairs, states):
+                value.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).copy_(
+                    state[key])
+        else:
+            value = first.clone() if isinstance(first, torch.Tensor) else copy.deepcopy(first)
+        packed[key] = value
+    return packed
+
+
+def _opaque_plan(optimizer: torch.optim.Optimizer, group_of: dict[int, int], old: nn.Module,
+                 new: nn.Module) -> list[tuple[int, list, list, dict | None]]:
+    """The plan for a replacement whose new Parameters do not show where each old one went: all of
+    them take the one param group of the old ones, with untouched initial state only."""
+    old_params, new_params = list(old.parameters()), list(new.parameters())
+    new_ids, old_ids = {id(p) for p in new_params}, {id(p) for p in old_params}
+    dropped = [p for p in old_params if id(p) not in new_ids]
+    held = [p for p in dropped if id(p) in group_of]
+    if not held:
+        return []
+    name = type(old).__name__
+    if len(held) != len(dropped):
+        raise ValueError(f"optimizer holds {len(held)} of the {len(dropped)} parameters of a {name} that the swap "
+                         f"repacks into one buffer: put all of them in the optimizer or none")
+    groups = sorted({group_of[id(p)] for p in held})
+    settings = [{k: v for k, v in optimizer.param_groups[g].items() if k != "params"} for g in groups]
+    if any(repr(s) != repr(settings[0]) for s in settings):
+        raise ValueError(f"optimizer puts the tables of a {name} in param groups {groups} with different settings "
+                         f"{settings}; the swap packs them into one Parameter, which takes one group's settings: "
+                         f"use one group for them, or build the optimizer after gk.swap")
+    added = [p for p in new_params if id(p) not in old_ids]
+    return [(groups[0], held, added, _initial_state(optimizer, held, added, name))]
 
 
 def _initial_state(optimizer: torch.optim.Optimizer, held: list, added: list, name: str) -> dict | None:
@@ -534,8 +643,10 @@ def _register_torchrec() -> None:
                                 (LowRankCrossNet, _convert_low_rank_crossnet)):
         _CONVERTERS.setdefault(eager_type, convert)  # a user's own registration wins
     try:
-        fused_ebc, fused_ec = _torchrec_collections()
-        _mark(fused_ebc)
-        _mark(fused_ec)
+        collections = _torchrec_collections()
+        from .torchrec import PartitionedEmbeddingBagCollection, PartitionedEmbeddingCollection
+
+        for swapped in (*collections, PartitionedEmbeddingBagCollection, PartitionedEmbeddingCollection):
+            _mark(swapped)
     except SwapSkip:
         pass

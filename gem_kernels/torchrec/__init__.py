@@ -16,7 +16,12 @@ try:
 except ImportError as error:
     raise ImportError(f"{INSTALL_HINT}; importing torchrec failed with: {error}") from error
 
-from .embedding_modules import FusedEmbeddingBagCollection, FusedEmbeddingCollection  # noqa: E402
+from .embedding_modules import (  # noqa: E402
+    FusedEmbeddingBagCollection,
+    FusedEmbeddingCollection,
+    PartitionedEmbeddingBagCollection,
+    PartitionedEmbeddingCollection,
+)
 from .quant_embedding_modules import QuantEmbeddingBagCollection  # noqa: E402
 from .sharding import (  # noqa: E402
     FusedEmbeddingBagCollectionSharder,
@@ -26,6 +31,7 @@ from .sharding import (  # noqa: E402
 from .zch_modules import ZchEmbeddingBagCollection  # noqa: E402  (also registers its gk.swap converter)
 from .zch_sharding import ZchEmbeddingBagCollectionSharder  # noqa: E402
 
-__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "QuantEmbeddingBagCollection",
+__all__ = ["FusedEmbeddingBagCollection", "FusedEmbeddingCollection", "PartitionedEmbeddingBagCollection",
+           "PartitionedEmbeddingCollection", "QuantEmbeddingBagCollection",
            "ZchEmbeddingBagCollection", "FusedEmbeddingBagCollectionSharder", "FusedEmbeddingCollectionSharder",
            "ZchEmbeddingBagCollectionSharder", "sharding_plan", "INSTALL_HINT"]

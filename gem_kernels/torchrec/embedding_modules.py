@@ -41,7 +41,7 @@ from torchrec.modules.embedding_modules import (
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from ..nn._fx import is_proxy, trace_call
+from ..nn._fx import NotScriptable, is_proxy, trace_call
 from ..nn.embedding_bag import PackedTables, check_backend, reference_fallback
 from ..ops.embedding_bag import embedding_bag
 from .._embedding_bag import advise_huge_pages, check_module_options, pack_tables
@@ -136,6 +136,34 @@ class _FusedCollection(PackedTables):
 
     def _state_table_names(self) -> list[str]:
         return self._table_names
+
+    def split_by_keys(self, parts: list[list[str]]) -> "_PartitionedCollection":
+        """This collection as a ``PartitionedEmbeddingBagCollection`` / ``PartitionedEmbeddingCollection``:
+        one fused collection (one packed Parameter) per part, a part being a list of the tables'
+        state_dict keys (``embedding_bags.<table>.weight``), every table in exactly one. The values are
+        copied, options and ``requires_grad`` kept. ``gk.swap(model, optimizer=torch_optimizer)`` calls
+        it when the optimizer's param groups split a collection's tables."""
+        partitioned = _PARTITIONED.get(type(self))
+        if partitioned is None:  # a subclass (e.g. the ZCH collection) holds more than the tables
+            raise ValueError(f"a {type(self).__name__} cannot be split into parts")
+        table_of = {f"{self._PREFIX}.{n}.weight": n for n in self._table_names}
+        if (isinstance(parts, (str, bytes)) or not all(isinstance(p, (list, tuple)) and p for p in parts)
+                or sorted(k for p in parts for k in p) != sorted(table_of)):
+            raise ValueError(f"parts must be non-empty lists of the keys {list(table_of)}, each key in exactly one "
+                             f"part, got {parts!r}")
+        modules = []
+        for part in parts:
+            names = {table_of[k] for k in part}
+            module = type(self)([c for c in self._configs if c.name in names], device=self.weights.device,
+                                optimizer=self.optimizer, bounds_check=self.bounds_check, backend=self.backend,
+                                **self._options())
+            with torch.no_grad():
+                for name in names:
+                    module.weight(name).copy_(self.weight(name))
+            module.weights.requires_grad_(self.weights.requires_grad)
+            modules.append(module.train(self.training))
+        return partitioned(self._configs, modules)
+
 
     def _copy_tables_from(self, modules: dict, configs) -> None:
         """The weights of TorchRec's per-table modules; ``weights`` is frozen when they all are (one
@@ -357,6 +385,9 @@ class FusedEmbeddingBagCollection(_FusedCollection):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    def _options(self) -> dict:
+        return {"is_weighted": self._is_weighted}
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if is_proxy(features):
             return trace_call(self, features)
@@ -407,6 +438,9 @@ class FusedEmbeddingCollection(_FusedCollection):
     def need_indices(self) -> bool:
         return self._need_indices
 
+    def _options(self) -> dict:
+        return {"need_indices": self._need_indices}
+
     def embedding_names_by_table(self) -> list[list[str]]:
         return self._embedding_names_by_table
 
@@ -421,3 +455,161 @@ class FusedEmbeddingCollection(_FusedCollection):
         ids = torch.split(values, totals) if self._need_indices else [None] * len(totals)
         return {e: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i])
                 for i, (_, _, _, e) in enumerate(self._lookups)}
+
+
+class _PartitionedCollection(NotScriptable, nn.Module):
+    """A collection's tables in several fused collections (``parts``, one packed ``weights`` each),
+    answering as the one collection: same outputs (keys, order, values), same TorchRec state_dict
+    keys. ``gk.swap(model, optimizer=torch_optimizer)`` builds one where the optimizer's param groups
+    (per-table lr, weight decay, ...) split a collection's tables, so that each group holds the packed
+    Parameter of its own tables. Each part looks up its own features of the KJT (one fused call per
+    part, its features gathered first unless they come first in the KJT's order)."""
+
+    _PREFIX = ""
+    _PART: type = nn.Module
+
+    def __init__(self, tables, parts):
+        super().__init__()
+        tables, parts = list(tables), list(parts)
+        if len(parts) < 2 or not all(type(p) is self._PART for p in parts):
+            raise ValueError(f"parts must be two or more {self._PART.__name__}, got {[type(p).__name__ for p in parts]}")
+        names = [t.name for t in tables]
+        part_of = {n: i for i, p in enumerate(parts) for n in p._table_names}
+        if len(set(names)) != len(names) or sorted(names) != sorted(n for p in parts for n in p._table_names):
+            raise ValueError(f"every table of {names} must be in exactly one part, got parts "
+                             f"{[p._table_names for p in parts]}")
+        options = {tuple(sorted(p._options().items())) for p in parts}
+        if len(options) != 1:
+            raise ValueError(f"every part must have the same options, got {sorted(options)}")
+        self._configs, self._table_names, self._part_of = tables, names, part_of
+        self.parts = nn.ModuleList(parts)
+        self._embedding_names_by_table = get_embedding_names_by_table(tables)
+        self._embedding_names = [e for es in self._embedding_names_by_table for e in es]
+        # Each output (table, feature slot) -> (part, the lookup's position in the part's output). A
+        # part names its lookups among its own tables (``feature@table`` only where needed there).
+        self._sources = []
+        for name, embedding_names in zip(names, self._embedding_names_by_table):
+            part = parts[part_of[name]]
+            for j in range(len(embedding_names)):
+                pos = next(k for k, (t, slot, _, _) in enumerate(part._lookups)
+                           if part._table_names[t] == name and slot == j)
+                self._sources.append((part_of[name], pos))
+        self.register_state_dict_post_hook(_partitioned_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_partitioned_load_state_dict_hook)
+        self.register_load_state_dict_post_hook(_partitioned_load_state_dict_post_hook)
+
+    def _part_key(self, name: str) -> str:
+        return f"parts.{self._part_of[name]}.{self._PREFIX}.{name}.weight"
+
+    def weight(self, table: str) -> torch.Tensor:
+        """Table ``table`` as a [rows, dim] view into its part's packed ``weights``."""
+        if table not in self._part_of:
+            raise KeyError(f"no table {table!r}; tables: {self._table_names}")
+        return self.parts[self._part_of[table]].weight(table)
+
+    def reset_parameters(self) -> None:
+        for part in self.parts:
+            part.reset_parameters()
+
+    def fused_parameter_names(self) -> list[str]:
+        return [f"parts.{i}.{n}" for i, part in enumerate(self.parts) for n in part.fused_parameter_names()]
+
+    def extra_repr(self) -> str:
+        return f"tables={self._table_names}, parts={[p._table_names for p in self.parts]}"
+
+
+def _partitioned_state_dict_hook(module: _PartitionedCollection, state_dict: dict, prefix: str, local_metadata) -> None:
+    """The parts' keys without their ``parts.<i>.``, in the collection's table order (TorchRec's)."""
+    tables = {name: state_dict.pop(prefix + module._part_key(name)) for name in module._table_names}
+    for name, value in tables.items():
+        state_dict[f"{prefix}{module._PREFIX}.{name}.weight"] = value
+
+
+def _partitioned_load_state_dict_hook(module: _PartitionedCollection, state_dict: dict, prefix: str, local_metadata,
+                                      strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    for name in module._table_names:
+        key = f"{prefix}{module._PREFIX}.{name}.weight"
+        if key in state_dict:
+            state_dict[prefix + module._part_key(name)] = state_dict.pop(key)
+
+
+def _partitioned_load_state_dict_post_hook(module: _PartitionedCollection, incompatible_keys) -> None:
+    """A missing table is reported by its TorchRec key, not by its part's."""
+    suffixes = {module._part_key(n): f"{module._PREFIX}.{n}.weight" for n in module._table_names}
+    for i, key in enumerate(incompatible_keys.missing_keys):
+        for inner, outer in suffixes.items():
+            if key == inner or key.endswith("." + inner):
+                incompatible_keys.missing_keys[i] = key[:len(key) - len(inner)] + outer
+
+
+class PartitionedEmbeddingBagCollection(_PartitionedCollection):
+    """An ``EmbeddingBagCollection`` whose tables are in several ``FusedEmbeddingBagCollection`` parts
+    (see ``FusedEmbeddingBagCollection.split_by_keys``): KJT in, the one KeyedTensor out, keys and
+    columns in the tables' order, as TorchRec's module returns."""
+
+    _PREFIX = "embedding_bags"
+    _PART = FusedEmbeddingBagCollection
+
+    def __init__(self, tables: list[EmbeddingBagConfig], parts: list[FusedEmbeddingBagCollection]):
+        super().__init__(tables, parts)
+        starts = [[0] for _ in parts]
+        for part, s in zip(parts, starts):
+            for dim in part._lengths_per_embedding:
+                s.append(s[-1] + dim)
+        self._lengths_per_embedding = [parts[i]._lengths_per_embedding[pos] for i, pos in self._sources]
+        # Columns of the output: runs of (part, first column, end column), neighbours merged.
+        self._blocks: list[tuple[int, int, int]] = []
+        for i, pos in self._sources:
+            a, b = starts[i][pos], starts[i][pos + 1]
+            if self._blocks and self._blocks[-1][0] == i and self._blocks[-1][2] == a:
+                self._blocks[-1] = (i, self._blocks[-1][1], b)
+            else:
+                self._blocks.append((i, a, b))
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self.parts[0].is_weighted()
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if is_proxy(features):
+            return trace_call(self, features)
+        outs = [part(features).values() for part in self.parts]
+        values = torch.cat([outs[i][:, a:b] for i, a, b in self._blocks], dim=1)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=values)
+
+
+class PartitionedEmbeddingCollection(_PartitionedCollection):
+    """An ``EmbeddingCollection`` whose tables are in several ``FusedEmbeddingCollection`` parts (see
+    ``FusedEmbeddingCollection.split_by_keys``): KJT in, the one dict[str, JaggedTensor] out, keys in
+    the tables' order, as TorchRec's module returns."""
+
+    _PREFIX = "embeddings"
+    _PART = FusedEmbeddingCollection
+
+    def __init__(self, tables: list[EmbeddingConfig], parts: list[FusedEmbeddingCollection]):
+        super().__init__(tables, parts)
+        self._part_names = [(i, parts[i]._embedding_names[pos]) for i, pos in self._sources]
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._configs
+
+    def embedding_dim(self) -> int:
+        return self.parts[0].embedding_dim()
+
+    def need_indices(self) -> bool:
+        return self.parts[0].need_indices()
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        return self._embedding_names_by_table
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if is_proxy(features):
+            return trace_call(self, features)
+        outs = [part(features) for part in self.parts]
+        return {e: outs[i][name] for e, (i, name) in zip(self._embedding_names, self._part_names)}
+
+
+_PARTITIONED = {FusedEmbeddingBagCollection: PartitionedEmbeddingBagCollection,
+                FusedEmbeddingCollection: PartitionedEmbeddingCollection}
