@@ -13,7 +13,8 @@ and device and the same ``state_dict()`` keys, so checkpoints load both ways; mo
 the very same Parameter objects (an optimizer built before the swap keeps working), the TorchRec
 collections repack their tables into one buffer: build the optimizer after the swap, or hand the
 one built before to ``swap(model, optimizer=torch_optimizer)``, which puts the packed buffer in the
-param group that held the tables. Swapping a swapped model changes nothing.
+param group that held the tables (one packed buffer per group where the groups split a collection's
+tables, state carried over). Swapping a swapped model changes nothing.
 
 What is swapped (exact types; a subclass is skipped with a reason, since its forward may differ):
 
@@ -190,11 +191,22 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
             become quantized inference modules (FBGEMM's row-wise rule) instead.
 
     A ``torch.optim.Optimizer`` as ``optimizer`` (one built before the swap, the usual order in
-    training scripts) is rewired in place: the modules swap with optimizer=None, and where a
-    replacement repacks Parameters the optimizer held (the TorchRec collections' per-table weights)
-    the packed Parameter takes their place in their param group, with that group's settings. Tables
-    spread over groups with different settings, or an optimizer that has already stepped on them,
-    are refused (ValueError, the model left unswapped).
+    training scripts, stepped or not) is rewired in place: the modules swap with optimizer=None, and
+    where a replacement repacks Parameters the optimizer held (the TorchRec collections' per-table
+    weights) the packed Parameter takes their place in their param group, keeping the group's
+    settings, and their state (momentum_buffer, Adagrad's sum, Adam's moments: each table's rows
+    in its place in the packed state; scalars such as ``step``). Where the groups split a
+    collection's tables (per-table lr, weight decay on some tables, tables left out of the
+    optimizer), or tables hold state that cannot share one Parameter (another ``step``), the
+    collection becomes a ``gem_kernels.torchrec.PartitionedEmbeddingBagCollection`` /
+    ``PartitionedEmbeddingCollection``: one fused collection, one packed Parameter, per group, the
+    same outputs and state_dict keys (one fused call per part). Refused (ValueError, the model and
+    the optimizer left as they were): optimizer state of another shape than the table's or a scalar
+    (e.g. a per-row accumulator), optimizers that update by a Parameter's 2-D shape (Adafactor, Muon),
+    and a registered replacement that packs Parameters of different groups but has no
+    ``split_by_keys(parts)``. The packed state follows each table by its state_dict key, which must
+    be a view into the packed Parameter; a replacement without such views (the ZCH collection) takes
+    its tables' one group and untouched initial state only.
 
     Returns:
         SwapReport: ``replaced`` [(path, old type, new type)], ``skipped`` [(path, type, reason)],
@@ -310,6 +322,11 @@ def _note_reference_backend(report: SwapReport, model: nn.Module, backend: str |
                 report.notes.append(message)
 
 
+# torch optimizers whose update depends on a Parameter's shape (factored or orthogonalised 2-D
+# updates): a table packed into a flat Parameter would train differently under them.
+_SHAPE_DEPENDENT = tuple(getattr(torch.optim, n) for n in ("Adafactor", "Muon") if hasattr(torch.optim, n))
+
+
 def _param_groups(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """id(Parameter) -> the index of the param group that holds it."""
     return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -363,6 +380,12 @@ def _split_by_optimizer(optimizer: torch.optim.Optimizer, group_of: dict[int, in
     sources = _sources(old, new)
     if not sources:
         return new
+    if isinstance(optimizer, _SHAPE_DEPENDENT) and any(id(p) in group_of for _, pairs in sources.values()
+                                                        for _, p, _ in pairs):
+        raise ValueError(f"optimizer {type(optimizer).__name__} updates a Parameter by its 2-D shape; the swap packs "
+                         f"the tables of a {type(old).__name__} into a flat Parameter, which it would train "
+                         f"differently: leave the module out (gk.swap(..., exclude=...)) or use an elementwise "
+                         f"optimizer (SGD, Adagrad, Adam, ...)")
     parts, split = [], False
     for _, pairs in sources.values():
         by_key: dict[tuple, list[str]] = {}

@@ -224,7 +224,8 @@ def _steps(model, optimizer, batches):
 def test_optimizer_built_before_swap_is_rewired():
     """24/swap-3: torch.optim.Adagrad(model.parameters()), then gk.swap(model): on main the packed tables
     never trained. gk.swap(model, optimizer=opt) rewires the param groups; with name-based groups (no
-    weight decay on the tables) the groups' settings are kept. Training equals the eager model's."""
+    weight decay on the tables) the groups' settings are kept. Training equals the eager model's.
+    (Per-table groups, which split a collection into parts: tests/test_swap_param_groups.py.)"""
     batches = [_batch() for _ in range(2)]
     eager, model = _dlrm("dlrm"), _dlrm("dlrm")
 
@@ -246,19 +247,6 @@ def test_optimizer_built_before_swap_is_rewired():
     want = eager.state_dict()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=name)
-
-
-def test_optimizer_rewire_refused_clearly():
-    """24/swap-3: per-table groups with different lr cannot map onto one packed Parameter: a clear
-    ValueError, and the model is left unswapped."""
-    model = _dlrm("dlrm")
-    per_table = [{"params": [p], "lr": 0.1 * (i + 1)} for i, (n, p) in enumerate(model.named_parameters())
-                 if "embedding_bags" in n]
-    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    opt = torch.optim.SGD(per_table + [{"params": dense}], lr=0.1)
-    with pytest.raises(ValueError, match="different settings"):
-        gk.swap(model, optimizer=opt)
-    assert type(model.sparse_arch.embedding_bag_collection) is EmbeddingBagCollection
 
 
 # -- fused optimizer state (issue 24 gk.swap 4; issue 30 items 2, 20) -------------------------------
