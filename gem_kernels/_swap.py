@@ -303,7 +303,10 @@ def swap(model: nn.Module, optimizer=None, backend: str | None = None, include=N
     for path, module in model.named_modules():
         if _is_swapped(module):
             names = getattr(module, "fused_parameter_names", lambda: [])()
-            report.fused_parameters += [f"{path}.{n}" if path else n for n in names]
+            for name in names:  # a swapped module and its swapped parts (Partitioned*) name the same
+                name = f"{path}.{name}" if path else name
+                if name not in report.fused_parameters:
+                    report.fused_parameters.append(name)
             if hasattr(module, "fallbacks"):
                 report._attention.append(weakref.ref(module))
     _note_reference_backend(report, model, backend)

@@ -382,3 +382,38 @@ def test_state_of_another_shape_is_refused():
     with pytest.raises(ValueError, match=r"state 'row_sum' of shape \(6,\)"):
         gk.swap(model, optimizer=opt)
     assert type(model.sparse["ebc"]) is EmbeddingBagCollection and opt.param_groups[0]["params"] == tables
+
+
+@pytest.mark.parametrize("rule", [gk.optim.ExactRowwiseAdagrad(lr=0.1), gk.optim.ExactAdam(lr=0.05)],
+                         ids=["rowwise_adagrad", "adam"])
+def test_split_by_keys_keeps_the_fused_optimizer_state(rule):
+    """split_by_keys on a collection with a fused optimizer that has stepped: each part takes its
+    tables' rows of the state and the step, so training goes on as the whole collection's; the
+    report names each part's fused parameter once."""
+    from gem_kernels.torchrec import FusedEmbeddingBagCollection
+
+    whole = FusedEmbeddingBagCollection.from_torchrec(_ebc(TABLES), optimizer=rule)
+    proj = torch.randn(BATCH, 3 + 3 + 4 + 2 + 3)
+
+    def step(module, seed):
+        out = module(_kjt(TABLES, seed, cover=seed < 2)).values()
+        (out * proj).sum().backward()
+        return out.detach()
+
+    for seed in range(2):
+        step(whole, seed)
+    keys = [["embedding_bags.t1.weight"], ["embedding_bags.t3.weight", "embedding_bags.t0.weight"],
+            ["embedding_bags.t2.weight"]]
+    split = whole.split_by_keys(keys)
+    assert [p._table_names for p in split.parts] == [["t1"], ["t0", "t3"], ["t2"]]
+    for seed in range(2, 5):
+        torch.testing.assert_close(step(split, seed), step(whole, seed), **TOL)
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(split.state_dict()[name], value, **TOL)
+    holder = nn.ModuleDict({"ebc": split})
+    report = gk.swap(holder)
+    assert report.replaced == [] and report.fused_parameters == [f"ebc.parts.{i}.weights" for i in range(3)]
+    with pytest.raises(ValueError, match="each key in exactly one part"):
+        whole.split_by_keys([["embedding_bags.t0.weight"], ["embedding_bags.t0.weight"]])
+    with pytest.raises(ValueError, match="parts must be"):
+        whole.split_by_keys("embedding_bags.t0.weight")

@@ -130,6 +130,17 @@ class _FusedCollection(PackedTables):
             raise KeyError(f"no table {table!r}; tables: {self._table_names}")
         return self.layout.table(self.weights, self._table_names.index(table))
 
+    def _copy_optimizer_state(self, table: str, other: "_FusedCollection") -> None:
+        """Table ``table``'s fused optimizer state (packed like the rows or the weights) into ``other``'s."""
+        t, u = self._table_names.index(table), other._table_names.index(table)
+        for buffer in ("momentum1", "momentum2"):
+            mine, theirs = getattr(self, buffer), getattr(other, buffer)
+            if mine.numel() == self.layout.num_elements:
+                other.layout.table(theirs, u).copy_(self.layout.table(mine, t))
+            elif mine.numel():  # one per row
+                rows, to = self.layout.rows_offsets, other.layout.rows_offsets
+                theirs[to[u]:to[u + 1]].copy_(mine[rows[t]:rows[t + 1]])
+
     def fused_parameter_names(self) -> list[str]:
         """Parameters updated inside the backward (their ``.grad`` stays None): empty without an optimizer."""
         return ["weights"] if self.optimizer is not None else []
@@ -140,14 +151,15 @@ class _FusedCollection(PackedTables):
     def split_by_keys(self, parts: list[list[str]]) -> "_PartitionedCollection":
         """This collection as a ``PartitionedEmbeddingBagCollection`` / ``PartitionedEmbeddingCollection``:
         one fused collection (one packed Parameter) per part, a part being a list of the tables'
-        state_dict keys (``embedding_bags.<table>.weight``), every table in exactly one. The values are
-        copied, options and ``requires_grad`` kept. ``gk.swap(model, optimizer=torch_optimizer)`` calls
-        it when the optimizer's param groups split a collection's tables."""
+        state_dict keys (``embedding_bags.<table>.weight``), every table in exactly one. The values and
+        the fused optimizer's state are copied, options and ``requires_grad`` kept.
+        ``gk.swap(model, optimizer=torch_optimizer)`` calls it when the optimizer's param groups split
+        a collection's tables."""
         partitioned = _PARTITIONED.get(type(self))
         if partitioned is None:  # a subclass (e.g. the ZCH collection) holds more than the tables
             raise ValueError(f"a {type(self).__name__} cannot be split into parts")
         table_of = {f"{self._PREFIX}.{n}.weight": n for n in self._table_names}
-        if (isinstance(parts, (str, bytes)) or not all(isinstance(p, (list, tuple)) and p for p in parts)
+        if (not isinstance(parts, (list, tuple)) or not all(isinstance(p, (list, tuple)) and p for p in parts)
                 or sorted(k for p in parts for k in p) != sorted(table_of)):
             raise ValueError(f"parts must be non-empty lists of the keys {list(table_of)}, each key in exactly one "
                              f"part, got {parts!r}")
@@ -160,10 +172,11 @@ class _FusedCollection(PackedTables):
             with torch.no_grad():
                 for name in names:
                     module.weight(name).copy_(self.weight(name))
+                    self._copy_optimizer_state(name, module)
+                module.step.copy_(self.step)
             module.weights.requires_grad_(self.weights.requires_grad)
             modules.append(module.train(self.training))
         return partitioned(self._configs, modules)
-
 
     def _copy_tables_from(self, modules: dict, configs) -> None:
         """The weights of TorchRec's per-table modules; ``weights`` is frozen when they all are (one
