@@ -27,7 +27,8 @@ What is swapped (exact types; a subclass is skipped with a reason, since its for
   valid rows only; its ``self_attn`` is swapped as above for the calls it hands on to torch;
 - TorchRec (only when ``torchrec`` is already imported): ``EmbeddingBagCollection`` and
   ``EmbeddingCollection`` -> ``gem_kernels.torchrec.FusedEmbeddingBagCollection`` /
-  ``FusedEmbeddingCollection``; DLRM's ``InteractionArch`` -> the fused dot interaction;
+  ``FusedEmbeddingCollection`` (``PartitionedEmbeddingBagCollection`` / ``PartitionedEmbeddingCollection``,
+  one fused collection per param group, where a torch optimizer's groups split the tables); DLRM's ``InteractionArch`` -> the fused dot interaction;
   ``CrossNet`` / ``LowRankCrossNet`` -> the fused cross layers;
 - whatever else was ``register()``-ed (the package's ``model/`` registers its eager modules).
 
@@ -79,6 +80,8 @@ def register(eager_type: type, convert: Converter, quantize: bool = False) -> No
 
     ``convert`` returns the replacement (same parameter values, dtype, device and ``state_dict()``
     keys) or raises ``SwapSkip(reason)``. A later registration of the same type replaces the earlier.
+    A replacement that packs several Parameters into one, with state_dict views of their names into
+    it, can define ``split_by_keys(parts)`` (see ``swap``'s torch optimizer).
     ``quantize=True`` registers ``convert(module, *, weight_dtype, backend)`` for ``swap(quantize=...)``
     instead, run on modules in eval mode.
     """
