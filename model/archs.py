@@ -348,7 +348,7 @@ class SequenceArch(nn.Module):
                       timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
         return self.norm(x[layout.candidate_rows])
 
-    def rank(self, embedded: torch.Tensor, non_sequence: torch.Tensor, layout: SequenceLayout,
+    def rank(self, batch: Batch, non_sequence: torch.Tensor, layout: SequenceLayout,
              user_sizes: list[tuple[int, int]] | None = None, cache=None,
              user_ids: list[int] | None = None) -> torch.Tensor:
         """`forward`'s candidate tokens [R, D], M-FALCON style: a user's context and history rows run through
@@ -362,13 +362,14 @@ class SequenceArch(nn.Module):
         call per layer (the [K/m, m] layout of the candidates is the [K] one), so m changes neither the
         result nor the work.
         - cache None (cold: nothing outlives the request): the history must be encoded anyway, so the
-          work is `forward`'s, attention pair for pair (4096 history items, 512 candidates: L^2/2 + K * L
-          pairs either way). It runs as `forward`: every layer is one fused pass over [context | history |
-          candidates] of all users (gem_kernels.hstu_layer), the history's K/V never leaving the op.
+          work is `forward`'s, attention pair for pair (L^2/2 + K * L pairs per layer either way). It runs
+          as `forward`: every layer is one fused pass over [context | history | candidates] of all users
+          (gem_kernels.hstu_layer), the history's K/V never leaving the op.
         - a kept cache (serving): a user whose context + history rows the cache does not hold in every
           layer is encoded into it (HSTULayer.cached_forward with append=True, one call per layer); then
           its K candidates go through every layer in one cached_forward over the cached rows (a view of
-          them, no copy, for an unpaged cache), at K * L attention work.
+          them, no copy, for an unpaged cache), at K * L attention work. When the cache holds every user,
+          only the candidates are embedded.
 
         user_sizes: (sequence length, candidates) of every user, as Python ints; None reads them from
         `layout`. Given, the method reads no tensor's values (what torch.export needs).
@@ -376,23 +377,29 @@ class SequenceArch(nn.Module):
         (default 0 .. B-1). The caller keeps the cache in step with the user's history (append the new items,
         truncate or remove the user when its context changes)."""
         if not self.use_sequence or cache is None:
-            return self(embedded, non_sequence, layout)
+            return self(self.embed(batch), non_sequence, layout)
         num_users, dim = non_sequence.shape[0], non_sequence.shape[2]
-        rows = [embedded]
-        if self.contextual_len:
-            rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
-        x = embedded.new_zeros(layout.total, dim).index_copy(0, layout.rows, torch.cat(rows))
-        out = torch.empty_like(x)
         if user_sizes is None:
             user_sizes = list(zip(layout.seq_offsets.diff().tolist(), layout.num_targets.tolist()))
         lengths, num_candidates = [n for n, _ in user_sizes], [k for _, k in user_sizes]
+        prefix_lengths = [n - k for n, k in user_sizes]
         starts = [sum(lengths[:user]) for user in range(num_users)]
         user_ids = list(range(num_users)) if user_ids is None else list(user_ids)
+        cold = [any(cache.length(user_ids[user], index) != prefix_lengths[user] for index in range(len(self.layers)))
+                for user in range(num_users)]
+        candidates = self.embeddings(batch.candidate_ids, torch.full_like(batch.candidate_ids, self.num_actions))
+        if any(cold):
+            prefix_rows = [self.embeddings(batch.history_ids, batch.history_actions)]
+            if self.contextual_len:
+                prefix_rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
+            x = candidates.new_zeros(layout.total, dim).index_copy(
+                0, torch.cat([layout.context_rows, layout.history_rows]), torch.cat(prefix_rows))
+        out = torch.empty_like(candidates)
+        first_candidate = 0
         for user in range(num_users):
             key = user_ids[user]
-            prefix_len = lengths[user] - num_candidates[user]
-            prefix = slice(starts[user], starts[user] + prefix_len)
-            if any(cache.length(key, index) != prefix_len for index in range(len(self.layers))):
+            prefix = slice(starts[user], starts[user] + prefix_lengths[user])
+            if cold[user]:
                 cache.remove(key)
                 h = x[prefix]
                 for index, layer in enumerate(self.layers):
@@ -401,15 +408,17 @@ class SequenceArch(nn.Module):
                                              query_timestamps=layout.query_timestamps[prefix], append=True)
             if num_candidates[user] == 0:
                 continue
-            batch = slice(prefix.stop, starts[user] + lengths[user])
-            h = x[batch]
-            targets = torch.tensor([num_candidates[user]], device=x.device)
+            rows = slice(prefix.stop, starts[user] + lengths[user])  # the candidates' rows of the sequences
+            scored = slice(first_candidate, first_candidate + num_candidates[user])
+            first_candidate = scored.stop
+            h = candidates[scored]
+            targets = torch.tensor([num_candidates[user]], device=h.device)
             for index, layer in enumerate(self.layers):
                 h = layer.cached_forward(h, cache, index, [key], self.max_len, num_targets=targets,
-                                         timestamps=layout.timestamps[batch],
-                                         query_timestamps=layout.query_timestamps[batch])
-            out[batch] = h
-        return self.norm(out[layout.candidate_rows])
+                                         timestamps=layout.timestamps[rows],
+                                         query_timestamps=layout.query_timestamps[rows])
+            out[scored] = h
+        return self.norm(out)
 
 
 # ---------------------------------------------------------------------------------------------

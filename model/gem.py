@@ -131,10 +131,9 @@ class GemModel(nn.Module):
             raise ValueError(f"candidates_per_microbatch must be an int >= 1, got {candidates_per_microbatch!r}")
         dense_out = self.dense_arch(batch.dense)
         pooled = self.sparse_arch(batch)
-        embedded = self.sequence_arch.embed(batch)
         layout = SequenceLayout(batch, self.cfg.contextual_len)
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)
-        candidates = self.sequence_arch.rank(embedded, non_sequence, layout, user_sizes, cache, user_ids)
+        candidates = self.sequence_arch.rank(batch, non_sequence, layout, user_sizes, cache, user_ids)
         tokens = torch.cat([non_sequence[layout.candidate_owner], candidates.unsqueeze(1)], dim=1)
         return self.task_heads(self.interaction_arch(tokens))
 
