@@ -74,6 +74,20 @@ def test_equals_last_rows_of_full_attention(backend, kind, options):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["hstu", "softmax"])
+def test_delta_spanning_several_query_tiles(backend, kind):
+    # delta = 70: two query tiles of triton's interpreter (64 rows), five of the cuda kernel's (16), and
+    # a whole sequence (length 70) next to longer ones.
+    lengths, delta = [70, 131, 200], 70
+    q, k, v, offsets, max_seq_len, rows, extras = _case(lengths, delta, num_buckets=5, pos=True)
+    num_targets = torch.tensor([0, 65, 70])
+    expected = _full_rows(q, k, v, offsets, max_seq_len, rows, kind, num_targets=num_targets, **extras)
+    out = gk.cached_jagged_attention(q[rows], k, v, offsets, max_seq_len, kind=kind, num_targets=num_targets,
+                                     backend=backend, **extras)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_follow_the_full_op(backend, dtype):
     lengths, delta = [5, 140, 7], 4
