@@ -23,6 +23,7 @@ FAMILIES = {
     "model": "bench.model",
     "swap": "bench.swap",
     "inference": "bench.inference",
+    "ranking": "bench.ranking",
     "hashed": "bench.hashed",
 }
 

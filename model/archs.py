@@ -348,64 +348,77 @@ class SequenceArch(nn.Module):
                       timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
         return self.norm(x[layout.candidate_rows])
 
-    def rank(self, embedded: torch.Tensor, non_sequence: torch.Tensor, layout: SequenceLayout,
-             candidates_per_microbatch: int, page_size: int | None = None,
+    def rank(self, batch: Batch, non_sequence: torch.Tensor, layout: SequenceLayout,
              user_sizes: list[tuple[int, int]] | None = None, cache=None,
              user_ids: list[int] | None = None) -> torch.Tensor:
-        """`forward`'s candidate tokens [R, D], M-FALCON style: per user, the context and history rows
-        run through the layers once, leaving each layer's keys and values in a KVCache; then the
-        candidates go through the layers in micro-batches of `candidates_per_microbatch`, each attending
-        over the cached rows and itself (HSTULayer.cached_forward). A candidate keeps its position and
-        timestamps of the full sequence, so the tokens equal `forward`'s. Forward only.
+        """`forward`'s candidate tokens [R, D], M-FALCON style: a user's context and history rows run through
+        the layers once per request (cold) or once per history (a kept `cache`), and its K candidates are
+        scored against them, each seeing the context, the history and itself, never another candidate. A
+        candidate keeps its position and timestamps of the full sequence, so the tokens equal `forward`'s.
+        Forward only.
+
+        Since no candidate sees another, M-FALCON's micro-batches of m candidates (GemModel.rank's
+        candidates_per_microbatch) are independent: all of a user's micro-batches run side by side in one op
+        call per layer (the [K/m, m] layout of the candidates is the [K] one), so m changes neither the
+        result nor the work.
+        - cache None (cold: nothing outlives the request): the history must be encoded anyway, so the
+          work is `forward`'s, attention pair for pair (L^2/2 + K * L pairs per layer either way). It runs
+          as `forward`: every layer is one fused pass over [context | history | candidates] of all users
+          (gem_kernels.hstu_layer), the history's K/V never leaving the op.
+        - a kept cache (serving): a user whose context + history rows the cache does not hold in every
+          layer is encoded into it (HSTULayer.cached_forward with append=True, one call per layer); then
+          its K candidates go through every layer in one cached_forward over the cached rows (a view of
+          them, no copy, for an unpaged cache), at K * L attention work. When the cache holds every user,
+          only the candidates are embedded.
 
         user_sizes: (sequence length, candidates) of every user, as Python ints; None reads them from
         `layout`. Given, the method reads no tensor's values (what torch.export needs).
-        cache, user_ids: a KVCache kept across requests (serving), and the users' keys in it (default 0 ..
-        B-1). A user whose context + history rows the cache already holds in every layer is not encoded
-        again: the caller keeps the cache in step with the user's history (append the new items, truncate
-        or remove the user when its context changes). None: a cache per call."""
-        from gem_kernels.inference import KVCache
-
-        if not self.use_sequence:
-            return self(embedded, non_sequence, layout)
+        cache, user_ids: a gem_kernels.inference.KVCache kept across requests, and the users' keys in it
+        (default 0 .. B-1). The caller keeps the cache in step with the user's history (append the new items,
+        truncate or remove the user when its context changes)."""
+        if not self.use_sequence or cache is None:
+            return self(self.embed(batch), non_sequence, layout)
         num_users, dim = non_sequence.shape[0], non_sequence.shape[2]
-        rows = [embedded]
-        if self.contextual_len:
-            rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
-        x = embedded.new_zeros(layout.total, dim).index_copy(0, layout.rows, torch.cat(rows))
-        first = self.layers[0]
-        out = torch.empty_like(x)
         if user_sizes is None:
             user_sizes = list(zip(layout.seq_offsets.diff().tolist(), layout.num_targets.tolist()))
         lengths, num_candidates = [n for n, _ in user_sizes], [k for _, k in user_sizes]
+        prefix_lengths = [n - k for n, k in user_sizes]
         starts = [sum(lengths[:user]) for user in range(num_users)]
-        if cache is None:
-            cache = KVCache(len(self.layers), first.num_heads, first.attention_dim, first.linear_dim, dtype=x.dtype,
-                            device=x.device, page_size=page_size)
         user_ids = list(range(num_users)) if user_ids is None else list(user_ids)
+        cold = [any(cache.length(user_ids[user], index) != prefix_lengths[user] for index in range(len(self.layers)))
+                for user in range(num_users)]
+        candidates = self.embeddings(batch.candidate_ids, torch.full_like(batch.candidate_ids, self.num_actions))
+        if any(cold):
+            prefix_rows = [self.embeddings(batch.history_ids, batch.history_actions)]
+            if self.contextual_len:
+                prefix_rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
+            x = candidates.new_zeros(layout.total, dim).index_copy(
+                0, torch.cat([layout.context_rows, layout.history_rows]), torch.cat(prefix_rows))
+        out = torch.empty_like(candidates)
+        first_candidate = 0
         for user in range(num_users):
             key = user_ids[user]
-            prefix_len = lengths[user] - num_candidates[user]
-            prefix = slice(starts[user], starts[user] + prefix_len)
-            if any(cache.length(key, index) != prefix_len for index in range(len(self.layers))):
+            prefix = slice(starts[user], starts[user] + prefix_lengths[user])
+            if cold[user]:
                 cache.remove(key)
                 h = x[prefix]
                 for index, layer in enumerate(self.layers):
                     h = layer.cached_forward(h, cache, index, [key], self.max_len,
                                              timestamps=layout.timestamps[prefix],
                                              query_timestamps=layout.query_timestamps[prefix], append=True)
-            for k0 in range(0, num_candidates[user], candidates_per_microbatch):
-                m = min(candidates_per_microbatch, num_candidates[user] - k0)
-                batch = slice(starts[user] + prefix_len + k0, starts[user] + prefix_len + k0 + m)
-                h = x[batch]
-                targets = torch.tensor([k0 + m], device=x.device)
-                for index, layer in enumerate(self.layers):
-                    h = layer.cached_forward(h, cache, index, [key], self.max_len, num_targets=targets,
-                                             timestamps=layout.timestamps[batch],
-                                             query_timestamps=layout.query_timestamps[batch],
-                                             delta_start=[prefix_len + k0])
-                out[batch] = h
-        return self.norm(out[layout.candidate_rows])
+            if num_candidates[user] == 0:
+                continue
+            rows = slice(prefix.stop, starts[user] + lengths[user])  # the candidates' rows of the sequences
+            scored = slice(first_candidate, first_candidate + num_candidates[user])
+            first_candidate = scored.stop
+            h = candidates[scored]
+            targets = torch.tensor([num_candidates[user]], device=h.device)
+            for index, layer in enumerate(self.layers):
+                h = layer.cached_forward(h, cache, index, [key], self.max_len, num_targets=targets,
+                                         timestamps=layout.timestamps[rows],
+                                         query_timestamps=layout.query_timestamps[rows])
+            out[scored] = h
+        return self.norm(out)
 
 
 # ---------------------------------------------------------------------------------------------

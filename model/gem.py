@@ -115,26 +115,25 @@ class GemModel(nn.Module):
         return self.task_heads(over)
 
     @torch.no_grad()
-    def rank(self, batch: Batch, candidates_per_microbatch: int = 64, page_size: int | None = None,
+    def rank(self, batch: Batch, candidates_per_microbatch: int = 64,
              user_sizes: list[tuple[int, int]] | None = None, cache=None,
              user_ids: list[int] | None = None) -> torch.Tensor:
-        """`forward`'s logits [R, num_tasks] by KV-cached ranking (M-FALCON): each user's contextual and
-        history tokens are encoded once per HSTU layer into a gem_kernels.inference.KVCache (paged when
-        `page_size` is given), and its candidates are scored in micro-batches of
+        """`forward`'s logits [R, num_tasks] by M-FALCON ranking: each user's contextual and history tokens
+        are encoded once, and its candidates scored against them in micro-batches of
         `candidates_per_microbatch`, each seeing the context, the history and itself, never another
-        candidate. Equal to `forward` (tests/test_rank.py); forward only, under no_grad. user_sizes: see
-        SequenceArch.rank (for torch.export: model/serving.py). cache, user_ids: a KVCache kept across
-        requests, so that a user's history is encoded once, not per request (SequenceArch.rank)."""
+        candidate (so the micro-batches run together, in one op call per layer). Without a `cache` the
+        request is cold and runs as `forward` (the same work, fused); with a gem_kernels.inference.KVCache
+        kept across requests (`user_ids`: the users' keys in it) a user's history is encoded once, not per
+        request (SequenceArch.rank). Equal to `forward` (tests/test_rank.py); forward only, under no_grad.
+        user_sizes: see SequenceArch.rank (for torch.export: model/serving.py)."""
         if isinstance(candidates_per_microbatch, bool) or not isinstance(candidates_per_microbatch, int) \
                 or candidates_per_microbatch < 1:
             raise ValueError(f"candidates_per_microbatch must be an int >= 1, got {candidates_per_microbatch!r}")
         dense_out = self.dense_arch(batch.dense)
         pooled = self.sparse_arch(batch)
-        embedded = self.sequence_arch.embed(batch)
         layout = SequenceLayout(batch, self.cfg.contextual_len)
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)
-        candidates = self.sequence_arch.rank(embedded, non_sequence, layout, candidates_per_microbatch, page_size,
-                                             user_sizes, cache, user_ids)
+        candidates = self.sequence_arch.rank(batch, non_sequence, layout, user_sizes, cache, user_ids)
         tokens = torch.cat([non_sequence[layout.candidate_owner], candidates.unsqueeze(1)], dim=1)
         return self.task_heads(self.interaction_arch(tokens))
 

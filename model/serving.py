@@ -30,10 +30,10 @@ class RankingModule(nn.Module):
     only shapes (so that torch.export traces it). The request tensors are Batch's fields of a batch of one
     user (see `request_tensors`)."""
 
-    def __init__(self, model: GemModel, candidates_per_microbatch: int, page_size: int | None = None):
+    def __init__(self, model: GemModel, candidates_per_microbatch: int):
         super().__init__()
         self.model = model.eval()
-        self.candidates_per_microbatch, self.page_size = candidates_per_microbatch, page_size
+        self.candidates_per_microbatch = candidates_per_microbatch
 
     def forward(self, dense, sparse_values, sparse_lengths, history_ids, history_actions, history_timestamps,
                 candidate_ids, request_timestamps) -> torch.Tensor:
@@ -46,7 +46,7 @@ class RankingModule(nn.Module):
                       num_candidates=torch.tensor([num_candidates], device=dense.device),
                       request_timestamps=request_timestamps, labels=dense.new_empty(0))
         sizes = [(self.model.cfg.contextual_len + num_history + num_candidates, num_candidates)]
-        return self.model.rank(batch, self.candidates_per_microbatch, self.page_size, user_sizes=sizes)
+        return self.model.rank(batch, self.candidates_per_microbatch, user_sizes=sizes)
 
 
 def request_tensors(batch: Batch, user: int) -> tuple[torch.Tensor, ...]:
@@ -66,10 +66,10 @@ def request_tensors(batch: Batch, user: int) -> tuple[torch.Tensor, ...]:
 
 
 def export_ranking(model: GemModel, example: tuple[torch.Tensor, ...], candidates_per_microbatch: int,
-                   package_path: str, page_size: int | None = None) -> str:
+                   package_path: str) -> str:
     """torch.export of RankingModule on `example` (a request_tensors tuple), compiled into an AOTInductor
     package at `package_path` (returned)."""
-    module = RankingModule(model, candidates_per_microbatch, page_size)
+    module = RankingModule(model, candidates_per_microbatch)
     with torch.no_grad():
         program = torch.export.export(module, example)
         # O0 for the generated wrapper: it is straight-line calls of the kernels and custom ops, and its

@@ -46,7 +46,7 @@ fi
 
 # The bench families to time, headline kernels first. The bench runs each family's headline shapes
 # first (fwd, then fwd+bwd), so a family's short budget measures exactly those rows.
-BENCH_FAMILIES=(attention jagged embedding_bag interaction hstu_layer inference hashed)
+BENCH_FAMILIES=(attention jagged embedding_bag interaction hstu_layer inference ranking hashed)
 BENCH_WINDOW=$(( BUDGET * 26 / 100 ))   # shared evenly by the bench families that exist
 RESERVE=8      # seconds kept at the end to pack the results
 MIN_BOX=10     # a step offered less than this is recorded as skipped (no time left)

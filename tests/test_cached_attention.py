@@ -11,7 +11,8 @@ from gem_kernels.ops.cached_attention import cached_jagged_attention_fwd_op
 
 from .utils import assert_close, offsets_from_lengths, randn_nonzero
 
-BACKENDS = ("reference", "cpu")
+# cpu runs the CUDA kernel under GK_CUDA_EMU=1 (tests/cuda_emu); triton runs in the interpreter here.
+BACKENDS = ("reference", "cpu", pytest.param("triton", marks=pytest.mark.triton))
 
 
 def _case(lengths, delta, *, H=2, D=5, Dv=3, max_seq_len=None, seed=0, dtype=torch.float32, num_buckets=0,
@@ -69,6 +70,20 @@ def test_equals_last_rows_of_full_attention(backend, kind, options):
     out = gk.cached_jagged_attention(q[rows], k, v, offsets, max_seq_len, kind=kind, query_timestamps=query_ts,
                                      backend=backend, **extras, **options)
     assert out.shape == (len(rows), 2, 3)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["hstu", "softmax"])
+def test_delta_spanning_several_query_tiles(backend, kind):
+    # delta = 70: two query tiles of triton's interpreter (64 rows), five of the cuda kernel's (16), and
+    # a whole sequence (length 70) next to longer ones.
+    lengths, delta = [70, 131, 200], 70
+    q, k, v, offsets, max_seq_len, rows, extras = _case(lengths, delta, num_buckets=5, pos=True)
+    num_targets = torch.tensor([0, 65, 70])
+    expected = _full_rows(q, k, v, offsets, max_seq_len, rows, kind, num_targets=num_targets, **extras)
+    out = gk.cached_jagged_attention(q[rows], k, v, offsets, max_seq_len, kind=kind, num_targets=num_targets,
+                                     backend=backend, **extras)
     assert_close(out, expected)
 
 
@@ -157,11 +172,28 @@ def test_bad_inputs_name_the_argument(backend):
         call(seq_offsets=torch.zeros(1, dtype=torch.long))
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_backends_without_kernels_refuse_clearly(backend):
+def test_cuda_backend_refuses_cpu_tensors():
     q, k, v, offsets, max_seq_len, rows, _ = _case([4, 6], 2)
-    with pytest.raises(gk.BackendUnavailableError, match=f"backend '{backend}'"):
-        gk.cached_jagged_attention(q[rows], k, v, offsets, max_seq_len, backend=backend)
+    with pytest.raises(gk.BackendUnavailableError, match="backend 'cuda'"):
+        gk.cached_jagged_attention(q[rows], k, v, offsets, max_seq_len, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("backend", ["cuda", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("kind", ["hstu", "softmax"])
+def test_gpu_backends_equal_last_rows_of_full_attention(backend, kind):
+    lengths, delta = [3, 8, 131, 4, 259], 3
+    q, k, v, offsets, max_seq_len, rows, extras = _case(lengths, delta, num_buckets=7, pos=True, max_seq_len=300)
+    num_targets = torch.tensor([3, 3, 3, 3, 3])
+    query_ts = extras["timestamps"][rows] + 17
+    expected = _full_rows(q, k, v, offsets, max_seq_len, rows, kind, query_timestamps=query_ts, contextual_len=1,
+                          num_targets=num_targets, **extras)
+    cuda = {name: t.cuda() for name, t in extras.items()}
+    out = gk.cached_jagged_attention(q[rows].cuda(), k.cuda(), v.cuda(), offsets.cuda(), max_seq_len, kind=kind,
+                                     num_targets=num_targets.cuda(), contextual_len=1, query_timestamps=query_ts.cuda(),
+                                     backend=backend, **cuda)
+    assert_close(out.cpu(), expected)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -58,7 +58,7 @@ def test_bench_families_that_do_not_exist_are_skipped_with_the_reason():
     plan_text = _run("--dry-run").stdout
     from bench.__main__ import FAMILIES
 
-    for family in ("hstu_layer", "inference", "hashed"):
+    for family in ("hstu_layer", "inference", "ranking", "hashed"):
         line = next(line for line in plan_text.splitlines() if line.startswith(f"bench:{family} "))
         if family in FAMILIES:
             assert "skipped" not in line
@@ -71,7 +71,7 @@ def test_only_and_skip_select_steps():
     chosen = [n for n, box in plan.items() if box != "skip"]
     # Every bench family that bench/__main__.py lists runs.
     assert chosen == ["tests", "bench:attention", "bench:jagged", "bench:embedding_bag", "bench:interaction",
-                      "bench:hstu_layer", "bench:inference", "bench:hashed"]
+                      "bench:hstu_layer", "bench:inference", "bench:ranking", "bench:hashed"]
     plan = _plan(_run("--dry-run", "--skip", "fuzz,build").stdout)
     assert plan["fuzz"] == "skip" and plan["build"] == "skip" and plan["tests"] != "skip"
 

@@ -9,6 +9,7 @@ import torch
 
 import gem_kernels as gk
 from gem_kernels.inference import KVCache
+from gem_kernels.nn import HSTULayer
 from model.config import GemConfig
 from model.data import make_batch
 from model.gem import GemModel
@@ -147,15 +148,42 @@ def _model(seed=0):
     return cfg, model
 
 
-@pytest.mark.parametrize("m,page_size", [(1, None), (3, None), (64, None), (2, 4)])
+@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("page_size", ["cold", None, 4])
 def test_rank_equals_forward(m, page_size):
+    """Cold (no cache: runs as forward) and with a fresh kept cache, unpaged or paged (history encoded into it,
+    then every candidate of a user scored in one cached pass per layer)."""
     cfg, model = _model()
     batch = make_batch(cfg, 6, torch.Generator().manual_seed(3))
-    assert int(batch.num_candidates.max()) > 3  # several micro-batches for m = 1, 2, 3
+    assert int(batch.num_candidates.max()) > 3  # several micro-batches for m = 1, 3
     with torch.no_grad():
         expected = model(batch)
-    got = model.rank(batch, candidates_per_microbatch=m, page_size=page_size)
+    layer = model.sequence_arch.layers[0]
+    cache = None if page_size == "cold" else KVCache(cfg.num_hstu_layers, layer.num_heads, layer.attention_dim,
+                                                     layer.linear_dim, page_size=page_size)
+    got = model.rank(batch, candidates_per_microbatch=m, cache=cache)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rank_runs_every_microbatch_in_one_pass(monkeypatch):
+    """No loop over micro-batches: a cold request makes no cached call (it is one fused pass per layer), and a
+    warm user's K candidates take one cached_forward per layer whatever m (K / m of them before)."""
+    cfg, model = _model()
+    batch = make_batch(cfg, 3, torch.Generator().manual_seed(3))
+    calls = []
+    original = HSTULayer.cached_forward
+    monkeypatch.setattr(HSTULayer, "cached_forward", lambda self, *a, **kw: calls.append(kw) or original(self, *a, **kw))
+    model.rank(batch, candidates_per_microbatch=1)
+    assert calls == []
+    layer = model.sequence_arch.layers[0]
+    cache = KVCache(cfg.num_hstu_layers, layer.num_heads, layer.attention_dim, layer.linear_dim)
+    scored = int((batch.num_candidates > 0).sum())
+    model.rank(batch, candidates_per_microbatch=1, cache=cache)  # also encodes the 3 histories: a call per layer
+    assert len(calls) == cfg.num_hstu_layers * (3 + scored)
+    calls.clear()
+    model.rank(batch, candidates_per_microbatch=1, cache=cache)
+    assert len(calls) == cfg.num_hstu_layers * scored
+    assert all(not kw.get("append", False) for kw in calls)
 
 
 def test_rank_reuses_a_kept_cache():

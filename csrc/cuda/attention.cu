@@ -9,6 +9,10 @@
 // a warp's lanes read one column of 32 key rows); the products run on the CUDA cores in fp32 (a plain,
 // portable kernel: no tensor cores yet). Blocks past a sequence's end exit at once.
 //
+// Cached forward (inference, cached_jagged_attention): the same kernel with AttnArgs::delta set; grid
+// y covers the last delta rows of each sequence only, whose queries and outputs live in [B * delta]
+// row tensors (delta * L pairs per sequence instead of L^2).
+//
 // Backward (FlashAttention-2 order, scores recomputed from q, k and the forward's lse; delta_i =
 // <dO_i, O_i> is one ATen reduction before the kernels), the CPU kernel's semantics:
 // - KV pass, grid (B * H, cdiv(max_seq_len, kBlockN)): block (b*H+h, n) owns kBlockN keys and walks
@@ -60,6 +64,7 @@ struct AttnArgs {
   const int64_t* thr;  // bucket thresholds [num_buckets]
   int64_t pos_heads, time_heads, num_buckets;
   int64_t H, D, Dv, M, contextual_len, max_attn_len;
+  int64_t delta;  // the cached forward: queries are the last delta rows of every sequence; 0: every row
   float scale, inv_m;
   bool softmax, causal;
 };
@@ -143,7 +148,8 @@ __device__ __forceinline__ bool tile_visible(int64_t i0, int64_t bm, int64_t j0,
 }
 
 // What a block owns (grid x: b * H + h, grid y: a tile of kTile rows, queries or keys): sequence b's
-// rows [start, start + L) of the jagged tensors, head h, the tile's first row t0 and its row count
+// rows [start, start + L) of the jagged tensors, head h, the tile's first row t0 (counted from
+// L - delta in the cached forward, whose queries are the last delta rows only) and its row count
 // (<= 0: the tile starts past the sequence's end and the block returns before any other load), the
 // largest position id a key may be seen up to (max_id, see visible()) and the bias heads it reads.
 struct BlockTile {
@@ -157,7 +163,7 @@ __device__ __forceinline__ BlockTile block_tile(const AttnArgs& a) {
   t.h = blockIdx.x % a.H;
   t.start = a.offsets[t.b];
   t.L = a.offsets[t.b + 1] - t.start;
-  t.t0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  t.t0 = (a.delta > 0 ? t.L - a.delta : 0) + static_cast<int64_t>(blockIdx.y) * kTile;
   t.rows = min(static_cast<int64_t>(kTile), t.L - t.t0);
   if (t.rows <= 0) return t;
   const int64_t n_targets = a.targets != nullptr ? a.targets[t.b] : 0;
@@ -187,8 +193,10 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
   const auto [b, h, start, L, i0, bm, max_id, hp, ht] = block_tile<kBlockM>(a);
   if (bm <= 0) return;  // uniform over the block
   const float neg_inf = -INFINITY;
+  // Row of q, out and lse that holds position i: start + i, or b * delta + i - (L - delta) when cached.
+  const int64_t q_row0 = a.delta > 0 ? b * a.delta - (L - a.delta) : start;
 
-  load_rows(sq, q, start + i0, kBlockM, bm, H, h, D, D);
+  load_rows(sq, q, q_row0 + i0, kBlockM, bm, H, h, D, D);
   for (int64_t idx = threadIdx.x; idx < kBlockM * Dv; idx += blockDim.x) sacc[idx] = 0.0f;
   if (threadIdx.x < kBlockM) {
     row_max[threadIdx.x] = neg_inf;
@@ -255,11 +263,11 @@ __global__ void jagged_attention_fwd_kernel(const scalar_t* __restrict__ q, cons
     // row_sum == 0: every visible score is -inf; out is then the accumulator (0, or NaN from a visible
     // inf value), as on the other backends. A NaN sum stays NaN.
     if (a.softmax && row_sum[r] != 0.0f) val /= row_sum[r];
-    out[((start + i0 + r) * H + h) * Dv + d] = static_cast<scalar_t>(val);
+    out[((q_row0 + i0 + r) * H + h) * Dv + d] = static_cast<scalar_t>(val);
   }
-  if (a.softmax && threadIdx.x < bm) {
+  if (lse != nullptr && threadIdx.x < bm) {
     const int r = threadIdx.x;
-    lse[(start + i0 + r) * H + h] = row_max[r] + logf(row_sum[r]);
+    lse[(q_row0 + i0 + r) * H + h] = row_max[r] + logf(row_sum[r]);
   }
 }
 
@@ -623,6 +631,57 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cuda(
   return {out, lse};
 }
 
+// generative-recommenders' delta_hstu_mha: delta_q [B * delta, H, D] holds the queries of the last delta
+// rows of every sequence, k and v [N, H, *] the whole sequences; causal. The forward kernel with
+// a.delta set: grid (B * H, cdiv(delta, kBlockM)), each block walking its sequence's key tiles, so the
+// work is delta * L pairs per sequence instead of L^2 (FLOPs 4 * sum_b delta * L_b * H * D at most;
+// minimum bytes (N * H * (Dqk + Dv) + 2 * B * delta * H * Dv) * s).
+at::Tensor cached_jagged_attention_fwd_cuda(
+    const at::Tensor& delta_q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& seq_offsets,
+    int64_t max_seq_len, c10::string_view kind, double scale, const c10::optional<at::Tensor>& num_targets,
+    int64_t contextual_len, int64_t max_attn_len, const c10::optional<at::Tensor>& pos_bias_in,
+    const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
+    const c10::optional<at::Tensor>& query_timestamps_in) {
+  attention_checks::cached_qkv(delta_q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(delta_q_in.device());
+  const auto q = delta_q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t rows = q.size(0), H = q.size(1), D = q.size(2), Dv = v.size(2), B = seq_offsets.numel() - 1;
+  const int64_t delta = B > 0 ? rows / B : 0;
+  auto out = at::empty({rows, H, Dv}, q.options());
+  if (delta == 0 || H == 0) return out;
+  check_tiles(delta, kBlockM);
+  // The kernel reads tq of position i at row start + i: the delta rows' tq go into a copy of timestamps.
+  c10::optional<at::Tensor> query_timestamps = c10::nullopt;
+  const bool has_time = time_bias_in.has_value() && time_bias_in->defined();
+  if (has_time && query_timestamps_in.has_value() && query_timestamps_in->defined() && timestamps_in.has_value() &&
+      timestamps_in->defined()) {
+    GK_CHECK_CUDA((*query_timestamps_in));
+    GK_CHECK_CUDA((*timestamps_in));
+    TORCH_CHECK(query_timestamps_in->numel() == rows, "query_timestamps must be [B * delta]");
+    const auto ends = seq_offsets.to(at::kLong).slice(0, 1).unsqueeze(1);
+    const auto where = (ends - delta + at::arange(delta, ends.options())).reshape({-1});
+    auto full = timestamps_in->to(at::kLong).contiguous().clone();
+    full.index_put_({where}, query_timestamps_in->to(at::kLong).reshape({-1}));
+    query_timestamps = full;
+  }
+  Prepared p = prepare(k, v, seq_offsets, max_seq_len, kind, /*causal=*/true, scale, num_targets, contextual_len,
+                       max_attn_len, pos_bias_in, time_bias_in, timestamps_in, query_timestamps);
+  p.a.delta = delta;
+
+  const int64_t kp = kv_pitch(D), vp = kv_pitch(Dv);
+  const size_t smem = sizeof(float) * (kBlockM * D + kBlockN * kp + kBlockN * vp + kBlockM * kBlockN + kBlockM * Dv);
+  const dim3 grid(static_cast<unsigned>(B * H), static_cast<unsigned>((delta + kBlockM - 1) / kBlockM));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "cached_jagged_attention_fwd_cuda", [&] {
+    auto kernel = jagged_attention_fwd_kernel<scalar_t>;
+    prepare_dynamic_smem(kernel, smem, "cached_jagged_attention", head_dims(D, Dv), kOtherBackends);
+    kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), nullptr,
+        p.a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_attention_bwd_cuda(
     const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const at::Tensor& seq_offsets, int64_t max_seq_len,
@@ -737,6 +796,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
 
 TORCH_LIBRARY_IMPL(gem_kernels, CUDA, m) {
   m.impl("jagged_attention_fwd_native", &jagged_attention_fwd_cuda);
+  m.impl("cached_jagged_attention_fwd_native", &cached_jagged_attention_fwd_cuda);
   m.impl("jagged_attention_bwd_native", &jagged_attention_bwd_cuda);
 }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._autocast import run_kernels_without_autocast
-from .._backend import Family, resolve_backend
+from .._backend import Family, _on_device_of_inputs, resolve_backend
 from .._validate import check_float64_on_reference, check_nonnegative_int
 from .attention import KINDS, _check_values, _round_to_fp32, check_operands, check_options
 
@@ -23,10 +23,14 @@ def _reference_cached_attention():
     return cached_attention
 
 
-_NO_TRITON = None  # no Triton kernel yet: Family.module never asks for it (implemented has no "triton")
-# Its own Family: reference and cpu only. backend="triton"/"cuda" raise BackendUnavailableError
-# ("does not implement this op"), like zch's; `auto` on CUDA tensors runs the reference.
-FAMILY = Family(_reference_cached_attention, _NO_TRITON, implemented=("reference", "cpu"), auto_cuda=())
+def _triton_cached_attention():
+    from ..triton import attention
+    return attention
+
+
+# Its own Family (the attention family's backward ops have no cached twin): every backend, `auto` on CUDA
+# tensors in the attention family's order (triton's tiles run on the tensor cores, see _backend.FAMILIES).
+FAMILY = Family(_reference_cached_attention, _triton_cached_attention, auto_cuda=("triton", "cuda"))
 
 
 @torch.library.custom_op("gem_kernels::cached_jagged_attention_fwd", mutates_args=())
@@ -39,8 +43,12 @@ def cached_jagged_attention_fwd_op(delta_q: torch.Tensor, k: torch.Tensor, v: to
     """out [B * delta, H, Dv] in delta_q's dtype."""
     num_seqs = seq_offsets.shape[0] - 1
     _check_values(k, seq_offsets, max_seq_len, num_targets, delta=delta_q.shape[0] // num_seqs if num_seqs else 0)
-    run = (torch.ops.gem_kernels.cached_jagged_attention_fwd_native if backend == "cpu"
-           else FAMILY.module(backend).cached_jagged_attention_fwd)
+    if backend in ("cpu", "cuda"):
+        run = torch.ops.gem_kernels.cached_jagged_attention_fwd_native
+    elif backend == "triton":
+        run = _on_device_of_inputs(FAMILY.module(backend).cached_jagged_attention_fwd)
+    else:
+        run = FAMILY.module(backend).cached_jagged_attention_fwd
     return run(delta_q, k, v, seq_offsets, max_seq_len, kind, scale, num_targets, contextual_len, max_attn_len,
                pos_bias, time_bias, timestamps, query_timestamps)
 
@@ -99,8 +107,8 @@ def cached_jagged_attention(delta_q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             `jagged_attention`, over the whole sequences (timestamps [N], one per key row).
         query_timestamps: [B * delta] int32/int64, tq of the delta rows, or None (= their timestamps).
         scale: multiplies <q, k>; default 1 / sqrt(Dqk) (generative-recommenders' alpha).
-        backend: "reference" | "cpu" | "auto" (None: ``use_backend``'s default). No triton or cuda kernel
-            yet: naming one raises BackendUnavailableError; "auto" on CUDA tensors runs the reference.
+        backend: "reference" | "cpu" | "cuda" | "triton" | "auto" (None: ``use_backend``'s default); "auto"
+            takes triton (then cuda) on CUDA tensors, cpu on CPU tensors.
 
     Returns:
         out [B * delta, H, Dv] in delta_q's dtype, accumulated in fp32. Forward only: a backward through

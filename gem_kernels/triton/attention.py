@@ -8,6 +8,9 @@ Work decomposition (FlashAttention-2 on a jagged batch, one sequence per program
   fp32 (softmax) or a plain fp32 accumulator (HSTU). The visibility mask is computed from the (i, j)
   ids in-tile; a key block with no visible pair is skipped before any load; the biases are gathered
   in-tile. Programs past the sequence end exit at once.
+- cached forward (inference, `cached_jagged_attention`): the same kernel on the last delta rows of every
+  sequence only (queries in delta_q [B * delta, ...], k/v the whole sequences): cdiv(delta, BLOCK_M) * B * H
+  programs, each walking the key blocks as above; delta * L pairs per sequence instead of L^2.
 - backward: two passes of one kernel, no atomics on dq/dk/dv: the KV pass (grid over key blocks)
   accumulates dk, dv over the query blocks; the Q pass (grid over query blocks) accumulates dq over
   the key blocks. Both recompute the scores. delta_i = <dO_i, O_i> (softmax) is one torch reduction
@@ -191,18 +194,23 @@ def _jagged_attention_fwd_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, Lse_ptr, offsets_ptr, targets_ptr,
     pos_bias_ptr, time_bias_ptr, timestamps_ptr, query_timestamps_ptr, thr_ptr,
     stride_qn, stride_qh, stride_vn, stride_vh, stride_pb, stride_tb,
-    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads,
+    H, D, Dv, M, scale, inv_m, contextual_len, max_attn_len, num_buckets, pos_heads, time_heads, q_blocks, delta,
     SOFTMAX: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr, MAX_BUCKETS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m, b, h, bh, start, L, max_id, hp, ht = _program(tl.cdiv(M, BLOCK_M), H, offsets_ptr, targets_ptr,
+    """delta == 0: every row of the sequence is a query, in Q/Out/Lse row start + i. delta > 0 (the cached
+    forward): only positions i in [L - delta, L) are, and their Q/Out/Lse rows are b * delta + i - (L - delta).
+    q_blocks: query blocks per (sequence, head), cdiv(max_seq_len or delta, BLOCK_M)."""
+    pid_m, b, h, bh, start, L, max_id, hp, ht = _program(q_blocks, H, offsets_ptr, targets_ptr,
                                                          contextual_len, pos_heads, time_heads, HAS_TARGETS)
-    if pid_m * BLOCK_M < L:
-        offs_m, row_ok, id_m = _block(pid_m * BLOCK_M, L, max_id, contextual_len, BLOCK_M)
+    q_lo = tl.where(delta > 0, L - delta, 0)
+    q_start = tl.where(delta > 0, b.to(tl.int64) * delta - q_lo, start)  # Q row of position i: q_start + i
+    if q_lo + pid_m * BLOCK_M < L:
+        offs_m, row_ok, id_m = _block(q_lo + pid_m * BLOCK_M, L, max_id, contextual_len, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        q = _load_rows(Q_ptr, start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
+        q = _load_rows(Q_ptr, q_start + offs_m, row_ok, stride_qn, h * stride_qh, offs_d, D, UPCAST)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -233,8 +241,8 @@ def _jagged_attention_fwd_kernel(
             # l == 0: every visible score is -inf: out = acc (0), lse = -inf. A NaN l stays NaN.
             l_safe = tl.where(l_i == 0, 1.0, l_i)
             acc = acc / l_safe[:, None]
-            tl.store(Lse_ptr + (start + offs_m) * H + h, m_i + tl.log(l_safe), mask=row_ok)
-        _store_rows(Out_ptr, acc, start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv)
+            tl.store(Lse_ptr + (q_start + offs_m) * H + h, m_i + tl.log(l_safe), mask=row_ok)
+        _store_rows(Out_ptr, acc, q_start + offs_m, row_ok, stride_vn, h * stride_vh, offs_dv, Dv)
 
 
 @triton.jit
@@ -482,9 +490,36 @@ def jagged_attention_fwd(q, k, v, seq_offsets, max_seq_len, kind, causal, scale,
         return out, lse
     args = _common(q, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len,
                    pos_bias, time_bias, timestamps, query_timestamps)
-    grid = (triton.cdiv(max_seq_len, args["BLOCK_M"]) * num_seqs * H,)
-    _jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **args)
+    q_blocks = triton.cdiv(max_seq_len, args["BLOCK_M"])
+    _jagged_attention_fwd_kernel[(q_blocks * num_seqs * H,)](q, k, v, out, lse if kind == "softmax" else out,
+                                                             q_blocks=q_blocks, delta=0, **args)
     return out, lse
+
+
+def cached_jagged_attention_fwd(delta_q, k, v, seq_offsets, max_seq_len, kind, scale, num_targets, contextual_len,
+                                max_attn_len, pos_bias, time_bias, timestamps, query_timestamps):
+    """The forward kernel on the last delta rows of every sequence (delta_q [B * delta, H, D]); k, v whole.
+    Its programs own query blocks of those rows only: cdiv(delta, BLOCK_M) * B * H programs."""
+    rows, H, _ = delta_q.shape
+    check_head_dims(delta_q.dtype, delta_q.shape[2], v.shape[2])
+    out = torch.empty((rows, H, v.shape[2]), dtype=delta_q.dtype, device=delta_q.device)
+    num_seqs = seq_offsets.numel() - 1
+    delta = rows // num_seqs if num_seqs > 0 else 0
+    if delta == 0 or H == 0:
+        return out
+    if query_timestamps is not None:
+        # The kernel reads tq of position i at row start + i: the delta rows' tq go into a copy of timestamps.
+        ends = seq_offsets[1:].long()
+        full = timestamps.long().clone()
+        full[(ends[:, None] - delta + torch.arange(delta, device=ends.device)).reshape(-1)] = query_timestamps.long()
+        query_timestamps = full
+    args = _common(delta_q, v, seq_offsets, max_seq_len, kind, True, scale, num_targets, contextual_len,
+                   max_attn_len, pos_bias, time_bias, timestamps, query_timestamps)
+    lse = torch.empty((rows, H) if kind == "softmax" else (1,), dtype=torch.float32, device=delta_q.device)
+    q_blocks = triton.cdiv(delta, args["BLOCK_M"])
+    _jagged_attention_fwd_kernel[(q_blocks * num_seqs * H,)](delta_q, k, v, out, lse, q_blocks=q_blocks, delta=delta,
+                                                             **args)
+    return out
 
 
 def _pos_scratch_bases(seq_offsets, num_heads: int, block: int) -> tuple[torch.Tensor, int]:
