@@ -3,8 +3,7 @@ LayerNorm, UVQK projection, SiLU, HSTU attention, Norm(attn) * u gating, output 
 concat(u, attn, y), residual), forward and forward+backward, at history lengths 256, 1024 and 4096.
 
 Impls: every gem_kernels backend of the device (``gem_kernels.ops.hstu_layer.hstu_layer``: the fused
-projection halves around the fused attention; on a GPU the projections run the reference twins, see
-``projection_backend``), "attn-only" (torch ops around gem_kernels' attention on the same backend:
+projection halves around the fused attention, all on that backend), "attn-only" (torch ops around gem_kernels' attention on the same backend:
 what gk.nn.HSTULayer fused before this family existed), and "eager" (the baseline: the layer built
 from torch ops, ``gem_kernels.reference.hstu_layer.stu_layer`` with its padded attention, autograd
 for the backward). Every impl's output and gradients (x and the seven weights) are held to
