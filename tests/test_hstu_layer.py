@@ -26,13 +26,14 @@ from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.reference import float64_ground_truth
 from gem_kernels.reference import hstu_layer as ref
 
-from .utils import assert_close_vs_eager, offsets_from_lengths, rounding_atol
+from .utils import assert_close_vs_eager, device_backend_params, offsets_from_lengths, rounding_atol
 
-# cpu: under GK_CUDA_EMU=1 its kernels are csrc/cuda/hstu_layer.cu's (tests/cuda_emu); triton: the
-# interpreter here.
-BACKENDS = [pytest.param(b, marks=([] if b in gk.available_backends() else [pytest.mark.skip(reason=f"{b} not built")])
-                         + ([pytest.mark.triton] if b == "triton" else []))
-            for b in ("reference", "cpu", "triton")]
+# The backends of the tests on CPU tensors (triton: the interpreter, where there is no GPU); the
+# FlashAttention-rule tests also run triton and cuda on CUDA tensors where there is one. cpu: under
+# GK_CUDA_EMU=1 its kernels are csrc/cuda/hstu_layer.cu's (tests/cuda_emu).
+KERNEL_PARAMS = device_backend_params()
+BACKENDS = [pytest.param("reference", id="reference")] + [
+    pytest.param(p.values[1], marks=p.marks, id=p.values[1]) for p in KERNEL_PARAMS if p.values[0] == "cpu"]
 PARAM_NAMES = ("input_norm_weight", "input_norm_bias", "uvqk_weight", "uvqk_bias", "output_norm_weight",
                "output_norm_bias", "output_weight", "output_bias")
 LENGTHS = (5, 0, 9, 1, 3)
@@ -174,15 +175,15 @@ def _assert_fa_rule(actual, eager, truth, names, what):
 
 
 def _fa_rule_cases():
-    """(backend, config, seed) params: three seeds, one under the Triton interpreter (each call costs
-    seconds there; the seven configs vary the rest)."""
+    """(device, backend, config, seed) params: three seeds, one under the Triton interpreter (each call
+    costs seconds there; the seven configs vary the rest)."""
     cases = []
-    for backend in BACKENDS:
-        name = backend.values[0]
+    for param in [pytest.param("cpu", "reference", id="reference")] + KERNEL_PARAMS:
+        device, backend = param.values
         for config in CONFIGS:
-            for seed in range(1 if name == "triton" else 3):
-                marks = list(backend.marks)
-                if (name, config, seed) == ("cpu", "group_norm_no_concat", 0) and os.environ.get("GK_CUDA_EMU") == "1":
+            for seed in range(1 if (device, backend) == ("cpu", "triton") else 3):
+                marks = list(param.marks)
+                if (backend, config, seed) == ("cpu", "group_norm_no_concat", 0) and os.environ.get("GK_CUDA_EMU") == "1":
                     # NOTE: an ill-conditioned draw, not a kernel error. A query that sees one key gives an
                     # attention row w * v_j, whose GroupNorm group of 8 has rstd 297 (eps 1e-6): every fp32
                     # rounding before it comes out ~300x larger, and the max error is one draw of that noise.
@@ -190,12 +191,18 @@ def _fa_rule_cases():
                     # errors are within eager's: test_ops_by_the_flash_attention_rule); over seeds 0-9 the
                     # layer's dx ratio is 0.14-3.22 for them, 0.15-1.95 for triton, 0.09-1.59 for the C++ ones.
                     marks.append(pytest.mark.xfail(strict=True, reason="ill-conditioned GroupNorm draw (see NOTE)"))
-                cases.append(pytest.param(name, config, seed, marks=marks, id=f"{config}-{name}-{seed}"))
+                cases.append(pytest.param(device, backend, config, seed, marks=marks,
+                                          id=f"{config}-{param.id}-{seed}"))
     return cases
 
 
-@pytest.mark.parametrize("backend, config, seed", _fa_rule_cases())
-def test_fused_op_by_the_flash_attention_rule(backend, config, seed):
+def _on(device, x, offsets, max_seq_len, num_targets, params, grad_out):
+    moved = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (x, offsets, max_seq_len, num_targets, grad_out)]
+    return (*moved[:4], {n: p.to(device) for n, p in params.items()}, moved[4])
+
+
+@pytest.mark.parametrize("device, backend, config, seed", _fa_rule_cases())
+def test_fused_op_by_the_flash_attention_rule(device, backend, config, seed):
     """hstu_layer on a backend: output and every gradient within twice the fp32 twin's error of the
     twin's float64 run (the twin in float64 is float64 throughout: an fp32 'ground truth' made the
     rule fail on every result computed in another order)."""
@@ -205,8 +212,9 @@ def test_fused_op_by_the_flash_attention_rule(backend, config, seed):
     with float64_ground_truth():
         truth = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS, **options), *args, torch.float64)
     eager = _run(lambda *a, **p: ref.stu_layer(*a, **p, **DIMS, **options), *args, torch.float32)
-    fused = _run(lambda *a, **p: ops.hstu_layer(*a, **p, **DIMS, **options, backend=backend), *args, torch.float32)
-    _assert_fa_rule(fused, eager, truth, ("out", "x", *params), f"{config} seed {seed}")
+    fused = _run(lambda *a, **p: ops.hstu_layer(*a, **p, **DIMS, **options, backend=backend), *_on(device, *args),
+                 torch.float32)
+    _assert_fa_rule([t.cpu() for t in fused], eager, truth, ("out", "x", *params), f"{config} seed {seed}")
 
 
 OP_CASES = {  # name: (output-half options, with output bias, with dropout mask)
@@ -217,9 +225,9 @@ OP_CASES = {  # name: (output-half options, with output bias, with dropout mask)
 }
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "reference"])
+@pytest.mark.parametrize("device, backend", KERNEL_PARAMS)
 @pytest.mark.parametrize("case", list(OP_CASES))
-def test_ops_by_the_flash_attention_rule(backend, case):
+def test_ops_by_the_flash_attention_rule(device, backend, case):
     """Each projection op alone (forward and backward, 70 rows: two 64-row tiles of the GEMM kernels),
     on fp32 inputs, against the twins' float64 run by FlashAttention's rule, with the fp32 twins as
     eager: the kernels' own error, free of the attention's amplification that the layer test sees."""
@@ -246,18 +254,18 @@ def test_ops_by_the_flash_attention_rule(backend, case):
     for silu_qkv in ((False, True) if case == "stu" else (False,)):
         dims = (heads, linear_dim, attention_dim, silu_qkv)
 
-        def uvqk_run(fn, dtype):
-            args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) else a for a in uvqk)
+        def uvqk_run(fn, dtype, device="cpu"):
+            args = tuple(a.to(device, dtype) if isinstance(a, torch.Tensor) else a for a in uvqk)
             outs = fn(*args, *dims)
-            grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(4 + i), dtype=torch.float64).to(dtype)
-                     for i, o in enumerate(outs[:4])]
+            grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(4 + i), dtype=torch.float64)
+                     .to(device, dtype) for i, o in enumerate(outs[:4])]
             return list(outs[:4]) + list(fn_bwd[fn](*grads, *args, outs[4], *dims))
 
-        def output_run(fn, dtype):
-            cast = [a.to(dtype) if isinstance(a, torch.Tensor) else a for a in (attn, u_pre, x, *out_w)]
+        def output_run(fn, dtype, device="cpu"):
+            cast = [a.to(device, dtype) if isinstance(a, torch.Tensor) else a for a in (attn, u_pre, x, *out_w)]
             out, stats = fn(*cast, *head.values())
             a, u, _, nw, nb, eps, w, ob, m = cast
-            return [out] + list(fn_bwd[fn](grad_out.to(dtype), a, u, nw, nb, eps, w, ob is not None, m, stats,
+            return [out] + list(fn_bwd[fn](grad_out.to(device, dtype), a, u, nw, nb, eps, w, ob is not None, m, stats,
                                            *head.values()))
 
         native = torch.ops.gem_kernels
@@ -270,9 +278,10 @@ def test_ops_by_the_flash_attention_rule(backend, case):
         for half, run, twin in (("uvqk", uvqk_run, ref.hstu_uvqk_fwd), ("output", output_run, ref.hstu_output_fwd)):
             with float64_ground_truth():
                 truth = run(twin, torch.float64)
-            eager, got = run(twin, torch.float32), run(fused[half], torch.float32)
+            eager, got = run(twin, torch.float32), run(fused[half], torch.float32, device)
             for i, (a, e, t) in enumerate(zip(got, eager, truth)):
-                assert_close_vs_eager(a, t, e, torch.float32, msg=f"{case} {half} silu_qkv={silu_qkv} output {i}")
+                assert_close_vs_eager(a.cpu(), t, e, torch.float32,
+                                      msg=f"{case} {half} silu_qkv={silu_qkv} output {i}")
 
 
 def test_float64_twin_is_float64():
