@@ -26,7 +26,8 @@ from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.reference import float64_ground_truth
 from gem_kernels.reference import hstu_layer as ref
 
-from .utils import assert_close_vs_eager, device_backend_params, offsets_from_lengths, rounding_atol
+from .utils import (assert_close_vs_eager, device_backend_params, interpreter_rounding_factor, offsets_from_lengths,
+                    rounding_atol)
 
 # The backends of the tests on CPU tensors (triton: the interpreter, where there is no GPU); the
 # FlashAttention-rule tests also run triton and cuda on CUDA tensors where there is one. cpu: under
@@ -225,12 +226,14 @@ OP_CASES = {  # name: (output-half options, with output bias, with dropout mask)
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device, backend", KERNEL_PARAMS)
 @pytest.mark.parametrize("case", list(OP_CASES))
-def test_ops_by_the_flash_attention_rule(device, backend, case):
+def test_ops_by_the_flash_attention_rule(device, backend, case, dtype):
     """Each projection op alone (forward and backward, 70 rows: two 64-row tiles of the GEMM kernels),
-    on fp32 inputs, against the twins' float64 run by FlashAttention's rule, with the fp32 twins as
-    eager: the kernels' own error, free of the attention's amplification that the layer test sees."""
+    on fp32 or bf16 inputs (the GPU bench's), against the twins' float64 run by FlashAttention's rule,
+    with the twins in the same dtype as eager: the kernels' own error, free of the attention's
+    amplification that the layer test sees."""
     options, has_bias, has_mask = OP_CASES[case]
     g = torch.Generator().manual_seed(3)
     n, dim, heads, linear_dim, attention_dim = 70, 24, 2, 8, 4
@@ -278,10 +281,10 @@ def test_ops_by_the_flash_attention_rule(device, backend, case):
         for half, run, twin in (("uvqk", uvqk_run, ref.hstu_uvqk_fwd), ("output", output_run, ref.hstu_output_fwd)):
             with float64_ground_truth():
                 truth = run(twin, torch.float64)
-            eager, got = run(twin, torch.float32), run(fused[half], torch.float32, device)
+            eager, got = run(twin, dtype), run(fused[half], dtype, device)
             for i, (a, e, t) in enumerate(zip(got, eager, truth)):
-                assert_close_vs_eager(a.cpu(), t, e, torch.float32,
-                                      msg=f"{case} {half} silu_qkv={silu_qkv} output {i}")
+                assert_close_vs_eager(a.cpu(), t, e, dtype, msg=f"{case} {half} silu_qkv={silu_qkv} output {i}",
+                                      rounding_factor=interpreter_rounding_factor(backend, device, dtype))
 
 
 def test_float64_twin_is_float64():
