@@ -4,10 +4,10 @@ concat(u, attn, y), residual), forward and forward+backward, at history lengths 
 
 Impls: every gem_kernels backend of the device (``gem_kernels.ops.hstu_layer.hstu_layer``: the fused
 projection halves around the fused attention, all on that backend), "attn-only" (torch ops around
-gem_kernels' attention on the same backend: what gk.nn.HSTULayer fused before this family existed), and "eager" (the baseline: the layer built
-from torch ops, ``gem_kernels.reference.hstu_layer.stu_layer`` with its padded attention, autograd
-for the backward). Every impl's output and gradients (x and the seven weights) are held to
-FlashAttention's rule against the eager layer run in float64 before timing.
+gem_kernels' attention on the same backend: what gk.nn.HSTULayer fused before this family existed),
+and "eager" (the baseline: the layer built from torch ops, ``gem_kernels.reference.hstu_layer.stu_layer``
+with its padded attention, autograd for the backward). Every impl's output and gradients (x and the
+seven weights) are held to FlashAttention's rule against the eager layer run in float64 before timing.
 
 Shape: D = 256, H = 4, linear_dim = attention_dim = 64 (K = 3 * 256), fp32 on the CPU, bf16 on a GPU;
 lengths ~50% dense against the history length (bench.attention's draw, one sequence at the full

@@ -307,7 +307,9 @@ __global__ void norm_param_grad_kernel(const float* __restrict__ dn, const float
 
 Tensor as_float(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
-unsigned blocks_for(int64_t items, int64_t per_block) { return static_cast<unsigned>((items + per_block - 1) / per_block); }
+unsigned blocks_for(int64_t items, int64_t per_block) {
+  return static_cast<unsigned>((items + per_block - 1) / per_block);
+}
 
 Tensor norm_stats(const Tensor& x, int64_t groups, double eps) {
   const int64_t n = x.size(0);
@@ -332,7 +334,9 @@ void fused_gemm(const Prologue& a, const float* w, int64_t ldw, int64_t m, int64
 template <typename Prologue>
 void write_prologue(const Prologue& a, float* out, int64_t m, int64_t k) {
   if (m * k == 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((m * k + kElementThreads - 1) / kElementThreads, 65535));
+  // grid-stride: at most 65535 blocks
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((m * k + kElementThreads - 1) / kElementThreads,
+                                                                  65535));
   prologue_kernel<Prologue><<<blocks, kElementThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(a, out, m, k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

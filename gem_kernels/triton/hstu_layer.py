@@ -447,7 +447,8 @@ def hstu_output_bwd(grad_out, attn, u_pre, norm_weight, norm_bias, eps, output_w
     if n:
         for i, part in enumerate(parts):
             _hstu_output_concat_kernel[(triton.cdiv(n, BLOCK_M), triton.cdiv(width, BLOCK_K))](
-                attn, u_pre, stats, norm_weight, norm_bias, mask, c, n, width, k, i * width, width // groups, groups, PART=part, PER_GROUP=group_norm, HAS_MASK=dropout_mask is not None,
+                attn, u_pre, stats, norm_weight, norm_bias, mask, c, n, width, k, i * width, width // groups, groups,
+                PART=part, PER_GROUP=group_norm, HAS_MASK=dropout_mask is not None,
                 BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     dw = c.t() @ g
     dob = g.sum(0).to(output_weight.dtype) if has_output_bias else grad_out.new_empty((0,))
