@@ -3,12 +3,11 @@ LayerNorm, UVQK projection, SiLU, HSTU attention, Norm(attn) * u gating, output 
 concat(u, attn, y), residual), forward and forward+backward, at history lengths 256, 1024 and 4096.
 
 Impls: every gem_kernels backend of the device (``gem_kernels.ops.hstu_layer.hstu_layer``: the fused
-projection halves around the fused attention; on a GPU the projections run the reference twins, see
-``projection_backend``), "attn-only" (torch ops around gem_kernels' attention on the same backend:
-what gk.nn.HSTULayer fused before this family existed), and "eager" (the baseline: the layer built
-from torch ops, ``gem_kernels.reference.hstu_layer.stu_layer`` with its padded attention, autograd
-for the backward). Every impl's output and gradients (x and the seven weights) are held to
-FlashAttention's rule against the eager layer run in float64 before timing.
+projection halves around the fused attention, all on that backend), "attn-only" (torch ops around
+gem_kernels' attention on the same backend: what gk.nn.HSTULayer fused before this family existed),
+and "eager" (the baseline: the layer built from torch ops, ``gem_kernels.reference.hstu_layer.stu_layer``
+with its padded attention, autograd for the backward). Every impl's output and gradients (x and the
+seven weights) are held to FlashAttention's rule against the eager layer run in float64 before timing.
 
 Shape: D = 256, H = 4, linear_dim = attention_dim = 64 (K = 3 * 256), fp32 on the CPU, bf16 on a GPU;
 lengths ~50% dense against the history length (bench.attention's draw, one sequence at the full
@@ -24,6 +23,7 @@ import torch
 
 import gem_kernels as gk
 from gem_kernels import flops as gk_flops
+from gem_kernels._backend import FAMILIES
 from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.ops.attention import IMPLEMENTED as ATTENTION_BACKENDS
 from gem_kernels.reference import attention as ref_attention
@@ -31,6 +31,8 @@ from gem_kernels.reference import hstu_layer as ref
 
 from .attention import _lengths
 from .harness import Case, rotate
+
+LAYER_BACKENDS = FAMILIES[ops.FAMILY].implemented
 
 # The eager layer at history 4096 takes seconds per fwd+bwd call on a 2-core CPU (its padded
 # [B, H, 4096, 4096] scores, also in float64 for the verification): the default share of 110 s
@@ -81,7 +83,7 @@ def _backends(device: torch.device) -> list[str]:
     # On the CPU only the cpu backend: the Triton interpreter is a correctness tool, far too slow.
     wanted = ("cuda", "triton") if device.type == "cuda" else ("cpu",)
     available = gk.available_backends()
-    return [b for b in wanted if b in available and b in ATTENTION_BACKENDS]
+    return [b for b in wanted if b in available and b in ATTENTION_BACKENDS and b in LAYER_BACKENDS]
 
 
 def cases(quick: bool, device: torch.device) -> Iterator[Case]:
@@ -116,7 +118,7 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                        fp64=lambda backward=backward: _call(_eager, backward)(x64, offsets, history, grad64,
                                                                              params64),
                        notes=[] if device.type == "cpu" else
-                       ["projections: reference twins on the GPU (no triton/cuda projection kernels yet)"])
+                       ["cuda: fp32 CUDA-core GEMM tiles (triton's run on the tensor cores)"])
 
 
 def _eager(x, seq_offsets, max_seq_len, **p):

@@ -220,6 +220,11 @@ def _reference_hstu_layer() -> ModuleType:
     return hstu_layer
 
 
+def _triton_hstu_layer() -> ModuleType:
+    from .triton import hstu_layer
+    return hstu_layer
+
+
 def _reference_interaction() -> ModuleType:
     from .reference import interaction
     return interaction
@@ -264,8 +269,9 @@ FAMILIES: dict[str, Family] = {
     # shape; cuda runs when named, or under `auto` when triton is missing.
     "attention": Family(_reference_attention, _triton_attention, auto_cuda=("triton", "cuda")),
     "interaction": Family(_reference_interaction, _triton_interaction),
-    # The HSTU layer's projection halves: reference and cpu kernels only so far (never asks triton).
-    "hstu_layer": Family(_reference_hstu_layer, _reference_hstu_layer, implemented=("reference", "cpu")),
+    # The HSTU layer's projection halves: triton first for the attention's reason (its GEMM tiles run
+    # tl.dot on the tensor cores; the cuda kernels' tiles are fp32 CUDA-core loops).
+    "hstu_layer": Family(_reference_hstu_layer, _triton_hstu_layer, auto_cuda=("triton", "cuda")),
 }
 
 

@@ -6,9 +6,10 @@ nothing about registers or spills. This script closes that gap in two steps:
 
 1. record: in a child process with TRITON_INTERPRET=1, run a workload that launches every kernel at
    the shapes the GPU bench and tests use (head dims 128/64/40, embedding dims 64/128/36/260,
-   F = 27/128/256, fp32/bf16/fp16, every option), and record each launch's argument types and
-   constexpr values. The interpreter-only switches (`triton_interpret()`: fp32 tl.dot operands)
-   are turned off while recording, so the GPU's specialisations are the ones recorded.
+   F = 27/128/256, the HSTU layer at D = 256, fp32/bf16/fp16, every option), and record each
+   launch's argument types and constexpr values. The interpreter-only switches (`triton_interpret()`:
+   fp32 tl.dot operands) are turned off while recording, so the GPU's specialisations are the ones
+   recorded.
 2. compile: for every distinct specialisation, `triton.compile` it for the target (default
    sm_90a, the H100/H200) down to a cubin, and read registers, spills and shared memory from the
    bundled ptxas. A compile error, a spill or shared memory over the target's limit fails the run.
@@ -138,6 +139,15 @@ def _workload() -> None:
                        torch.randn(rank, N, dtype=dtype, requires_grad=True)))
             params = list(weight) if isinstance(weight, tuple) else [weight]
             backward(gk.cross_layer(x0, xl, weight, bias), [x0, xl, bias, *params])
+        # the HSTU layer's projection halves at the bench's dims (D = 256, H = 4, 64 / 64), every option
+        offsets = torch.tensor([0, 3, 7])
+        for silu_qkv, group_norm, concat, output_bias, dropout in ((False, False, True, False, 0.0),
+                                                                   (True, True, False, True, 0.3)):
+            layer = gk.nn.HSTULayer(256, 4, 64, 64, silu_qkv=silu_qkv, group_norm=group_norm, concat_u=concat,
+                                    concat_x=concat, output_bias=output_bias, dropout=dropout, max_seq_len=4)
+            layer = layer.to(dtype)
+            x = torch.randn(7, 256, dtype=dtype, requires_grad=True)
+            backward(layer(x, offsets, 4), [x, *layer.parameters()])
 
 
 def _describe(value):

@@ -72,13 +72,13 @@ def test_auto_resolution():
     cuda_ok, triton_ok = (_backend.unavailable_reason(b) is None for b in ("cuda", "triton"))
     first = {"cuda": "cuda" if cuda_ok else ("triton" if triton_ok else "reference"),
              "triton": "triton" if triton_ok else ("cuda" if cuda_ok else "reference")}
-    # One rule, a per-family preference: attention takes triton first on CUDA tensors, the others cuda.
+    # One rule, a per-family preference: attention and the HSTU layer's projections (tensor-core tiles in
+    # triton, CUDA-core loops in cuda) take triton first on CUDA tensors, the others cuda.
     for family, fam in _backend.FAMILIES.items():
-        # hstu_layer has no GPU kernels: auto gives its reference on CUDA tensors, whatever is built.
-        expected = first[fam.auto_cuda[0]] if set(fam.auto_cuda) <= set(fam.implemented) else "reference"
-        assert _backend.resolve_backend("auto", cuda, family) == expected, family
-    assert _backend.FAMILIES["attention"].auto_cuda[0] == "triton"
-    assert {f.auto_cuda[0] for n, f in _backend.FAMILIES.items() if n != "attention"} == {"cuda"}
+        assert _backend.resolve_backend("auto", cuda, family) == first[fam.auto_cuda[0]], family
+    triton_first = {"attention", "hstu_layer"}
+    assert {n for n, f in _backend.FAMILIES.items() if f.auto_cuda[0] == "triton"} == triton_first
+    assert {f.auto_cuda[0] for n, f in _backend.FAMILIES.items() if n not in triton_first} == {"cuda"}
 
 
 def test_dispatch_table_reaches_every_family_module():

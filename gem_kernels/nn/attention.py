@@ -98,8 +98,7 @@ class HSTULayer(nn.Module):
         linear_dim: per-head dim of u and v.
         attention_dim: per-head dim of q and k.
         causal, contextual_len, max_attn_len, max_seq_len, num_time_buckets, backend: as in
-            ``JaggedMultiheadAttention`` (backend: of the attention; the projections run
-            ``gem_kernels.ops.hstu_layer.projection_backend(backend)``).
+            ``JaggedMultiheadAttention`` (backend: of the attention and of the two projection halves).
         dropout: on the concatenated input of the output projection (training mode only).
         eps: of both norms.
         silu_qkv: SiLU on v, q, k too (STULayer: False).

@@ -14,12 +14,11 @@ from __future__ import annotations
 import torch
 
 from .._autocast import autocast_operands, run_kernels_without_autocast
-from .._backend import FAMILIES, kernel, resolve_backend
+from .._backend import kernel, resolve_backend
 from .._validate import check_float64_on_reference, check_same_device, check_tensor, float_dtypes
 from .attention import jagged_attention
 
 FAMILY = "hstu_layer"
-IMPLEMENTED = FAMILIES[FAMILY].implemented
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,15 +165,6 @@ run_kernels_without_autocast(hstu_uvqk_fwd_op, hstu_uvqk_bwd_op, hstu_output_fwd
 # ---------------------------------------------------------------------------------------------
 
 
-def projection_backend(backend: str | None, device: torch.device) -> str:
-    """The backend of the two projection ops for a layer whose attention runs on ``backend``: that
-    backend where this family implements it (reference, cpu), else ``auto``'s choice (cpu on CPU
-    tensors, reference elsewhere): triton and cuda projection kernels do not exist yet."""
-    from .._backend import _default_backend
-    name = _default_backend if backend is None else backend
-    return resolve_backend(name if name in IMPLEMENTED else "auto", device, FAMILY)
-
-
 def _check_vector(name: str, t, size: int) -> None:
     check_tensor(name, t, dtypes=float_dtypes(), dims=(1,))
     if t.shape[0] != size:
@@ -213,7 +203,7 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
         group_norm: GroupNorm over the H heads instead of LayerNorm; then concat_u and concat_x
             must be both True or both False (GR ignores a single one there).
         dropout_mask: [N, K] (0 or 1 / (1 - p)) multiplying the concat, or None.
-        backend: of the attention; the projections run ``projection_backend(backend)``.
+        backend: of the attention and of the two projection halves.
 
     Returns:
         out [N, D] in x's dtype, differentiable w.r.t. x and every weight.
@@ -260,7 +250,7 @@ def hstu_layer(x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, num
     if dropout_mask is not None:
         weights["dropout_mask"] = dropout_mask
     check_same_device(x=x, **weights)
-    proj = projection_backend(backend, x.device)
+    proj = resolve_backend(backend, x.device, FAMILY)
     check_float64_on_reference(proj, x=x, **weights)
     # contiguous: the fakes' gradients are contiguous, as the kernels' are (an nn.Linear weight arrives
     # transposed; the copy is D*O elements, nothing beside the GEMMs).
