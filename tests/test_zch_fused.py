@@ -133,6 +133,30 @@ def test_cuda_route_of_the_fused_lookup_under_emulation(monkeypatch):
     assert sum(want.zch.stats()["evictions"]) > 0
 
 
+@pytest.mark.skipif("triton" not in gk.available_backends(), reason="triton is not installed")
+def test_triton_route_of_the_fused_lookup():
+    """On triton the fused op is zch_remap's Triton kernel, then the Triton embedding bag (interpreted
+    on this CPU): the reference's output and fused updates (fp32 rounding) and identity tables (bit
+    for bit) over evicting steps."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    want = _module("reference", optimizer=gk.optim.ExactRowwiseAdagrad(lr=0.1), eviction="lfu", seed=2)
+    want.train()
+    got = copy.deepcopy(want).to(device)
+    got.backend = "triton"
+    for step in range(4):
+        ids, offsets = _batch(step, batch=3)
+        expected = want(ids, offsets)
+        out = got(ids.to(device), offsets.to(device))
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        out.backward(grad.to(device))
+        expected.backward(grad)
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-6, atol=1e-6)
+        for name in STATE_BUFFERS + ("step",):
+            assert torch.equal(getattr(got.zch, name).cpu(), getattr(want.zch, name)), name
+        torch.testing.assert_close(got.weights.detach().cpu(), want.weights.detach(), rtol=1e-6, atol=1e-6)
+    assert sum(want.zch.stats()["evictions"]) > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_forward_opcheck(backend):
     module = _module(backend, optimizer=gk.optim.ExactRowwiseAdagrad(lr=0.1))

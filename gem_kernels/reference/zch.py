@@ -167,24 +167,28 @@ class _Table:
         return -1
 
 
-def zch_remap(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, ttl, now,
-              admit_threshold, max_probe, train, default_row, weights, weights_offsets, D_offsets, rows_offsets,
-              momentum1, momentum2, init_bounds, seed):
-    """The native schema's signature; mutates the state tensors (and the weights rows it resets)."""
-    off = id_offsets.tolist()
-    num_tables = len(off) - 1
-    if off[0] != 0 or off[-1] != ids.numel():
-        raise ValueError(f"id_offsets must start at 0 and end at ids.numel() = {ids.numel()}, got {off[0]} and "
+def check_values(off: list, states: list, num_ids: int, now: int, train: bool) -> None:
+    """The checks on values the native kernels make (id_offsets [T+1] and table_state [T, 11] as lists)."""
+    if off[0] != 0 or off[-1] != num_ids:
+        raise ValueError(f"id_offsets must start at 0 and end at ids.numel() = {num_ids}, got {off[0]} and "
                          f"{off[-1]}")
-    for t in range(num_tables):
+    for t in range(len(off) - 1):
         if off[t] > off[t + 1]:
             raise ValueError(f"id_offsets must be non-decreasing, got id_offsets[{t}] = {off[t]} > "
                              f"id_offsets[{t + 1}] = {off[t + 1]}")
-    states = table_state.tolist()
     if train:
         for t, st in enumerate(states):
             if now < st[3]:
                 raise ValueError(f"now must not decrease: table {t} last saw now = {st[3]}, got {now}")
+
+
+def zch_remap(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, ttl, now,
+              admit_threshold, max_probe, train, default_row, weights, weights_offsets, D_offsets, rows_offsets,
+              momentum1, momentum2, init_bounds, seed):
+    """The native schema's signature; mutates the state tensors (and the weights rows it resets)."""
+    off, states = id_offsets.tolist(), table_state.tolist()
+    check_values(off, states, ids.numel(), now, train)
+    num_tables = len(off) - 1
     slot_off, index_off, pending_off = layout.tolist()
     id_list = ids.tolist()
     meta_all, heap_all = slot_meta.view(-1, 4).tolist(), heap.view(-1, 3).tolist()
