@@ -454,16 +454,22 @@ def test_remap_traces_with_torch_fx(call, node):
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ extension is not built")
-def test_native_call_with_malformed_state_raises():
-    """A direct call of the schema with inconsistent state raises instead of reading or writing
-    outside its buffers."""
+@pytest.mark.parametrize("kernel", ["native", "triton"])
+def test_native_call_with_malformed_state_raises(kernel):
+    """A direct call of the schema (the native one: cpu, or cuda under GK_CUDA_EMU; or the triton
+    kernel's) with inconsistent state raises instead of reading or writing outside its buffers."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        from gem_kernels.triton.zch import zch_remap as remap
+    else:
+        remap = torch.ops.gem_kernels.zch_remap_native
     empty, none = torch.empty(0, dtype=torch.int64), torch.empty(0)
 
     def call(tables, **change):
         args = dict(slot_meta=tables.slot_meta, heap=tables.heap, index=tables.index, pending=tables.pending,
                     table_state=tables.table_state, layout=tables.layout)
         args.update(change)
-        return torch.ops.gem_kernels.zch_remap_native(
+        return remap(
             torch.tensor([1, 2, 3]), torch.tensor([0, 3]), args["slot_meta"], args["heap"], args["index"],
             args["pending"], args["table_state"], args["layout"], 0, 0, 1, 1, 32, True, False, none, empty, empty,
             empty, none, none, torch.empty(0, dtype=torch.float64), 0)

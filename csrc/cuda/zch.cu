@@ -13,7 +13,8 @@
 //
 // Work decomposition: grid ceil(T / kTablesPerBlock) x kTablesPerBlock threads, thread = table. The
 // host checks the values (id_offsets, layout, the state counters, now) on a host copy of the small
-// tensors: one device-to-host copy per call, as the cpu kernel checks them.
+// tensors before the launch, as the cpu kernel checks them, and reads the kernel's corruption flags
+// after it (a state no remap makes: a slot outside the table in the index or heap): two syncs.
 //
 // Roofline: 0 FLOPs. Minimum bytes as the cpu's: read 8 B per id and write 8 B per slot, one index
 // probe (16 B) and one slot-metadata update (32 B) per id; a reused slot writes D weights and its
@@ -53,6 +54,7 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
 struct Params {
   const int64_t *ids, *off, *slot_off, *index_off, *pending_off;
   int64_t *meta, *heap, *index, *pending, *state, *out;
+  int64_t* error;  // [T, 2]: the first corruption a table met (kind, slot), reported by the host after the launch
   int64_t T, policy, ttl, now, admit_threshold, max_probe;
   bool train, default_row, reset;
   const int64_t *w_off, *d_off, *r_off;
@@ -65,7 +67,14 @@ struct Params {
 // One table's state (pointers into the packed buffers).
 struct Table {
   int64_t slots, cap, pcap;
-  int64_t *meta, *heap, *index, *pending, *st;
+  int64_t *meta, *heap, *index, *pending, *st, *error;
+
+  __device__ void record(int64_t kind, int64_t slot) {  // kinds: see kCorrupt in zch_remap_cuda
+    if (error[0] == 0) {
+      error[0] = kind;
+      error[1] = slot;
+    }
+  }
 
   __device__ bool less(int64_t i, int64_t j) const {  // heap entry i's key < entry j's
     const int64_t *a = heap + 3 * i, *b = heap + 3 * j;
@@ -170,7 +179,10 @@ struct Table {
   __device__ int64_t victim(const Params& p, int64_t batch_start) {
     while (st[kHeapSize] > 0) {
       const int64_t size = st[kHeapSize], slot = heap[0];
-      if (slot < 0 || slot >= slots) return -1;  // a corrupt heap: no victim rather than a wild write
+      if (slot < 0 || slot >= slots) {  // a corrupt heap: no victim rather than a wild write
+        record(2, slot);
+        return -1;
+      }
       int64_t a, b;
       key(p.policy, slot, a, b);
       if (a != heap[1] || b != heap[2]) {
@@ -217,7 +229,7 @@ __global__ void __launch_bounds__(kTablesPerBlock) _zch_remap_kernel(Params p, s
   Table tab{p.slot_off[t + 1] - p.slot_off[t], p.index_off[t + 1] - p.index_off[t],
             p.pending_off[t + 1] - p.pending_off[t], p.meta + p.slot_off[t] * kMetaFields,
             p.heap + p.slot_off[t] * 3, p.index + p.index_off[t] * 2, p.pending + p.pending_off[t] * 2,
-            p.state + t * kNumFields};
+            p.state + t * kNumFields, p.error + 2 * t};
   int64_t* st = tab.st;
   const int64_t miss = p.default_row ? tab.slots : -1, batch_start = st[kSeq];
   for (int64_t i = p.off[t]; i < p.off[t + 1]; ++i) {
@@ -227,7 +239,10 @@ __global__ void __launch_bounds__(kTablesPerBlock) _zch_remap_kernel(Params p, s
     int64_t pos = tab.find(id, p.max_probe);
     if (pos >= 0) {
       const int64_t slot = tab.index[2 * pos + 1];
-      if (slot >= tab.slots) continue;  // a corrupt index (the cpu kernel raises): never a write outside the table
+      if (slot >= tab.slots) {  // a corrupt index: never a write outside the table
+        tab.record(1, slot);
+        continue;
+      }
       st[kHits] += 1;
       if (p.train) {
         int64_t* m = tab.meta + slot * kMetaFields;
@@ -256,6 +271,7 @@ __global__ void __launch_bounds__(kTablesPerBlock) _zch_remap_kernel(Params p, s
       slot = tab.victim(p, batch_start);
       const int64_t old = slot < 0 ? -1 : tab.find(tab.meta[slot * kMetaFields + kId], p.max_probe);
       if (old < 0) {  // no victim (or, in a corrupt state, its id not indexed): the id gets no slot
+        if (slot >= 0) tab.record(3, slot);
         st[kUnadmitted] += 1;
         continue;
       }
@@ -336,7 +352,9 @@ at::Tensor zch_remap_cuda(const at::Tensor& ids, const at::Tensor& id_offsets, a
                 ts[kHeapSize], ", slots ", slots, ")");
   }
   auto out = at::empty({N}, ids.options());
+  auto error = at::zeros({T, 2}, ids.options());
   Params p{};
+  p.error = error.data_ptr<int64_t>();
   p.ids = ids.data_ptr<int64_t>();
   p.off = id_offsets.data_ptr<int64_t>();
   p.slot_off = layout.data_ptr<int64_t>();
@@ -402,6 +420,15 @@ at::Tensor zch_remap_cuda(const at::Tensor& ids, const at::Tensor& id_offsets, a
   } else {
     _zch_remap_kernel<float><<<grid, kTablesPerBlock, 0, stream>>>(p, nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // A state no remap could have made (a direct call of the schema): raise as the cpu kernel does.
+  const at::Tensor error_h = error.cpu();
+  const int64_t* e = error_h.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t kind = e[2 * t], slot = e[2 * t + 1], slots = lay[t + 1] - lay[t];
+    TORCH_CHECK(kind != 1, "zch_remap: index holds slot ", slot, " outside [0, ", slots, ")");
+    TORCH_CHECK(kind != 2, "zch_remap: heap holds slot ", slot, " outside [0, ", slots, ")");
+    TORCH_CHECK(kind != 3, "zch_remap: the id of slot ", slot, " is missing from the index");
   }
   return out;
 }

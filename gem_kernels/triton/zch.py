@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.zch import check_values
+from ..reference.zch import check_layout, check_values
 
 # Codes of gem_kernels/reference/zch.py (POLICY_CODES, STATE_FIELDS, slot_meta's columns).
 _LFU = tl.constexpr(1)
@@ -36,6 +36,10 @@ _HITS = tl.constexpr(8)
 _LOOKUPS = tl.constexpr(9)
 _UNADMITTED = tl.constexpr(10)
 _NUM_FIELDS = tl.constexpr(11)
+# The kernel's corruption flags, by kind (the cpu kernel's messages).
+_CORRUPT = {1: "zch_remap: index holds slot {slot} outside [0, {slots})",
+            2: "zch_remap: heap holds slot {slot} outside [0, {slots})",
+            3: "zch_remap: the id of slot {slot} is missing from the index"}
 # A reused row's weights are written this many at a time (embedding dims are 4..512).
 BLOCK_D = 64
 
@@ -62,6 +66,14 @@ def _home(ident, cap):
 @triton.jit
 def _bump(state, field, by):
     tl.store(state + field, tl.load(state + field) + by)
+
+
+@triton.jit
+def _record(error, kind, slot):
+    """The first corruption a table meets (kind: see _CORRUPT), raised by the host after the launch."""
+    if tl.load(error) == 0:
+        tl.store(error, slot * 0 + kind)
+        tl.store(error + 1, slot)
 
 
 @triton.jit
@@ -201,7 +213,7 @@ def _admit(pending, pcap, ident, threshold, max_probe, train, state):
 
 
 @triton.jit
-def _victim(meta, heap, state, slots, policy, ttl, now, batch_start):
+def _victim(meta, heap, state, error, slots, policy, ttl, now, batch_start):
     """The slot whose id the policy evicts now, or -1 (see the reference's victim)."""
     size = tl.load(state + _HEAP_SIZE)
     result = size * 0 - 1
@@ -209,6 +221,7 @@ def _victim(meta, heap, state, slots, policy, ttl, now, batch_start):
     while going != 0:
         slot = tl.load(heap)
         if (slot < 0) | (slot >= slots):  # a corrupt heap: no victim rather than a wild write
+            _record(error, 2, slot)
             going = going * 0
         else:
             first, seq = _key(meta, policy, slot)
@@ -234,7 +247,7 @@ def _victim(meta, heap, state, slots, policy, ttl, now, batch_start):
 
 @triton.jit
 def _zch_remap_fwd_kernel(
-    ids_ptr, off_ptr, layout_ptr, meta_ptr, heap_ptr, index_ptr, pending_ptr, state_ptr, out_ptr,
+    ids_ptr, off_ptr, layout_ptr, meta_ptr, heap_ptr, index_ptr, pending_ptr, state_ptr, out_ptr, error_ptr,
     weights_ptr, w_off_ptr, d_off_ptr, r_off_ptr, bounds_ptr, m1_ptr, m2_ptr,
     T, policy, ttl, now, threshold, max_probe, train, default_row, reset, m1_size, m2_size, seed,
     BLOCK_D: tl.constexpr,
@@ -251,6 +264,7 @@ def _zch_remap_fwd_kernel(
     index = index_ptr + 2 * first_cell
     pending = pending_ptr + 2 * first_pending
     state = state_ptr + _NUM_FIELDS * t
+    error = error_ptr + 2 * t
     miss = tl.where(default_row != 0, slots, slots * 0 - 1)
     batch_start = tl.load(state + _SEQ)
     for i in range(tl.load(off_ptr + t), tl.load(off_ptr + t + 1)):
@@ -260,7 +274,9 @@ def _zch_remap_fwd_kernel(
         pos = _index_find(index, cap, ident, max_probe, state)
         if pos >= 0:
             slot = tl.load(index + 2 * pos + 1)
-            if slot < slots:  # (a corrupt index: the cpu kernel raises; never a write outside the table)
+            if slot >= slots:  # a corrupt index: never a write outside the table
+                _record(error, 1, slot)
+            else:
                 _bump(state, _HITS, 1)
                 if train != 0:
                     seq = tl.load(state + _SEQ) + 1
@@ -284,11 +300,13 @@ def _zch_remap_fwd_kernel(
                 if fresh:
                     tl.store(state + _USED, used + 1)
                 else:
-                    slot = _victim(meta, heap, state, slots, policy, ttl, now, batch_start)
+                    slot = _victim(meta, heap, state, error, slots, policy, ttl, now, batch_start)
                     old = slot * 0 - 1
                     if slot >= 0:
                         old = _index_find(index, cap, tl.load(meta + 4 * slot), max_probe, state)
                     if old < 0:
+                        if slot >= 0:
+                            _record(error, 3, slot)
                         _bump(state, _UNADMITTED, 1)
                         placed = placed * 0
                     else:
@@ -353,18 +371,27 @@ def zch_remap(ids, id_offsets, slot_meta, heap, index, pending, table_state, lay
               admit_threshold, max_probe, train, default_row, weights, weights_offsets, D_offsets, rows_offsets,
               momentum1, momentum2, init_bounds, seed):
     """The native schema's signature: slots [N], mutating the state (and the rows it resets)."""
-    check_values(id_offsets.tolist(), table_state.tolist(), ids.numel(), now, train)
+    states, layout_list = table_state.tolist(), layout.tolist()
+    check_values(id_offsets.tolist(), states, ids.numel(), now, train)
+    check_layout(layout_list, states, (slot_meta.numel(), heap.numel(), index.numel(), pending.numel()),
+                 admit_threshold)
     num_tables = id_offsets.numel() - 1
     out = torch.empty_like(ids)
+    error = torch.zeros(num_tables, 2, dtype=torch.int64, device=ids.device)
     reset = weights.numel() > 0
     # Kernels need a pointer of the right dtype even where the branch that reads it never runs.
     placeholder = torch.zeros(1, dtype=torch.float32, device=ids.device)
     metas = placeholder.long()
     _zch_remap_fwd_kernel[(num_tables,)](
-        ids, id_offsets, layout, slot_meta, heap, index, pending, table_state, out,
+        ids, id_offsets, layout, slot_meta, heap, index, pending, table_state, out, error,
         weights if reset else placeholder, weights_offsets if reset else metas, D_offsets if reset else metas,
         rows_offsets if reset else metas, init_bounds if reset else placeholder.double(),
         momentum1 if momentum1.numel() else placeholder, momentum2 if momentum2.numel() else placeholder,
         num_tables, policy, ttl, now, admit_threshold, max_probe, int(train), int(default_row), int(reset),
         momentum1.numel(), momentum2.numel(), seed, BLOCK_D=BLOCK_D)
+    # A state no remap could have made (a direct call): raise as the cpu kernel does.
+    slot_off = layout_list[0]
+    for t, (kind, slot) in enumerate(error.tolist()):
+        if kind:
+            raise RuntimeError(_CORRUPT[kind].format(slot=slot, slots=slot_off[t + 1] - slot_off[t]))
     return out
