@@ -32,6 +32,7 @@
 #include <initializer_list>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/zch_checks.h"
 
 namespace gem_kernels {
 namespace {
@@ -333,24 +334,7 @@ at::Tensor zch_remap_cuda(const at::Tensor& ids, const at::Tensor& id_offsets, a
   TORCH_CHECK(slot_meta.numel() == lay[T] * kMetaFields && heap.numel() == lay[T] * 3 &&
                   index.numel() == lay[2 * (T + 1) - 1] * 2 && pending.numel() == lay[3 * (T + 1) - 1] * 2,
               "zch_remap: state tensors do not match layout");
-  TORCH_CHECK_VALUE(off[0] == 0 && off[T] == N, "id_offsets must start at 0 and end at ids.numel() = ", N, ", got ",
-                    off[0], " and ", off[T]);
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK_VALUE(off[t] <= off[t + 1], "id_offsets must be non-decreasing, got id_offsets[", t, "] = ", off[t],
-                      " > id_offsets[", t + 1, "] = ", off[t + 1]);
-    const int64_t* ts = st + t * kNumFields;
-    TORCH_CHECK_VALUE(!train || now >= ts[kLastNow], "now must not decrease: table ", t, " last saw now = ",
-                      ts[kLastNow], ", got ", now);
-    const int64_t slots = lay[t + 1] - lay[t], cells = lay[T + 2 + t] - lay[T + 1 + t];
-    const int64_t pcells = lay[2 * T + 3 + t] - lay[2 * T + 2 + t];
-    TORCH_CHECK(slots >= 1 && cells >= 1 && (cells & (cells - 1)) == 0 && pcells >= 0 && (pcells & (pcells - 1)) == 0 &&
-                    (admit_threshold <= 1 || pcells >= 1),
-                "zch_remap: layout of table ", t, " is invalid (slots ", slots, ", index cells ", cells,
-                ", pending cells ", pcells, ")");
-    TORCH_CHECK(ts[kUsed] >= 0 && ts[kUsed] <= slots && ts[kHeapSize] == ts[kUsed] && ts[kSeq] >= 0,
-                "zch_remap: table_state of table ", t, " is inconsistent (used ", ts[kUsed], ", heap_size ",
-                ts[kHeapSize], ", slots ", slots, ")");
-  }
+  zch_checks::check_tables(off, lay, st, T, N, now, train, admit_threshold);
   auto out = at::empty({N}, ids.options());
   auto error = at::zeros({T, 2}, ids.options());
   Params p{};
@@ -383,26 +367,12 @@ at::Tensor zch_remap_cuda(const at::Tensor& ids, const at::Tensor& id_offsets, a
       GK_CHECK_CUDA(*x);
       GK_CHECK_CONTIGUOUS(*x);
     }
-    TORCH_CHECK(weights_offsets.numel() == T && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1 &&
-                    init_bounds.numel() == 2 * T && init_bounds.scalar_type() == at::kDouble &&
-                    weights_offsets.scalar_type() == at::kLong && D_offsets.scalar_type() == at::kLong &&
-                    rows_offsets.scalar_type() == at::kLong,
-                "zch_remap: weights metadata / init_bounds do not match T = ", T);
-    TORCH_CHECK(momentum1.scalar_type() == at::kFloat && momentum2.scalar_type() == at::kFloat,
-                "zch_remap: optimizer state must be float32");
+    zch_checks::check_reset_tensors(T, weights_offsets, D_offsets, rows_offsets, init_bounds, momentum1, momentum2);
     const at::Tensor w_h = weights_offsets.cpu(), d_h = D_offsets.cpu(), r_h = rows_offsets.cpu();
     const int64_t *w_off = w_h.data_ptr<int64_t>(), *d_off = d_h.data_ptr<int64_t>(), *r_off = r_h.data_ptr<int64_t>();
     p.m1_size = momentum1.numel();
     p.m2_size = momentum2.numel();
-    TORCH_CHECK((p.m2_size == 0 && (p.m1_size == 0 || p.m1_size == r_off[T])) ||
-                    (p.m1_size == weights.numel() && p.m2_size == weights.numel()),
-                "zch_remap: momentum1/momentum2 sizes match no optimizer layout");
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t dim = d_off[t + 1] - d_off[t], rows = r_off[t + 1] - r_off[t], slots = lay[t + 1] - lay[t];
-      TORCH_CHECK(dim >= 1 && r_off[t] >= 0 && rows >= slots && w_off[t] >= 0 && w_off[t] + rows * dim <= weights.numel(),
-                  "zch_remap: table ", t, " (", rows, " rows x ", dim, " at ", w_off[t],
-                  ") does not hold its slots inside weights");
-    }
+    zch_checks::check_reset_values(T, lay, w_off, d_off, r_off, weights.numel(), p.m1_size, p.m2_size);
     p.w_off = weights_offsets.data_ptr<int64_t>();
     p.d_off = D_offsets.data_ptr<int64_t>();
     p.r_off = rows_offsets.data_ptr<int64_t>();

@@ -32,7 +32,8 @@ identity tables exactly.
 ``ttl_unit="seconds"``: pass the batch's ``timestamp`` to the sharded module's forward on every rank,
 as to the unsharded one. The owner of a table remaps the global batch's ids, so the ranks agree on
 one time for the batch: the largest of their timestamps (one all-reduce of two int64 per training
-step; the ranks normally pass the same). A rank passing None in training fails on every rank.
+step; the ranks normally pass the same). A rank passing None in training fails on every rank
+(TorchRec's train pipelines, which call ``input_dist`` without it, do not carry a timestamp).
 
 Row-wise/column-wise plans are refused.
 """
