@@ -3,7 +3,9 @@
     torchrun --standalone --nproc_per_node 2 -m model.train --config tiny --distributed [--plan table_wise|column_wise|auto]
 
 What is sharded how: the categorical tables (``sparse_arch``) become a gk.torchrec
-``FusedEmbeddingBagCollection`` and the item/action tables of the sequence arch a
+``FusedEmbeddingBagCollection`` (with ``--hashed-ids``: the model's ``ZchEmbeddingBagCollection``,
+sharded table-wise by ``ZchEmbeddingBagCollectionSharder``, each owner remapping its tables' raw ids
+of the global batch as the unsharded model does) and the item/action tables of the sequence arch a
 ``FusedEmbeddingCollection``; both are sharded by the gem_kernels sharders under ``--plan``, and
 every rank runs its shards with the fused kernel and its row-wise Adagrad. Everything else (dense,
 HSTU, interaction, heads) is replicated and trained data-parallel (DMP's default DDP wrap, Adam).
@@ -16,7 +18,8 @@ back out), so the gradients, the updates and the reported loss (the mean over ra
 global batch's whatever W is. Throughput figures in the JSON are global (all ranks); per-rank
 ones carry ``_per_rank`` in their names.
 Checkpoints (``--checkpoint DIR``): torch.distributed.checkpoint (sharded tables + fused optimizer
-state + dense + Adam), saved at the end, loadable at another world size (``--resume``).
+state + dense + Adam; hashed tables' identity tables and eviction state too), saved at the end,
+loadable at another world size (``--resume``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from .gem import MODEL_FLOPS_COMPONENTS
 
 class ShardableSparseArch(nn.Module):
     """SparseArch on a KJT-fed ``gk.torchrec.FusedEmbeddingBagCollection`` (the form DMP shards);
-    same tables, same output [B, T, D]."""
+    same tables, same output [B, T, D]. With hashed ids, the arch's own ``ZchEmbeddingBagCollection``
+    (KJT-fed already)."""
 
     def __init__(self, arch: nn.Module, cfg):
         super().__init__()
@@ -49,6 +53,10 @@ class ShardableSparseArch(nn.Module):
         from gem_kernels.torchrec import FusedEmbeddingBagCollection
 
         self.names = sparse_feature_names(cfg.num_tables)
+        self.num_tables, self.dim, self.hashed_ids = cfg.num_tables, cfg.embedding_dim, cfg.hashed_ids
+        if cfg.hashed_ids:
+            self.ebc = arch.ebc
+            return
         configs = [EmbeddingBagConfig(name=f"table_{t}", embedding_dim=cfg.embedding_dim, num_embeddings=rows,
                                       feature_names=[name], pooling=PoolingType.SUM)
                    for t, (rows, name) in enumerate(zip(cfg.num_embeddings_per_table, self.names))]
@@ -56,10 +64,11 @@ class ShardableSparseArch(nn.Module):
         with torch.no_grad():
             for t in range(cfg.num_tables):
                 self.ebc.weight(f"table_{t}").copy_(arch.ebc.weight(f"table_{t}"))
-        self.num_tables, self.dim = cfg.num_tables, cfg.embedding_dim
 
     def forward(self, batch) -> torch.Tensor:
         pooled = self.ebc(batch.sparse_features())  # sharded: keys in the plan's order, so picked by name
+        if self.hashed_ids:  # (KeyedTensor, None), as the managed-collision collections return
+            pooled = pooled[0]
         return torch.cat([pooled[name] for name in self.names], dim=1).view(batch.batch_size, self.num_tables,
                                                                             self.dim)
 
@@ -235,7 +244,12 @@ def shard(model: nn.Module, plan: str, device: torch.device):
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from gem_kernels.torchrec import FusedEmbeddingBagCollectionSharder, FusedEmbeddingCollectionSharder, sharding_plan
+    from gem_kernels.torchrec import (
+        FusedEmbeddingBagCollectionSharder,
+        FusedEmbeddingCollectionSharder,
+        ZchEmbeddingBagCollectionSharder,
+        sharding_plan,
+    )
 
     if model.kernels != "fused":
         raise ValueError(f"--distributed shards the fused model; got --kernels {model.kernels!r}")
@@ -244,7 +258,8 @@ def shard(model: nn.Module, plan: str, device: torch.device):
     model.sequence_arch.embeddings = ShardableSequenceEmbeddings(model.sequence_arch.embeddings, cfg)
     model.to(device)
     wrapped = _Loss(model)
-    sharders = [FusedEmbeddingBagCollectionSharder(), FusedEmbeddingCollectionSharder()]
+    sharders = [FusedEmbeddingBagCollectionSharder(), FusedEmbeddingCollectionSharder(),
+                ZchEmbeddingBagCollectionSharder()]
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(wrapped, env=env, device=device, sharders=sharders,
                                    plan=sharding_plan(wrapped, sharders, plan, compute_device=device.type))

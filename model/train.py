@@ -96,8 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be an int in [0, 2**63), got {args.seed}")
     if args.resume and args.checkpoint is None:
         parser.error("--resume needs --checkpoint DIR")
-    if args.hashed_ids and args.distributed:
-        parser.error("--hashed-ids with --distributed: the hashed tables have no sharder in model/distributed.py")
+    if args.hashed_ids and args.distributed and args.plan == "column_wise":
+        parser.error("--hashed-ids with --distributed: the hashed tables shard table-wise only (--plan table_wise or "
+                     "auto), got --plan column_wise")
     try:
         device = torch.device(args.device)
     except RuntimeError as error:

@@ -1,6 +1,8 @@
 """The GEM-like model on raw hashed ids (issue 28, "Model"): GemConfig(hashed_ids=True) feeds raw
 64-bit ids with drift through zero-collision hashed tables; training fills and evicts them, and
-model.train's checkpoint / --resume restores the identity tables exactly."""
+model.train's checkpoint / --resume restores the identity tables exactly; ``--distributed`` shards
+them table-wise (torchrun, gloo): 1 and 2 ranks give the same losses, a 2-rank checkpoint resumes on
+1 rank with the identity tables of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -93,9 +95,65 @@ def test_checkpoint_resume_restores_the_identity_tables_exactly(tmp_path):
     assert not torch.equal(halfway["sparse_arch.ebc.zch.slot_meta"], a["sparse_arch.ebc.zch.slot_meta"])
 
 
-def test_hashed_ids_with_distributed_is_refused(capsys):
+def test_hashed_ids_with_distributed_column_wise_is_refused(capsys):
     from model.train import parse_args
 
+    assert parse_args(["--hashed-ids", "--distributed"]).hashed_ids
     with pytest.raises(SystemExit):
-        parse_args(["--hashed-ids", "--distributed"])
-    assert "--hashed-ids with --distributed" in capsys.readouterr().err
+        parse_args(["--hashed-ids", "--distributed", "--plan", "column_wise"])
+    assert "the hashed tables shard table-wise only" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory):
+    """torchrun launches of ``model.train --hashed-ids --distributed`` (3 steps, global batch 8):
+    1 rank; 2 ranks; 2 ranks stopped at step 2 with a checkpoint; 1 rank resuming that checkpoint."""
+    pytest.importorskip("torchrec")
+    from .test_distributed_cli import _torchrun
+
+    root = tmp_path_factory.mktemp("hashed_dist")
+    runs = {name: _torchrun(world, root / f"{name}.json", "--hashed-ids", "--steps", str(steps), *extra)[0]
+            for name, world, steps, extra in (
+                ("one", 1, 3, ("--checkpoint", str(root / "one"))),
+                ("two", 2, 3, ()),
+                ("two_halfway", 2, 2, ("--checkpoint", str(root / "resumed"))),
+                ("resumed_on_one", 1, 3, ("--checkpoint", str(root / "resumed"), "--resume")))}
+    return runs, root
+
+
+def test_distributed_hashed_one_rank_equals_two_ranks(distributed_runs):
+    """Each table's owner remaps the global batch's ids in the unsharded order: the losses of 1 and
+    2 ranks agree over 3 steps (fp32 sums in another order: 1e-5)."""
+    runs, _ = distributed_runs
+    one, two = runs["one"]["losses"], runs["two"]["losses"]
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-5, (one, two)
+
+
+def _dcp_state(directory) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = directory.parent / f"{directory.name}.pt"
+    dcp_to_torch_save(directory, path)
+    return torch.load(path, weights_only=False)["model"]
+
+
+def test_distributed_hashed_checkpoint_resumes_on_another_world_size(distributed_runs):
+    """A 2-rank checkpoint at step 2, resumed on 1 rank to step 3: the losses are the uninterrupted
+    1-rank run's, and its final checkpoint holds the same identity tables and eviction state (the
+    zch.* keys of the sharded state_dict, resharded 2 -> 1 by torch.distributed.checkpoint)."""
+    runs, root = distributed_runs
+    resumed, one = runs["resumed_on_one"]["losses"], runs["one"]["losses"]
+    assert len(resumed) == 3
+    for a, b in zip(resumed, one):
+        assert abs(a - b) <= 1e-5, (resumed, one)
+    # the resumed run's final (step 3) checkpoint replaced the step-2 one
+    want, got = _dcp_state(root / "one"), _dcp_state(root / "resumed")
+    zch = [k for k in want if ".zch." in k]
+    assert {k.rsplit(".", 1)[1] for k in zch} == {"slot_meta", "heap", "index", "pending", "table_state", "step"}
+    for key in zch:
+        assert torch.equal(got[key], want[key]), key
+    # the clock: 3 training steps after from_torchrec's carry-over (one training call of it)
+    assert int(want[next(k for k in zch if k.endswith("zch.step"))]) == 1 + 3
+    assert int((want[next(k for k in zch if k.endswith("zch.slot_meta"))][:, 1] > 0).sum()) > 0  # ids were admitted

@@ -7,6 +7,7 @@ against each other bit for bit (identity tables, metadata, heap, index).
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -180,6 +181,80 @@ def test_same_state_on_every_backend_and_thread_count(policy, threshold):
         assert outs == states[0][0]
         for key, value in state.items():
             assert torch.equal(value, states[0][1][key]), key
+
+
+def _stream_state(backend: str, device: str, policy: str, threshold: int, steps: int = 12, per_table: int = 40):
+    """A 3-table HashedEmbeddingBag (Adam: element-wise state reset with the row) remapping an
+    evicting stream on ``backend``: every batch's slots, and the final state_dict (weights, optimizer
+    state, identity tables, metadata, heap, index, admission counts) on the CPU."""
+    torch.manual_seed(0)
+    module = gk.HashedEmbeddingBag([TableSpec(9, 4), TableSpec(5, 8), TableSpec(31, 4)], eviction=policy,
+                                   ttl=2 if policy == "ttl" else None, admission_threshold=threshold,
+                                   optimizer=gk.optim.ExactAdam(lr=0.1), seed=3, backend=backend).to(device)
+    module.train()
+    outs = []
+    for batch in drifting_stream(steps=steps, tables=3, seed=3, per_table=per_table):
+        ids = torch.tensor([x for seg in batch for x in seg], dtype=torch.int64, device=device)
+        offsets = torch.tensor([0] + [len(seg) for seg in batch], device=device).cumsum(0)
+        outs.append(module.remap(ids, offsets).cpu())
+    return outs, {k: v.cpu() for k, v in module.state_dict().items()}
+
+
+NEW_KERNEL_CASES = [("lru", 1), ("lfu", 2), ("ttl", 1), ("lru", 3)]
+
+
+def _assert_same_stream_state(got, want):
+    assert sum(want[1]["zch.table_state"][:, STATE_FIELDS.index("evictions")].tolist()) > 5  # it evicted
+    for step, (a, b) in enumerate(zip(got[0], want[0])):
+        assert torch.equal(a, b), f"step {step}"
+    for key, value in want[1].items():
+        assert torch.equal(got[1][key], value), key
+
+
+@pytest.mark.skipif(os.environ.get("GK_CUDA_EMU") != "1", reason="runs the CUDA kernel's code under GK_CUDA_EMU=1 "
+                    "(tests/cuda_emu); on a GPU see test_cuda_kernel_matches_cpu")
+@pytest.mark.parametrize("policy,threshold", NEW_KERNEL_CASES)
+def test_cuda_kernel_matches_reference_under_emulation(policy, threshold):
+    """csrc/cuda/zch.cu, emulated on the CPU (it is then the `cpu` backend's zch_remap_native): the
+    reference's slots, identity tables, eviction state and reset rows, bit for bit."""
+    assert "cuda_emu" in torch._C._dispatch_dump("gem_kernels::zch_remap_native").split("CPU: registered at")[1]
+    _assert_same_stream_state(_stream_state("cpu", "cpu", policy, threshold),
+                              _stream_state("reference", "cpu", policy, threshold))
+
+
+@pytest.mark.skipif("triton" not in gk.available_backends(), reason="triton is not installed")
+@pytest.mark.parametrize("policy,threshold", NEW_KERNEL_CASES)
+def test_triton_kernel_matches_reference(policy, threshold):
+    """gem_kernels/triton/zch.py (TRITON_INTERPRET=1 on this CPU; CUDA tensors on a GPU): the
+    reference's slots, identity tables, eviction state and reset rows, bit for bit (a short stream:
+    the interpreter walks a table's ids one scalar op at a time)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _assert_same_stream_state(_stream_state("triton", device, policy, threshold, steps=7, per_table=24),
+                              _stream_state("reference", "cpu", policy, threshold, steps=7, per_table=24))
+
+
+@pytest.mark.skipif("triton" not in gk.available_backends(), reason="triton is not installed")
+def test_triton_bad_values_and_empty_batch():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tables = gk.ZchTables([3, 4], admission_threshold=2, device=device)
+    empty = gk.zch_remap(torch.empty(0, dtype=torch.int64, device=device), torch.zeros(3, dtype=torch.int64,
+                                                                                       device=device), tables, now=1,
+                         backend="triton")
+    assert empty.numel() == 0 and tables.table_state[:, STATE_FIELDS.index("last_now")].tolist() == [1, 1]
+    with pytest.raises(ValueError, match="id_offsets must be non-decreasing"):
+        gk.zch_remap(torch.tensor([1, 2], device=device), torch.tensor([0, 3, 2], device=device), tables, now=2,
+                     backend="triton")
+    with pytest.raises(ValueError, match="now must not decrease"):
+        gk.zch_remap(torch.tensor([1, 2], device=device), torch.tensor([0, 1, 2], device=device), tables, now=0,
+                     backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or "cuda" not in gk.available_backends(),
+                    reason="needs a CUDA GPU and the CUDA build")
+@pytest.mark.parametrize("policy,threshold", NEW_KERNEL_CASES)
+def test_cuda_kernel_matches_cpu(policy, threshold):
+    _assert_same_stream_state(_stream_state("cuda", "cuda", policy, threshold),
+                              _stream_state("reference", "cpu", policy, threshold))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -379,16 +454,22 @@ def test_remap_traces_with_torch_fx(call, node):
 
 
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ extension is not built")
-def test_native_call_with_malformed_state_raises():
-    """A direct call of the schema with inconsistent state raises instead of reading or writing
-    outside its buffers."""
+@pytest.mark.parametrize("kernel", ["native", "triton"])
+def test_native_call_with_malformed_state_raises(kernel):
+    """A direct call of the schema (the native one: cpu, or cuda under GK_CUDA_EMU; or the triton
+    kernel's) with inconsistent state raises instead of reading or writing outside its buffers."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        from gem_kernels.triton.zch import zch_remap as remap
+    else:
+        remap = torch.ops.gem_kernels.zch_remap_native
     empty, none = torch.empty(0, dtype=torch.int64), torch.empty(0)
 
     def call(tables, **change):
         args = dict(slot_meta=tables.slot_meta, heap=tables.heap, index=tables.index, pending=tables.pending,
                     table_state=tables.table_state, layout=tables.layout)
         args.update(change)
-        return torch.ops.gem_kernels.zch_remap_native(
+        return remap(
             torch.tensor([1, 2, 3]), torch.tensor([0, 3]), args["slot_meta"], args["heap"], args["index"],
             args["pending"], args["table_state"], args["layout"], 0, 0, 1, 1, 32, True, False, none, empty, empty,
             empty, none, none, torch.empty(0, dtype=torch.float64), 0)

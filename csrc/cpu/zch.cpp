@@ -34,6 +34,7 @@
 #include "gem_kernels/cpu_rows.h"
 #include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/offsets_check.h"
+#include "gem_kernels/zch_checks.h"
 
 namespace gem_kernels {
 namespace {
@@ -277,30 +278,7 @@ State check_state(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tenso
   const int64_t N = ids.numel();
   const int64_t* off = id_offsets.data_ptr<int64_t>();
   s.off = off;
-  TORCH_CHECK_VALUE(off[0] == 0 && off[T] == N, "id_offsets must start at 0 and end at ids.numel() = ", N,
-                    ", got ", off[0], " and ", off[T]);
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK_VALUE(off[t] <= off[t + 1], "id_offsets must be non-decreasing, got id_offsets[", t, "] = ",
-                      off[t], " > id_offsets[", t + 1, "] = ", off[t + 1]);
-    const int64_t last = table_state.data_ptr<int64_t>()[t * kNumFields + kLastNow];
-    TORCH_CHECK_VALUE(!train || now >= last, "now must not decrease: table ", t, " last saw now = ", last,
-                      ", got ", now);
-  }
-  // What keeps a direct call of the schema inside its buffers: the layout, the state counters and
-  // the weights metadata (the slots held in the index and heap are checked where they are read).
-  const int64_t* st = table_state.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slots = s.slot_off[t + 1] - s.slot_off[t], cells = s.index_off[t + 1] - s.index_off[t];
-    const int64_t pcells = s.pending_off[t + 1] - s.pending_off[t];
-    TORCH_CHECK(slots >= 1 && cells >= 1 && (cells & (cells - 1)) == 0 && pcells >= 0 && (pcells & (pcells - 1)) == 0 &&
-                    (admit_threshold <= 1 || pcells >= 1),
-                "zch_remap: layout of table ", t, " is invalid (slots ", slots, ", index cells ", cells,
-                ", pending cells ", pcells, ")");
-    const int64_t* ts = st + t * kNumFields;
-    TORCH_CHECK(ts[kUsed] >= 0 && ts[kUsed] <= slots && ts[kHeapSize] == ts[kUsed] && ts[kSeq] >= 0,
-                "zch_remap: table_state of table ", t, " is inconsistent (used ", ts[kUsed], ", heap_size ",
-                ts[kHeapSize], ", slots ", slots, ")");
-  }
+  zch_checks::check_tables(off, lay, table_state.data_ptr<int64_t>(), T, N, now, train, admit_threshold);
   s.reset = weights.numel() > 0;
   if (s.reset) {
     GK_CHECK_CONTIGUOUS(weights);
@@ -309,13 +287,7 @@ State check_state(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tenso
       GK_CHECK_CPU(*x);
       GK_CHECK_CONTIGUOUS(*x);
     }
-    TORCH_CHECK(weights_offsets.numel() == T && D_offsets.numel() == T + 1 && rows_offsets.numel() == T + 1 &&
-                    init_bounds.numel() == 2 * T && init_bounds.scalar_type() == at::kDouble &&
-                    weights_offsets.scalar_type() == at::kLong && D_offsets.scalar_type() == at::kLong &&
-                    rows_offsets.scalar_type() == at::kLong,
-                "zch_remap: weights metadata / init_bounds do not match T = ", T);
-    TORCH_CHECK(momentum1.scalar_type() == at::kFloat && momentum2.scalar_type() == at::kFloat,
-                "zch_remap: optimizer state must be float32");
+    zch_checks::check_reset_tensors(T, weights_offsets, D_offsets, rows_offsets, init_bounds, momentum1, momentum2);
     s.w_off = weights_offsets.data_ptr<int64_t>();
     s.d_off = D_offsets.data_ptr<int64_t>();
     s.r_off = rows_offsets.data_ptr<int64_t>();
@@ -324,17 +296,7 @@ State check_state(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tenso
     s.m2 = momentum2.data_ptr<float>();
     s.m1_size = momentum1.numel();
     s.m2_size = momentum2.numel();
-    TORCH_CHECK((s.m2_size == 0 && (s.m1_size == 0 || s.m1_size == s.r_off[T])) ||
-                    (s.m1_size == weights.numel() && s.m2_size == weights.numel()),
-                "zch_remap: momentum1/momentum2 sizes match no optimizer layout");
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t dim = s.d_off[t + 1] - s.d_off[t], rows = s.r_off[t + 1] - s.r_off[t];
-      const int64_t slots = s.slot_off[t + 1] - s.slot_off[t];
-      TORCH_CHECK(dim >= 1 && s.r_off[t] >= 0 && rows >= slots && s.w_off[t] >= 0 &&
-                      s.w_off[t] + rows * dim <= weights.numel(),
-                  "zch_remap: table ", t, " (", rows, " rows x ", dim, " at ", s.w_off[t],
-                  ") does not hold its slots inside weights");
-    }
+    zch_checks::check_reset_values(T, s.slot_off, s.w_off, s.d_off, s.r_off, weights.numel(), s.m1_size, s.m2_size);
   }
   s.meta = slot_meta.data_ptr<int64_t>();
   s.heap = heap.data_ptr<int64_t>();

@@ -4,9 +4,11 @@
 metadata; ``zch_remap(ids, id_offsets, tables)`` maps a batch of raw ids to slots and, in training,
 admits new ids and evicts old ones; ``zch_embedding_bag`` fuses that remap into the embedding-bag
 lookup (one pass over the ids remaps and pools; the modules' forward). The algorithm and the state layout are in
-gem_kernels/reference/zch.py; csrc/cpu/zch.cpp runs the same steps. Backends: ``cpu`` (C++) and
-``reference`` (plain Python); both give the same state bit for bit, at any thread count (tables run in
-parallel, one table's ids in order).
+gem_kernels/reference/zch.py; csrc/cpu/zch.cpp, csrc/cuda/zch.cu and gem_kernels/triton/zch.py run
+the same steps. Backends: ``cpu`` (C++), ``cuda`` (a thread per table), ``triton`` (a program per
+table) and ``reference`` (plain Python); all give the same state bit for bit, at any thread count
+(tables run in parallel, one table's ids in order). On cuda and triton the fused lookup is the remap,
+then the embedding-bag kernel (two passes).
 """
 
 from __future__ import annotations
@@ -14,21 +16,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._backend import Family, resolve_backend
+from .._backend import Family, _on_device_of_inputs, kernel, resolve_backend
 from .._embedding_bag import OPT_NONE, OPTIMIZER_CODES, POOLING_CODES, SKIP, TableMeta
 from .._validate import (check_int64, check_offsets_meta, check_same_device, check_tensor, per_sample_weights_arg)
 from ..reference.zch import POLICY_CODES, STATE_FIELDS
 from .embedding_bag import _backward as _embedding_bag_backward, _setup as _embedding_bag_setup
-
-_NO_TRITON = None  # the zch family has no Triton kernels: Family.module never asks for them
-
 
 def _reference_zch():
     from ..reference import zch
     return zch
 
 
-FAMILY = Family(_reference_zch, _NO_TRITON, implemented=("reference", "cpu"), auto_cuda=())
+def _triton_zch():
+    from ..triton import zch
+    return zch
+
+
+FAMILY = Family(_reference_zch, _triton_zch, implemented=("reference", "cpu", "cuda", "triton"))
+
 TTL_UNITS = ("steps", "seconds")
 
 
@@ -176,8 +181,10 @@ def zch_remap_op(ids: torch.Tensor, id_offsets: torch.Tensor, slot_meta: torch.T
     args = (ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, ttl, now, admit_threshold,
             max_probe, train, default_row, weights, weights_offsets, D_offsets, rows_offsets, momentum1, momentum2,
             init_bounds, seed)
-    if backend == "cpu":
+    if backend in ("cpu", "cuda"):
         return torch.ops.gem_kernels.zch_remap_native(*args)
+    if backend == "triton":
+        return _on_device_of_inputs(_triton_zch().zch_remap)(*args)
     return _reference_zch().zch_remap(*args)
 
 
@@ -259,13 +266,24 @@ def zch_embedding_bag_forward_op(ids: torch.Tensor, offsets: torch.Tensor, per_s
                                  pooling: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(pooled [B, output_dim], slots [N]): the remap of ``ids`` (table t's ids are its bags'
     ``offsets[t*B]:offsets[(t+1)*B]``) and the sum/mean of each bag's rows (an id without a row is
-    left out). cpu: one pass (csrc/cpu/zch.cpp); reference: the remap, then the embedding bag."""
+    left out). cpu: one pass (csrc/cpu/zch.cpp); reference, cuda, triton: the remap, then the embedding bag
+    (an id without a row, slot -1, is skipped: the one-pass result, as tests/test_zch_fused.py checks)."""
     args = (slot_meta, heap, index, pending, table_state, layout, policy, ttl, now, admit_threshold, max_probe, train,
             default_row, weights, weights_offsets, D_offsets, rows_offsets, momentum1, momentum2, init_bounds, seed)
     if backend == "cpu":
         return torch.ops.gem_kernels.zch_embedding_bag_forward_native(ids, offsets, per_sample_weights, *args,
                                                                       output_dim, pooling)
-    return _reference_zch().zch_embedding_bag_forward(ids, offsets, per_sample_weights, *args, output_dim, pooling)
+    if backend == "reference":
+        return _reference_zch().zch_embedding_bag_forward(ids, offsets, per_sample_weights, *args, output_dim,
+                                                          pooling)
+    num_tables = layout.shape[1] - 1
+    batch = (offsets.numel() - 1) // num_tables
+    id_offsets = offsets[::batch].contiguous() if batch else offsets.new_zeros(num_tables + 1)
+    slots = zch_remap_op(ids, id_offsets, *args, backend)
+    out = kernel("embedding_bag", "embedding_bag_forward", backend)(
+        weights, weights_offsets, D_offsets, rows_offsets, slots, offsets, per_sample_weights, output_dim, pooling,
+        SKIP)
+    return out, slots
 
 
 def _zch_embedding_bag_fake(ids, offsets, per_sample_weights, slot_meta, heap, index, pending, table_state, layout,

@@ -167,24 +167,46 @@ class _Table:
         return -1
 
 
-def zch_remap(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, ttl, now,
-              admit_threshold, max_probe, train, default_row, weights, weights_offsets, D_offsets, rows_offsets,
-              momentum1, momentum2, init_bounds, seed):
-    """The native schema's signature; mutates the state tensors (and the weights rows it resets)."""
-    off = id_offsets.tolist()
-    num_tables = len(off) - 1
-    if off[0] != 0 or off[-1] != ids.numel():
-        raise ValueError(f"id_offsets must start at 0 and end at ids.numel() = {ids.numel()}, got {off[0]} and "
+def check_layout(layout: list, states: list, sizes: tuple, admit_threshold: int) -> None:
+    """What keeps a direct call inside its buffers (the native kernels' checks): layout [3][T+1] and
+    table_state [T][11] as lists, sizes the element counts of (slot_meta, heap, index, pending)."""
+    slot_off, index_off, pending_off = layout
+    if sizes != (4 * slot_off[-1], 3 * slot_off[-1], 2 * index_off[-1], 2 * pending_off[-1]):
+        raise RuntimeError("zch_remap: state tensors do not match layout")
+    for t, st in enumerate(states):
+        slots, cells = slot_off[t + 1] - slot_off[t], index_off[t + 1] - index_off[t]
+        pcells = pending_off[t + 1] - pending_off[t]
+        if not (slots >= 1 and cells >= 1 and cells & (cells - 1) == 0 and pcells >= 0 and pcells & (pcells - 1) == 0
+                and (admit_threshold <= 1 or pcells >= 1)):
+            raise RuntimeError(f"zch_remap: layout of table {t} is invalid (slots {slots}, index cells {cells}, "
+                               f"pending cells {pcells})")
+        if not (0 <= st[0] <= slots and st[2] == st[0] and st[1] >= 0):
+            raise RuntimeError(f"zch_remap: table_state of table {t} is inconsistent (used {st[0]}, heap_size "
+                               f"{st[2]}, slots {slots})")
+
+
+def check_values(off: list, states: list, num_ids: int, now: int, train: bool) -> None:
+    """The checks on values the native kernels make (id_offsets [T+1] and table_state [T, 11] as lists)."""
+    if off[0] != 0 or off[-1] != num_ids:
+        raise ValueError(f"id_offsets must start at 0 and end at ids.numel() = {num_ids}, got {off[0]} and "
                          f"{off[-1]}")
-    for t in range(num_tables):
+    for t in range(len(off) - 1):
         if off[t] > off[t + 1]:
             raise ValueError(f"id_offsets must be non-decreasing, got id_offsets[{t}] = {off[t]} > "
                              f"id_offsets[{t + 1}] = {off[t + 1]}")
-    states = table_state.tolist()
     if train:
         for t, st in enumerate(states):
             if now < st[3]:
                 raise ValueError(f"now must not decrease: table {t} last saw now = {st[3]}, got {now}")
+
+
+def zch_remap(ids, id_offsets, slot_meta, heap, index, pending, table_state, layout, policy, ttl, now,
+              admit_threshold, max_probe, train, default_row, weights, weights_offsets, D_offsets, rows_offsets,
+              momentum1, momentum2, init_bounds, seed):
+    """The native schema's signature; mutates the state tensors (and the weights rows it resets)."""
+    off, states = id_offsets.tolist(), table_state.tolist()
+    check_values(off, states, ids.numel(), now, train)
+    num_tables = len(off) - 1
     slot_off, index_off, pending_off = layout.tolist()
     id_list = ids.tolist()
     meta_all, heap_all = slot_meta.view(-1, 4).tolist(), heap.view(-1, 3).tolist()
