@@ -115,6 +115,74 @@ inline void normalize_row(const float* x, float mean, float rstd, const float* w
                 b, n);
 }
 
+using VecD = at::vec::Vectorized<double>;
+constexpr int64_t kLanesD = VecD::size();
+
+#if defined(CPU_CAPABILITY_AVX2)
+inline VecD load_wide(const float* p) { return VecD(_mm256_cvtps_pd(_mm_loadu_ps(p))); }
+inline void store_narrow(const VecD& v, float* p) { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
+#else
+inline VecD load_wide(const float* p) {
+  double t[kLanesD];
+  for (int64_t i = 0; i < kLanesD; ++i) t[i] = p[i];
+  return VecD::loadu(t);
+}
+inline void store_narrow(const VecD& v, float* p) {
+  double t[kLanesD];
+  v.store(t);
+  for (int64_t i = 0; i < kLanesD; ++i) p[i] = static_cast<float>(t[i]);
+}
+#endif
+
+// One row group's norm backward in fp64, normed = xhat * w + b, xhat = (x - mean) * rstd, with
+// dnormed = g * scale (scale null: 1): dx = rstd * (dxh - mean(dxh) - xhat * mean(dxh * xhat)),
+// dxh = dnormed * w, plus dx_add when not null; dnw += dnormed * xhat, dnb += dnormed. fp64: the
+// subtraction cancels and rstd amplifies what is left; in fp32 its error was up to 3x eager's
+// (FlashAttention's rule). Vectorised over fp64 lanes, the last n % kLanesD elements one by one.
+void norm_backward_row(const float* g, const float* scale, const float* x, float mean, float rstd, const float* w,
+                       double* dnw, double* dnb, float* dx, const float* dx_add, int64_t n) {
+  const int64_t nv = n - n % kLanesD;
+  auto dnormed = [&](int64_t j) { return scale ? static_cast<double>(g[j]) * scale[j] : static_cast<double>(g[j]); };
+  const VecD vmean(mean), vrstd(rstd);
+  VecD m1(0.0), m2(0.0);
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t j = 0; j < nv; j += kLanesD) {
+    const VecD xhat = (load_wide(x + j) - vmean) * vrstd;
+    const VecD dn = scale ? load_wide(g + j) * load_wide(scale + j) : load_wide(g + j);
+    (VecD::loadu(dnw + j) + dn * xhat).store(dnw + j);
+    (VecD::loadu(dnb + j) + dn).store(dnb + j);
+    const VecD dxh = dn * load_wide(w + j);
+    m1 = m1 + dxh;
+    m2 = m2 + dxh * xhat;
+  }
+  for (int64_t j = nv; j < n; ++j) {
+    const double xhat = (static_cast<double>(x[j]) - mean) * rstd, dn = dnormed(j), dxh = dn * w[j];
+    dnw[j] += dn * xhat;
+    dnb[j] += dn;
+    s1 += dxh;
+    s2 += dxh * xhat;
+  }
+  alignas(32) double t1[kLanesD], t2[kLanesD];
+  m1.store(t1);
+  m2.store(t2);
+  for (int64_t i = 0; i < kLanesD; ++i) {
+    s1 += t1[i];
+    s2 += t2[i];
+  }
+  const double mean1 = s1 / static_cast<double>(n), mean2 = s2 / static_cast<double>(n);
+  const VecD vm1(mean1), vm2(mean2);
+  for (int64_t j = 0; j < nv; j += kLanesD) {
+    const VecD xhat = (load_wide(x + j) - vmean) * vrstd;
+    const VecD dn = scale ? load_wide(g + j) * load_wide(scale + j) : load_wide(g + j);
+    store_narrow(vrstd * (dn * load_wide(w + j) - vm1 - xhat * vm2), dx + j);
+  }
+  for (int64_t j = nv; j < n; ++j) {
+    const double xhat = (static_cast<double>(x[j]) - mean) * rstd;
+    dx[j] = static_cast<float>(rstd * (dnormed(j) * w[j] - mean1 - xhat * mean2));
+  }
+  if (dx_add != nullptr) at::vec::map2([](Vec p, Vec q) { return p + q; }, dx, dx, dx_add, n);
+}
+
 // Norm(a) over G groups of gs: (a - mean_g) * rstd_g * w + b, with w, b per element (G == 1, the
 // LayerNorm over H*Lh) or per group (G == H, the GroupNorm).
 struct NormSpec {
@@ -122,8 +190,6 @@ struct NormSpec {
   const float* weight;
   const float* bias;
   bool per_group;
-  float weight_at(int64_t g, int64_t j) const { return per_group ? weight[g] : weight[g * group_size + j]; }
-  float bias_at(int64_t g, int64_t j) const { return per_group ? bias[g] : bias[g * group_size + j]; }
 };
 
 // The output half's prologue for one row: writes c = [silu(u)], [a], silu(u) * Norm(a) (times the
@@ -308,28 +374,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
       const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
       double* dnw = pp + b0 * 2 * d;
       double* dnb = dnw + d;
-      for (int64_t r = r0; r < r0 + rows; ++r) {
-        const float mean = sp[2 * r], rstd = sp[2 * r + 1];
-        const float* g = dxnp + r * d;
-        const float* xr = xp + r * d;
-        // The row's norm backward in fp64: dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)) cancels,
-        // and rstd amplifies what is left; in fp32 its error was up to 3x eager's (FlashAttention's rule).
-        double m1 = 0.0, m2 = 0.0;
-        for (int64_t j = 0; j < d; ++j) {
-          const double xhat = (static_cast<double>(xr[j]) - mean) * rstd;
-          const double gh = static_cast<double>(g[j]) * nwp[j];
-          m1 += gh;
-          m2 += gh * xhat;
-          dnw[j] += g[j] * xhat;
-          dnb[j] += g[j];
-        }
-        m1 /= static_cast<double>(d);
-        m2 /= static_cast<double>(d);
-        for (int64_t j = 0; j < d; ++j) {
-          const double xhat = (static_cast<double>(xr[j]) - mean) * rstd;
-          dxp[r * d + j] = static_cast<float>(rstd * (static_cast<double>(g[j]) * nwp[j] - m1 - xhat * m2));
-        }
-      }
+      for (int64_t r = r0; r < r0 + rows; ++r)
+        norm_backward_row(dxnp + r * d, nullptr, xp + r * d, sp[2 * r], sp[2 * r + 1], nwp, dnw, dnb, dxp + r * d,
+                          nullptr, d);
     }
   });
   auto [dnw, dnb] = reduce_partials(partials, d);
@@ -426,6 +473,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   float* dup = du.data_ptr<float>();
   double* pp = partials.data_ptr<double>();
   const int64_t y_off = width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
+  // Norm's weight and bias per element (GroupNorm's per-head values repeated over the head's Lh).
+  const Tensor w_elem = group_norm ? nw.repeat_interleave(gs) : nw, b_elem = group_norm ? nb.repeat_interleave(gs) : nb;
+  const float* wep = w_elem.data_ptr<float>();
+  const float* bep = b_elem.data_ptr<float>();
   parallel_ranges(blocks, 1, workers_for(n * k * 8), [&](auto& claim) {
     std::vector<float> silu_buf(2 * width);
     float* s = silu_buf.data();
@@ -445,31 +496,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
         float* dar = dap + row * width;
         float* dur = dup + row * width;
         for (int64_t grp = 0; grp < groups; ++grp) {
+          const int64_t e0 = grp * gs;
           const float mean = sp[row * 2 * groups + grp], rstd = sp[row * 2 * groups + groups + grp];
-          // In fp64, as the uvqk backward's row norm (the same cancellation).
-          double m1 = 0.0, m2 = 0.0;
+          const float* we = wep + e0;
+          const float* be = bep + e0;
+          // du = (dy * Norm(a) + dc_u) * silu'(u), in fp32 as eager (no cancellation).
           for (int64_t j = 0; j < gs; ++j) {
-            const int64_t e = grp * gs + j;
-            const double xhat = (static_cast<double>(ar[e]) - mean) * rstd;
-            const double normed = xhat * ns.weight_at(grp, j) + ns.bias_at(grp, j);
-            const double du_total = dy[e] * normed + (concat_u ? dcr[e] : 0.0f);
-            dur[e] = static_cast<float>(du_total * sgrad[e]);
-            const double dn = static_cast<double>(dy[e]) * s[e];
-            dnw[e] += dn * xhat;
-            dnb[e] += dn;
-            const double dxh = dn * ns.weight_at(grp, j);
-            m1 += dxh;
-            m2 += dxh * xhat;
+            const float normed = (ar[e0 + j] - mean) * rstd * we[j] + be[j];
+            dur[e0 + j] = (dy[e0 + j] * normed + (concat_u ? dcr[e0 + j] : 0.0f)) * sgrad[e0 + j];
           }
-          m1 /= static_cast<double>(gs);
-          m2 /= static_cast<double>(gs);
-          for (int64_t j = 0; j < gs; ++j) {
-            const int64_t e = grp * gs + j;
-            const double xhat = (static_cast<double>(ar[e]) - mean) * rstd;
-            const double dxh = static_cast<double>(dy[e]) * s[e] * ns.weight_at(grp, j);
-            dar[e] = static_cast<float>(rstd * (dxh - m1 - xhat * m2)) +
-                     (concat_x ? dcr[(concat_u ? width : 0) + e] : 0.0f);
-          }
+          norm_backward_row(dy + e0, s + e0, ar + e0, mean, rstd, we, dnw + e0, dnb + e0, dar + e0,
+                            concat_x ? dcr + (concat_u ? width : 0) + e0 : nullptr, gs);
         }
       }
     }
