@@ -246,19 +246,27 @@ void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
 }
 
-// xn[r] = LayerNorm(x[r]) with the row's stats, computed into stats (compute_stats) or read from it.
-void layer_norm_rows(const float* xp, const float* nwp, const float* nbp, float eps, float* sp, bool compute_stats,
-                     float* xnp, int64_t n, int64_t d) {
+// xa = [LayerNorm(x) | 1], [N, D + 1], with each row's stats computed into stats (compute_stats) or
+// read from it. The ones column carries the uvqk bias through the GEMM (xa @ [W; b]): ATen's addmm
+// with a bias first writes the broadcast bias into the [N, O] output and then reads it back (beta = 1),
+// ~10 % of the uvqk forward at N = 2k; in the backward the same column makes db the last row of the
+// weight-gradient GEMM (xa^T @ dz) instead of a separate column-sum pass.
+Tensor layer_norm_augmented(const float* xp, const float* nwp, const float* nbp, float eps, float* sp,
+                            bool compute_stats, int64_t n, int64_t d, const at::TensorOptions& opts) {
+  Tensor xa = at::empty({n, d + 1}, opts);
+  float* xap = xa.data_ptr<float>();
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   parallel_ranges(blocks, 1, workers_for(n * d * 4), [&](auto& claim) {
     for (int64_t b0, b1; claim(b0, b1);) {
       for (int64_t r = b0 * kBlockRows; r < std::min(n, (b0 + 1) * kBlockRows); ++r) {
         const float* xr = xp + r * d;
         if (compute_stats) std::tie(sp[2 * r], sp[2 * r + 1]) = moments(xr, d, eps);
-        normalize_row(xr, sp[2 * r], sp[2 * r + 1], nwp, nbp, xnp + r * d, d);
+        normalize_row(xr, sp[2 * r], sp[2 * r + 1], nwp, nbp, xap + r * (d + 1), d);
+        xap[r * (d + 1) + d] = 1.0f;
       }
     }
   });
+  return xa;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -286,10 +294,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
                     at::empty({n, ha}, opts)};
   const int64_t starts[4] = {0, hl, 2 * hl, 2 * hl + ha}, widths[4] = {hl, hl, ha, ha};
   Tensor stats = at::empty({n, 2}, opts);
-  Tensor xn = at::empty({n, d}, opts);
-  layer_norm_rows(x.data_ptr<float>(), nw.data_ptr<float>(), nb.data_ptr<float>(), static_cast<float>(eps),
-                  stats.data_ptr<float>(), true, xn.data_ptr<float>(), n, d);
-  for (int s = 0; s < 4; ++s) at::addmm_out(outs[s], b.narrow(0, starts[s], widths[s]), xn, w.narrow(1, starts[s], widths[s]));
+  const Tensor xa = layer_norm_augmented(x.data_ptr<float>(), nw.data_ptr<float>(), nb.data_ptr<float>(),
+                                         static_cast<float>(eps), stats.data_ptr<float>(), true, n, d, opts);
+  const Tensor wa = at::cat({w, b.view({1, o})}, 0);
+  for (int s = 0; s < 4; ++s) at::mm_out(outs[s], xa, wa.narrow(1, starts[s], widths[s]));
   if (silu_qkv) {
     for (int s = 1; s < 4; ++s) {
       float* p = outs[s].data_ptr<float>();
@@ -326,17 +334,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   Tensor grads[4] = {as_float(grad_u).view({n, hl}), as_float(grad_v).view({n, hl}), as_float(grad_q).view({n, ha}),
                      as_float(grad_k).view({n, ha})};
   const auto opts = x.options();
-  // xn recomputed from the saved stats.
-  Tensor xn = at::empty({n, d}, opts);
+  // xa = [xn | 1] recomputed from the saved stats.
   const float* xp = x.data_ptr<float>();
   const float* nwp = nw.data_ptr<float>();
   const float* sp = stats.data_ptr<float>();
-  layer_norm_rows(xp, nwp, nb.data_ptr<float>(), static_cast<float>(eps), const_cast<float*>(sp), false,
-                  xn.data_ptr<float>(), n, d);
+  const Tensor xa = layer_norm_augmented(xp, nwp, nb.data_ptr<float>(), static_cast<float>(eps),
+                                         const_cast<float*>(sp), false, n, d, opts);
   if (silu_qkv) {
     // dz = grad * silu'(z) for v, q, k, z recomputed by one GEMM per slice.
+    const Tensor wa = at::cat({w, b.view({1, o})}, 0);
     for (int s = 1; s < 4; ++s) {
-      const Tensor z = at::addmm(b.narrow(0, starts[s], widths[s]), xn, w.narrow(1, starts[s], widths[s]));
+      const Tensor z = at::mm(xa, wa.narrow(1, starts[s], widths[s]));
       Tensor dz = at::empty_like(z);
       const float* zp = z.data_ptr<float>();
       const float* gp = grads[s].data_ptr<float>();
@@ -347,12 +355,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
       grads[s] = dz;
     }
   }
-  // Weight and input gradients straight from the four slices' gradients (no [N, O] concat of them).
-  Tensor dw = at::empty({d, o}, opts), db = at::empty({o}, opts), dxn = at::empty({n, d}, opts);
+  // Weight and input gradients straight from the four slices' gradients (no [N, O] concat of them);
+  // [dw; db] = xa^T @ dz.
+  Tensor dwa = at::empty({d + 1, o}, opts), dxn = at::empty({n, d}, opts);
   for (int s = 0; s < 4; ++s) {
-    Tensor dws = dw.narrow(1, starts[s], widths[s]), dbs = db.narrow(0, starts[s], widths[s]);
-    at::mm_out(dws, xn.t(), grads[s]);
-    at::sum_out(dbs, grads[s], 0);
+    Tensor dws = dwa.narrow(1, starts[s], widths[s]);
+    at::mm_out(dws, xa.t(), grads[s]);
     const Tensor wst = w.narrow(1, starts[s], widths[s]).t();
     if (s == 0) {
       at::mm_out(dxn, grads[s], wst);
@@ -360,6 +368,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
       dxn.addmm_(grads[s], wst);
     }
   }
+  const Tensor dw = dwa.narrow(0, 0, d), db = dwa.select(0, d).clone();
   // LayerNorm backward per row; weight / bias gradients as per-block partials.
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   Tensor dx = at::empty({n, d}, opts);
