@@ -4,14 +4,14 @@
 // Work decomposition: each half is one elementwise pass over the jagged rows (parallel over blocks of
 // kBlockRows rows, handed out dynamically by parallel_ranges) and ATen GEMMs over all N rows at once
 // (MKL/oneDNN on every thread). The earlier form ran one single-threaded GEMM per 64-row block inside
-// the parallel region so that the prologue row went into the GEMM from cache; its [64, D] x [D, 256]
-// GEMMs ran at ~55 % of what one [N, D] x [D, O] GEMM reaches on the same cores, which cost more than
-// the [N, D] / [N, K] jagged intermediate's round trip saves (~0.5 ms of a 3.4 ms GEMM at N = 2k,
-// measured: bench/results/notes-hstu_layer.md). No padded intermediate exists: every buffer is [N, .].
+// the parallel region so that the prologue row went into the GEMM from cache; the uvqk forward then
+// took 6.0 ms where one [N, D] x [D, O] GEMM on both cores takes 3.4 (N = 2k, D = 256, O = 1024): the
+// small single-threaded GEMMs lost more than the [N, D+1] / [N, K] jagged buffer's round trip costs
+// (bench/results/notes-hstu_layer.md). No padded intermediate exists: every buffer is [N, .].
 //
-//   uvqk forward: xn = LayerNorm(x) (pass, per row) -> u_pre, v, q, k = xn @ W + b, written straight
-//     into the four output tensors (one GEMM per column slice: no split copy), SiLU on v, q, k in place
-//     when silu_qkv (the HSTU paper's form; STULayer applies SiLU to u only, and u's SiLU is applied by
+//   uvqk forward: xa = [LayerNorm(x) | 1] (pass, per row) -> u_pre, v, q, k = xa @ [W; b], written
+//     straight into the four output tensors (one GEMM per column slice: no split copy), SiLU on v, q,
+//     k in place when silu_qkv (the HSTU paper's form; STULayer applies SiLU to u only, and u's SiLU is applied by
 //     the output half's prologue, so the forward keeps no activation for its backward).
 //     FLOPs 2*N*D*O; minimum bytes 4*(N*D + D*O + N*O).
 //   output forward: c = [silu(u), a, silu(u) * Norm(a)] (pass) -> out = x + c @ W (+ bias).
