@@ -1,28 +1,40 @@
 // CPU kernels of the HSTU layer's two projection halves (generative-recommenders' STULayer; the
 // attention between them is cpu/attention.cpp). Maths in gem_kernels/reference/hstu_layer.py.
 //
-// Work decomposition: rows (tokens) in blocks of kBlockRows, handed out dynamically
-// (parallel_ranges); one worker owns a block: it writes that block's prologue into its own scratch
-// and runs the block's GEMM single-threaded (MKL inside an OpenMP region runs on one thread), so
-// a normalised or concatenated row goes from the prologue into the GEMM while still in cache and
-// no [N, K] intermediate exists in the forward.
+// Work decomposition: each half is one elementwise pass over the jagged rows (parallel over blocks of
+// kBlockRows rows, handed out dynamically by parallel_ranges) and ATen GEMMs over all N rows at once
+// (MKL/oneDNN on every thread). The earlier form ran one single-threaded GEMM per 64-row block inside
+// the parallel region so that the prologue row went into the GEMM from cache; the uvqk forward then
+// took 6.0 ms where one [N, D] x [D, O] GEMM on both cores takes 3.4 (N = 2k, D = 256, O = 1024): the
+// small single-threaded GEMMs lost more than the [N, D+1] / [N, K] jagged buffer's round trip costs
+// (bench/results/notes-hstu_layer.md). No padded intermediate exists: every buffer is [N, .].
 //
-//   uvqk forward: xn = LayerNorm(x) (prologue, per row) -> u_pre, v, q, k = xn @ W + b, written straight
-//     into the four output tensors (one GEMM per slice: no split copy), SiLU on v, q, k in place when
-//     silu_qkv (the HSTU paper's form; STULayer applies SiLU to u only, and u's SiLU is applied by the
-//     output half's prologue, so the forward keeps no activation for its backward).
+//   uvqk forward: xa = [LayerNorm(x) | 1] (pass, per row) -> u_pre, v, q, k = xa @ [W; b], written
+//     straight into the four output tensors (one GEMM per column slice: no split copy), SiLU on v, q,
+//     k in place when silu_qkv (the HSTU paper's form; STULayer applies SiLU to u only, and u's SiLU is applied by
+//     the output half's prologue, so the forward keeps no activation for its backward).
 //     FLOPs 2*N*D*O; minimum bytes 4*(N*D + D*O + N*O).
-//   output forward: c = [silu(u), a, silu(u) * Norm(a)] (prologue) -> out = x + c @ W (+ bias).
+//   output forward: c = [silu(u), a, silu(u) * Norm(a)] (pass) -> out = x + c @ W (+ bias).
 //     FLOPs 2*N*K*D; minimum bytes 4*(2*N*H*Lh + 2*N*D + K*D).
 //   backward: what the backward recomputes instead of storing, per token (fp32):
 //     - the normalised input xn (4*D bytes) from x and its two fp32 stats (8 bytes);
 //     - the concat c (4*K bytes, K = 3*H*Lh for STULayer) and Norm(a) from attn, u_pre and the
-//       attention norm's stats (8*G bytes, G = 1, or H with group_norm);
+//       attention norm's stats (8*G bytes, G = 1, or H with group_norm), in the same pass as the
+//       norm's backward (one read of attn and u_pre);
 //     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh)):
 //       not stored (4*(O - H*Lh) bytes).
-//     Weight gradients are full GEMMs over the recomputed [N, D] / [N, K] operands; norm-weight
+//     Weight gradients are full GEMMs over the recomputed [N, D] / [N, K] operands (the uvqk one per
+//     column slice, straight from the four incoming gradients: no [N, O] concat of them); norm-weight
 //     gradients are per-block partial sums reduced in block order (bit-identical run to run and
 //     across thread counts).
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
+// As in embedding_bag.cpp: without a CPU_CAPABILITY at::vec::Vectorized is its scalar fallback (one
+// std::exp call per lane); the extension is built for x86-64-v3, so use at::vec's AVX2 code, in a
+// namespace of our own.
+#define CPU_CAPABILITY gk_avx2
+#define CPU_CAPABILITY_AVX2
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +45,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/parallel.h"
@@ -43,8 +56,8 @@ namespace {
 using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 
-// Rows per block: a block's prologue scratch (64 x K fp32, 48 KiB at K = 192) stays in L2, and a
-// [64, D] x [D, O] GEMM is large enough for MKL's kernels to run at speed.
+// Rows per block of the elementwise passes: the unit of dynamic scheduling and of the norm-weight
+// partial sums (their order, hence their bits, depends on it and not on the thread count).
 constexpr int64_t kBlockRows = 64;
 
 // detach(): the GEMMs run on at::parallel_for's worker threads, which do not inherit the caller's
@@ -78,8 +91,96 @@ inline float silu_grad(float z) {
   return s * (1.0f + z * (1.0f - s));
 }
 
-void silu_inplace(float* z, int64_t n) {
-  at::vec::map([](Vec a) { return silu_vec(a); }, z, z, n);
+// s = silu(z) and sg = silu'(z) for n floats (vectorised exp: the backward's per-element scalar
+// std::exp calls were most of its elementwise time).
+void silu_and_grad(const float* z, float* s, float* sg, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec zv = Vec::loadu(z + i);
+    const Vec sig = Vec(1.0f) / (Vec(1.0f) + zv.neg().exp());
+    (zv * sig).store(s + i);
+    (sig * (Vec(1.0f) + zv * (Vec(1.0f) - sig))).store(sg + i);
+  }
+  for (; i < n; ++i) {
+    const float sig = sigmoid(z[i]);
+    s[i] = z[i] * sig;
+    sg[i] = sig * (1.0f + z[i] * (1.0f - sig));
+  }
+}
+
+// out = (x - mean) * rstd * w + b over n floats.
+inline void normalize_row(const float* x, float mean, float rstd, const float* w, const float* b, float* out,
+                          int64_t n) {
+  at::vec::map3([mean, rstd](Vec xv, Vec wv, Vec bv) { return (xv - Vec(mean)) * Vec(rstd) * wv + bv; }, out, x, w,
+                b, n);
+}
+
+using VecD = at::vec::Vectorized<double>;
+constexpr int64_t kLanesD = VecD::size();
+
+#if defined(CPU_CAPABILITY_AVX2)
+inline VecD load_wide(const float* p) { return VecD(_mm256_cvtps_pd(_mm_loadu_ps(p))); }
+inline void store_narrow(const VecD& v, float* p) { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
+#else
+inline VecD load_wide(const float* p) {
+  double t[kLanesD];
+  for (int64_t i = 0; i < kLanesD; ++i) t[i] = p[i];
+  return VecD::loadu(t);
+}
+inline void store_narrow(const VecD& v, float* p) {
+  double t[kLanesD];
+  v.store(t);
+  for (int64_t i = 0; i < kLanesD; ++i) p[i] = static_cast<float>(t[i]);
+}
+#endif
+
+// One row group's norm backward in fp64, normed = xhat * w + b, xhat = (x - mean) * rstd, with
+// dnormed = g * scale (scale null: 1): dx = rstd * (dxh - mean(dxh) - xhat * mean(dxh * xhat)),
+// dxh = dnormed * w, plus dx_add when not null; dnw += dnormed * xhat, dnb += dnormed. fp64: the
+// subtraction cancels and rstd amplifies what is left; in fp32 its error was up to 3x eager's
+// (FlashAttention's rule). Vectorised over fp64 lanes, the last n % kLanesD elements one by one.
+void norm_backward_row(const float* g, const float* scale, const float* x, float mean, float rstd, const float* w,
+                       double* dnw, double* dnb, float* dx, const float* dx_add, int64_t n) {
+  const int64_t nv = n - n % kLanesD;
+  auto dnormed = [&](int64_t j) { return scale ? static_cast<double>(g[j]) * scale[j] : static_cast<double>(g[j]); };
+  const VecD vmean(mean), vrstd(rstd);
+  VecD m1(0.0), m2(0.0);
+  double s1 = 0.0, s2 = 0.0;
+  for (int64_t j = 0; j < nv; j += kLanesD) {
+    const VecD xhat = (load_wide(x + j) - vmean) * vrstd;
+    const VecD dn = scale ? load_wide(g + j) * load_wide(scale + j) : load_wide(g + j);
+    (VecD::loadu(dnw + j) + dn * xhat).store(dnw + j);
+    (VecD::loadu(dnb + j) + dn).store(dnb + j);
+    const VecD dxh = dn * load_wide(w + j);
+    m1 = m1 + dxh;
+    m2 = m2 + dxh * xhat;
+  }
+  for (int64_t j = nv; j < n; ++j) {
+    const double xhat = (static_cast<double>(x[j]) - mean) * rstd, dn = dnormed(j), dxh = dn * w[j];
+    dnw[j] += dn * xhat;
+    dnb[j] += dn;
+    s1 += dxh;
+    s2 += dxh * xhat;
+  }
+  alignas(32) double t1[kLanesD], t2[kLanesD];
+  m1.store(t1);
+  m2.store(t2);
+  for (int64_t i = 0; i < kLanesD; ++i) {
+    s1 += t1[i];
+    s2 += t2[i];
+  }
+  const double mean1 = s1 / static_cast<double>(n), mean2 = s2 / static_cast<double>(n);
+  const VecD vm1(mean1), vm2(mean2);
+  for (int64_t j = 0; j < nv; j += kLanesD) {
+    const VecD xhat = (load_wide(x + j) - vmean) * vrstd;
+    const VecD dn = scale ? load_wide(g + j) * load_wide(scale + j) : load_wide(g + j);
+    store_narrow(vrstd * (dn * load_wide(w + j) - vm1 - xhat * vm2), dx + j);
+  }
+  for (int64_t j = nv; j < n; ++j) {
+    const double xhat = (static_cast<double>(x[j]) - mean) * rstd;
+    dx[j] = static_cast<float>(rstd * (dnormed(j) * w[j] - mean1 - xhat * mean2));
+  }
+  if (dx_add != nullptr) at::vec::map2([](Vec p, Vec q) { return p + q; }, dx, dx, dx_add, n);
 }
 
 // Norm(a) over G groups of gs: (a - mean_g) * rstd_g * w + b, with w, b per element (G == 1, the
@@ -89,36 +190,49 @@ struct NormSpec {
   const float* weight;
   const float* bias;
   bool per_group;
-  float weight_at(int64_t g, int64_t j) const { return per_group ? weight[g] : weight[g * group_size + j]; }
-  float bias_at(int64_t g, int64_t j) const { return per_group ? bias[g] : bias[g * group_size + j]; }
 };
 
 // The output half's prologue for one row: writes c = [silu(u)], [a], silu(u) * Norm(a) (times the
-// dropout mask row when given) into c_row, and Norm's stats into stats_row when not null (forward),
-// or reads them from stats_row (backward: the forward's stats, not recomputed ones).
-void output_prologue_row(const float* a, const float* u_pre, const NormSpec& ns, float eps, bool concat_u,
-                         bool concat_x, const float* mask, float* stats_row, bool compute_stats, float* c_row) {
-  const int64_t width = ns.groups * ns.group_size;
-  float* cu = c_row;
+// dropout mask row when given) into c_row, and Norm's stats into stats_row when compute_stats
+// (forward), or reads them from stats_row (backward: the forward's stats, not recomputed ones).
+// silu_u: silu(u_pre) when the caller has it (the backward), else null (computed here).
+void output_prologue_row(const float* a, const float* u_pre, const float* silu_u, const NormSpec& ns, float eps,
+                         bool concat_u, bool concat_x, const float* mask, float* stats_row, bool compute_stats,
+                         float* c_row) {
+  const int64_t width = ns.groups * ns.group_size, gs = ns.group_size;
   float* y = c_row + width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
   // silu(u) goes to c's first part, or straight to y's slot, which is then scaled in place.
-  float* s = concat_u ? cu : y;
-  at::vec::map([](Vec z) { return silu_vec(z); }, s, u_pre, width);
+  const float* s = silu_u;
+  if (concat_u || silu_u == nullptr) {
+    float* dst = concat_u ? c_row : y;
+    if (silu_u != nullptr) {
+      std::copy(silu_u, silu_u + width, dst);
+    } else {
+      at::vec::map([](Vec z) { return silu_vec(z); }, dst, u_pre, width);
+    }
+    s = dst;
+  }
   if (concat_x) std::copy(a, a + width, c_row + (concat_u ? width : 0));
   for (int64_t g = 0; g < ns.groups; ++g) {
-    const float* ag = a + g * ns.group_size;
+    const float* ag = a + g * gs;
+    const float* sg = s + g * gs;
+    float* yg = y + g * gs;
     float mean, rstd;
     if (compute_stats) {
-      std::tie(mean, rstd) = moments(ag, ns.group_size, eps);
+      std::tie(mean, rstd) = moments(ag, gs, eps);
       stats_row[g] = mean;
       stats_row[ns.groups + g] = rstd;
     } else {
       mean = stats_row[g];
       rstd = stats_row[ns.groups + g];
     }
-    for (int64_t j = 0; j < ns.group_size; ++j) {
-      const int64_t e = g * ns.group_size + j;
-      y[e] = s[e] * ((ag[j] - mean) * rstd * ns.weight_at(g, j) + ns.bias_at(g, j));
+    if (ns.per_group) {
+      const float w = ns.weight[g], b = ns.bias[g];
+      for (int64_t j = 0; j < gs; ++j) yg[j] = sg[j] * ((ag[j] - mean) * rstd * w + b);
+    } else {
+      const float* w = ns.weight + g * gs;
+      const float* b = ns.bias + g * gs;
+      for (int64_t j = 0; j < gs; ++j) yg[j] = sg[j] * ((ag[j] - mean) * rstd * w[j] + b[j]);
     }
   }
   if (mask != nullptr) {
@@ -130,6 +244,29 @@ void output_prologue_row(const float* a, const float* u_pre, const NormSpec& ns,
 void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
+}
+
+// xa = [LayerNorm(x) | 1], [N, D + 1], with each row's stats computed into stats (compute_stats) or
+// read from it. The ones column carries the uvqk bias through the GEMM (xa @ [W; b]): ATen's addmm
+// with a bias first writes the broadcast bias into the [N, O] output and then reads it back (beta = 1),
+// ~10 % of the uvqk forward at N = 2k; in the backward the same column makes db the last row of the
+// weight-gradient GEMM (xa^T @ dz) instead of a separate column-sum pass.
+Tensor layer_norm_augmented(const float* xp, const float* nwp, const float* nbp, float eps, float* sp,
+                            bool compute_stats, int64_t n, int64_t d, const at::TensorOptions& opts) {
+  Tensor xa = at::empty({n, d + 1}, opts);
+  float* xap = xa.data_ptr<float>();
+  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
+  parallel_ranges(blocks, 1, workers_for(n * d * 4), [&](auto& claim) {
+    for (int64_t b0, b1; claim(b0, b1);) {
+      for (int64_t r = b0 * kBlockRows; r < std::min(n, (b0 + 1) * kBlockRows); ++r) {
+        const float* xr = xp + r * d;
+        if (compute_stats) std::tie(sp[2 * r], sp[2 * r + 1]) = moments(xr, d, eps);
+        normalize_row(xr, sp[2 * r], sp[2 * r + 1], nwp, nbp, xap + r * (d + 1), d);
+        xap[r * (d + 1) + d] = 1.0f;
+      }
+    }
+  });
+  return xa;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -157,32 +294,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
                     at::empty({n, ha}, opts)};
   const int64_t starts[4] = {0, hl, 2 * hl, 2 * hl + ha}, widths[4] = {hl, hl, ha, ha};
   Tensor stats = at::empty({n, 2}, opts);
-  const float* xp = x.data_ptr<float>();
-  const float* nwp = nw.data_ptr<float>();
-  const float* nbp = nb.data_ptr<float>();
-  float* sp = stats.data_ptr<float>();
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  parallel_ranges(blocks, 1, workers_for(n * d * o), [&](auto& claim) {
-    Tensor xn = at::empty({kBlockRows, d}, opts);
-    float* xnp = xn.data_ptr<float>();
-    for (int64_t b0, b1; claim(b0, b1);) {
-      const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = xp + (r0 + r) * d;
-        auto [mean, rstd] = moments(xr, d, static_cast<float>(eps));
-        sp[2 * (r0 + r)] = mean;
-        sp[2 * (r0 + r) + 1] = rstd;
-        float* out = xnp + r * d;
-        for (int64_t j = 0; j < d; ++j) out[j] = (xr[j] - mean) * rstd * nwp[j] + nbp[j];
-      }
-      const Tensor xb = xn.narrow(0, 0, rows);
-      for (int s = 0; s < 4; ++s) {
-        Tensor dst = outs[s].narrow(0, r0, rows);
-        at::addmm_out(dst, b.narrow(0, starts[s], widths[s]), xb, w.narrow(1, starts[s], widths[s]));
-        if (silu_qkv && s > 0) silu_inplace(dst.data_ptr<float>(), rows * widths[s]);
-      }
+  const Tensor xa = layer_norm_augmented(x.data_ptr<float>(), nw.data_ptr<float>(), nb.data_ptr<float>(),
+                                         static_cast<float>(eps), stats.data_ptr<float>(), true, n, d, opts);
+  const Tensor wa = at::cat({w, b.view({1, o})}, 0);
+  for (int s = 0; s < 4; ++s) at::mm_out(outs[s], xa, wa.narrow(1, starts[s], widths[s]));
+  if (silu_qkv) {
+    for (int s = 1; s < 4; ++s) {
+      float* p = outs[s].data_ptr<float>();
+      const int64_t total = n * widths[s];
+      at::parallel_for(0, total, kMinParallelWork / 8, [&](int64_t i0, int64_t i1) {
+        at::vec::map([](Vec z) { return silu_vec(z); }, p + i0, p + i0, i1 - i0);
+      });
     }
-  });
+  }
   const auto dtype = x_in.scalar_type();
   return {outs[0].to(dtype), outs[1].view({n, num_heads, linear_dim}).to(dtype),
           outs[2].view({n, num_heads, attention_dim}).to(dtype),
@@ -206,45 +330,47 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   const int64_t hl = num_heads * linear_dim, ha = num_heads * attention_dim, o = 2 * hl + 2 * ha;
   const Tensor x = as_float(x_in), nw = as_float(norm_weight), nb = as_float(norm_bias);
   const Tensor w = as_float(uvqk_weight), b = as_float(uvqk_bias), stats = as_float(stats_in);
-  const Tensor grads[4] = {as_float(grad_u).view({n, hl}), as_float(grad_v).view({n, hl}),
-                           as_float(grad_q).view({n, ha}), as_float(grad_k).view({n, ha})};
   const int64_t starts[4] = {0, hl, 2 * hl, 2 * hl + ha}, widths[4] = {hl, hl, ha, ha};
+  Tensor grads[4] = {as_float(grad_u).view({n, hl}), as_float(grad_v).view({n, hl}), as_float(grad_q).view({n, ha}),
+                     as_float(grad_k).view({n, ha})};
   const auto opts = x.options();
-  Tensor xn = at::empty({n, d}, opts), dz = at::empty({n, o}, opts);
+  // xa = [xn | 1] recomputed from the saved stats.
   const float* xp = x.data_ptr<float>();
   const float* nwp = nw.data_ptr<float>();
-  const float* nbp = nb.data_ptr<float>();
   const float* sp = stats.data_ptr<float>();
-  float* xnp = xn.data_ptr<float>();
-  float* dzp = dz.data_ptr<float>();
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  // Pass 1: xn recomputed from the saved stats; dz = the four gradients side by side, times
-  // silu'(z) for v, q, k when silu_qkv (z recomputed by the block's GEMM).
-  parallel_ranges(blocks, 1, workers_for(n * (d + o) * (silu_qkv ? d : 1)), [&](auto& claim) {
-    Tensor z = silu_qkv ? at::empty({kBlockRows, o - hl}, opts) : Tensor();
-    for (int64_t b0, b1; claim(b0, b1);) {
-      const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
-      for (int64_t r = r0; r < r0 + rows; ++r) {
-        const float mean = sp[2 * r], rstd = sp[2 * r + 1];
-        for (int64_t j = 0; j < d; ++j) xnp[r * d + j] = (xp[r * d + j] - mean) * rstd * nwp[j] + nbp[j];
-        for (int s = 0; s < 4; ++s) {
-          const float* g = grads[s].data_ptr<float>() + r * widths[s];
-          std::copy(g, g + widths[s], dzp + r * o + starts[s]);
-        }
-      }
-      if (silu_qkv) {
-        Tensor zb = z.narrow(0, 0, rows);
-        at::addmm_out(zb, b.narrow(0, hl, o - hl), xn.narrow(0, r0, rows), w.narrow(1, hl, o - hl));
-        const float* zp = zb.data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < o - hl; ++j) dzp[(r0 + r) * o + hl + j] *= silu_grad(zp[r * (o - hl) + j]);
-      }
+  const Tensor xa = layer_norm_augmented(xp, nwp, nb.data_ptr<float>(), static_cast<float>(eps),
+                                         const_cast<float*>(sp), false, n, d, opts);
+  if (silu_qkv) {
+    // dz = grad * silu'(z) for v, q, k, z recomputed by one GEMM per slice.
+    const Tensor wa = at::cat({w, b.view({1, o})}, 0);
+    for (int s = 1; s < 4; ++s) {
+      const Tensor z = at::mm(xa, wa.narrow(1, starts[s], widths[s]));
+      Tensor dz = at::empty_like(z);
+      const float* zp = z.data_ptr<float>();
+      const float* gp = grads[s].data_ptr<float>();
+      float* dzp = dz.data_ptr<float>();
+      at::parallel_for(0, z.numel(), kMinParallelWork / 8, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) dzp[i] = gp[i] * silu_grad(zp[i]);
+      });
+      grads[s] = dz;
     }
-  });
-  Tensor dw = at::mm(xn.t(), dz);
-  Tensor db = dz.sum(0);
-  Tensor dxn = at::mm(dz, w.t());
-  // Pass 2: LayerNorm backward per row; weight / bias gradients as per-block partials.
+  }
+  // Weight and input gradients straight from the four slices' gradients (no [N, O] concat of them);
+  // [dw; db] = xa^T @ dz.
+  Tensor dwa = at::empty({d + 1, o}, opts), dxn = at::empty({n, d}, opts);
+  for (int s = 0; s < 4; ++s) {
+    Tensor dws = dwa.narrow(1, starts[s], widths[s]);
+    at::mm_out(dws, xa.t(), grads[s]);
+    const Tensor wst = w.narrow(1, starts[s], widths[s]).t();
+    if (s == 0) {
+      at::mm_out(dxn, grads[s], wst);
+    } else {
+      dxn.addmm_(grads[s], wst);
+    }
+  }
+  const Tensor dw = dwa.narrow(0, 0, d), db = dwa.select(0, d).clone();
+  // LayerNorm backward per row; weight / bias gradients as per-block partials.
+  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   Tensor dx = at::empty({n, d}, opts);
   // fp64 partials: a norm weight's gradient sums N terms; in fp32, summed row after row, it came out
   // several ulps off where torch's pairwise sum is within one (FlashAttention's rule failed).
@@ -257,28 +383,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
       const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
       double* dnw = pp + b0 * 2 * d;
       double* dnb = dnw + d;
-      for (int64_t r = r0; r < r0 + rows; ++r) {
-        const float mean = sp[2 * r], rstd = sp[2 * r + 1];
-        const float* g = dxnp + r * d;
-        const float* xr = xp + r * d;
-        // The row's norm backward in fp64: dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)) cancels,
-        // and rstd amplifies what is left; in fp32 its error was up to 3x eager's (FlashAttention's rule).
-        double m1 = 0.0, m2 = 0.0;
-        for (int64_t j = 0; j < d; ++j) {
-          const double xhat = (static_cast<double>(xr[j]) - mean) * rstd;
-          const double gh = static_cast<double>(g[j]) * nwp[j];
-          m1 += gh;
-          m2 += gh * xhat;
-          dnw[j] += g[j] * xhat;
-          dnb[j] += g[j];
-        }
-        m1 /= static_cast<double>(d);
-        m2 /= static_cast<double>(d);
-        for (int64_t j = 0; j < d; ++j) {
-          const double xhat = (static_cast<double>(xr[j]) - mean) * rstd;
-          dxp[r * d + j] = static_cast<float>(rstd * (static_cast<double>(g[j]) * nwp[j] - m1 - xhat * m2));
-        }
-      }
+      for (int64_t r = r0; r < r0 + rows; ++r)
+        norm_backward_row(dxnp + r * d, nullptr, xp + r * d, sp[2 * r], sp[2 * r + 1], nwp, dnw, dnb, dxp + r * d,
+                          nullptr, d);
     }
   });
   auto [dnw, dnb] = reduce_partials(partials, d);
@@ -317,38 +424,27 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
   TORCH_CHECK(output_weight.size(1) == dim, "output_weight must have ", dim, " columns, got ", output_weight.sizes());
   const Tensor a = as_float(attn_in), u = as_float(u_in), x = as_float(x_in);
   const Tensor nw = as_float(norm_weight), nb = as_float(norm_bias), w = as_float(output_weight);
-  const Tensor ob = output_bias.has_value() ? as_float(*output_bias) : Tensor();
   const Tensor mask = dropout_mask.has_value() ? as_float(*dropout_mask) : Tensor();
   const NormSpec ns{shape.groups, width / shape.groups, nw.data_ptr<float>(), nb.data_ptr<float>(), group_norm};
   const auto opts = a.options();
-  Tensor out = at::empty({n, dim}, opts);
+  Tensor c = at::empty({n, k}, opts);
   Tensor stats = at::empty({n, 2 * shape.groups}, opts);
   const float* ap = a.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
   float* sp = stats.data_ptr<float>();
+  float* cp = c.data_ptr<float>();
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  parallel_ranges(blocks, 1, workers_for(n * k * dim), [&](auto& claim) {
-    Tensor c = at::empty({kBlockRows, k}, opts);
-    float* cp = c.data_ptr<float>();
+  parallel_ranges(blocks, 1, workers_for(n * k * 4), [&](auto& claim) {
     for (int64_t b0, b1; claim(b0, b1);) {
-      const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = r0 + r;
-        output_prologue_row(ap + row * width, up + row * width, ns, static_cast<float>(eps), concat_u, concat_x,
-                            mp ? mp + row * k : nullptr, sp + row * 2 * shape.groups, true, cp + r * k);
-      }
-      Tensor dst = out.narrow(0, r0, rows);
-      at::addmm_out(dst, x.narrow(0, r0, rows), c.narrow(0, 0, rows), w);
-      if (ob.defined()) {
-        const float* obp = ob.data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r) {
-          float* o = dst.data_ptr<float>() + r * dim;
-          at::vec::map2([](Vec p, Vec q) { return p + q; }, o, o, obp, dim);
-        }
-      }
+      for (int64_t row = b0 * kBlockRows; row < std::min(n, (b0 + 1) * kBlockRows); ++row)
+        output_prologue_row(ap + row * width, up + row * width, nullptr, ns, static_cast<float>(eps), concat_u,
+                            concat_x, mp ? mp + row * k : nullptr, sp + row * 2 * shape.groups, true, cp + row * k);
     }
   });
+  // The residual as the GEMM's accumulator.
+  Tensor out = at::addmm(x, c, w);
+  if (output_bias.has_value()) out.add_(as_float(*output_bias));
   return {out.to(x_in.scalar_type()), stats};
 }
 
@@ -371,19 +467,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
   float* sp = stats.data_ptr<float>();
   const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  // c recomputed (the forward's prologue with its saved stats) for the weight gradient.
+  Tensor dc = at::mm(g, w.t());
+  Tensor dob = has_output_bias ? g.sum(0).to(output_weight.scalar_type()) : at::empty({0}, opts);
+  // One pass per row: c recomputed (the forward's prologue with its saved stats) for the weight
+  // gradient, and the gating / norm backward.
   Tensor c = at::empty({n, k}, opts);
   float* cp = c.data_ptr<float>();
-  parallel_ranges(blocks, 1, workers_for(n * k * 4), [&](auto& claim) {
-    for (int64_t b0, b1; claim(b0, b1);) {
-      for (int64_t row = b0 * kBlockRows; row < std::min(n, (b0 + 1) * kBlockRows); ++row)
-        output_prologue_row(ap + row * width, up + row * width, ns, static_cast<float>(eps), concat_u, concat_x,
-                            mp ? mp + row * k : nullptr, sp + row * 2 * groups, false, cp + row * k);
-    }
-  });
-  Tensor dw = at::mm(c.t(), g);
-  Tensor dob = has_output_bias ? g.sum(0).to(output_weight.scalar_type()) : at::empty({0}, opts);
-  Tensor dc = at::mm(g, w.t());
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
   // Norm-weight partials in fp64 (see the uvqk backward), per element even with group_norm (weight
   // per head): the heads' sums over Lh are taken at the end.
@@ -393,49 +482,45 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   float* dup = du.data_ptr<float>();
   double* pp = partials.data_ptr<double>();
   const int64_t y_off = width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
+  // Norm's weight and bias per element (GroupNorm's per-head values repeated over the head's Lh).
+  const Tensor w_elem = group_norm ? nw.repeat_interleave(gs) : nw, b_elem = group_norm ? nb.repeat_interleave(gs) : nb;
+  const float* wep = w_elem.data_ptr<float>();
+  const float* bep = b_elem.data_ptr<float>();
   parallel_ranges(blocks, 1, workers_for(n * k * 8), [&](auto& claim) {
+    std::vector<float> silu_buf(2 * width);
+    float* s = silu_buf.data();
+    float* sgrad = s + width;
     for (int64_t b0, b1; claim(b0, b1);) {
       double* dnw = pp + b0 * 2 * width;
       double* dnb = dnw + width;
       for (int64_t row = b0 * kBlockRows; row < std::min(n, (b0 + 1) * kBlockRows); ++row) {
-        float* dcr = dcp + row * k;
-        if (mp != nullptr) at::vec::map2([](Vec p, Vec q) { return p * q; }, dcr, dcr, mp + row * k, k);
         const float* ar = ap + row * width;
         const float* ur = up + row * width;
+        silu_and_grad(ur, s, sgrad, width);
+        output_prologue_row(ar, ur, s, ns, static_cast<float>(eps), concat_u, concat_x, mp ? mp + row * k : nullptr,
+                            sp + row * 2 * groups, false, cp + row * k);
+        float* dcr = dcp + row * k;
+        if (mp != nullptr) at::vec::map2([](Vec p, Vec q) { return p * q; }, dcr, dcr, mp + row * k, k);
         const float* dy = dcr + y_off;
         float* dar = dap + row * width;
         float* dur = dup + row * width;
         for (int64_t grp = 0; grp < groups; ++grp) {
+          const int64_t e0 = grp * gs;
           const float mean = sp[row * 2 * groups + grp], rstd = sp[row * 2 * groups + groups + grp];
-          // In fp64, as the uvqk backward's row norm (the same cancellation).
-          double m1 = 0.0, m2 = 0.0;
+          const float* we = wep + e0;
+          const float* be = bep + e0;
+          // du = (dy * Norm(a) + dc_u) * silu'(u), in fp32 as eager (no cancellation).
           for (int64_t j = 0; j < gs; ++j) {
-            const int64_t e = grp * gs + j;
-            const double xhat = (static_cast<double>(ar[e]) - mean) * rstd;
-            const float s = ur[e] * sigmoid(ur[e]);
-            const double normed = xhat * ns.weight_at(grp, j) + ns.bias_at(grp, j);
-            const double du_total = dy[e] * normed + (concat_u ? dcr[e] : 0.0f);
-            dur[e] = static_cast<float>(du_total * silu_grad(ur[e]));
-            const double dn = static_cast<double>(dy[e]) * s;
-            dnw[e] += dn * xhat;
-            dnb[e] += dn;
-            const double dxh = dn * ns.weight_at(grp, j);
-            m1 += dxh;
-            m2 += dxh * xhat;
+            const float normed = (ar[e0 + j] - mean) * rstd * we[j] + be[j];
+            dur[e0 + j] = (dy[e0 + j] * normed + (concat_u ? dcr[e0 + j] : 0.0f)) * sgrad[e0 + j];
           }
-          m1 /= static_cast<double>(gs);
-          m2 /= static_cast<double>(gs);
-          for (int64_t j = 0; j < gs; ++j) {
-            const int64_t e = grp * gs + j;
-            const double xhat = (static_cast<double>(ar[e]) - mean) * rstd;
-            const double dxh = static_cast<double>(dy[e]) * (ur[e] * sigmoid(ur[e])) * ns.weight_at(grp, j);
-            dar[e] = static_cast<float>(rstd * (dxh - m1 - xhat * m2)) +
-                     (concat_x ? dcr[(concat_u ? width : 0) + e] : 0.0f);
-          }
+          norm_backward_row(dy + e0, s + e0, ar + e0, mean, rstd, we, dnw + e0, dnb + e0, dar + e0,
+                            concat_x ? dcr + (concat_u ? width : 0) + e0 : nullptr, gs);
         }
       }
     }
   });
+  Tensor dw = at::mm(c.t(), g);
   const Tensor per_element = group_norm ? partials.view({partials.size(0), 2 * groups, gs}).sum(2) : partials;
   auto [dnw, dnb] = reduce_partials(per_element, nw.numel());
   return {dattn.to(attn_in.scalar_type()), du.to(u_in.scalar_type()), dnw.to(norm_weight.scalar_type()),
