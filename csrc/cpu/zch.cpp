@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 #include <vector>
@@ -315,8 +316,9 @@ __attribute__((target("avx512f,avx512dq,avx512vl"))) void fresh_row_avx512(float
 
 inline void fresh_row(float* out, uint64_t base, double lo, double hi, int64_t dim) {
 #if defined(__x86_64__) && defined(__GNUC__)
+  // GEM_KERNELS_NO_AVX512=1 takes the default clone on any CPU (how tests/test_zch.py checks it here).
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                             __builtin_cpu_supports("avx512vl");
+                             __builtin_cpu_supports("avx512vl") && std::getenv("GEM_KERNELS_NO_AVX512") == nullptr;
   if (avx512) return fresh_row_avx512(out, base, lo, hi, dim);
 #endif
   fresh_row_default(out, base, lo, hi, dim);
