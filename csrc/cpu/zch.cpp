@@ -177,6 +177,13 @@ int64_t index_find(TableView& t, int64_t id, int64_t max_probe) {
 constexpr int64_t kIndexAhead = 16;
 constexpr int64_t kSlotAhead = 8;
 constexpr int64_t kRowAhead = 16;  // the pooling's rows, by their slots
+constexpr int64_t kOutAhead = 4;   // the pooling's output rows, in bags
+
+template <typename scalar_t>
+inline void prefetch_row_for_write(scalar_t* row, int64_t D) {
+  char* p = reinterpret_cast<char*>(row);
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte, 1);
+}
 // An id's remap costs about as much as this many element operations (for parallel_dynamic's choice
 // of running a small call on one thread).
 constexpr int64_t kIdWork = 16;
@@ -652,7 +659,12 @@ std::tuple<at::Tensor, at::Tensor> zch_embedding_bag_forward_cpu(
       const scalar_t* table = w + s.w_off[ti];
       const int64_t stop = s.off[ti + 1];
       acc.resize(D);
+      scalar_t* out_t = o + s.d_off[ti];
       for (int64_t b = 0; b < B; ++b) {
+        // The output row a few bags on, for writing: the table's slices of the [B, sum D] output are
+        // a stride apart that the hardware prefetchers do not follow, and each store otherwise waits
+        // for its line.
+        if (b + kOutAhead < B) prefetch_row_for_write(out_t + (b + kOutAhead) * output_dim, D);
         std::fill(acc.begin(), acc.end(), 0.f);
         int64_t kept = 0;
         for (int64_t p = bag_off[ti * B + b]; p < bag_off[ti * B + b + 1]; ++p) {
@@ -666,7 +678,7 @@ std::tuple<at::Tensor, at::Tensor> zch_embedding_bag_forward_cpu(
           ++kept;
         }
         const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
-        store_row(o + b * output_dim + s.d_off[ti], acc.data(), scale, D);
+        store_row(out_t + b * output_dim, acc.data(), scale, D);
       }
     });
   };
