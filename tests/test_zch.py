@@ -314,6 +314,47 @@ def test_reused_slot_gets_fresh_weights_and_state(backend, optimizer):
     assert reused >= 3, "the stream must reuse slots"
 
 
+_FRESH_ROWS_CHECK = """
+import torch, gem_kernels as gk
+from gem_kernels.nn.embedding_bag import TableSpec
+from gem_kernels.reference.zch import fresh_row
+module = gk.HashedEmbeddingBag([TableSpec(3, 13), TableSpec(5, 64)], optimizer=gk.optim.ExactRowwiseAdagrad(lr=0.1),
+                               seed=7, backend="cpu")
+module.train()
+ids = torch.arange(40, dtype=torch.int64) * 2654435761 - 2**40
+for step in range(4):
+    chunk = ids[10 * step:10 * step + 10]
+    module.remap(torch.cat([chunk[:5], chunk[5:]]), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
+    for t, (rows, dim) in enumerate(((3, 13), (5, 64))):
+        lo, hi = module.init_bounds[t].tolist()
+        for s in range(rows):
+            ident = int(module.zch.table_ids(t)[s])
+            want = torch.tensor(fresh_row(ident, t, dim, 7, lo, hi), dtype=torch.float64).float()
+            assert torch.equal(module.weight(t)[s].detach(), want), (step, t, s)
+print("fresh rows ok")
+"""
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_fresh_rows_equal_the_reference_on_both_clones(avx512):
+    """The C++ fresh rows are a vectorised loop with an AVX-512DQ clone taken where the CPU has it:
+    both clones (GEM_KERNELS_NO_AVX512=1 forces the default one) write the reference's bits, at a dim
+    with a vector tail (13) and a whole one (64). A fresh process: the clone is chosen once."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("GEM_KERNELS_NO_AVX512", None)
+    if avx512 == "off":
+        env["GEM_KERNELS_NO_AVX512"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _FRESH_ROWS_CHECK], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "fresh rows ok" in run.stdout, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("unadmitted", ["zeros", "default_row"])
 def test_unadmitted_ids(backend, unadmitted):

@@ -25,12 +25,7 @@
 //   backward + row-wise Adagrad: FLOPs ~ 2 * N * D + 6 * U * D (U unique rows); bytes: gradient read
 //             B * sum D * s, U rows read and written (2 * U * D * s), U * 4 * 2 state, indices.
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-// The extension is built for x86-64-v3: let at::vec use its AVX2 implementation, in a namespace of
-// our own so its inline functions never collide with libtorch's per-capability copies.
-#define CPU_CAPABILITY gk_avx2
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "gem_kernels/cpu_vec.h"  // first: at::vec with its AVX2 implementation
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

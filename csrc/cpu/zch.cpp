@@ -14,12 +14,16 @@
 //   - admission: an id needs `admit_threshold` sightings, counted in a bounded per-table table
 //     (a window of max_probe cells from the id's hash; when full, the lowest count is replaced).
 //
-// Work decomposition: at::parallel_for over tables (grain 1); one task owns a table's whole state
-// and walks its ids in order, so the result does not depend on the thread count. Within a table the
-// walk is serial by design: the id -> slot decision of each id depends on every earlier one.
+// Work decomposition: one task per table, handed out dynamically (parallel_dynamic: a thread slowed
+// by a busy host takes fewer tables instead of holding the others at a barrier); one task owns a
+// table's whole state and walks its ids in order, so the result does not depend on the thread count
+// or the schedule. Within a table the walk is serial by design: the id -> slot decision of each id
+// depends on every earlier one.
 //
 // Roofline: 0 FLOPs. Minimum bytes: read 8 B per id and write 8 B per slot, plus one index probe
 // (16 B) and one slot-metadata update (32 B) per id; a reused slot writes D weights and its state.
+
+#include "gem_kernels/cpu_vec.h"  // first: at::vec with its AVX2 implementation
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -27,13 +31,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_alloc.h"
 #include "gem_kernels/cpu_rows.h"
 #include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/offsets_check.h"
+#include "gem_kernels/parallel.h"
 #include "gem_kernels/zch_checks.h"
 
 namespace gem_kernels {
@@ -88,24 +96,54 @@ inline void heap_swap(TableView& t, int64_t i, int64_t j) {
   for (int k = 0; k < 3; ++k) std::swap(t.heap[3 * i + k], t.heap[3 * j + k]);
 }
 
+// Heap keys compare without branches: which child is smaller is a coin toss, and a mispredicted
+// branch per level (13 levels at 8192 slots) was most of the remap's heap time.
+inline bool key_less(int64_t a0, int64_t a1, int64_t b0, int64_t b1) { return (a0 < b0) | ((a0 == b0) & (a1 < b1)); }
+
+// The entry at i moves down past every smaller child (the smaller of two; the left one on a tie),
+// as repeated swaps would move it, but held in registers and written once where it stops.
 void sift_down(TableView& t, int64_t i, int64_t size) {
-  while (true) {
-    int64_t l = 2 * i + 1, r = l + 1, m = i;
-    if (l < size && heap_key(t, l) < heap_key(t, m)) m = l;
-    if (r < size && heap_key(t, r) < heap_key(t, m)) m = r;
-    if (m == i) return;
-    heap_swap(t, i, m);
+  int64_t* h = t.heap;
+  const int64_t e0 = h[3 * i], e1 = h[3 * i + 1], e2 = h[3 * i + 2];
+  for (int64_t l = 2 * i + 1; l < size; l = 2 * i + 1) {
+    // The entries two and three levels down (4 and 8 consecutive entries, 96 and 192 B): the walk is a
+    // chain of dependent loads, and fetching ahead took the remap from 32 to 27 ms a step
+    // (bench/hashed.py's stream, one thread; a third level ahead was slower again).
+    for (int k = 0; k < 12; k += 8) __builtin_prefetch(h + 3 * (2 * l + 1) + k);
+    for (int k = 0; k < 24; k += 8) __builtin_prefetch(h + 3 * (4 * l + 3) + k);
+    int64_t m = l;
+    if (l + 1 < size) {
+      const int64_t* a = h + 3 * l;
+      m = l + static_cast<int64_t>(key_less(a[4], a[5], a[1], a[2]));  // the right child when smaller
+    }
+    const int64_t* c = h + 3 * m;
+    if (!key_less(c[1], c[2], e1, e2)) break;
+    h[3 * i] = c[0];
+    h[3 * i + 1] = c[1];
+    h[3 * i + 2] = c[2];
     i = m;
   }
+  h[3 * i] = e0;
+  h[3 * i + 1] = e1;
+  h[3 * i + 2] = e2;
 }
 
+// The entry at i moves up past every larger parent, written once where it stops.
 void sift_up(TableView& t, int64_t i) {
+  int64_t* h = t.heap;
+  const int64_t e0 = h[3 * i], e1 = h[3 * i + 1], e2 = h[3 * i + 2];
   while (i > 0) {
-    int64_t p = (i - 1) / 2;
-    if (!(heap_key(t, i) < heap_key(t, p))) return;
-    heap_swap(t, i, p);
+    const int64_t p = (i - 1) / 2;
+    const int64_t* c = h + 3 * p;
+    if (!key_less(e1, e2, c[1], c[2])) break;
+    h[3 * i] = c[0];
+    h[3 * i + 1] = c[1];
+    h[3 * i + 2] = c[2];
     i = p;
   }
+  h[3 * i] = e0;
+  h[3 * i + 1] = e1;
+  h[3 * i + 2] = e2;
 }
 
 inline int64_t home(const TableView& t, int64_t id) {
@@ -129,6 +167,44 @@ int64_t index_find(TableView& t, int64_t id, int64_t max_probe) {
     }
   }
   return -1;
+}
+
+// Prefetch hints (they read the state only as a hint, so the remap's result never depends on
+// them). A table's state is about 1 MiB at 8192 slots (index 512 KiB, metadata 256 KiB, heap 192 KiB):
+// it fits L2 but is cold when the table's turn comes (the other tables' state passed through since),
+// so prefetch_state streams it in first. Ahead of each id, prefetch_index brings its home cell and
+// prefetch_slot, nearer, finds the id at home (most are: the index is at most a quarter full) and
+// brings its slot's metadata.
+constexpr int64_t kIndexAhead = 16;
+constexpr int64_t kSlotAhead = 8;
+constexpr int64_t kRowAhead = 16;  // the pooling's rows, by their slots
+constexpr int64_t kOutAhead = 4;   // the pooling's output rows, in bags
+
+template <typename scalar_t>
+inline void prefetch_row_for_write(scalar_t* row, int64_t D) {
+  char* p = reinterpret_cast<char*>(row);
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte, 1);
+}
+// An id's remap costs about as much as this many element operations (for parallel_dynamic's choice
+// of running a small call on one thread).
+constexpr int64_t kIdWork = 16;
+
+inline void prefetch_state(const TableView& t) {
+  auto lines = [](const int64_t* p, int64_t n) {
+    const char* c = reinterpret_cast<const char*>(p);
+    for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(int64_t)); b += 64) __builtin_prefetch(c + b, 1);
+  };
+  lines(t.index, 2 * t.index_cap);
+  lines(t.meta, kMetaFields * t.slots);
+  lines(t.heap, 3 * t.slots);
+}
+
+inline void prefetch_index(const TableView& t, int64_t id) { __builtin_prefetch(t.index + 2 * home(t, id)); }
+
+inline void prefetch_slot(const TableView& t, int64_t id) {
+  const int64_t* cell = t.index + 2 * home(t, id);
+  const int64_t slot = cell[1];
+  if (cell[0] == id && slot >= 0 && slot < t.slots) __builtin_prefetch(t.meta + slot * kMetaFields, 1);
 }
 
 // Knuth's algorithm R: remove the cell at `pos` and shift later members of its cluster back.
@@ -194,6 +270,11 @@ int64_t find_victim(TableView& t, const Options& o, int64_t batch_start_seq) {
     TORCH_CHECK(slot >= 0 && slot < t.slots, "zch_remap: heap holds slot ", slot, " outside [0, ", t.slots, ")");
     const Key current = slot_key(t, o.policy, slot);
     if (!(current == heap_key(t, 0))) {
+      // The next top is a child of this one (it sinks): fetch their slots' metadata meanwhile.
+      if (size > 2) {
+        __builtin_prefetch(t.meta + t.heap[3] * kMetaFields);
+        __builtin_prefetch(t.meta + t.heap[6] * kMetaFields);
+      }
       t.heap[1] = current.a;
       t.heap[2] = current.b;
       sift_down(t, 0, size);
@@ -214,15 +295,56 @@ int64_t find_victim(TableView& t, const Options& o, int64_t batch_start_seq) {
   return -1;
 }
 
+// The fresh weights of one row, in fp32 (reference.zch.fresh_row: lo + (hi - lo) * u, in double,
+// rounded to float). u's numerator (mix64 >> 40) is below 2**24, so it converts through int32: the
+// same double, in a loop the compiler vectorises (a uint64 -> double conversion has no AVX2 form).
+// The work is 2 64-bit multiplies per element (56k rows x 64 per step in bench/hashed.py): AVX2
+// emulates them with 32-bit ones, AVX-512DQ has them, so the AVX-512 clone is taken where the CPU
+// has it. Integer math is exact and both clones contract the same expression the same way, so
+// every CPU writes the same bits (tests/test_zch.py checks them against the reference).
+__attribute__((always_inline)) inline void fresh_row_loop(float* __restrict__ out, uint64_t base, double lo,
+                                                          double hi, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) {
+    const int32_t top = static_cast<int32_t>(mix64(base + static_cast<uint64_t>(d)) >> 40);
+    const double u = static_cast<double>(top) * (1.0 / 16777216.0);
+    out[d] = static_cast<float>(lo + (hi - lo) * u);
+  }
+}
+
+void fresh_row_default(float* __restrict__ out, uint64_t base, double lo, double hi, int64_t dim) {
+  fresh_row_loop(out, base, lo, hi, dim);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512dq,avx512vl"))) void fresh_row_avx512(float* __restrict__ out, uint64_t base,
+                                                                           double lo, double hi, int64_t dim) {
+  fresh_row_loop(out, base, lo, hi, dim);
+}
+#endif
+
+inline void fresh_row(float* out, uint64_t base, double lo, double hi, int64_t dim) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  // GEM_KERNELS_NO_AVX512=1 takes the default clone on any CPU (how tests/test_zch.py checks it here).
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                             __builtin_cpu_supports("avx512vl") && std::getenv("GEM_KERNELS_NO_AVX512") == nullptr;
+  if (avx512) return fresh_row_avx512(out, base, lo, hi, dim);
+#endif
+  fresh_row_default(out, base, lo, hi, dim);
+}
+
 template <typename scalar_t>
 void reset_row(int64_t id, int64_t t_index, int64_t row, uint64_t seed, double lo, double hi, scalar_t* weights,
                int64_t w_offset, int64_t dim, int64_t global_row, float* momentum1, int64_t m1_size,
                float* momentum2, int64_t m2_size) {
   const uint64_t base = mix64(static_cast<uint64_t>(id) ^ mix64(seed + static_cast<uint64_t>(t_index)));
   scalar_t* w = weights + w_offset + row * dim;
-  for (int64_t d = 0; d < dim; ++d) {
-    const double u = static_cast<double>(mix64(base + static_cast<uint64_t>(d)) >> 40) * (1.0 / 16777216.0);
-    w[d] = static_cast<scalar_t>(static_cast<float>(lo + (hi - lo) * u));
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    fresh_row(w, base, lo, hi, dim);
+  } else {
+    thread_local std::vector<float> row_f32;
+    row_f32.resize(dim);
+    fresh_row(row_f32.data(), base, lo, hi, dim);
+    for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<scalar_t>(row_f32[d]);
   }
   if (m1_size > 0) {
     // Row-wise state (Adagrad: no momentum2) has one value per row; element-wise state (Adam) is
@@ -398,6 +520,21 @@ void end_batch(TableView& t, const Options& o) {
   if (o.train) t.state[kLastNow] = o.now;
 }
 
+// One table's ids in order, out[i] the slot of ids[i] (begin <= i < end), then the table's batch end.
+template <typename scalar_t>
+void remap_table(const State& s, const Options& o, int64_t ti, const int64_t* ids, int64_t begin, int64_t end,
+                 uint64_t seed, scalar_t* weights, int64_t* out) {
+  TableView t = table_view(s, ti);
+  prefetch_state(t);
+  const int64_t batch_start = t.state[kSeq];
+  for (int64_t i = begin; i < end; ++i) {
+    if (i + kIndexAhead < end) prefetch_index(t, ids[i + kIndexAhead]);
+    if (i + kSlotAhead < end) prefetch_slot(t, ids[i + kSlotAhead]);
+    out[i] = remap_id(s, t, o, ti, ids[i], batch_start, seed, weights);
+  }
+  end_batch(t, o);
+}
+
 at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at::Tensor slot_meta,
                          at::Tensor heap, at::Tensor index, at::Tensor pending, at::Tensor table_state,
                          const at::Tensor& layout, int64_t policy, int64_t ttl, int64_t now, int64_t admit_threshold,
@@ -413,15 +550,8 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
   int64_t* out = slots_out.data_ptr<int64_t>();
   const Options opts{policy, ttl, now, admit_threshold, max_probe, train, default_row};
   auto run = [&](auto* weights_ptr) {
-    at::parallel_for(0, s.T, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t ti = begin; ti < end; ++ti) {
-        TableView t = table_view(s, ti);
-        const int64_t batch_start = t.state[kSeq];
-        for (int64_t i = s.off[ti]; i < s.off[ti + 1]; ++i) {
-          out[i] = remap_id(s, t, opts, ti, id_data[i], batch_start, static_cast<uint64_t>(seed), weights_ptr);
-        }
-        end_batch(t, opts);
-      }
+    parallel_dynamic(s.T, ids.numel() * kIdWork, [&](int64_t ti) {
+      remap_table(s, opts, ti, id_data, s.off[ti], s.off[ti + 1], static_cast<uint64_t>(seed), weights_ptr, out);
     });
   };
   if (s.reset) {
@@ -433,11 +563,15 @@ at::Tensor zch_remap_cpu(const at::Tensor& ids, const at::Tensor& id_offsets, at
   return slots_out;
 }
 
-// The fused remap + pooling forward: one pass over the ids. Per table (tables in parallel, as the
-// remap), its bags in order: each id is remapped (admitted, evicted, its fresh row written) and its
-// row added to the bag's fp32 sum at once. A slot used earlier in the batch is never a victim, so
-// every row a bag read stays that id's row to the end of the call: the output equals the remap
-// followed by embedding_bag (whose row primitives, gem_kernels/cpu_rows.h, pool here too).
+// The fused remap + pooling forward: one call, one task per table (tables in parallel, as the
+// remap): the table's ids are remapped (admitted, evicted, fresh rows written), then its bags pooled
+// from the slots just written, still in L1/L2, each row prefetched by its slot. A slot used earlier
+// in the batch is never a victim, so every row a bag reads stays that id's row to the end of the
+// call: the output equals the remap followed by embedding_bag (whose row primitives,
+// gem_kernels/cpu_rows.h, pool here too). Remapping the table first, rather than pooling each id as
+// it is remapped, keeps the table's ~1 MiB of remap state in L2 while it is walked, without the
+// rows' 2 MiB passing through, and gives the pooling exact prefetches: 59 -> 48 ms of CPU a step
+// (bench/hashed.py's stream, one thread).
 // Roofline: FLOPs 2 * N * D; bytes the remap's plus N * D * s rows read and B * sum_t D_t * s written.
 std::tuple<at::Tensor, at::Tensor> zch_embedding_bag_forward_cpu(
     const at::Tensor& ids, const at::Tensor& offsets, const at::Tensor& per_sample_weights, at::Tensor slot_meta,
@@ -471,7 +605,7 @@ std::tuple<at::Tensor, at::Tensor> zch_embedding_bag_forward_cpu(
                 "zch_embedding_bag: per_sample_weights must be float32 [N]");
   }
   auto slots_out = at::empty({ids.numel()}, ids.options());
-  auto out = at::empty({B, output_dim}, weights.options());
+  auto out = empty_for_streaming_write({B, output_dim}, weights.options());
   const int64_t* id_data = ids.data_ptr<int64_t>();
   int64_t* slots = slots_out.data_ptr<int64_t>();
   const float* psw = weighted ? per_sample_weights.data_ptr<float>() : nullptr;
@@ -479,29 +613,34 @@ std::tuple<at::Tensor, at::Tensor> zch_embedding_bag_forward_cpu(
   auto run = [&](auto* w) {
     using scalar_t = std::remove_pointer_t<decltype(w)>;
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, s.T, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc;
-      for (int64_t ti = begin; ti < end; ++ti) {
-        TableView t = table_view(s, ti);
-        const int64_t batch_start = t.state[kSeq];
-        const int64_t D = s.d_off[ti + 1] - s.d_off[ti];
-        const int64_t rows = s.r_off[ti + 1] - s.r_off[ti];
-        const scalar_t* table = w + s.w_off[ti];
-        acc.assign(D, 0.f);
-        for (int64_t b = 0; b < B; ++b) {
-          std::fill(acc.begin(), acc.end(), 0.f);
-          int64_t kept = 0;
-          for (int64_t p = bag_off[ti * B + b]; p < bag_off[ti * B + b + 1]; ++p) {
-            const int64_t slot = remap_id(s, t, opts, ti, id_data[p], batch_start, static_cast<uint64_t>(seed), w);
-            slots[p] = slot;
-            if (slot < 0 || slot >= rows) continue;  // no row: left out of its bag ("zeros")
-            axpy_row(acc.data(), table + slot * D, psw ? psw[p] : 1.f, D);
-            ++kept;
+    parallel_dynamic(s.T, ids.numel() * (kIdWork + s.d_off[s.T] / s.T), [&](int64_t ti) {
+      thread_local std::vector<float> acc;
+      remap_table(s, opts, ti, id_data, s.off[ti], s.off[ti + 1], static_cast<uint64_t>(seed), w, slots);
+      const int64_t D = s.d_off[ti + 1] - s.d_off[ti];
+      const int64_t rows = s.r_off[ti + 1] - s.r_off[ti];
+      const scalar_t* table = w + s.w_off[ti];
+      const int64_t stop = s.off[ti + 1];
+      acc.resize(D);
+      scalar_t* out_t = o + s.d_off[ti];
+      for (int64_t b = 0; b < B; ++b) {
+        // The output row a few bags on, for writing: the table's slices of the [B, sum D] output are
+        // a stride apart that the hardware prefetchers do not follow, and each store otherwise waits
+        // for its line.
+        if (b + kOutAhead < B) prefetch_row_for_write(out_t + (b + kOutAhead) * output_dim, D);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        int64_t kept = 0;
+        for (int64_t p = bag_off[ti * B + b]; p < bag_off[ti * B + b + 1]; ++p) {
+          if (p + kRowAhead < stop) {
+            const int64_t ahead = slots[p + kRowAhead];
+            if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
           }
-          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
-          store_row(o + b * output_dim + s.d_off[ti], acc.data(), scale, D);
+          const int64_t slot = slots[p];
+          if (slot < 0 || slot >= rows) continue;  // no row: left out of its bag ("zeros")
+          axpy_row(acc.data(), table + slot * D, psw ? psw[p] : 1.f, D);
+          ++kept;
         }
-        end_batch(t, opts);
+        const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+        store_row(out_t + b * output_dim, acc.data(), scale, D);
       }
     });
   };

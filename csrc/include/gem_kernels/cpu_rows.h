@@ -2,6 +2,11 @@
 // one home, so that a fused kernel pools bit for bit as the embedding-bag kernel does.
 #pragma once
 
+#include "gem_kernels/cpu_vec.h"
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY_AVX2)
+#error "include gem_kernels/cpu_vec.h before any ATen header (else at::vec here is the scalar fallback)"
+#endif
+
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
