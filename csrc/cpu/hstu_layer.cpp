@@ -28,13 +28,7 @@
 //     gradients are per-block partial sums reduced in block order (bit-identical run to run and
 //     across thread counts).
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-// As in embedding_bag.cpp: without a CPU_CAPABILITY at::vec::Vectorized is its scalar fallback (one
-// std::exp call per lane); the extension is built for x86-64-v3, so use at::vec's AVX2 code, in a
-// namespace of our own.
-#define CPU_CAPABILITY gk_avx2
-#define CPU_CAPABILITY_AVX2
-#endif
+#include "gem_kernels/cpu_vec.h"  // first: at::vec below is its AVX2 code, not the scalar fallback
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
