@@ -74,8 +74,9 @@ def main() -> int:
         launch.update(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
         if stages is not None:
             launch["num_stages"] = stages
-        grid = (triton.cdiv(max_len, bm) * num_seqs * H,)
-        tri._jagged_attention_fwd_kernel[grid](q, k, v, out, lse if kind == "softmax" else out, **launch)
+        q_blocks = triton.cdiv(max_len, bm)
+        tri._jagged_attention_fwd_kernel[(q_blocks * num_seqs * H,)](q, k, v, out, lse if kind == "softmax" else out,
+                                                                   q_blocks=q_blocks, delta=0, **launch)
         return out, lse
 
     def check(name, got, want) -> bool:
