@@ -214,6 +214,66 @@ inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, flo
   }
 }
 
+// HSTU's weights of one row: x[c] <- silu(x[c]) * inv_m = x[c] / (1 + exp(-x[c])) * inv_m.
+inline void silu_row(float* x, int64_t n, float inv_m) {
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  // gcc leaves the scalar loop below unvectorised (perf showed vmulss/vdivss in it).
+  const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), vm));
+  }
+#endif
+  for (; c < n; ++c) x[c] = x[c] / (1.0f + fast_exp(-x[c])) * inv_m;
+}
+
+// The HSTU backward of one row: p[c] <- silu(s[c]) * inv_m, ds[c] <- dP[c] * silu'(s[c]) * inv_m with
+// silu'(x) = sig(x) (1 + x (1 - sig(x))) (ds holds dP on entry).
+inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float inv_m) {
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x = _mm256_loadu_ps(s + c);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(p + c, _mm256_mul_ps(_mm256_mul_ps(x, sig), vm));
+    const __m256 g = _mm256_mul_ps(sig, _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, sig))));
+    _mm256_storeu_ps(ds + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ds + c), g), vm));
+  }
+#endif
+  for (; c < n; ++c) {
+    const float x = s[c];
+    const float sig = 1.0f / (1.0f + fast_exp(-x));
+    p[c] = x * sig * inv_m;
+    ds[c] = ds[c] * (sig * (1.0f + x * (1.0f - sig))) * inv_m;
+  }
+}
+
+// part[bucket[c]] += ds[c] over c in [0, n). Buckets come in runs (sorted timestamps move |t_i - t_j|
+// monotonically along a row): each run is summed in registers and added once, instead of a scalar
+// read-modify-write per element whose store-to-load chain on one address serialised the loop.
+inline void add_by_bucket(const int32_t* bucket, const float* ds, int64_t n, float* part) {
+  for (int64_t c = 0; c < n;) {
+    const int32_t b = bucket[c];
+    int64_t e = c + 1;
+    while (e < n && bucket[e] == b) ++e;
+    float sum = 0.0f;
+    int64_t k = c;
+#if GK_ATTENTION_AVX2
+    if (e - c >= 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (; k + 8 <= e; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(ds + k));
+      sum = hsum8(acc);
+    }
+#endif
+    for (; k < e; ++k) sum += ds[k];
+    part[b] += sum;
+    c = e;
+  }
+}
+
 // out[r, :] += alpha * sum over visible c of w[r, c] * x[c, :] (w, vis: kBlockN-pitched tiles). The
 // masked products' slow path, taken for mixed tiles whose x rows hold an Inf or NaN: a BLAS product
 // of the zeroed weights would add 0 * inf = NaN from keys the row cannot see.
@@ -650,11 +710,9 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
             for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
           }
         } else {
-          for (int64_t c = span.begin; c < span.end; ++c) {
-            const float x = row[c];
-            const float w = x / (1.0f + fast_exp(-x)) * inv_m;
-            row[c] = (!span.ask || vis[c]) ? w : 0.0f;
-          }
+          silu_row(row + span.begin, span.end - span.begin, inv_m);
+          if (span.ask)
+            for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : 0.0f;
           std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
         }
       }
@@ -856,18 +914,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             const float l0 = lp[(it.start + i0 + r) * H + h];
             const float l = l0 == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l0;
             softmax_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, l, ws.delta[i0 + r]);
-            if (span.ask)
-              for (int64_t c = c0; c < c1; ++c) {
-                prow[c] = vis[c] ? prow[c] : 0.0f;
-                drow[c] = vis[c] ? drow[c] : 0.0f;
-              }
           } else {
+            silu_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, inv_m);
+          }
+          if (span.ask) {
             for (int64_t c = c0; c < c1; ++c) {
-              const bool on = !span.ask || vis[c];
-              const float x = row[c];
-              const float sig = 1.0f / (1.0f + fast_exp(-x));
-              prow[c] = on ? x * sig * inv_m : 0.0f;
-              drow[c] = on ? drow[c] * sig * (1.0f + x * (1.0f - sig)) * inv_m : 0.0f;
+              prow[c] = vis[c] ? prow[c] : 0.0f;
+              drow[c] = vis[c] ? drow[c] : 0.0f;
             }
           }
           std::fill(prow + span.hole_begin, prow + span.hole_end, 0.0f);
@@ -878,8 +931,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             for (int64_t c = c0; c < c1; ++c) dst[c] += drow[c];
           }
           if (time_part_item != nullptr) {
-            const int32_t* buckets = ws.bucket.data() + r * kBlockN;
-            for (int64_t c = c0; c < c1; ++c) time_part_item[buckets[c]] += drow[c];
+            add_by_bucket(ws.bucket.data() + r * kBlockN + c0, drow + c0, c1 - c0, time_part_item);
           }
         }
         // Mixed tiles whose other operand holds an Inf or NaN take the masked path (see masked_mm).
