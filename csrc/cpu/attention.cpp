@@ -489,15 +489,43 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       // sorted (|t_i - t_j| then moves monotonically and rarely crosses a threshold).
       const int64_t* thr = p.bucket_thr.data();
       const int32_t nb = static_cast<int32_t>(p.num_buckets);
-      int32_t bkt = c1 > c0 ? time_bucket(p, ti - p.timestamps[start + j0 + c0]) : 0;
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t dt = ti - p.timestamps[start + j0 + c];
+      const int64_t* tj = p.timestamps + start + j0;
+      int32_t bkt = c1 > c0 ? time_bucket(p, ti - tj[c0]) : 0;
+      const auto walk = [&](int64_t c) {
+        const int64_t dt = ti - tj[c];
         const int64_t x = dt < 0 ? -dt : dt;
         while (bkt < nb && x >= thr[bkt]) ++bkt;
         while (bkt > 0 && x < thr[bkt - 1]) --bkt;
         buckets[c] = bkt;
+        row[c] += bias[bkt];
+      };
+      int64_t c = c0;
+#if GK_ATTENTION_AVX2
+      // 8 keys at a time: when all 8 stay in the current bucket (the common case), one compare of
+      // their |dt| against its two thresholds replaces 8 scalar walks, and its bias is added as one
+      // broadcast instead of 8 dependent gathers; any other block takes the scalar walk.
+      const __m256i vti = _mm256_set1_epi64x(ti), zero = _mm256_setzero_si256();
+      const auto abs_dt = [&](const int64_t* t) {
+        const __m256i d = _mm256_sub_epi64(vti, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+        return _mm256_blendv_epi8(d, _mm256_sub_epi64(zero, d), _mm256_cmpgt_epi64(zero, d));
+      };
+      for (; c + 8 <= c1; c += 8) {
+        const __m256i lo = _mm256_set1_epi64x(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+        const __m256i hi = _mm256_set1_epi64x(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+        const __m256i x0 = abs_dt(tj + c), x1 = abs_dt(tj + c + 4);
+        // lo <= x < hi in every lane; the edge cases (x = INT64_MAX, a wrapped |INT64_MIN|, empty
+        // buckets) fail it or agree with the walk, which decides them as before.
+        const __m256i in0 = _mm256_andnot_si256(_mm256_cmpgt_epi64(lo, x0), _mm256_cmpgt_epi64(hi, x0));
+        const __m256i in1 = _mm256_andnot_si256(_mm256_cmpgt_epi64(lo, x1), _mm256_cmpgt_epi64(hi, x1));
+        if (_mm256_movemask_epi8(_mm256_and_si256(in0, in1)) == -1) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + c), _mm256_set1_epi32(bkt));
+          _mm256_storeu_ps(row + c, _mm256_add_ps(_mm256_loadu_ps(row + c), _mm256_set1_ps(bias[bkt])));
+        } else {
+          for (int64_t k = c; k < c + 8; ++k) walk(k);
+        }
       }
-      for (int64_t c = c0; c < c1; ++c) row[c] += bias[buckets[c]];
+#endif
+      for (; c < c1; ++c) walk(c);
     }
     if (tile_kind == 1) {
       uint8_t* vis = ws.vis.data() + r * kBlockN;
