@@ -8,8 +8,8 @@
 // before any arithmetic; one whose pairs are all visible skips the per-element mask. The two tile
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
 // that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
-// backward) run on AVX2 (8 lanes, fast_exp8) where the build targets it, the SiLU rows in
-// auto-vectorised loops. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// backward), the SiLU rows (weights forward; P and dS backward) and the time buckets run on AVX2
+// (8 lanes, fast_exp8) where the build targets it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
 // so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
