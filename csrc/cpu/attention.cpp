@@ -706,6 +706,16 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
   float* acc = ws.acc.data();
   static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
   nonfinite_tiles(it.v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
+  // Q K^T on contiguous key rows, as in the backward (see there). Not in the cached forward: its few
+  // query rows would pay the copy of every key row.
+  const float* k_rows = it.k0;
+  int64_t k_ld = H * D;
+  if (q_lo == 0) {
+    ws.k_rows.resize(L * D);
+    for (int64_t j = 0; j < L; ++j) std::copy(it.k0 + j * H * D, it.k0 + j * H * D + D, ws.k_rows.data() + j * D);
+    k_rows = ws.k_rows.data();
+    k_ld = D;
+  }
   for (int64_t i0 = q_lo; i0 < L; i0 += kBlockM) {
     const int64_t bm = std::min(kBlockM, L - i0);
     std::fill(acc, acc + bm * Dv, 0.0f);
@@ -715,7 +725,7 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
       const int64_t bn = std::min(kBlockN, L - j0);
       const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
       if (tile_kind == 0) continue;
-      mm(false, true, bm, bn, D, 1.0f, q_rows + (i0 - q_lo) * H * D, H * D, it.k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
+      mm(false, true, bm, bn, D, 1.0f, q_rows + (i0 - q_lo) * H * D, H * D, k_rows + j0 * k_ld, k_ld, 0.0f, s, kBlockN);
       scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
       for (int64_t r = 0; r < bm; ++r) {
         float* row = s + r * kBlockN;
