@@ -8,8 +8,8 @@
 // before any arithmetic; one whose pairs are all visible skips the per-element mask. The two tile
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
 // that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
-// backward) run on AVX2 (8 lanes, fast_exp8) where the build targets it, the SiLU rows in
-// auto-vectorised loops. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// backward), the SiLU rows (weights forward; P and dS backward) and the time buckets run on AVX2
+// (8 lanes, fast_exp8) where the build targets it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
 // so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
@@ -214,6 +214,66 @@ inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, flo
   }
 }
 
+// HSTU's weights of one row: x[c] <- silu(x[c]) * inv_m = x[c] / (1 + exp(-x[c])) * inv_m.
+inline void silu_row(float* x, int64_t n, float inv_m) {
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  // gcc leaves the scalar loop below unvectorised (perf showed vmulss/vdivss in it).
+  const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), vm));
+  }
+#endif
+  for (; c < n; ++c) x[c] = x[c] / (1.0f + fast_exp(-x[c])) * inv_m;
+}
+
+// The HSTU backward of one row: p[c] <- silu(s[c]) * inv_m, ds[c] <- dP[c] * silu'(s[c]) * inv_m with
+// silu'(x) = sig(x) (1 + x (1 - sig(x))) (ds holds dP on entry).
+inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float inv_m) {
+  int64_t c = 0;
+#if GK_ATTENTION_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x = _mm256_loadu_ps(s + c);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(p + c, _mm256_mul_ps(_mm256_mul_ps(x, sig), vm));
+    const __m256 g = _mm256_mul_ps(sig, _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, sig))));
+    _mm256_storeu_ps(ds + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ds + c), g), vm));
+  }
+#endif
+  for (; c < n; ++c) {
+    const float x = s[c];
+    const float sig = 1.0f / (1.0f + fast_exp(-x));
+    p[c] = x * sig * inv_m;
+    ds[c] = ds[c] * (sig * (1.0f + x * (1.0f - sig))) * inv_m;
+  }
+}
+
+// part[bucket[c]] += ds[c] over c in [0, n). Buckets come in runs (sorted timestamps move |t_i - t_j|
+// monotonically along a row): each run is summed in registers and added once, instead of a scalar
+// read-modify-write per element whose store-to-load chain on one address serialised the loop.
+inline void add_by_bucket(const int32_t* bucket, const float* ds, int64_t n, float* part) {
+  for (int64_t c = 0; c < n;) {
+    const int32_t b = bucket[c];
+    int64_t e = c + 1;
+    while (e < n && bucket[e] == b) ++e;
+    float sum = 0.0f;
+    int64_t k = c;
+#if GK_ATTENTION_AVX2
+    if (e - c >= 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (; k + 8 <= e; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(ds + k));
+      sum = hsum8(acc);
+    }
+#endif
+    for (; k < e; ++k) sum += ds[k];
+    part[b] += sum;
+    c = e;
+  }
+}
+
 // out[r, :] += alpha * sum over visible c of w[r, c] * x[c, :] (w, vis: kBlockN-pitched tiles). The
 // masked products' slow path, taken for mixed tiles whose x rows hold an Inf or NaN: a BLAS product
 // of the zeroed weights would add 0 * inf = NaN from keys the row cannot see.
@@ -391,6 +451,7 @@ inline int32_t time_bucket(const Params& p, int64_t dt) {
 // Per-thread scratch: score, probability and mask tiles, accumulators.
 struct Workspace {
   std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum, delta;
+  std::vector<float> k_rows, v_rows;  // the backward's item keys and values, contiguous
   std::vector<uint8_t> vis;
   std::vector<uint8_t> bad_q, bad_k, bad_v, bad_do;  // per tile of the item: rows with an Inf or NaN
   std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
@@ -429,15 +490,43 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       // sorted (|t_i - t_j| then moves monotonically and rarely crosses a threshold).
       const int64_t* thr = p.bucket_thr.data();
       const int32_t nb = static_cast<int32_t>(p.num_buckets);
-      int32_t bkt = c1 > c0 ? time_bucket(p, ti - p.timestamps[start + j0 + c0]) : 0;
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t dt = ti - p.timestamps[start + j0 + c];
+      const int64_t* tj = p.timestamps + start + j0;
+      int32_t bkt = c1 > c0 ? time_bucket(p, ti - tj[c0]) : 0;
+      const auto walk = [&](int64_t c) {
+        const int64_t dt = ti - tj[c];
         const int64_t x = dt < 0 ? -dt : dt;
         while (bkt < nb && x >= thr[bkt]) ++bkt;
         while (bkt > 0 && x < thr[bkt - 1]) --bkt;
         buckets[c] = bkt;
+        row[c] += bias[bkt];
+      };
+      int64_t c = c0;
+#if GK_ATTENTION_AVX2
+      // 8 keys at a time: when all 8 stay in the current bucket (the common case), one compare of
+      // their |dt| against its two thresholds replaces 8 scalar walks, and its bias is added as one
+      // broadcast instead of 8 dependent gathers; any other block takes the scalar walk.
+      const __m256i vti = _mm256_set1_epi64x(ti), zero = _mm256_setzero_si256();
+      const auto abs_dt = [&](const int64_t* t) {
+        const __m256i d = _mm256_sub_epi64(vti, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+        return _mm256_blendv_epi8(d, _mm256_sub_epi64(zero, d), _mm256_cmpgt_epi64(zero, d));
+      };
+      for (; c + 8 <= c1; c += 8) {
+        const __m256i lo = _mm256_set1_epi64x(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+        const __m256i hi = _mm256_set1_epi64x(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+        const __m256i x0 = abs_dt(tj + c), x1 = abs_dt(tj + c + 4);
+        // lo <= x < hi in every lane; the edge cases (x = INT64_MAX, a wrapped |INT64_MIN|, empty
+        // buckets) fail it or agree with the walk, which decides them as before.
+        const __m256i in0 = _mm256_andnot_si256(_mm256_cmpgt_epi64(lo, x0), _mm256_cmpgt_epi64(hi, x0));
+        const __m256i in1 = _mm256_andnot_si256(_mm256_cmpgt_epi64(lo, x1), _mm256_cmpgt_epi64(hi, x1));
+        if (_mm256_movemask_epi8(_mm256_and_si256(in0, in1)) == -1) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + c), _mm256_set1_epi32(bkt));
+          _mm256_storeu_ps(row + c, _mm256_add_ps(_mm256_loadu_ps(row + c), _mm256_set1_ps(bias[bkt])));
+        } else {
+          for (int64_t k = c; k < c + 8; ++k) walk(k);
+        }
       }
-      for (int64_t c = c0; c < c1; ++c) row[c] += bias[buckets[c]];
+#endif
+      for (; c < c1; ++c) walk(c);
     }
     if (tile_kind == 1) {
       uint8_t* vis = ws.vis.data() + r * kBlockN;
@@ -617,6 +706,16 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
   float* acc = ws.acc.data();
   static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
   nonfinite_tiles(it.v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
+  // Q K^T on contiguous key rows, as in the backward (see there). Not in the cached forward: its few
+  // query rows would pay the copy of every key row.
+  const float* k_rows = it.k0;
+  int64_t k_ld = H * D;
+  if (q_lo == 0) {
+    ws.k_rows.resize(L * D);
+    for (int64_t j = 0; j < L; ++j) std::copy(it.k0 + j * H * D, it.k0 + j * H * D + D, ws.k_rows.data() + j * D);
+    k_rows = ws.k_rows.data();
+    k_ld = D;
+  }
   for (int64_t i0 = q_lo; i0 < L; i0 += kBlockM) {
     const int64_t bm = std::min(kBlockM, L - i0);
     std::fill(acc, acc + bm * Dv, 0.0f);
@@ -626,7 +725,7 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
       const int64_t bn = std::min(kBlockN, L - j0);
       const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
       if (tile_kind == 0) continue;
-      mm(false, true, bm, bn, D, 1.0f, q_rows + (i0 - q_lo) * H * D, H * D, it.k0 + j0 * H * D, H * D, 0.0f, s, kBlockN);
+      mm(false, true, bm, bn, D, 1.0f, q_rows + (i0 - q_lo) * H * D, H * D, k_rows + j0 * k_ld, k_ld, 0.0f, s, kBlockN);
       scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
       for (int64_t r = 0; r < bm; ++r) {
         float* row = s + r * kBlockN;
@@ -650,11 +749,9 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
             for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
           }
         } else {
-          for (int64_t c = span.begin; c < span.end; ++c) {
-            const float x = row[c];
-            const float w = x / (1.0f + fast_exp(-x)) * inv_m;
-            row[c] = (!span.ask || vis[c]) ? w : 0.0f;
-          }
+          silu_row(row + span.begin, span.end - span.begin, inv_m);
+          if (span.ask)
+            for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : 0.0f;
           std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
         }
       }
@@ -806,7 +903,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     if (!begin_item(in, item, ws, it)) return;
     const int64_t L = it.L, h = it.h;
     const int64_t qs = H * D, vs = H * Dv;  // row strides
-    const float *q0 = it.q0, *k0 = it.k0, *v0 = it.v0;
+    const float* q0 = it.q0;
+    // K and V are the products' fixed operand within a key tile (Q K^T, dO V^T, dS K): read at
+    // their [N, H, D] row stride, torch.mm (MKL) ran ~9% slower (1 thread, 128^3) than on contiguous rows.
+    ws.k_rows.resize(L * D);
+    ws.v_rows.resize(L * Dv);
+    for (int64_t i = 0; i < L; ++i) {
+      std::copy(it.k0 + i * qs, it.k0 + i * qs + D, ws.k_rows.data() + i * D);
+      std::copy(it.v0 + i * vs, it.v0 + i * vs + Dv, ws.v_rows.data() + i * Dv);
+    }
+    const float *k0 = ws.k_rows.data(), *v0 = ws.v_rows.data();
     const float* do0 = dop + (it.start * H + h) * Dv;
     float* dq0 = dqp + (it.start * H + h) * D;
     if (p.softmax) {
@@ -819,7 +925,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
       }
     }
     nonfinite_tiles(q0, L, qs, D, kBlockM, ws.bad_q);
-    nonfinite_tiles(k0, L, qs, D, kBlockN, ws.bad_k);
+    nonfinite_tiles(k0, L, D, D, kBlockN, ws.bad_k);
     nonfinite_tiles(do0, L, vs, Dv, kBlockM, ws.bad_do);
     float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
     float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
@@ -836,9 +942,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
         const int64_t bm = std::min(kBlockM, L - i0);
         const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
         if (tile_kind == 0) continue;
-        mm(false, true, bm, bn, D, 1.0f, q0 + i0 * qs, qs, k0 + j0 * qs, qs, 0.0f, s, kBlockN);
+        mm(false, true, bm, bn, D, 1.0f, q0 + i0 * qs, qs, k0 + j0 * D, D, 0.0f, s, kBlockN);
         scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
-        mm(false, true, bm, bn, Dv, 1.0f, do0 + i0 * vs, vs, v0 + j0 * vs, vs, 0.0f, dpt, kBlockN);
+        mm(false, true, bm, bn, Dv, 1.0f, do0 + i0 * vs, vs, v0 + j0 * Dv, Dv, 0.0f, dpt, kBlockN);
         for (int64_t r = 0; r < bm; ++r) {
           const float* row = s + r * kBlockN;
           const uint8_t* vis = ws.vis.data() + r * kBlockN;
@@ -856,18 +962,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             const float l0 = lp[(it.start + i0 + r) * H + h];
             const float l = l0 == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l0;
             softmax_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, l, ws.delta[i0 + r]);
-            if (span.ask)
-              for (int64_t c = c0; c < c1; ++c) {
-                prow[c] = vis[c] ? prow[c] : 0.0f;
-                drow[c] = vis[c] ? drow[c] : 0.0f;
-              }
           } else {
+            silu_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, inv_m);
+          }
+          if (span.ask) {
             for (int64_t c = c0; c < c1; ++c) {
-              const bool on = !span.ask || vis[c];
-              const float x = row[c];
-              const float sig = 1.0f / (1.0f + fast_exp(-x));
-              prow[c] = on ? x * sig * inv_m : 0.0f;
-              drow[c] = on ? drow[c] * sig * (1.0f + x * (1.0f - sig)) * inv_m : 0.0f;
+              prow[c] = vis[c] ? prow[c] : 0.0f;
+              drow[c] = vis[c] ? drow[c] : 0.0f;
             }
           }
           std::fill(prow + span.hole_begin, prow + span.hole_end, 0.0f);
@@ -878,8 +979,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             for (int64_t c = c0; c < c1; ++c) dst[c] += drow[c];
           }
           if (time_part_item != nullptr) {
-            const int32_t* buckets = ws.bucket.data() + r * kBlockN;
-            for (int64_t c = c0; c < c1; ++c) time_part_item[buckets[c]] += drow[c];
+            add_by_bucket(ws.bucket.data() + r * kBlockN + c0, drow + c0, c1 - c0, time_part_item);
           }
         }
         // Mixed tiles whose other operand holds an Inf or NaN take the masked path (see masked_mm).
@@ -894,9 +994,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
         else
           mm(true, false, bn, D, bm, p.scale, dpt, kBlockN, q0 + i0 * qs, qs, 1.0f, dk_acc, D);
         if (mixed && ws.bad_k[j0 / kBlockN])
-          masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * qs, qs, dq0 + i0 * qs, qs);
+          masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * D, D, dq0 + i0 * qs, qs);
         else
-          mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * qs, qs, 1.0f, dq0 + i0 * qs, qs);
+          mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * D, D, 1.0f, dq0 + i0 * qs, qs);
       }
       for (int64_t c = 0; c < bn; ++c) {
         std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dkp + ((it.start + j0 + c) * H + h) * D);
