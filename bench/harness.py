@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 # The timing core lives in the package (model/ uses the peak probes too); the bench's names stay.
+from gem_kernels.testing.peaks import mfu
 from gem_kernels.testing.timing import (RecompileError, Settings, Timing, compile_count, dtype_name, log, measure,
                                         percentile, sync)
 
@@ -496,13 +497,14 @@ def failed_row(family: str, case: Case, impl: str, why: str, device: torch.devic
 
 def pct_of_peak(row: dict, peaks: dict) -> float | None:
     """A row's % of the measured peak of its kind: copy GB/s ("bandwidth") or its dtype's matmul
-    TFLOP/s ("matmul"); None without a figure or without a measured peak of that kind."""
+    TFLOP/s ("matmul": the MFU of its FLOPs in its median time, gem_kernels.testing.peaks.mfu, which
+    model.train prints too); None without a figure or without a measured peak of that kind."""
     if row["peak"] == "bandwidth" and row["gbps"] is not None and peaks.get("copy_gbps"):
         return 100 * row["gbps"] / peaks["copy_gbps"]
     if row["peak"] == "matmul" and row["tflops"] is not None:
         peak = peaks.get("matmul_tflops", {}).get(row["dtype"])
         if peak:
-            return 100 * row["tflops"] / peak
+            return 100 * mfu(row["flops"], row["ms"], peak)
     return None
 
 

@@ -20,9 +20,10 @@ the fused jagged HSTU attention and interaction) and "fused+compile" (the fused 
 dense arch torch.compile'd). All start from the same weights and see the same rotated batches, so
 their first step's losses must agree before any is timed. FLOPs from GemModel.flops_per_step
 (forward + backward, real jagged work); % of peak is the MFU against the measured matmul peak of
-the training dtype, model.train's MFU formula (model.train.mfu). Per-component times (sparse, sequence, interaction, heads, backward_optimizer;
-PhaseTimer, medians of a few steps run before the timed ones, on the same model put back to
-its initial state afterwards) go to the notes.
+the training dtype: model.train's MFU, by the one formula both call (gem_kernels.testing.peaks.mfu).
+Per-component times (sparse, sequence, interaction, heads, backward_optimizer; PhaseTimer, medians
+of a few steps run before the timed ones, on the same model put back to its initial state
+afterwards) go to the notes.
 """
 
 from __future__ import annotations

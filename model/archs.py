@@ -346,7 +346,8 @@ class SequenceArch(nn.Module):
         for layer in self.layers:
             x = layer(x, layout.seq_offsets, self.max_len, num_targets=layout.num_targets,
                       timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
-        return self.norm(x[layout.candidate_rows])
+        # index_select: a gather whose backward is index_add (advanced indexing's is a slower index_put).
+        return self.norm(x.index_select(0, layout.candidate_rows))
 
     def rank(self, batch: Batch, non_sequence: torch.Tensor, layout: SequenceLayout,
              user_sizes: list[tuple[int, int]] | None = None, cache=None,
@@ -443,7 +444,15 @@ class InteractionArch(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         interactions = self.interaction(tokens).flatten(1)
-        return self.over_arch(torch.cat([tokens[:, 0], interactions], dim=1))
+        # The over arch's first layer on [dense token, interactions] as two GEMMs into one output, with
+        # no concatenated copy: the concat costs a copy of [R, D + I] forward, and backward its slices
+        # hand the interaction a strided gradient that the fused op copies contiguous again.
+        first, dim = self.over_arch[0], tokens.shape[2]
+        hidden = torch.addmm(F.linear(interactions, first.weight[:, dim:], first.bias), tokens[:, 0],
+                             first.weight[:, :dim].t())
+        for layer in list(self.over_arch)[1:]:
+            hidden = layer(hidden)
+        return hidden
 
 
 class TaskHeads(nn.Module):

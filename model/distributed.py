@@ -38,7 +38,7 @@ from torch import nn
 
 from .archs import sparse_feature_names
 from .data import SyntheticBatches
-from .gem import MODEL_FLOPS_COMPONENTS
+from .gem import model_flops
 
 
 class ShardableSparseArch(nn.Module):
@@ -370,8 +370,8 @@ def main(args: argparse.Namespace, config_from_args, train, report) -> dict | No
     step_s = result["step_ms"] / 1e3 if result["step_ms"] else None
     result.update(world_size=world, plan=args.plan, global_batch_size=cfg.batch_size,
                   examples_per_s_per_rank=local_cfg.batch_size / step_s if step_s else None,
-                  tflops_per_rank=statistics.fmean(sum(step[k] for k in MODEL_FLOPS_COMPONENTS)
-                                                  for step in local_flops) / step_s / 1e12 if step_s else None)
+                  tflops_per_rank=(statistics.fmean(model_flops(step) for step in local_flops) / step_s / 1e12
+                                   if step_s else None))
     for key in ("mfu", "mfu_vendor"):  # global TFLOP/s over the peak of all W devices
         if result.get(key) is not None:
             result[key] /= world

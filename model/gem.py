@@ -35,6 +35,11 @@ MODEL_FLOPS_COMPONENTS = ("sparse", "sequence", "interaction", "heads", "backwar
 ADAM_FLOPS_PER_ELEMENT = 10
 
 
+def model_flops(flops_by_component: dict[str, float]) -> float:
+    """MFU's numerator from GemModel.flops_by_component: the model components' FLOPs, no optimizer."""
+    return sum(flops_by_component[k] for k in MODEL_FLOPS_COMPONENTS)
+
+
 class PhaseTimer:
     """Marks the end of each phase of a step without a host sync: CUDA events on a GPU (read after the
     step's one sync), time.perf_counter on the CPU. `start()`, then `mark(phase)` in order, then
@@ -109,7 +114,7 @@ class GemModel(nn.Module):
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)                 # [B, T + 1, D]
         candidates = self.sequence_arch(embedded, non_sequence, layout)                  # [R, D]
         _mark(timer, "sequence")
-        tokens = torch.cat([non_sequence[layout.candidate_owner], candidates.unsqueeze(1)], dim=1)  # [R, F, D]
+        tokens = interaction_tokens(non_sequence, candidates, layout)                     # [R, F, D]
         over = self.interaction_arch(tokens)
         _mark(timer, "interaction")
         return self.task_heads(over)
@@ -134,8 +139,7 @@ class GemModel(nn.Module):
         layout = SequenceLayout(batch, self.cfg.contextual_len)
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)
         candidates = self.sequence_arch.rank(batch, non_sequence, layout, user_sizes, cache, user_ids)
-        tokens = torch.cat([non_sequence[layout.candidate_owner], candidates.unsqueeze(1)], dim=1)
-        return self.task_heads(self.interaction_arch(tokens))
+        return self.task_heads(self.interaction_arch(interaction_tokens(non_sequence, candidates, layout)))
 
     def loss(self, batch: Batch, timer: PhaseTimer | None = None) -> torch.Tensor:
         """Mean binary cross-entropy over the rows and the tasks; `timer` also marks "heads"."""
@@ -196,7 +200,7 @@ class GemModel(nn.Module):
         """Model FLOPs of one training step (forward + backward) on `batch`, on the real jagged work:
         the sum of flops_by_component's model components (the optimizer update is not model work, as
         MFU conventionally counts it: see flops_by_component's "optimizer")."""
-        return sum(v for k, v in self.flops_by_component(batch).items() if k in MODEL_FLOPS_COMPONENTS)
+        return model_flops(self.flops_by_component(batch))
 
     def flops_by_component(self, batch: Batch) -> dict[str, int]:
         """FLOPs of one training step on `batch` by the phase that runs them (PHASES): the forward of
@@ -271,6 +275,23 @@ class GemModel(nn.Module):
         out["backward"] += 2 * (over + heads)
         out["optimizer"] += ADAM_FLOPS_PER_ELEMENT * sum(p.numel() for p in self.dense_parameters())
         return {k: int(v) for k, v in out.items()}
+
+
+def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """The interaction arch's input [R, F, D]: row r is its user's non-sequence tokens
+    non_sequence[owner(r)] [T + 1, D], then its candidate token candidates[r].
+
+    One gather of token rows from [non-sequence tokens; candidate tokens], not a gather of the users'
+    tokens then a concat with the candidates: one copy of [R, F, D] instead of two, and a backward that
+    is one index_add (measured 2026-12-06, 2-core Xeon, 1 thread, small config: 1.2 instead of 1.5 ms
+    forward + backward; advanced indexing's backward, an index_put, was slower still)."""
+    num_users, num_tokens, dim = non_sequence.shape
+    owner = layout.candidate_owner
+    token_rows = torch.cat([owner.unsqueeze(1) * num_tokens + torch.arange(num_tokens, device=owner.device),
+                            num_users * num_tokens + torch.arange(owner.numel(), device=owner.device).unsqueeze(1)],
+                           dim=1)
+    source = torch.cat([non_sequence.reshape(num_users * num_tokens, dim), candidates])
+    return source.index_select(0, token_rows.view(-1)).view(owner.numel(), num_tokens + 1, dim)
 
 
 def _mark(timer: PhaseTimer | None, phase: str) -> None:

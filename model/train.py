@@ -9,7 +9,10 @@ teacher: a falling loss is learning); AUC per task is measured on the held-out s
 MFU = model FLOPs of the timed steps (forward + backward, real jagged work, GemModel.flops_per_step;
       the optimizer update is not model work and is reported apart, optimizer_flops_per_step)
       / (their time x the measured dense matmul peak of the training dtype on this device; on a GPU
-      in fp32, measured under the run's TF32 setting, "tf32" in the JSON)
+      in fp32, measured under the run's TF32 setting, "tf32" in the JSON). The same figure as the %
+      of peak of `python -m bench model`'s rows: one formula (gem_kernels.testing.peaks.mfu), the
+      same FLOPs (GemModel.flops_per_step), the median step time, and the peak measured as the
+      bench's full run measures it.
 mfu_vendor: the same against the datasheet's dense peak (GPU only); mfu_by_component: each phase's
 FLOPs over its own time (GemModel.flops_by_component).
 step_ms is the median step after the warm-up steps; per-component times are medians too.
@@ -32,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from gem_kernels.testing.peaks import matmul_peak_tflops
+from gem_kernels.testing.peaks import matmul_peak_tflops, mfu
 
 from .archs import KERNELS
 from .config import INTERACTIONS, PRESETS, GemConfig
 from .data import Batch, SyntheticBatches
-from .gem import MODEL_FLOPS_COMPONENTS, PHASES, GemModel, PhaseTimer
+from .gem import PHASES, GemModel, PhaseTimer, model_flops
 
 # Vendor dense peaks (TFLOP/s, no sparsity) of the GPUs this package is benched on, by name fragment,
 # most specific first (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA
@@ -276,7 +279,9 @@ def tf32_enabled(device: torch.device) -> bool | None:
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
-    return matmul_peak_tflops(dtype, device, quick=True)
+    """The MFU's roof: the matmul peak as `python -m bench` measures it in a full run (not --quick), so
+    that this MFU and the bench's model row (its % of peak) divide by the same measurement."""
+    return matmul_peak_tflops(dtype, device, quick=False)
 
 
 def vendor_peak(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float | None:
@@ -308,12 +313,6 @@ class CheckpointStore:
 
     def save(self, step: int, losses: list[float]) -> None:
         save_checkpoint(self.directory, self.model, self.optimizers, step, losses)
-
-
-def mfu(flops: float, ms: float, peak_tflops: float) -> float:
-    """Model FLOPs utilisation: flops done in ms against a peak in TFLOP/s (model.train and the bench's
-    model row both use it)."""
-    return flops / (ms / 1e3) / (peak_tflops * 1e12)
 
 
 def mfu_by_component(flops: dict[str, float], components_ms: dict[str, float | None],
@@ -393,7 +392,7 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
     step_ms = statistics.median(run["step_ms"]) if run["step_ms"] else None
     by_component = ({k: statistics.fmean(f[k] for f in run["flops"]) for k in run["flops"][0]}
                     if run["flops"] else {})
-    mean_flops = sum(by_component[k] for k in MODEL_FLOPS_COMPONENTS) if by_component else None
+    mean_flops = model_flops(by_component) if by_component else None
     peak = measured_peak(device, dtype)
     tflops = mean_flops / (step_ms / 1e3) / 1e12 if step_ms else None
     vendor = vendor_peak(device, dtype)

@@ -161,6 +161,34 @@ def test_sequence_layout():
             row += 1
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_interaction_input_and_over_arch_without_the_concats(cfg):
+    """The interaction arch's input is one gather (model.gem.interaction_tokens) and the over arch's first
+    layer runs on [dense token, interactions] without concatenating them: the tokens equal the concat of
+    each row's user tokens and its candidate, and the output and every gradient equal the concatenated
+    formulation's (the eager arch; fp32, so up to reassociation)."""
+    from model.gem import interaction_tokens
+
+    batch = SyntheticBatches(cfg, 7, seed=3)[0]
+    layout = SequenceLayout(batch, cfg.contextual_len)
+    g = torch.Generator().manual_seed(0)
+    num_rows, dim = batch.candidate_ids.numel(), cfg.embedding_dim
+    non_sequence = torch.randn(7, cfg.num_tables + 1, dim, generator=g, requires_grad=True)
+    candidates = torch.randn(num_rows, dim, generator=g, requires_grad=True)
+    arch = GemModel(cfg, "eager").interaction_arch
+    inputs = [non_sequence, candidates, *arch.parameters()]
+
+    tokens = interaction_tokens(non_sequence, candidates, layout)
+    concat = torch.cat([non_sequence[layout.candidate_owner], candidates.unsqueeze(1)], dim=1)
+    assert torch.equal(tokens, concat)
+    out = arch(tokens)
+    expected = arch.over_arch(torch.cat([concat[:, 0], arch.interaction(concat).flatten(1)], dim=1))
+    assert_close(out, expected)
+    grad_out = torch.randn(out.shape, generator=g)
+    for got, want in zip(torch.autograd.grad(out, inputs, grad_out), torch.autograd.grad(expected, inputs, grad_out)):
+        assert_close(got, want)
+
+
 # ------------------------------------------------------------------------------------- eager vs fused
 
 
@@ -552,6 +580,45 @@ def test_bench_model_row_and_train_agree_on_mfu(monkeypatch):
     peaks = {"matmul_tflops": {"float32": 0.25}}
     row = harness.make_row("model", case, "fused", timing, cpu, peaks, "sha", "now")
     assert row["pct_peak"] == pytest.approx(100 * mfu(case.flops, timing.median_ms, 0.25))
+
+
+def test_train_report_and_bench_row_agree_on_mfu(monkeypatch):
+    """model.train's printed MFU and the bench's model row, fed the same step times, FLOPs and peak, are
+    one number: one formula, one FLOP count, one median."""
+    import model.train
+    from bench import harness
+
+    cpu = torch.device("cpu")
+    data = SyntheticBatches(TINY, 16, seed=0)
+    model_ = GemModel(TINY, "fused")
+    step_ms = [4.0, 7.0, 5.0, 6.0]  # even: both medians interpolate
+    run = {"losses": [0.7] * 4, "step_ms": step_ms, "components": {p: [1.0] * 4 for p in PHASES},
+           "flops": [model_.flops_by_component(data[i]) for i in range(4)], "auc": {}, "auc_history": []}
+    monkeypatch.setattr(model.train, "measured_peak", lambda device, dtype: 0.25)
+    args = parse_args(["--config", "tiny", "--steps", "4"])
+    reported = model.train.report(args, TINY, model_, run)
+    flops = sum(model_.flops_per_step(data[i]) for i in range(4)) / 4
+    case = harness.Case(op="step", shape="tiny", dtype=torch.float32, flops=flops, bytes=0,
+                        impls={"fused": lambda: None}, baseline="fused", peak="matmul", unverified="a formula test")
+    timing = harness.Timing(times=[ms / 1e3 for ms in step_ms], capped=False)
+    row = harness.make_row("model", case, "fused", timing, cpu, {"matmul_tflops": {"float32": 0.25}}, "sha", "now")
+    assert reported["step_ms"] == pytest.approx(row["ms"])
+    assert reported["mfu"] == pytest.approx(row["pct_peak"] / 100, rel=1e-12)
+    assert reported["tflops"] == pytest.approx(row["tflops"], rel=1e-12)
+
+
+def test_train_measures_the_peak_as_the_full_bench_run_does(monkeypatch):
+    """The roof of model.train's MFU is the matmul the bench's full run measures (size and repeats)."""
+    import model.train
+    from gem_kernels.testing import peaks
+
+    calls = []
+    monkeypatch.setattr(peaks, "_matmul_tflops",
+                        lambda n, dtype, device, settings: calls.append((n, dtype, settings)) or 1.0)
+    monkeypatch.setattr(peaks, "_copy_gbps", lambda mib, device, settings: 1.0)
+    peaks.measure_peaks(torch.device("cpu"), quick=False)
+    model.train.measured_peak(torch.device("cpu"), torch.float32)
+    assert len(calls) == 2 and calls[0] == calls[1]
 
 
 def test_phase_timer_marks_every_component():

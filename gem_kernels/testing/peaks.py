@@ -126,20 +126,29 @@ def gather_roof(tables: list[torch.Tensor], ids: list[torch.Tensor], device: tor
     return {"gbps": candidates[best], "aten_gbps": aten, "prefetched_gbps": prefetched, "best": best}
 
 
+def _settings(quick: bool) -> Settings:
+    return Settings(min_repeats=3, min_time=0.1 if quick else 0.4, max_time=1.0 if quick else 3.0, warmup_time=0.05)
+
+
 def matmul_peak_tflops(dtype: torch.dtype, device: torch.device, quick: bool = True) -> float:
     """The measured dense matmul peak of one dtype on `device` (TFLOP/s): the roof of the model's
-    MFU (model/train.py). bf16 on a CPU measures what torch's CPU bf16 matmul reaches."""
+    MFU (model/train.py), measured as ``measure_peaks`` measures it in the same mode (the same matmul,
+    size and repeats). bf16 on a CPU measures what torch's CPU bf16 matmul reaches."""
     n, _ = _SIZES[(device.type, quick)]
-    settings = Settings(min_repeats=3, min_time=0.1 if quick else 0.4, max_time=1.0 if quick else 3.0,
-                        warmup_time=0.05)
-    return _matmul_tflops(n, dtype, device, settings)
+    return _matmul_tflops(n, dtype, device, _settings(quick))
+
+
+def mfu(flops: float, ms: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: ``flops`` done in ``ms`` milliseconds over a peak of ``peak_tflops``
+    TFLOP/s (a fraction). The one definition of the figure: model.train's MFU (and mfu_by_component) and
+    the bench's % of the matmul peak (bench/harness.py pct_of_peak, times 100) both call it."""
+    return flops / (ms / 1e3) / (peak_tflops * 1e12)
 
 
 def measure_peaks(device: torch.device, quick: bool) -> dict:
     """{"matmul_tflops": {dtype: TFLOP/s}, "copy_gbps": GB/s, "sizes": ..., "threads": ...}."""
     n, mib = _SIZES[(device.type, quick)]
-    settings = Settings(min_repeats=3, min_time=0.1 if quick else 0.4, max_time=1.0 if quick else 3.0,
-                        warmup_time=0.05)
+    settings = _settings(quick)
     peaks: dict = {"matmul_tflops": {}, "sizes": {"matmul_n": n, "copy_mib": mib},
                    "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     if device.type == "cuda":
