@@ -279,13 +279,15 @@ class SequenceLayout:
         self.total = num_users * c + num_history + num_rows
         starts = self.seq_offsets[:-1]
         self.context_rows = (starts.unsqueeze(1) + torch.arange(c, device=device)).reshape(-1)
+        # Item i of a user's history (candidates) goes to row i + (that user's first row of it - its index
+        # in the batch's history (candidates)): one per-user shift, gathered per item.
         history_owner = torch.repeat_interleave(users, history_lengths, output_size=num_history)
-        self.history_rows = (torch.arange(num_history, device=device) - batch.history_offsets[:-1][history_owner]
-                             + starts[history_owner] + c)
+        history_shift = starts + c - batch.history_offsets[:-1]
+        self.history_rows = torch.arange(num_history, device=device) + history_shift.index_select(0, history_owner)
         self.candidate_owner = torch.repeat_interleave(users, batch.num_candidates, output_size=num_rows)
-        candidate_offsets = torch.cat([lengths.new_zeros(1), batch.num_candidates.cumsum(0)])
-        self.candidate_rows = (torch.arange(num_rows, device=device) - candidate_offsets[:-1][self.candidate_owner]
-                               + starts[self.candidate_owner] + c + history_lengths[self.candidate_owner])
+        candidate_shift = self.seq_offsets[1:] - batch.num_candidates.cumsum(0)
+        self.candidate_rows = (torch.arange(num_rows, device=device)
+                               + candidate_shift.index_select(0, self.candidate_owner))
         # Timestamps: history rows their own; context and candidates the request's. The query
         # timestamp of a history row is the next item's (the request's for the last one), as in
         # generative-recommenders' RelativeBucketedTimeAndPositionBasedBias.
