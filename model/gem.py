@@ -277,7 +277,8 @@ class GemModel(nn.Module):
         return {k: int(v) for k, v in out.items()}
 
 
-def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor,
+                       layout: SequenceLayout) -> torch.Tensor:
     """The interaction arch's input [R, F, D]: row r is its user's non-sequence tokens
     non_sequence[owner(r)] [T + 1, D], then its candidate token candidates[r].
 
