@@ -296,10 +296,14 @@ class SequenceLayout:
         timestamps = torch.cat([request.repeat_interleave(c, output_size=num_users * c), batch.history_timestamps,
                                 request[self.candidate_owner]])
         self.timestamps = torch.empty_like(timestamps).index_copy_(0, self.rows, timestamps)
-        following = torch.cat([self.timestamps[1:], self.timestamps.new_zeros(1)])
-        query = self.timestamps.clone()
-        query[self.history_rows] = following[self.history_rows]
-        self.query_timestamps = query
+        # The next item within the user's own history, the request's for its last item: read from the
+        # history itself, not from the next row, which is another user's when the user has no candidate.
+        history = batch.history_timestamps
+        following = torch.empty_like(history)
+        following[:-1] = history[1:]
+        last = batch.history_offsets[1:][history_lengths > 0] - 1
+        following.index_copy_(0, last, request[history_lengths > 0])
+        self.query_timestamps = self.timestamps.index_copy(0, self.history_rows, following)
 
 
 class SequenceArch(nn.Module):

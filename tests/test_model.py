@@ -161,6 +161,31 @@ def test_sequence_layout():
             row += 1
 
 
+def test_sequence_layout_query_timestamps_of_a_user_without_candidates():
+    """A user with history but no candidate (serving may ask for none): its last history item's query
+    timestamp is its own request's, not the next row's (the next user's first token)."""
+    import dataclasses
+
+    b = SyntheticBatches(TINY, 4, seed=11)[0]
+    lengths = b.history_offsets.diff()
+    assert int(lengths[1]) > 0
+    # Drop user 1's candidates.
+    starts = torch.cat([b.num_candidates.new_zeros(1), b.num_candidates.cumsum(0)])
+    keep = torch.ones(b.candidate_ids.numel(), dtype=torch.bool)
+    keep[int(starts[1]):int(starts[2])] = False
+    num_candidates = b.num_candidates.clone()
+    num_candidates[1] = 0
+    b = dataclasses.replace(b, candidate_ids=b.candidate_ids[keep], num_candidates=num_candidates,
+                            labels=b.labels[keep])
+    for c in (0, TINY.contextual_len):
+        layout = SequenceLayout(b, c)
+        for u in range(4):
+            start = int(layout.seq_offsets[u]) + c
+            hist = b.history_timestamps[int(b.history_offsets[u]):int(b.history_offsets[u + 1])]
+            query = layout.query_timestamps[start:start + hist.numel()]
+            assert torch.equal(query, torch.cat([hist[1:], b.request_timestamps[u:u + 1]])), (c, u)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_interaction_input_and_over_arch_without_the_concats(cfg):
     """The interaction arch's input is one gather (model.gem.interaction_tokens) and the over arch's first
