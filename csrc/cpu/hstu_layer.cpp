@@ -1,18 +1,24 @@
 // CPU kernels of the HSTU layer's two projection halves (generative-recommenders' STULayer; the
 // attention between them is cpu/attention.cpp). Maths in gem_kernels/reference/hstu_layer.py.
 //
-// Work decomposition: each half is one elementwise pass over the jagged rows (parallel over blocks of
-// kBlockRows rows, handed out dynamically by parallel_ranges) and ATen GEMMs over all N rows at once
-// (MKL/oneDNN on every thread). The earlier form ran one single-threaded GEMM per 64-row block inside
-// the parallel region so that the prologue row went into the GEMM from cache; the uvqk forward then
-// took 6.0 ms where one [N, D] x [D, O] GEMM on both cores takes 3.4 (N = 2k, D = 256, O = 1024): the
-// small single-threaded GEMMs lost more than the [N, D+1] / [N, K] jagged buffer's round trip costs
-// (bench/results/notes-hstu_layer.md). No padded intermediate exists: every buffer is [N, .].
+// Work decomposition: each op is one pass over the jagged rows in chunks of kChunkRows (512) rows,
+// handed out dynamically by parallel_ranges; a worker runs its chunk in blocks of block_rows(width)
+// rows whose GEMM operands stay in L2 (all 512 at the small model's shape, 128 at D = 256, O = 1024),
+// and per block: the prologue rows (LayerNorm, or the Norm(a) * silu(u) concat) into a block buffer,
+// single-threaded BLAS sgemm on it (cpu_blas.h: no ATen dispatch per call), the epilogue rows (SiLU,
+// the norm backward) while the block is in cache. Weight gradients are per-chunk partial GEMMs
+// (xa^T @ dz, c^T @ g, accumulated over the chunk's blocks), summed in chunk order in fp64. No
+// buffer of N rows exists besides the ops' inputs and outputs.
+// Why chunks, not GEMMs over all N rows: at the small model's shape (D = 32, O = 128, N = 8.7k) the
+// uvqk backward as ATen GEMMs over all rows (eight slice GEMMs, four [N, 32] temporaries, a scalar
+// std::exp per element of silu') took 9-13 ms of one thread's CPU, 3.2-3.5 now (notes-hstu_layer.md).
+// At D = 256 whole-row GEMMs once beat 64-row blocks run through ATen's mm (6.0 vs 3.4 ms);
+// the blocks here call sgemm directly and are 128 rows at that width.
 //
-//   uvqk forward: xa = [LayerNorm(x) | 1] (pass, per row) -> u_pre, v, q, k = xa @ [W; b], written
-//     straight into the four output tensors (one GEMM per column slice: no split copy), SiLU on v, q,
-//     k in place when silu_qkv (the HSTU paper's form; STULayer applies SiLU to u only, and u's SiLU is applied by
-//     the output half's prologue, so the forward keeps no activation for its backward).
+//   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
+//     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
+//     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
+//     keeps no activation for its backward).
 //     FLOPs 2*N*D*O; minimum bytes 4*(N*D + D*O + N*O).
 //   output forward: c = [silu(u), a, silu(u) * Norm(a)] (pass) -> out = x + c @ W (+ bias).
 //     FLOPs 2*N*K*D; minimum bytes 4*(2*N*H*Lh + 2*N*D + K*D).
@@ -23,10 +29,10 @@
 //       norm's backward (one read of attn and u_pre);
 //     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh)):
 //       not stored (4*(O - H*Lh) bytes).
-//     Weight gradients are full GEMMs over the recomputed [N, D] / [N, K] operands (the uvqk one per
-//     column slice, straight from the four incoming gradients: no [N, O] concat of them); norm-weight
-//     gradients are per-block partial sums reduced in block order (bit-identical run to run and
-//     across thread counts).
+//     Weight gradients are per-chunk GEMMs over the block's recomputed operands (the four incoming
+//     gradients gathered into the block's [rows, O] dz); weight and norm-weight gradients are
+//     per-chunk partial sums reduced in chunk order (bit-identical run to run and across thread
+//     counts).
 
 #include "gem_kernels/cpu_vec.h"  // first: at::vec below is its AVX2 code, not the scalar fallback
 
