@@ -252,7 +252,7 @@ constexpr int64_t kChunkRows = 512;
 // a quarter of this Xeon's L2), a power of two in [32, kChunkRows].
 int64_t block_rows(int64_t width) {
   int64_t rows = kChunkRows;
-  while (rows > 32 && rows * width > (int64_t(1) << 17)) rows /= 2;
+  while (rows > 32 && rows * width > (int64_t(1) << 18)) rows /= 2;
   return rows;
 }
 
