@@ -9,7 +9,15 @@ and "eager" (the baseline: the layer built from torch ops, ``gem_kernels.referen
 with its padded attention, autograd for the backward). Every impl's output and gradients (x and the
 seven weights) are held to FlashAttention's rule against the eager layer run in float64 before timing.
 
-Shape: D = 256, H = 4, linear_dim = attention_dim = 64 (K = 3 * 256), fp32 on the CPU, bf16 on a GPU;
+The projection halves alone, at the GEM model's `small` shape (model/config.py: 2 heads of linear
+and attention dim 16 over D = 32, silu_qkv, no concat; 8704 tokens, ~256 users x 34): each of the four
+ops (hstu_uvqk fwd / bwd, hstu_output fwd / bwd) against its reference twin, the backward ops called
+alone on saved inputs, FLOPs the GEMMs' (gem_kernels.flops.hstu_uvqk / hstu_output). CPU only (the
+small model's shape); first in a full run, so the slow eager layer at 4096 never leaves them out of
+the family's budget; last with --quick (256 tokens), after the layer's two cases, which its 9 s
+budget covered before.
+
+Layer shape: D = 256, H = 4, linear_dim = attention_dim = 64 (K = 3 * 256), fp32 on the CPU, bf16 on a GPU;
 lengths ~50% dense against the history length (bench.attention's draw, one sequence at the full
 length), B = 4096 / history sequences on the CPU (16384 / history on a GPU). --quick: history 128,
 B = 4.
@@ -23,7 +31,7 @@ import torch
 
 import gem_kernels as gk
 from gem_kernels import flops as gk_flops
-from gem_kernels._backend import FAMILIES
+from gem_kernels._backend import FAMILIES, kernel
 from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.ops.attention import IMPLEMENTED as ATTENTION_BACKENDS
 from gem_kernels.reference import attention as ref_attention
@@ -86,7 +94,68 @@ def _backends(device: torch.device) -> list[str]:
     return [b for b in wanted if b in available and b in ATTENTION_BACKENDS and b in LAYER_BACKENDS]
 
 
+# The small model's layer (model/config.py GemConfig.small, model/archs.py SequenceArch).
+MODEL_DIM, MODEL_HEADS, MODEL_LINEAR_DIM, MODEL_ATTENTION_DIM, MODEL_TOKENS = 32, 2, 16, 16, 8704
+
+
+def _projection_cases(quick: bool, device: torch.device) -> Iterator[Case]:
+    """The four projection ops at the small model's shape, cpu against the reference twin."""
+    n = 256 if quick else MODEL_TOKENS
+    d, h, lin, att = MODEL_DIM, MODEL_HEADS, MODEL_LINEAR_DIM, MODEL_ATTENTION_DIM
+    width, num_out, eps = h * lin, h * (2 * lin + 2 * att), 1e-6
+    gen = torch.Generator().manual_seed(1)
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return shift + scale * torch.randn(*shape, generator=gen)
+
+    def inputs():
+        x = rnd(n, d)
+        stats = ref._norm_stats(x, 1, eps)
+        attn, u_pre = rnd(n, width), rnd(n, width)
+        return dict(x=x, nw=rnd(d, scale=0.1, shift=1.0), nb=rnd(d, scale=0.1), w=rnd(d, num_out, scale=d ** -0.5),
+                    b=rnd(num_out, scale=0.1), stats=stats, grads=(rnd(n, width), rnd(n, h, lin), rnd(n, h, att),
+                                                                  rnd(n, h, att)),
+                    attn=attn, u_pre=u_pre, onw=rnd(width, scale=0.1, shift=1.0), onb=rnd(width, scale=0.1),
+                    ow=rnd(width, d, scale=width ** -0.5), grad_out=rnd(n, d),
+                    out_stats=ref._norm_stats(attn, 1, eps))
+
+    calls = {  # op: a function of (backend function, inputs) -> outputs
+        "hstu_uvqk_fwd": lambda f, t: f(t["x"], t["nw"], t["nb"], eps, t["w"], t["b"], h, lin, att, True),
+        "hstu_uvqk_bwd": lambda f, t: f(*t["grads"], t["x"], t["nw"], t["nb"], eps, t["w"], t["b"], t["stats"], h,
+                                        lin, att, True),
+        "hstu_output_fwd": lambda f, t: f(t["attn"], t["u_pre"], t["x"], t["onw"], t["onb"], eps, t["ow"], None,
+                                          None, h, False, False, False),
+        "hstu_output_bwd": lambda f, t: f(t["grad_out"], t["attn"], t["u_pre"], t["onw"], t["onb"], eps, t["ow"],
+                                          False, None, t["out_stats"], h, False, False, False),
+    }
+    sets = [inputs() for _ in range(2)]
+    sets64 = {k: (tuple(t.double() for t in v) if isinstance(v, tuple) else
+                  v if k in ("stats", "out_stats") else v.double()) for k, v in sets[0].items()}
+    shape = (f"model small: tokens={n} D={d} H={h} linear_dim={lin} attention_dim={att} silu_qkv, no concat")
+    for op, call in calls.items():
+        backward = op.endswith("bwd")
+        if op.startswith("hstu_uvqk"):
+            fl, nb = gk_flops.hstu_uvqk(n, d, h, lin, att, 4, backward=backward)
+        else:
+            fl, nb = gk_flops.hstu_output(n, d, h, lin, 4, concat_u=False, concat_x=False, backward=backward)
+        impls = {b: rotate([(t,) for t in sets], lambda t, f=kernel(ops.FAMILY, op, b), call=call: call(f, t))
+                 for b in _backends(device)}
+        impls["eager"] = rotate([(t,) for t in sets],
+                                lambda t, f=kernel(ops.FAMILY, op, "reference"), call=call: call(f, t))
+        yield Case(op=op.replace("_fwd", " fwd").replace("_bwd", " bwd"), shape=shape, dtype=torch.float32,
+                   flops=fl, bytes=nb, impls=impls, baseline="eager", peak="matmul", reference="eager",
+                   fp64=lambda call=call, op=op: call(kernel(ops.FAMILY, op, "reference"), sets64))
+
+
 def cases(quick: bool, device: torch.device) -> Iterator[Case]:
+    if device.type == "cpu" and not quick:
+        yield from _projection_cases(quick, device)
+    yield from _layer_cases(quick, device)
+    if device.type == "cpu" and quick:
+        yield from _projection_cases(quick, device)
+
+
+def _layer_cases(quick: bool, device: torch.device) -> Iterator[Case]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = 16384 if device.type == "cuda" else 4096
     histories = [128] if quick else [256, 1024, 4096]

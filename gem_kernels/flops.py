@@ -143,6 +143,39 @@ def hstu_layer(offsets: torch.Tensor, dim: int, num_heads: int, linear_dim: int,
     return flops, nbytes
 
 
+def hstu_uvqk(total: int, dim: int, num_heads: int, linear_dim: int, attention_dim: int, elem_bytes: int, *,
+              backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of the layer's uvqk half (``hstu_uvqk_fwd``, or ``hstu_uvqk_bwd`` alone when
+    backward) on N = total tokens: its GEMM [N, D] x [D, O], O = H * (2 * linear_dim + 2 * attention_dim),
+    2 * N * D * O forward, twice that backward (dx and the weight gradient; what a kernel recomputes,
+    such as silu_qkv's pre-activations, is not counted). Bytes: forward reads x and the weights and
+    writes u, v, q, k and the fp32 row stats; backward reads the four gradients, x, the stats and the
+    weights and writes dx and the weight gradients."""
+    num_out = num_heads * (2 * linear_dim + 2 * attention_dim)
+    weights = dim * num_out + num_out + 2 * dim
+    flops = 2 * total * dim * num_out * (2 if backward else 1)
+    nbytes = elem_bytes * (total * dim + total * num_out + weights) + 8 * total
+    if backward:
+        nbytes += elem_bytes * (total * dim + weights)
+    return flops, nbytes
+
+
+def hstu_output(total: int, dim: int, num_heads: int, linear_dim: int, elem_bytes: int, *, concat_u: bool,
+                concat_x: bool, backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of the layer's output half (``hstu_output_fwd``, or ``hstu_output_bwd`` alone when
+    backward) on N = total tokens: its GEMM [N, K] x [K, D], K = H * linear_dim * (1 + concat_u +
+    concat_x), 2 * N * K * D forward, twice that backward. Bytes: forward reads attn, u and x and the
+    weights and writes out and the fp32 norm stats; backward reads grad_out, attn, u, the stats and
+    the weights and writes dattn, du and the weight gradients (norm stats counted per row, 8 bytes)."""
+    width = num_heads * linear_dim
+    k = width * (1 + concat_u + concat_x)
+    weights = k * dim + dim + 2 * width
+    flops = 2 * total * k * dim * (2 if backward else 1)
+    if backward:
+        return flops, elem_bytes * (4 * total * width + total * dim + 2 * weights) + 8 * total
+    return flops, elem_bytes * (2 * total * width + 2 * total * dim + weights) + 8 * total
+
+
 # ---------------------------------------------------------------------------------------------
 # Interaction family. `backward=True` returns forward + backward totals (what a fwd+bwd bench
 # iteration does). Minimum bytes read each input once and write each output once; saved

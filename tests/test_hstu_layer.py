@@ -298,13 +298,32 @@ def test_cpu_ops_at_widths_off_the_vector_lanes(group_norm):
     in _assert_fa_rule). Per op rather than through the layer: the attention and the group norm's rstd
     amplify 1-ulp differences in dx at this shape, and the layer's rule then fails on ~5 % of seeds
     for the old kernels and the new alike."""
+    _check_cpu_ops(37, 23, 3, 5, 3, group_norm, silu_qkv=False, seeds=range(3))
+
+
+@pytest.mark.parametrize("n", [255, 512, 513, 1100])
+def test_cpu_ops_across_chunks_and_blocks(n):
+    """The cpu projection ops run 512-row chunks (the weight-gradient partials) in blocks of fewer rows
+    where a layer is wide (here 256: uvqk width 288, output K 288): token counts inside one block, at
+    a chunk's end, one past it, and over three chunks, on 2 threads, with silu_qkv (its recomputed
+    pre-activations) and the group norm; each output by FlashAttention's rule as above."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_cpu_ops(n, 24, 2, 48, 24, True, silu_qkv=True, seeds=range(1))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_cpu_ops(n, dim, heads, lin, att, group_norm, *, silu_qkv, seeds):
+    """The four cpu projection ops (concat_u, concat_x, output bias) against the reference op run in
+    float64, by FlashAttention's rule against the reference op in fp32."""
     if "cpu" not in gk.available_backends():
         pytest.skip("cpu not built")
     cpu = torch.ops.gem_kernels
-    n, dim, heads, lin, att = 37, 23, 3, 5, 3
     width, groups = heads * lin, heads if group_norm else 1
     num_out, k = 2 * width + 2 * heads * att, 3 * width
-    for seed in range(3):
+    for seed in seeds:
         g = torch.Generator().manual_seed(seed)
 
         def rnd(*shape, scale=1.0, shift=0.0):
@@ -321,9 +340,9 @@ def test_cpu_ops_at_widths_off_the_vector_lanes(group_norm):
         out_stats = ref._norm_stats(attn, groups, 1e-6)
         calls = {  # name: (cpu op, reference op, its tensor arguments, the others, output names)
             "uvqk_fwd": (cpu.hstu_uvqk_fwd_native, ref.hstu_uvqk_fwd, (x, nw, nb), (1e-6,), (w, b),
-                         (heads, lin, att, False), ("u", "v", "q", "k")),
+                         (heads, lin, att, silu_qkv), ("u", "v", "q", "k")),
             "uvqk_bwd": (cpu.hstu_uvqk_bwd_native, ref.hstu_uvqk_bwd, (*grads, x, nw, nb), (1e-6,), (w, b, stats),
-                         (heads, lin, att, False), ("x", "dnw", "dnb", "dw", "db")),
+                         (heads, lin, att, silu_qkv), ("x", "dnw", "dnb", "dw", "db")),
             "output_fwd": (cpu.hstu_output_fwd_native, ref.hstu_output_fwd, (attn, u_pre, x, onw, onb), (1e-6,),
                            (ow, obias), (None, heads, group_norm, True, True), ("out",)),
             "output_bwd": (cpu.hstu_output_bwd_native, ref.hstu_output_bwd, (grad_out, attn, u_pre, onw, onb),

@@ -51,15 +51,8 @@
 #include "gem_kernels/attention.h"
 #include "gem_kernels/attention_checks.h"
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_blas.h"
 #include "gem_kernels/parallel.h"
-
-// Fortran BLAS sgemm, exported by libtorch_cpu (MKL or OpenBLAS, whichever torch was built with).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
-// MKL's per-thread thread count, C interface (mkl_service.h maps mkl_set_num_threads_local to it;
-// the lower-case symbol is the Fortran one, taking a pointer). Weak: absent with another BLAS.
-extern "C" __attribute__((weak)) int MKL_Set_Num_Threads_Local(int nthreads);
 
 namespace gem_kernels {
 namespace {
@@ -69,17 +62,6 @@ namespace {
 // 128x128x128, which outweighs the larger half-masked diagonal tiles of causal attention.
 constexpr int64_t kBlockM = 128;
 constexpr int64_t kBlockN = 128;
-
-// Row-major C[m x n] = alpha * op(A) op(B) + beta * C, on column-major BLAS: C^T = op(B)^T op(A)^T.
-void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-        const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  const char ta = trans_b ? 'T' : 'N';
-  const char tb = trans_a ? 'T' : 'N';
-  const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
-  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
-  sgemm_(&ta, &tb, &mi, &ni, &ki, &alpha, b, &la, a, &lb, &beta, c, &lc);
-}
 
 // exp via 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain float arithmetic so
 // the loops that call it auto-vectorise (std::exp does not). x < -87 gives 0, x > 88 gives +inf
@@ -577,12 +559,9 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn, int
     flops += 2.0 * static_cast<double>(queries > 0 ? queries : s.len) * s.len * p.H * (p.D + p.Dv);
   const int64_t by_work = static_cast<int64_t>(flops / static_cast<double>(1 << 24)) + 1;
   parallel_ranges(num_items, 1, by_work, [&](auto& claim) {
-    // Each worker already owns a core: a BLAS call that forked threads of its own would oversubscribe
-    // them (measured: 1.6x slower fwd+bwd on 2 cores).
-    const int previous = MKL_Set_Num_Threads_Local != nullptr ? MKL_Set_Num_Threads_Local(1) : 0;
+    const SingleThreadBlas single_thread;
     Workspace ws(p.D, p.Dv);
     for (int64_t idx, end; claim(idx, end);) fn(order[idx], ws);
-    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous);
   });
 }
 

@@ -1,18 +1,24 @@
 // CPU kernels of the HSTU layer's two projection halves (generative-recommenders' STULayer; the
 // attention between them is cpu/attention.cpp). Maths in gem_kernels/reference/hstu_layer.py.
 //
-// Work decomposition: each half is one elementwise pass over the jagged rows (parallel over blocks of
-// kBlockRows rows, handed out dynamically by parallel_ranges) and ATen GEMMs over all N rows at once
-// (MKL/oneDNN on every thread). The earlier form ran one single-threaded GEMM per 64-row block inside
-// the parallel region so that the prologue row went into the GEMM from cache; the uvqk forward then
-// took 6.0 ms where one [N, D] x [D, O] GEMM on both cores takes 3.4 (N = 2k, D = 256, O = 1024): the
-// small single-threaded GEMMs lost more than the [N, D+1] / [N, K] jagged buffer's round trip costs
-// (bench/results/notes-hstu_layer.md). No padded intermediate exists: every buffer is [N, .].
+// Work decomposition: each op is one pass over the jagged rows in chunks of kChunkRows (512) rows,
+// handed out dynamically by parallel_ranges; a worker runs its chunk in blocks of block_rows(width)
+// rows whose GEMM operands stay in L2 (all 512 at the small model's shape, 128 at D = 256, O = 1024),
+// and per block: the prologue rows (LayerNorm, or the Norm(a) * silu(u) concat) into a block buffer,
+// single-threaded BLAS sgemm on it (cpu_blas.h: no ATen dispatch per call), the epilogue rows (SiLU,
+// the norm backward) while the block is in cache. Weight gradients are per-chunk partial GEMMs
+// (xa^T @ dz, c^T @ g, accumulated over the chunk's blocks), summed in chunk order in fp64. No
+// buffer of N rows exists besides the ops' inputs and outputs.
+// Why chunks, not GEMMs over all N rows: at the small model's shape (D = 32, O = 128, N = 8.7k) the
+// uvqk backward as ATen GEMMs over all rows (eight slice GEMMs, four [N, 32] temporaries, a scalar
+// std::exp per element of silu') took 9-13 ms of one thread's CPU, 3.2-3.5 now (notes-hstu_layer.md).
+// At D = 256 whole-row GEMMs once beat 64-row blocks run through ATen's mm (6.0 vs 3.4 ms);
+// the blocks here call sgemm directly and are 128 rows at that width.
 //
-//   uvqk forward: xa = [LayerNorm(x) | 1] (pass, per row) -> u_pre, v, q, k = xa @ [W; b], written
-//     straight into the four output tensors (one GEMM per column slice: no split copy), SiLU on v, q,
-//     k in place when silu_qkv (the HSTU paper's form; STULayer applies SiLU to u only, and u's SiLU is applied by
-//     the output half's prologue, so the forward keeps no activation for its backward).
+//   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
+//     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
+//     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
+//     keeps no activation for its backward).
 //     FLOPs 2*N*D*O; minimum bytes 4*(N*D + D*O + N*O).
 //   output forward: c = [silu(u), a, silu(u) * Norm(a)] (pass) -> out = x + c @ W (+ bias).
 //     FLOPs 2*N*K*D; minimum bytes 4*(2*N*H*Lh + 2*N*D + K*D).
@@ -23,10 +29,10 @@
 //       norm's backward (one read of attn and u_pre);
 //     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh)):
 //       not stored (4*(O - H*Lh) bytes).
-//     Weight gradients are full GEMMs over the recomputed [N, D] / [N, K] operands (the uvqk one per
-//     column slice, straight from the four incoming gradients: no [N, O] concat of them); norm-weight
-//     gradients are per-block partial sums reduced in block order (bit-identical run to run and
-//     across thread counts).
+//     Weight gradients are per-chunk GEMMs over the block's recomputed operands (the four incoming
+//     gradients gathered into the block's [rows, O] dz); weight and norm-weight gradients are
+//     per-chunk partial sums reduced in chunk order (bit-identical run to run and across thread
+//     counts).
 
 #include "gem_kernels/cpu_vec.h"  // first: at::vec below is its AVX2 code, not the scalar fallback
 
@@ -42,6 +48,7 @@
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_blas.h"
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -49,10 +56,6 @@ namespace {
 
 using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
-
-// Rows per block of the elementwise passes: the unit of dynamic scheduling and of the norm-weight
-// partial sums (their order, hence their bits, depends on it and not on the thread count).
-constexpr int64_t kBlockRows = 64;
 
 // detach(): the GEMMs run on at::parallel_for's worker threads, which do not inherit the caller's
 // below-autograd dispatch state; an operand that requires grad then made at::addmm_out raise
@@ -240,27 +243,43 @@ void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
 }
 
-// xa = [LayerNorm(x) | 1], [N, D + 1], with each row's stats computed into stats (compute_stats) or
-// read from it. The ones column carries the uvqk bias through the GEMM (xa @ [W; b]): ATen's addmm
-// with a bias first writes the broadcast bias into the [N, O] output and then reads it back (beta = 1),
-// ~10 % of the uvqk forward at N = 2k; in the backward the same column makes db the last row of the
+// Rows of one chunk: the unit of dynamic scheduling and of the weight-gradient and norm-weight
+// partial sums (their order, hence their bits, depends on it and not on the thread count). A chunk
+// runs in blocks of at most block_rows(width) rows whose GEMM operands stay in L2.
+constexpr int64_t kChunkRows = 512;
+
+// Rows per block such that the block's [rows, width] GEMM output is at most 128 Ki floats (512 KiB,
+// a quarter of this Xeon's L2), a power of two in [32, kChunkRows].
+int64_t block_rows(int64_t width) {
+  int64_t rows = kChunkRows;
+  while (rows > 32 && rows * width > (int64_t(1) << 18)) rows /= 2;
+  return rows;
+}
+
+// xa = [LayerNorm(x) | 1] for rows [r0, r0 + rows) into xa [rows, D + 1], each row's stats computed
+// into stats (compute_stats) or read from it. The ones column carries the uvqk bias through the GEMM
+// (xa @ [W; b]): no broadcast bias written and read back; in the backward db is the last row of the
 // weight-gradient GEMM (xa^T @ dz) instead of a separate column-sum pass.
-Tensor layer_norm_augmented(const float* xp, const float* nwp, const float* nbp, float eps, float* sp,
-                            bool compute_stats, int64_t n, int64_t d, const at::TensorOptions& opts) {
-  Tensor xa = at::empty({n, d + 1}, opts);
-  float* xap = xa.data_ptr<float>();
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  parallel_ranges(blocks, 1, workers_for(n * d * 4), [&](auto& claim) {
-    for (int64_t b0, b1; claim(b0, b1);) {
-      for (int64_t r = b0 * kBlockRows; r < std::min(n, (b0 + 1) * kBlockRows); ++r) {
-        const float* xr = xp + r * d;
-        if (compute_stats) std::tie(sp[2 * r], sp[2 * r + 1]) = moments(xr, d, eps);
-        normalize_row(xr, sp[2 * r], sp[2 * r + 1], nwp, nbp, xap + r * (d + 1), d);
-        xap[r * (d + 1) + d] = 1.0f;
-      }
-    }
-  });
-  return xa;
+void layer_norm_augmented(const float* xp, const float* nwp, const float* nbp, float eps, float* sp,
+                          bool compute_stats, int64_t r0, int64_t rows, int64_t d, float* xa) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t r = r0 + i;
+    const float* xr = xp + r * d;
+    if (compute_stats) std::tie(sp[2 * r], sp[2 * r + 1]) = moments(xr, d, eps);
+    normalize_row(xr, sp[2 * r], sp[2 * r + 1], nwp, nbp, xa + i * (d + 1), d);
+    xa[i * (d + 1) + d] = 1.0f;
+  }
+}
+
+// dz = g * silu'(z) over n floats (z and dz may alias).
+void silu_backward(const float* g, const float* z, float* dz, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec zv = Vec::loadu(z + i);
+    const Vec sig = Vec(1.0f) / (Vec(1.0f) + zv.neg().exp());
+    (Vec::loadu(g + i) * sig * (Vec(1.0f) + zv * (Vec(1.0f) - sig))).store(dz + i);
+  }
+  for (; i < n; ++i) dz[i] = g[i] * silu_grad(z[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -287,27 +306,48 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
   Tensor outs[4] = {at::empty({n, hl}, opts), at::empty({n, hl}, opts), at::empty({n, ha}, opts),
                     at::empty({n, ha}, opts)};
   const int64_t starts[4] = {0, hl, 2 * hl, 2 * hl + ha}, widths[4] = {hl, hl, ha, ha};
+  float* out_ptrs[4] = {outs[0].data_ptr<float>(), outs[1].data_ptr<float>(), outs[2].data_ptr<float>(),
+                        outs[3].data_ptr<float>()};
   Tensor stats = at::empty({n, 2}, opts);
-  const Tensor xa = layer_norm_augmented(x.data_ptr<float>(), nw.data_ptr<float>(), nb.data_ptr<float>(),
-                                         static_cast<float>(eps), stats.data_ptr<float>(), true, n, d, opts);
   const Tensor wa = at::cat({w, b.view({1, o})}, 0);
-  for (int s = 0; s < 4; ++s) at::mm_out(outs[s], xa, wa.narrow(1, starts[s], widths[s]));
-  if (silu_qkv) {
-    for (int s = 1; s < 4; ++s) {
-      float* p = outs[s].data_ptr<float>();
-      const int64_t total = n * widths[s];
-      at::parallel_for(0, total, kMinParallelWork / 8, [&](int64_t i0, int64_t i1) {
-        at::vec::map([](Vec z) { return silu_vec(z); }, p + i0, p + i0, i1 - i0);
-      });
+  const float* xp = x.data_ptr<float>();
+  const float* nwp = nw.data_ptr<float>();
+  const float* nbp = nb.data_ptr<float>();
+  const float* wap = wa.data_ptr<float>();
+  float* sp = stats.data_ptr<float>();
+  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(o);
+  parallel_ranges(chunks, 1, workers_for(n * d * o * 2), [&](auto& claim) {
+    const SingleThreadBlas single_thread;
+    std::vector<float> xa(rows_per_block * (d + 1)), z(rows_per_block * o);
+    for (int64_t c0, c1; claim(c0, c1);) {
+      for (int64_t r0 = c0 * kChunkRows; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
+        const int64_t rows = std::min(rows_per_block, n - r0);
+        layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), sp, true, r0, rows, d, xa.data());
+        mm(false, false, rows, o, d + 1, 1.0f, xa.data(), d + 1, wap, o, 0.0f, z.data(), o);
+        // Epilogue: the block's [rows, O] product split into the four outputs, SiLU on v, q, k when
+        // silu_qkv (u's SiLU is applied by the output half's prologue: the forward keeps no activation
+        // for its backward).
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* zr = z.data() + i * o;
+          for (int s = 0; s < 4; ++s) {
+            float* dst = out_ptrs[s] + (r0 + i) * widths[s];
+            if (silu_qkv && s > 0) {
+              at::vec::map([](Vec v) { return silu_vec(v); }, dst, zr + starts[s], widths[s]);
+            } else {
+              std::copy(zr + starts[s], zr + starts[s] + widths[s], dst);
+            }
+          }
+        }
+      }
     }
-  }
+  });
   const auto dtype = x_in.scalar_type();
   return {outs[0].to(dtype), outs[1].view({n, num_heads, linear_dim}).to(dtype),
           outs[2].view({n, num_heads, attention_dim}).to(dtype),
           outs[3].view({n, num_heads, attention_dim}).to(dtype), stats};
 }
 
-// Per-block fp64 partial sums [blocks, 2 * width] reduced in block order -> two separate fp32 [width]
+// Per-chunk fp64 partial sums [chunks, 2 * width] reduced in chunk order -> two separate fp32 [width]
 // tensors (an op's outputs may not share storage).
 std::pair<Tensor, Tensor> reduce_partials(const Tensor& partials, int64_t width) {
   const Tensor sums = partials.sum(0).to(at::kFloat);
@@ -325,66 +365,71 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   const Tensor x = as_float(x_in), nw = as_float(norm_weight), nb = as_float(norm_bias);
   const Tensor w = as_float(uvqk_weight), b = as_float(uvqk_bias), stats = as_float(stats_in);
   const int64_t starts[4] = {0, hl, 2 * hl, 2 * hl + ha}, widths[4] = {hl, hl, ha, ha};
-  Tensor grads[4] = {as_float(grad_u).view({n, hl}), as_float(grad_v).view({n, hl}), as_float(grad_q).view({n, ha}),
-                     as_float(grad_k).view({n, ha})};
+  const Tensor grads[4] = {as_float(grad_u), as_float(grad_v), as_float(grad_q), as_float(grad_k)};
+  const float* grad_ptrs[4] = {grads[0].data_ptr<float>(), grads[1].data_ptr<float>(), grads[2].data_ptr<float>(),
+                               grads[3].data_ptr<float>()};
   const auto opts = x.options();
-  // xa = [xn | 1] recomputed from the saved stats.
+  const Tensor wa = at::cat({w, b.view({1, o})}, 0);
   const float* xp = x.data_ptr<float>();
   const float* nwp = nw.data_ptr<float>();
+  const float* nbp = nb.data_ptr<float>();
+  const float* wap = wa.data_ptr<float>();
   const float* sp = stats.data_ptr<float>();
-  const Tensor xa = layer_norm_augmented(xp, nwp, nb.data_ptr<float>(), static_cast<float>(eps),
-                                         const_cast<float*>(sp), false, n, d, opts);
-  if (silu_qkv) {
-    // dz = grad * silu'(z) for v, q, k, z recomputed by one GEMM per slice.
-    const Tensor wa = at::cat({w, b.view({1, o})}, 0);
-    for (int s = 1; s < 4; ++s) {
-      const Tensor z = at::mm(xa, wa.narrow(1, starts[s], widths[s]));
-      Tensor dz = at::empty_like(z);
-      const float* zp = z.data_ptr<float>();
-      const float* gp = grads[s].data_ptr<float>();
-      float* dzp = dz.data_ptr<float>();
-      at::parallel_for(0, z.numel(), kMinParallelWork / 8, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) dzp[i] = gp[i] * silu_grad(zp[i]);
-      });
-      grads[s] = dz;
-    }
-  }
-  // Weight and input gradients straight from the four slices' gradients (no [N, O] concat of them);
-  // [dw; db] = xa^T @ dz.
-  Tensor dwa = at::empty({d + 1, o}, opts), dxn = at::empty({n, d}, opts);
-  for (int s = 0; s < 4; ++s) {
-    Tensor dws = dwa.narrow(1, starts[s], widths[s]);
-    at::mm_out(dws, xa.t(), grads[s]);
-    const Tensor wst = w.narrow(1, starts[s], widths[s]).t();
-    if (s == 0) {
-      at::mm_out(dxn, grads[s], wst);
-    } else {
-      dxn.addmm_(grads[s], wst);
-    }
-  }
-  const Tensor dw = dwa.narrow(0, 0, d), db = dwa.select(0, d).clone();
-  // LayerNorm backward per row; weight / bias gradients as per-block partials.
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
+  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(o);
   Tensor dx = at::empty({n, d}, opts);
-  // fp64 partials: a norm weight's gradient sums N terms; in fp32, summed row after row, it came out
-  // several ulps off where torch's pairwise sum is within one (FlashAttention's rule failed).
-  Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), 2 * d}, opts.dtype(at::kDouble));
-  const float* dxnp = dxn.data_ptr<float>();
   float* dxp = dx.data_ptr<float>();
-  double* pp = partials.data_ptr<double>();
-  parallel_ranges(blocks, 1, workers_for(n * d * 4), [&](auto& claim) {
-    for (int64_t b0, b1; claim(b0, b1);) {
-      const int64_t r0 = b0 * kBlockRows, rows = std::min(kBlockRows, n - r0);
-      double* dnw = pp + b0 * 2 * d;
+  // Per chunk: [dW; db] = xa^T @ dz over its rows (fp32, as one GEMM over them), and the norm
+  // weight / bias gradients in fp64: a norm weight's gradient sums N terms; in fp32, summed row
+  // after row, it came out several ulps off where torch's pairwise sum is within one
+  // (FlashAttention's rule failed).
+  Tensor dwa_partials = at::empty({chunks, d + 1, o}, opts);
+  Tensor norm_partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * d}, opts.dtype(at::kDouble));
+  float* dwp = dwa_partials.data_ptr<float>();
+  double* pp = norm_partials.data_ptr<double>();
+  parallel_ranges(chunks, 1, workers_for(n * d * o * 4), [&](auto& claim) {
+    const SingleThreadBlas single_thread;
+    std::vector<float> xa(rows_per_block * (d + 1)), dz(rows_per_block * o), dxn(rows_per_block * d);
+    for (int64_t c0, c1; claim(c0, c1);) {
+      float* dw_chunk = dwp + c0 * (d + 1) * o;
+      double* dnw = pp + c0 * 2 * d;
       double* dnb = dnw + d;
-      for (int64_t r = r0; r < r0 + rows; ++r)
-        norm_backward_row(dxnp + r * d, nullptr, xp + r * d, sp[2 * r], sp[2 * r + 1], nwp, dnw, dnb, dxp + r * d,
-                          nullptr, d);
+      const int64_t chunk_begin = c0 * kChunkRows;
+      for (int64_t r0 = chunk_begin; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
+        const int64_t rows = std::min(rows_per_block, n - r0);
+        // xa = [xn | 1] recomputed from the saved stats; with silu_qkv the pre-activations of v, q, k
+        // too (one GEMM), then dz = grad * silu'(z) in place.
+        layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp), false, r0, rows, d,
+                             xa.data());
+        if (silu_qkv) mm(false, false, rows, o - hl, d + 1, 1.0f, xa.data(), d + 1, wap + hl, o, 0.0f, dz.data() + hl, o);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* dzr = dz.data() + i * o;
+          for (int s = 0; s < 4; ++s) {
+            const float* g = grad_ptrs[s] + (r0 + i) * widths[s];
+            if (silu_qkv && s > 0) {
+              silu_backward(g, dzr + starts[s], dzr + starts[s], widths[s]);
+            } else {
+              std::copy(g, g + widths[s], dzr + starts[s]);
+            }
+          }
+        }
+        // dxn = dz @ W^T; [dW; db] += xa^T @ dz.
+        mm(false, true, rows, d, o, 1.0f, dz.data(), o, wap, o, 0.0f, dxn.data(), d);
+        mm(true, false, d + 1, o, rows, 1.0f, xa.data(), d + 1, dz.data(), o, r0 == chunk_begin ? 0.0f : 1.0f,
+           dw_chunk, o);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t r = r0 + i;
+          norm_backward_row(dxn.data() + i * d, nullptr, xp + r * d, sp[2 * r], sp[2 * r + 1], nwp, dnw, dnb,
+                            dxp + r * d, nullptr, d);
+        }
+      }
     }
   });
-  auto [dnw, dnb] = reduce_partials(partials, d);
-  return {dx.to(x_in.scalar_type()), dnw.to(norm_weight.scalar_type()), dnb.to(norm_bias.scalar_type()), dw.to(uvqk_weight.scalar_type()),
-          db.to(uvqk_bias.scalar_type())};
+  // Chunk partials summed in chunk order, in fp64.
+  const Tensor dwa = chunks > 0 ? dwa_partials.sum(0, false, at::kDouble).to(at::kFloat) : at::zeros({d + 1, o}, opts);
+  const Tensor dw = dwa.narrow(0, 0, d), db = dwa.select(0, d).clone();
+  auto [dnw, dnb] = reduce_partials(norm_partials, d);
+  return {dx.to(x_in.scalar_type()), dnw.to(norm_weight.scalar_type()), dnb.to(norm_bias.scalar_type()),
+          dw.to(uvqk_weight.scalar_type()), db.to(uvqk_bias.scalar_type())};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -421,24 +466,41 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
   const Tensor mask = dropout_mask.has_value() ? as_float(*dropout_mask) : Tensor();
   const NormSpec ns{shape.groups, width / shape.groups, nw.data_ptr<float>(), nb.data_ptr<float>(), group_norm};
   const auto opts = a.options();
-  Tensor c = at::empty({n, k}, opts);
   Tensor stats = at::empty({n, 2 * shape.groups}, opts);
   const float* ap = a.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
   float* sp = stats.data_ptr<float>();
-  float* cp = c.data_ptr<float>();
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  parallel_ranges(blocks, 1, workers_for(n * k * 4), [&](auto& claim) {
-    for (int64_t b0, b1; claim(b0, b1);) {
-      for (int64_t row = b0 * kBlockRows; row < std::min(n, (b0 + 1) * kBlockRows); ++row)
-        output_prologue_row(ap + row * width, up + row * width, nullptr, ns, static_cast<float>(eps), concat_u,
-                            concat_x, mp ? mp + row * k : nullptr, sp + row * 2 * shape.groups, true, cp + row * k);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const Tensor bias = output_bias.has_value() ? as_float(*output_bias) : Tensor();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  Tensor out = at::empty({n, dim}, opts);
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(k);
+  parallel_ranges(chunks, 1, workers_for(n * k * dim * 2), [&](auto& claim) {
+    const SingleThreadBlas single_thread;
+    std::vector<float> c(rows_per_block * k);
+    for (int64_t c0, c1; claim(c0, c1);) {
+      for (int64_t r0 = c0 * kChunkRows; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
+        const int64_t rows = std::min(rows_per_block, n - r0);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t row = r0 + i;
+          output_prologue_row(ap + row * width, up + row * width, nullptr, ns, static_cast<float>(eps), concat_u,
+                              concat_x, mp ? mp + row * k : nullptr, sp + row * 2 * shape.groups, true,
+                              c.data() + i * k);
+          // The residual (and the bias) as the GEMM's accumulator.
+          float* orow = op + row * dim;
+          if (bp != nullptr) {
+            at::vec::map2([](Vec p, Vec q) { return p + q; }, orow, xp + row * dim, bp, dim);
+          } else {
+            std::copy(xp + row * dim, xp + (row + 1) * dim, orow);
+          }
+        }
+        mm(false, false, rows, dim, k, 1.0f, c.data(), k, wp, dim, 1.0f, op + r0 * dim, dim);
+      }
     }
   });
-  // The residual as the GEMM's accumulator.
-  Tensor out = at::addmm(x, c, w);
-  if (output_bias.has_value()) out.add_(as_float(*output_bias));
   return {out.to(x_in.scalar_type()), stats};
 }
 
@@ -460,61 +522,74 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const float* up = u.data_ptr<float>();
   const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
   float* sp = stats.data_ptr<float>();
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  Tensor dc = at::mm(g, w.t());
+  const float* gp = g.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(k);
   Tensor dob = has_output_bias ? g.sum(0).to(output_weight.scalar_type()) : at::empty({0}, opts);
-  // One pass per row: c recomputed (the forward's prologue with its saved stats) for the weight
-  // gradient, and the gating / norm backward.
-  Tensor c = at::empty({n, k}, opts);
-  float* cp = c.data_ptr<float>();
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
-  // Norm-weight partials in fp64 (see the uvqk backward), per element even with group_norm (weight
-  // per head): the heads' sums over Lh are taken at the end.
-  Tensor partials = at::zeros({std::max<int64_t>(blocks, 1), 2 * width}, opts.dtype(at::kDouble));
-  float* dcp = dc.data_ptr<float>();
+  // Per chunk: dW = c^T @ g over its rows (fp32), and the norm-weight partials in fp64 (see the uvqk
+  // backward), per element even with group_norm (weight per head): the heads' sums over Lh are taken
+  // at the end.
+  Tensor dw_partials = at::empty({chunks, k, w.size(1)}, opts);
+  Tensor partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * width}, opts.dtype(at::kDouble));
+  float* dwp = dw_partials.data_ptr<float>();
   float* dap = dattn.data_ptr<float>();
   float* dup = du.data_ptr<float>();
   double* pp = partials.data_ptr<double>();
+  const int64_t dim = w.size(1);
   const int64_t y_off = width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
   // Norm's weight and bias per element (GroupNorm's per-head values repeated over the head's Lh).
   const Tensor w_elem = group_norm ? nw.repeat_interleave(gs) : nw, b_elem = group_norm ? nb.repeat_interleave(gs) : nb;
   const float* wep = w_elem.data_ptr<float>();
   const float* bep = b_elem.data_ptr<float>();
-  parallel_ranges(blocks, 1, workers_for(n * k * 8), [&](auto& claim) {
-    std::vector<float> silu_buf(2 * width);
+  parallel_ranges(chunks, 1, workers_for(n * k * dim * 4), [&](auto& claim) {
+    const SingleThreadBlas single_thread;
+    std::vector<float> silu_buf(2 * width), c(rows_per_block * k), dc(rows_per_block * k);
     float* s = silu_buf.data();
     float* sgrad = s + width;
-    for (int64_t b0, b1; claim(b0, b1);) {
-      double* dnw = pp + b0 * 2 * width;
+    for (int64_t c0, c1; claim(c0, c1);) {
+      float* dw_chunk = dwp + c0 * k * dim;
+      double* dnw = pp + c0 * 2 * width;
       double* dnb = dnw + width;
-      for (int64_t row = b0 * kBlockRows; row < std::min(n, (b0 + 1) * kBlockRows); ++row) {
-        const float* ar = ap + row * width;
-        const float* ur = up + row * width;
-        silu_and_grad(ur, s, sgrad, width);
-        output_prologue_row(ar, ur, s, ns, static_cast<float>(eps), concat_u, concat_x, mp ? mp + row * k : nullptr,
-                            sp + row * 2 * groups, false, cp + row * k);
-        float* dcr = dcp + row * k;
-        if (mp != nullptr) at::vec::map2([](Vec p, Vec q) { return p * q; }, dcr, dcr, mp + row * k, k);
-        const float* dy = dcr + y_off;
-        float* dar = dap + row * width;
-        float* dur = dup + row * width;
-        for (int64_t grp = 0; grp < groups; ++grp) {
-          const int64_t e0 = grp * gs;
-          const float mean = sp[row * 2 * groups + grp], rstd = sp[row * 2 * groups + groups + grp];
-          const float* we = wep + e0;
-          const float* be = bep + e0;
-          // du = (dy * Norm(a) + dc_u) * silu'(u), in fp32 as eager (no cancellation).
-          for (int64_t j = 0; j < gs; ++j) {
-            const float normed = (ar[e0 + j] - mean) * rstd * we[j] + be[j];
-            dur[e0 + j] = (dy[e0 + j] * normed + (concat_u ? dcr[e0 + j] : 0.0f)) * sgrad[e0 + j];
+      const int64_t chunk_begin = c0 * kChunkRows;
+      for (int64_t r0 = chunk_begin; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
+        const int64_t rows = std::min(rows_per_block, n - r0);
+        // dc = g @ W^T; then per row c recomputed (the forward's prologue with its saved stats) for
+        // the weight gradient, and the gating / norm backward.
+        mm(false, true, rows, k, dim, 1.0f, gp + r0 * dim, dim, wp, dim, 0.0f, dc.data(), k);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t row = r0 + i;
+          const float* ar = ap + row * width;
+          const float* ur = up + row * width;
+          silu_and_grad(ur, s, sgrad, width);
+          output_prologue_row(ar, ur, s, ns, static_cast<float>(eps), concat_u, concat_x,
+                              mp ? mp + row * k : nullptr, sp + row * 2 * groups, false, c.data() + i * k);
+          float* dcr = dc.data() + i * k;
+          if (mp != nullptr) at::vec::map2([](Vec p, Vec q) { return p * q; }, dcr, dcr, mp + row * k, k);
+          const float* dy = dcr + y_off;
+          float* dar = dap + row * width;
+          float* dur = dup + row * width;
+          for (int64_t grp = 0; grp < groups; ++grp) {
+            const int64_t e0 = grp * gs;
+            const float mean = sp[row * 2 * groups + grp], rstd = sp[row * 2 * groups + groups + grp];
+            const float* we = wep + e0;
+            const float* be = bep + e0;
+            // du = (dy * Norm(a) + dc_u) * silu'(u), in fp32 as eager (no cancellation).
+            for (int64_t j = 0; j < gs; ++j) {
+              const float normed = (ar[e0 + j] - mean) * rstd * we[j] + be[j];
+              dur[e0 + j] = (dy[e0 + j] * normed + (concat_u ? dcr[e0 + j] : 0.0f)) * sgrad[e0 + j];
+            }
+            norm_backward_row(dy + e0, s + e0, ar + e0, mean, rstd, we, dnw + e0, dnb + e0, dar + e0,
+                              concat_x ? dcr + (concat_u ? width : 0) + e0 : nullptr, gs);
           }
-          norm_backward_row(dy + e0, s + e0, ar + e0, mean, rstd, we, dnw + e0, dnb + e0, dar + e0,
-                            concat_x ? dcr + (concat_u ? width : 0) + e0 : nullptr, gs);
         }
+        mm(true, false, k, dim, rows, 1.0f, c.data(), k, gp + r0 * dim, dim, r0 == chunk_begin ? 0.0f : 1.0f,
+           dw_chunk, dim);
       }
     }
   });
-  Tensor dw = at::mm(c.t(), g);
+  // Chunk partials summed in chunk order, in fp64.
+  const Tensor dw = chunks > 0 ? dw_partials.sum(0, false, at::kDouble).to(at::kFloat) : at::zeros({k, dim}, opts);
   const Tensor per_element = group_norm ? partials.view({partials.size(0), 2 * groups, gs}).sum(2) : partials;
   auto [dnw, dnb] = reduce_partials(per_element, nw.numel());
   return {dattn.to(attn_in.scalar_type()), du.to(u_in.scalar_type()), dnw.to(norm_weight.scalar_type()),
