@@ -225,6 +225,12 @@ CASES = [
     # The model's mask (causal, contextual prefix, targets, no window): each row a key prefix plus
     # itself, the targets' span crossing the 128-key tile edge.
     ([9, 140, 3, 0, 1], dict(targets=[3, 20, 1, 0, 1], pos_heads=2, time_heads=2), dict(contextual_len=2)),
+    # The cpu kernel runs the products of a mixed tile of these masks in 32-row / 32-key strips, each
+    # over the keys / rows it sees: lengths off the strip and tile grids, a window starting mid-strip,
+    # and a prefix mask whose targets' holes cross strip edges.
+    ([200, 77, 33, 0], {}, {}),
+    ([200, 77], {}, dict(max_attn_len=45)),
+    ([200, 77], dict(targets=[70, 9], pos_heads=2, time_heads=1), dict(contextual_len=3)),
     ([1], {}, {}),
     ([0, 0], {}, {}),
     ([], {}, {}),

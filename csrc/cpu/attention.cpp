@@ -15,11 +15,14 @@
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
 // same way with the few keys between them zeroed, so no pair asks the visibility rule (measured on
 // the small model's layer, 1 thread: HSTU fwd+bwd with both biases 26.3 -> 17.8 ms). The biases are
-// added over a row's run only.
+// added over a row's run only, and the products of such a mixed tile run in 32-row / 32-key strips
+// bounded by the rows' runs (TileExtents), so a causal diagonal tile's products skip 3/8 of it.
+// The Inf/NaN flags of the q, k, v and dO rows (the masked products' guard) and the softmax
+// backward's delta = rowsum(dO * O) come from one contiguous sweep per tensor before the items.
 // The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
-// dk/dv of a key tile live in a per-thread accumulator, dq rows (owned by the item) are
-// accumulated in place, bias gradients go to per-item partial buffers that are reduced in a fixed
-// order: the backward is bit-identical run to run whatever the thread count or schedule.
+// dq, dk and dv rows (each owned by one item) are accumulated in place in the zeroed outputs, bias
+// gradients go to per-item partial buffers that are reduced in a fixed order: the backward is
+// bit-identical run to run whatever the thread count or schedule.
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
@@ -33,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -284,18 +288,60 @@ void masked_mm_t(int64_t bm, int64_t bn, int64_t width, float alpha, const float
     }
 }
 
-// flags[t] = whether rows [t * block, (t+1) * block) of one head (rows at stride ld, `width` wide) hold
-// an Inf or NaN; O(L * width) per item, against the O(L^2 * width) products it guards.
-void nonfinite_tiles(const float* x, int64_t L, int64_t ld, int64_t width, int64_t block, std::vector<uint8_t>& flags) {
+// bad[n * H + h] = whether row n, head h of x ([rows, H, width] contiguous fp32) holds an Inf or NaN:
+// one contiguous sweep of every head at once. The backward's per-item check of one head's rows (at the
+// H * width stride, inside the item) ran at memory latency: perf put its three backward passes at ~4 %
+// of softmax fwd+bwd at 1024.
+std::vector<uint8_t> nonfinite_rows(const at::Tensor& x) {
+  const int64_t n = x.size(0) * x.size(1), width = x.size(2);
+  std::vector<uint8_t> bad(n);
+  const float* base = x.const_data_ptr<float>();
+  at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* row = base + i * width;
+      // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
+      // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
+      uint32_t b = 0;
+      for (int64_t d = 0; d < width; ++d) b |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
+      bad[i] = b != 0;
+    }
+  });
+  return bad;
+}
+
+// flags[t] = whether any of rows [t * block, (t+1) * block) of one item is bad (bad: that item's first
+// row's flag in nonfinite_rows, rows at stride H).
+void tile_flags(const uint8_t* bad, int64_t L, int64_t H, int64_t block, std::vector<uint8_t>& flags) {
   flags.assign((L + block - 1) / block, 0);
-  for (int64_t i = 0; i < L; ++i) {
-    const float* row = x + i * ld;
-    // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
-    // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
-    uint32_t bad = 0;
-    for (int64_t d = 0; d < width; ++d) bad |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
-    if (bad) flags[i / block] = 1;
-  }
+  for (int64_t i = 0; i < L; ++i) flags[i / block] |= bad[i * H];
+}
+
+// delta[n * H + h] = sum_d dO[n, h, d] * O[n, h, d] (the softmax backward's row term), one contiguous
+// sweep like nonfinite_rows; 8 lanes of partial sums (the scalar loop's 128 dependent adds per row
+// were ~2 % of the backward).
+std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out) {
+  const int64_t n = dout.size(0) * dout.size(1), width = dout.size(2);
+  std::vector<float> delta(n);
+  const float* a = dout.const_data_ptr<float>();
+  const float* b = out.const_data_ptr<float>();
+  at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* x = a + i * width;
+      const float* y = b + i * width;
+      float acc = 0.0f;
+      int64_t d = 0;
+#if GK_ATTENTION_AVX2
+      if (width >= 8) {
+        __m256 v = _mm256_setzero_ps();
+        for (; d + 8 <= width; d += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d), v);
+        acc = hsum8(v);
+      }
+#endif
+      for (; d < width; ++d) acc += x[d] * y[d];
+      delta[i] = acc;
+    }
+  });
+  return delta;
 }
 
 struct Params {
@@ -425,6 +471,57 @@ RowSpan row_span(const SeqMask& mask, int tile_kind, int64_t i, int64_t j0, int6
   return {lo, std::clamp<int64_t>(hi - j0, lo, bn), 0, 0, false};
 }
 
+// A mixed tile of a banded or prefix mask (causal: the diagonal tiles) is about half invisible. Its
+// products run in strips of kStrip rows (Q K^T, dO V^T, P V, dS K: each row strip over the keys its
+// rows see) or kStrip keys (P^T dO, dS^T Q: each key strip over the rows that see it), so a causal
+// diagonal tile computes 1/2 + 1/8 of a full tile's pairs instead of all of them. The values outside
+// a strip's extent are never read (the row loops fill them), so the extents only bound the products.
+constexpr int64_t kStrip = 32;
+
+struct TileExtents {
+  bool split = false;  // false: each product runs over the whole tile
+  // Row strip s (rows [s * kStrip, (s + 1) * kStrip)) needs keys [col_lo[s], col_hi[s]); key strip t
+  // needs rows [row_lo[t], row_hi[t]). Empty (lo >= hi) when nothing in the strip is visible.
+  int64_t col_lo[kBlockM / kStrip], col_hi[kBlockM / kStrip];
+  int64_t row_lo[kBlockN / kStrip], row_hi[kBlockN / kStrip];
+
+  void init(const SeqMask& mask, int tile_kind, int64_t i0, int64_t bm, int64_t j0, int64_t bn) {
+    split = tile_kind == 1 && (mask.banded || mask.prefix);
+    if (!split) return;
+    std::fill(std::begin(col_lo), std::end(col_lo), bn);
+    std::fill(std::begin(col_hi), std::end(col_hi), int64_t{0});
+    std::fill(std::begin(row_lo), std::end(row_lo), bm);
+    std::fill(std::begin(row_hi), std::end(row_hi), int64_t{0});
+    for (int64_t r = 0; r < bm; ++r) {
+      const RowSpan span = row_span(mask, tile_kind, i0 + r, j0, bn);
+      if (span.begin >= span.end) continue;
+      const int64_t s = r / kStrip;
+      col_lo[s] = std::min(col_lo[s], span.begin);
+      col_hi[s] = std::max(col_hi[s], span.end);
+      for (int64_t t = span.begin / kStrip; t <= (span.end - 1) / kStrip; ++t) {
+        row_lo[t] = std::min(row_lo[t], r);
+        row_hi[t] = std::max(row_hi[t], r + 1);
+      }
+    }
+  }
+
+  // fn(r0, r1, c0, c1) for each row strip's block (the whole tile when not split).
+  template <typename Fn>
+  void row_strips(int64_t bm, int64_t bn, Fn fn) const {
+    if (!split) return fn(int64_t{0}, bm, int64_t{0}, bn);
+    for (int64_t s = 0; s * kStrip < bm; ++s)
+      if (col_lo[s] < col_hi[s]) fn(s * kStrip, std::min(bm, (s + 1) * kStrip), col_lo[s], col_hi[s]);
+  }
+
+  // fn(r0, r1, c0, c1) for each key strip's block (the whole tile when not split).
+  template <typename Fn>
+  void key_strips(int64_t bm, int64_t bn, Fn fn) const {
+    if (!split) return fn(int64_t{0}, bm, int64_t{0}, bn);
+    for (int64_t t = 0; t * kStrip < bn; ++t)
+      if (row_lo[t] < row_hi[t]) fn(row_lo[t], row_hi[t], t * kStrip, std::min(bn, (t + 1) * kStrip));
+  }
+};
+
 inline int32_t time_bucket(const Params& p, int64_t dt) {
   const int64_t x = dt < 0 ? -dt : dt;
   return static_cast<int32_t>(std::upper_bound(p.bucket_thr.begin(), p.bucket_thr.end(), x) - p.bucket_thr.begin());
@@ -432,7 +529,7 @@ inline int32_t time_bucket(const Params& p, int64_t dt) {
 
 // Per-thread scratch: score, probability and mask tiles, accumulators.
 struct Workspace {
-  std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum, delta;
+  std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum;
   std::vector<float> k_rows, v_rows;  // the backward's item keys and values, contiguous
   std::vector<uint8_t> vis;
   std::vector<uint8_t> bad_q, bad_k, bad_v, bad_do;  // per tile of the item: rows with an Inf or NaN
@@ -616,6 +713,7 @@ struct Prepared {
   std::vector<SeqInfo> seqs;
   int64_t N = 0;      // rows of k and v (every sequence's rows)
   int64_t delta = 0;  // the cached forward: q holds the last delta rows of every sequence; 0: q has N rows
+  std::vector<uint8_t> bad_v;  // nonfinite_rows(v), filled by forward()
 };
 
 Prepared prepare(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -684,7 +782,7 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
   float* s = ws.s.data();
   float* acc = ws.acc.data();
   static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
-  nonfinite_tiles(it.v0, L, H * Dv, Dv, kBlockN, ws.bad_v);
+  tile_flags(in.bad_v.data() + it.start * H + h, L, H, kBlockN, ws.bad_v);
   // Q K^T on contiguous key rows, as in the backward (see there). Not in the cached forward: its few
   // query rows would pay the copy of every key row.
   const float* k_rows = it.k0;
@@ -704,7 +802,12 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
       const int64_t bn = std::min(kBlockN, L - j0);
       const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
       if (tile_kind == 0) continue;
-      mm(false, true, bm, bn, D, 1.0f, q_rows + (i0 - q_lo) * H * D, H * D, k_rows + j0 * k_ld, k_ld, 0.0f, s, kBlockN);
+      TileExtents ext;
+      ext.init(ws.mask, tile_kind, i0, bm, j0, bn);
+      ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+        mm(false, true, r1 - r0, c1 - c0, D, 1.0f, q_rows + (i0 - q_lo + r0) * H * D, H * D, k_rows + (j0 + c0) * k_ld,
+           k_ld, 0.0f, s + r0 * kBlockN + c0, kBlockN);
+      });
       scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
       for (int64_t r = 0; r < bm; ++r) {
         float* row = s + r * kBlockN;
@@ -743,7 +846,10 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
       if (tile_kind == 1 && ws.bad_v[j0 / kBlockN])
         masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), it.v0 + j0 * H * Dv, H * Dv, acc, Dv);
       else
-        mm(false, false, bm, Dv, bn, 1.0f, s, kBlockN, it.v0 + j0 * H * Dv, H * Dv, 1.0f, acc, Dv);
+        ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+          mm(false, false, r1 - r0, Dv, c1 - c0, 1.0f, s + r0 * kBlockN + c0, kBlockN, it.v0 + (j0 + c0) * H * Dv,
+             H * Dv, 1.0f, acc + r0 * Dv, Dv);
+        });
     }
     for (int64_t r = 0; r < bm; ++r) {
       const int64_t row_out = out_row0 + i0 - q_lo + r;
@@ -763,7 +869,8 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
 }
 
 // out [rows, H, Dv] in `dtype` and fp32 lse [rows, H] (softmax; [0] for hstu), rows = q's rows.
-std::tuple<at::Tensor, at::Tensor> forward(const Prepared& in, at::ScalarType dtype) {
+std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
+  in.bad_v = nonfinite_rows(in.v);
   const Params& p = in.p;
   const int64_t rows = in.q.size(0), H = p.H, Dv = p.Dv;
   auto out = at::empty({rows, H, Dv}, in.q.options());
@@ -784,9 +891,8 @@ std::tuple<at::Tensor, at::Tensor> jagged_attention_fwd_cpu(
     const c10::optional<at::Tensor>& time_bias_in, const c10::optional<at::Tensor>& timestamps_in,
     const c10::optional<at::Tensor>& query_timestamps_in) {
   attention_checks::qkv(q_in, k_in, v_in, seq_offsets, kind, c10::DeviceType::CPU);
-  const Prepared in = prepare(q_in, k_in, v_in, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
-                              contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
-                              query_timestamps_in);
+  Prepared in = prepare(q_in, k_in, v_in, seq_offsets, max_seq_len, kind, causal, scale, num_targets,
+                        contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in, query_timestamps_in);
   return forward(in, q_in.scalar_type());
 }
 
@@ -825,9 +931,9 @@ at::Tensor cached_jagged_attention_fwd_cpu(
     }
     query_timestamps = full;
   }
-  const Prepared in = prepare(delta_q, k_in, v_in, seq_offsets, max_seq_len, kind, /*causal=*/true, scale,
-                              num_targets, contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in,
-                              query_timestamps, delta);
+  Prepared in = prepare(delta_q, k_in, v_in, seq_offsets, max_seq_len, kind, /*causal=*/true, scale, num_targets,
+                        contextual_len, max_attn_len, pos_bias_in, time_bias_in, timestamps_in, query_timestamps,
+                        delta);
   return std::get<0>(forward(in, delta_q.scalar_type()));
 }
 
@@ -857,8 +963,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   }
   const auto options = in.q.options();
   auto dq = at::zeros({N, H, D}, options);
-  auto dk = at::empty({N, H, D}, options);
-  auto dv = at::empty({N, H, Dv}, options);
+  // dk and dv accumulate in place, like dq: a key with no visible query keeps its 0.
+  auto dk = at::zeros({N, H, D}, options);
+  auto dv = at::zeros({N, H, Dv}, options);
   // Per-item bias-gradient partials: item (b, h) covers relative positions [-(L-1), L-1] of pos_bias
   // (2L-1 slots) and all time buckets.
   const int64_t num_items = static_cast<int64_t>(seqs.size()) * H;
@@ -870,12 +977,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   std::vector<float> time_part(num_items * time_width, 0.0f);
 
   const float* dop = dout.data_ptr<float>();
-  const float* outp = p.softmax ? out.data_ptr<float>() : nullptr;
   const float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
   float* dqp = dq.data_ptr<float>();
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  const std::vector<uint8_t> bad_q = nonfinite_rows(in.q), bad_k = nonfinite_rows(in.k), bad_do = nonfinite_rows(dout);
+  const std::vector<float> delta = p.softmax ? softmax_delta(dout, out) : std::vector<float>();
 
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
     Item it;
@@ -894,36 +1002,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     const float *k0 = ws.k_rows.data(), *v0 = ws.v_rows.data();
     const float* do0 = dop + (it.start * H + h) * Dv;
     float* dq0 = dqp + (it.start * H + h) * D;
-    if (p.softmax) {
-      ws.delta.resize(L);
-      const float* o0 = outp + (it.start * H + h) * Dv;
-      for (int64_t i = 0; i < L; ++i) {
-        float acc = 0.0f;
-        for (int64_t d = 0; d < Dv; ++d) acc += do0[i * vs + d] * o0[i * vs + d];
-        ws.delta[i] = acc;
-      }
-    }
-    nonfinite_tiles(q0, L, qs, D, kBlockM, ws.bad_q);
-    nonfinite_tiles(k0, L, D, D, kBlockN, ws.bad_k);
-    nonfinite_tiles(do0, L, vs, Dv, kBlockM, ws.bad_do);
+    float* dk0 = dkp + (it.start * H + h) * D;
+    float* dv0 = dvp + (it.start * H + h) * Dv;
+    const float* delta0 = p.softmax ? delta.data() + it.start * H + h : nullptr;  // rows at stride H
+    tile_flags(bad_q.data() + it.start * H + h, L, H, kBlockM, ws.bad_q);
+    tile_flags(bad_k.data() + it.start * H + h, L, H, kBlockN, ws.bad_k);
+    tile_flags(bad_do.data() + it.start * H + h, L, H, kBlockM, ws.bad_do);
     float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
     float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
     float* s = ws.s.data();
     float* pr = ws.pr.data();
     float* dpt = ws.dp.data();
-    float* dk_acc = ws.acc.data();
-    float* dv_acc = ws.acc2.data();
     for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
       const int64_t bn = std::min(kBlockN, L - j0);
-      std::fill(dk_acc, dk_acc + bn * D, 0.0f);
-      std::fill(dv_acc, dv_acc + bn * Dv, 0.0f);
+      float* dk_acc = dk0 + j0 * qs;
+      float* dv_acc = dv0 + j0 * vs;
       for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
         const int64_t bm = std::min(kBlockM, L - i0);
         const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
         if (tile_kind == 0) continue;
-        mm(false, true, bm, bn, D, 1.0f, q0 + i0 * qs, qs, k0 + j0 * D, D, 0.0f, s, kBlockN);
+        TileExtents ext;
+        ext.init(ws.mask, tile_kind, i0, bm, j0, bn);
+        ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+          mm(false, true, r1 - r0, c1 - c0, D, 1.0f, q0 + (i0 + r0) * qs, qs, k0 + (j0 + c0) * D, D, 0.0f,
+             s + r0 * kBlockN + c0, kBlockN);
+        });
         scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
-        mm(false, true, bm, bn, Dv, 1.0f, do0 + i0 * vs, vs, v0 + j0 * Dv, Dv, 0.0f, dpt, kBlockN);
+        ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+          mm(false, true, r1 - r0, c1 - c0, Dv, 1.0f, do0 + (i0 + r0) * vs, vs, v0 + (j0 + c0) * Dv, Dv, 0.0f,
+             dpt + r0 * kBlockN + c0, kBlockN);
+        });
         for (int64_t r = 0; r < bm; ++r) {
           const float* row = s + r * kBlockN;
           const uint8_t* vis = ws.vis.data() + r * kBlockN;
@@ -940,7 +1048,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             // lse = -inf: every visible score was -inf, p = 0 (exp(-inf - -inf) would be NaN).
             const float l0 = lp[(it.start + i0 + r) * H + h];
             const float l = l0 == -std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::infinity() : l0;
-            softmax_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, l, ws.delta[i0 + r]);
+            softmax_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, l, delta0[(i0 + r) * H]);
           } else {
             silu_grad_row(row + c0, prow + c0, drow + c0, c1 - c0, inv_m);
           }
@@ -965,21 +1073,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
         const bool mixed = tile_kind == 1;
         const uint8_t* vis = ws.vis.data();
         if (mixed && ws.bad_do[i0 / kBlockM])
-          masked_mm_t(bm, bn, Dv, 1.0f, pr, vis, do0 + i0 * vs, vs, dv_acc, Dv);
+          masked_mm_t(bm, bn, Dv, 1.0f, pr, vis, do0 + i0 * vs, vs, dv_acc, vs);
         else
-          mm(true, false, bn, Dv, bm, 1.0f, pr, kBlockN, do0 + i0 * vs, vs, 1.0f, dv_acc, Dv);
+          ext.key_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+            mm(true, false, c1 - c0, Dv, r1 - r0, 1.0f, pr + r0 * kBlockN + c0, kBlockN, do0 + (i0 + r0) * vs, vs,
+               1.0f, dv_acc + c0 * vs, vs);
+          });
         if (mixed && ws.bad_q[i0 / kBlockM])
-          masked_mm_t(bm, bn, D, p.scale, dpt, vis, q0 + i0 * qs, qs, dk_acc, D);
+          masked_mm_t(bm, bn, D, p.scale, dpt, vis, q0 + i0 * qs, qs, dk_acc, qs);
         else
-          mm(true, false, bn, D, bm, p.scale, dpt, kBlockN, q0 + i0 * qs, qs, 1.0f, dk_acc, D);
+          ext.key_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+            mm(true, false, c1 - c0, D, r1 - r0, p.scale, dpt + r0 * kBlockN + c0, kBlockN, q0 + (i0 + r0) * qs, qs,
+               1.0f, dk_acc + c0 * qs, qs);
+          });
         if (mixed && ws.bad_k[j0 / kBlockN])
           masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * D, D, dq0 + i0 * qs, qs);
         else
-          mm(false, false, bm, D, bn, p.scale, dpt, kBlockN, k0 + j0 * D, D, 1.0f, dq0 + i0 * qs, qs);
-      }
-      for (int64_t c = 0; c < bn; ++c) {
-        std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dkp + ((it.start + j0 + c) * H + h) * D);
-        std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dvp + ((it.start + j0 + c) * H + h) * Dv);
+          ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+            mm(false, false, r1 - r0, D, c1 - c0, p.scale, dpt + r0 * kBlockN + c0, kBlockN, k0 + (j0 + c0) * D, D,
+               1.0f, dq0 + (i0 + r0) * qs, qs);
+          });
       }
     }
   });
