@@ -14,8 +14,9 @@
 //
 // Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
 // (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
-// copy, so no horizontal reductions) over fp32 buffers zero-padded to 4 rows and 16 columns, so
-// every tile is full. The tile is written with AVX2/FMA intrinsics (x86-64-v3, the build's target):
+// copy, so no horizontal reductions) over fp32 buffers zero-padded to 4 rows and 16 columns (8 for
+// fm_compress's rank: a last 8-wide column block runs in 8-row x 8-column tiles), so every tile is
+// full. feature_mix_norm's per-row LayerNorms run eight rows at a time (layer_norm_rows). The tile is written with AVX2/FMA intrinsics (x86-64-v3, the build's target):
 // ATen's at::vec::Vectorized only has its AVX2/AVX512 specialisations inside ATen's per-ISA builds
 // (in an extension TU it is the scalar fallback), and GCC's `#pragma omp simd` version of the same
 // tile left the accumulators in memory at a quarter of the speed.
