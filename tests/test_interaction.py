@@ -267,7 +267,10 @@ def _check_fm_compress(B, F, D, k, dtype, device, backend):
 FM_SHAPES = [(0, 3, 8, 2), (3, 1, 8, 1), (4, 3, 36, 5), (3, 27, 36, 4), (2, 27, 200, 3), (2, 127, 8, 2),
              (3, 27, 36, 16), (2, 5, 20, 11),
              # D a multiple of 16: the CPU kernel reads fp32 X in place (F = 27, 5: a short last row tile)
-             (3, 27, 64, 16), (2, 5, 32, 3)]
+             (3, 27, 64, 16), (2, 5, 32, 3),
+             # the cpu pads k to 8 j and runs the last 8 columns in tiles of 8 rows then 4 (F = 10, 16 and
+             # 9: Fp = 12, 16 and 12); k = 24 = one 16-wide tile + 8. The GEM model's small layers.
+             (5, 10, 32, 8), (3, 16, 32, 8), (2, 9, 40, 24)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
@@ -300,9 +303,12 @@ def _check_feature_mix_norm(B, F, D, O, Ofm, dtype, device, backend):
 
 # (B, F, D, O, O_fm): no fm rows, all rows fm, F = 1, D = 1 (the LayerNorm of one value is its bias),
 # odd D (the cpu's column padding, the triton/cuda column masks), O past one triton row block (64 at
-# D = 64), the Wukong bench's shape.
+# D = 64), the Wukong bench's shape. The cpu LayerNorm takes rows in groups of eight with 8-wide
+# columns: O = 7, 8, 9, 16 and 70 (a group short, exact, one over, two exact, 8 groups + 6), D below
+# 8, a multiple of 8 and 8k + 4; the GEM model's small layers (F = 10 and 16 -> O = 16, D = 32).
 MIX_SHAPES = [(0, 3, 8, 2, 1), (3, 1, 8, 4, 0), (4, 5, 8, 5, 5), (2, 3, 1, 2, 1), (3, 27, 36, 7, 3),
-              (2, 6, 200, 9, 4), (2, 13, 64, 70, 33), (3, 27, 64, 32, 16)]
+              (2, 6, 200, 9, 4), (2, 13, 64, 70, 33), (3, 27, 64, 32, 16), (3, 4, 7, 8, 2), (5, 10, 32, 16, 8),
+              (3, 16, 32, 16, 8)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)

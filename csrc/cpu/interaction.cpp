@@ -14,8 +14,9 @@
 //
 // Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
 // (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
-// copy, so no horizontal reductions) over fp32 buffers zero-padded to 4 rows and 16 columns, so
-// every tile is full. The tile is written with AVX2/FMA intrinsics (x86-64-v3, the build's target):
+// copy, so no horizontal reductions) over fp32 buffers zero-padded to 4 rows and 16 columns (8 for
+// fm_compress's rank: a last 8-wide column block runs in 8-row x 8-column tiles), so every tile is
+// full. feature_mix_norm's per-row LayerNorms run eight rows at a time (layer_norm_rows). The tile is written with AVX2/FMA intrinsics (x86-64-v3, the build's target):
 // ATen's at::vec::Vectorized only has its AVX2/AVX512 specialisations inside ATen's per-ISA builds
 // (in an extension TU it is the scalar fallback), and GCC's `#pragma omp simd` version of the same
 // tile left the accumulators in memory at a quarter of the speed.
@@ -73,7 +74,7 @@ void load_padded(const scalar_t* src, int64_t rows, int64_t cols, float* dst, in
 }
 
 // C[m, :] (+)= sum_{k < K} A[m * lda + k * acs] * Bm[k, :] for m < M (a multiple of 4); Bm and C
-// have row stride ld (a multiple of 16). A is only ever broadcast, so any strides work: acs = lda'
+// have row stride ld (a multiple of 8). A is only ever broadcast, so any strides work: acs = lda'
 // with lda = 1 multiplies by the transpose of a row-major [K, lda'] matrix without copying it. A small GEMM with 4x16 register tiles: broadcast A, FMA rows of
 // Bm, no horizontal reductions. `upper` skips the 16-column blocks wholly left of each 4-row block's
 // diagonal (their C stays unwritten), for the upper triangle of a gram matrix.
@@ -82,11 +83,33 @@ void load_padded(const scalar_t* src, int64_t rows, int64_t cols, float* dst, in
 // array ran at ~20 GFLOP/s per core on the bench machine (GCC kept the accumulators in memory);
 // eight ymm accumulators held in registers, two B loads and four broadcasts per eight FMAs, run
 // these L1-resident products at ~70-90 GFLOP/s per core (Zen 3; the FMA latency x 2 pipes is 8).
+// The last 8 columns of a C whose ld is 16 j + 8, R rows from m0: one 8-wide accumulator per row.
+template <int R>
+inline void combine_rows8(const float* __restrict__ a, int64_t K, int64_t lda, int64_t acs,
+                          const float* __restrict__ bk, int64_t ld, float* __restrict__ c, bool accumulate) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = accumulate ? _mm256_loadu_ps(c + r * ld) : _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, bk += ld) {
+    const __m256 b = _mm256_loadu_ps(bk);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r * lda + k * acs), b, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(c + r * ld, acc[r]);
+}
+
 void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda, const float* __restrict__ Bm,
                   int64_t ld, float* __restrict__ C, bool accumulate, bool upper = false, int64_t acs = 1) {
+  // ld = 16 j + 8 (fm_compress's rank 8 and 8 j + 8): the 16-wide tiles, then the last 8 columns
+  // eight rows at a time, so that eight independent accumulators still cover the FMA latency x 2 pipes.
+  const int64_t ld16 = ld / kCols * kCols;
+  if (ld16 < ld) {
+    int64_t m0 = 0;
+    for (; m0 + 2 * kRows <= M; m0 += 2 * kRows)
+      combine_rows8<2 * kRows>(A + m0 * lda, K, lda, acs, Bm + ld16, ld, C + m0 * ld + ld16, accumulate);
+    if (m0 < M) combine_rows8<kRows>(A + m0 * lda, K, lda, acs, Bm + ld16, ld, C + m0 * ld + ld16, accumulate);
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const float* a = A + m0 * lda;
-    for (int64_t d0 = upper ? m0 / kCols * kCols : 0; d0 < ld; d0 += kCols) {
+    for (int64_t d0 = upper ? m0 / kCols * kCols : 0; d0 < ld16; d0 += kCols) {
       float* c = C + m0 * ld + d0;
       __m256 acc[kRows][2];
       for (int r = 0; r < kRows; ++r) {
@@ -116,15 +139,16 @@ void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const float* a = A + m0 * lda;
     for (int64_t d0 = upper ? m0 / kCols * kCols : 0; d0 < ld; d0 += kCols) {
+      const int64_t width = std::min<int64_t>(kCols, ld - d0);  // 8 in the last block when ld = 16 j + 8
       float acc[kRows][kCols];
       for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < kCols; ++c) acc[r][c] = accumulate ? C[(m0 + r) * ld + d0 + c] : 0.f;
+        for (int c = 0; c < width; ++c) acc[r][c] = accumulate ? C[(m0 + r) * ld + d0 + c] : 0.f;
       for (int64_t k = 0; k < K; ++k) {
         const float* bk = Bm + k * ld + d0;
         const float* ak = a + k * acs;
         const float g0 = ak[0], g1 = ak[lda], g2 = ak[2 * lda], g3 = ak[3 * lda];
 #pragma omp simd
-        for (int c = 0; c < kCols; ++c) {
+        for (int c = 0; c < width; ++c) {
           acc[0][c] += g0 * bk[c];
           acc[1][c] += g1 * bk[c];
           acc[2][c] += g2 * bk[c];
@@ -132,7 +156,7 @@ void combine_rows(const float* __restrict__ A, int64_t M, int64_t K, int64_t lda
         }
       }
       for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < kCols; ++c) C[(m0 + r) * ld + d0 + c] = acc[r][c];
+        for (int c = 0; c < width; ++c) C[(m0 + r) * ld + d0 + c] = acc[r][c];
     }
   }
 }
@@ -248,9 +272,14 @@ inline int64_t sum_chunks(int64_t rows) {
   return std::clamp<int64_t>((rows + kSumChunk - 1) / kSumChunk, 1, kMaxSumChunks);
 }
 
-// Threads worth waking for `items` of `flops_per_item` each: one per 2^16 FLOPs.
+// Threads worth waking for `items` of `flops_per_item` each: one per 2^23 FLOPs, about 80 us of
+// these kernels on one core. A second thread saves at most half a call, and waking it costs tens of
+// us on a quiet host and up to a scheduler slice (ms) on a busy one, where the join waits for a
+// descheduled worker. At one per 2^16 the GEM model's Wukong ops (2.6-13 MFLOP, B = 256) took two
+// threads; in its 2-thread training step they took 6.2 ms of self CPU time per step (quiet host),
+// 4.6x what the same calls take on one core (bench/results/notes-interaction.md).
 int64_t workers_for(int64_t items, int64_t flops_per_item) {
-  return std::max<int64_t>(1, items * std::max<int64_t>(1, flops_per_item) >> 16);
+  return std::max<int64_t>(1, items * std::max<int64_t>(1, flops_per_item) >> 23);
 }
 
 // Samples a worker claims at a time (parallel_ranges). Long runs of consecutive samples keep each
@@ -546,6 +575,169 @@ void layer_norm_row_backward(const float* s, const scalar_t* g, const float* w, 
   for (; e < n; ++e) grad_s[e] = rs * (gh[e] - c1 - xhat[e] * c2);
 }
 
+// LayerNorm of `rows` rows of n floats at once (feature_mix_norm's O rows of D per sample): rows
+// s (stride ld >= round_up(n, 8), the columns past n readable) -> out (stride n), mean and rstd
+// per row. One row at a time (layer_norm_row) is a chain of dependent reductions, two horizontal
+// sums and a square root per row of only D = 32 floats: it was two thirds of the feature_mix_norm
+// forward at the GEM model's shape. Here eight rows go together: their partial sums meet in one
+// transposing reduction (hsum8x8) and one vector square root serves all eight.
+#if defined(__AVX2__) && defined(__FMA__)
+// Lane i = the sum of the eight lanes of v[i].
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// All ones in lanes < rem.
+inline __m256 lanes_below(int64_t rem) {
+  return _mm256_castsi256_ps(
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+template <typename scalar_t>
+inline void store8(scalar_t* p, __m256 v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, v);
+    for (int i = 0; i < 8; ++i) p[i] = static_cast<scalar_t>(t[i]);
+  }
+}
+#endif
+
+template <typename scalar_t>
+void layer_norm_rows(const float* s, int64_t rows, int64_t n, int64_t ld, const float* w, const float* bias,
+                     float eps, scalar_t* out, float* mean, float* rstd) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t full = n / 8 * 8;
+  const __m256 tail = lanes_below(n - full), inv_n = _mm256_set1_ps(1.f / n);
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, rows - r0);
+    __m256 acc[8];
+    for (int64_t r = 0; r < 8; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      const float* row = s + (r0 + r) * ld;
+      if (r < nr) {
+        for (int64_t e = 0; e < full; e += 8) a = _mm256_add_ps(a, _mm256_loadu_ps(row + e));
+        if (full < n) a = _mm256_add_ps(a, _mm256_and_ps(_mm256_loadu_ps(row + full), tail));
+      }
+      acc[r] = a;
+    }
+    alignas(32) float mu[8], rs[8];
+    _mm256_store_ps(mu, _mm256_mul_ps(hsum8x8(acc), inv_n));
+    for (int64_t r = 0; r < 8; ++r) {
+      __m256 a = _mm256_setzero_ps();
+      const float* row = s + (r0 + r) * ld;
+      if (r < nr) {
+        const __m256 m = _mm256_set1_ps(mu[r]);
+        for (int64_t e = 0; e < full; e += 8) {
+          const __m256 c = _mm256_sub_ps(_mm256_loadu_ps(row + e), m);
+          a = _mm256_fmadd_ps(c, c, a);
+        }
+        if (full < n) {
+          const __m256 c = _mm256_and_ps(_mm256_sub_ps(_mm256_loadu_ps(row + full), m), tail);
+          a = _mm256_fmadd_ps(c, c, a);
+        }
+      }
+      acc[r] = a;
+    }
+    const __m256 var = _mm256_fmadd_ps(hsum8x8(acc), inv_n, _mm256_set1_ps(eps));
+    _mm256_store_ps(rs, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_sqrt_ps(var)));
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* row = s + (r0 + r) * ld;
+      scalar_t* o = out + (r0 + r) * n;
+      mean[r0 + r] = mu[r];
+      rstd[r0 + r] = rs[r];
+      const __m256 m = _mm256_set1_ps(mu[r]), v = _mm256_set1_ps(rs[r]);
+      for (int64_t e = 0; e < full; e += 8) {
+        const __m256 xh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + e), m), v);
+        store8(o + e, _mm256_fmadd_ps(xh, _mm256_loadu_ps(w + e), _mm256_loadu_ps(bias + e)));
+      }
+      for (int64_t e = full; e < n; ++e) o[e] = static_cast<scalar_t>((row[e] - mu[r]) * rs[r] * w[e] + bias[e]);
+    }
+  }
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    std::tie(mean[r], rstd[r]) = layer_norm_row(s + r * ld, n, w, bias, eps, out + r * n);
+#endif
+}
+
+// The backward of layer_norm_rows, eight rows together for the same reason: rows s (stride ld, as
+// in the forward), g (stride n) -> grad_s (stride ld; columns past n untouched); grad_w += g xhat
+// and grad_b += g. Per row, with xhat = (s - mean) rstd and gh = g w:
+// grad_s = rstd (gh - mean(gh) - xhat mean(gh xhat)). xhat and gh are recomputed in the second pass
+// (two loads and four operations per element instead of two stores and two loads).
+template <typename scalar_t>
+void layer_norm_rows_backward(const float* s, int64_t ld, const scalar_t* g, const float* w, const float* mean,
+                              const float* rstd, int64_t rows, int64_t n, float* grad_w, float* grad_b,
+                              float* grad_s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t full = n / 8 * 8;
+  const float inv_n = 1.f / n;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, rows - r0);
+    __m256 a1[8], a2[8];
+    // The scalar tails' parts of the two sums, and their g w kept as rounded: the second pass
+    // recomputing g w - mean(g w) would let the compiler contract it into one FMA, whose unrounded
+    // product leaves a rounding error where D = 1 must give exactly 0 (times rstd = 1/sqrt(eps)).
+    float t1[8] = {}, t2[8] = {}, gh_tail[8][8];
+    for (int64_t r = 0; r < 8; ++r) {
+      __m256 h = _mm256_setzero_ps(), hx = _mm256_setzero_ps();
+      if (r < nr) {
+        const float* row = s + (r0 + r) * ld;
+        const scalar_t* gr = g + (r0 + r) * n;
+        const float mu = mean[r0 + r], rs = rstd[r0 + r];
+        const __m256 m = _mm256_set1_ps(mu), v = _mm256_set1_ps(rs);
+        for (int64_t e = 0; e < full; e += 8) {
+          const __m256 gv = load8(gr + e);
+          const __m256 xh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + e), m), v);
+          const __m256 hv = _mm256_mul_ps(gv, _mm256_loadu_ps(w + e));
+          _mm256_storeu_ps(grad_w + e, _mm256_fmadd_ps(gv, xh, _mm256_loadu_ps(grad_w + e)));
+          _mm256_storeu_ps(grad_b + e, _mm256_add_ps(_mm256_loadu_ps(grad_b + e), gv));
+          h = _mm256_add_ps(h, hv);
+          hx = _mm256_fmadd_ps(hv, xh, hx);
+        }
+        for (int64_t e = full; e < n; ++e) {
+          const float gv = static_cast<float>(gr[e]), xh = (row[e] - mu) * rs, hv = gv * w[e];
+          grad_w[e] += gv * xh;
+          grad_b[e] += gv;
+          gh_tail[r][e - full] = hv;
+          t1[r] += hv;
+          t2[r] += hv * xh;
+        }
+      }
+      a1[r] = h;
+      a2[r] = hx;
+    }
+    alignas(32) float c1[8], c2[8];
+    _mm256_store_ps(c1, _mm256_mul_ps(_mm256_add_ps(hsum8x8(a1), _mm256_loadu_ps(t1)), _mm256_set1_ps(inv_n)));
+    _mm256_store_ps(c2, _mm256_mul_ps(_mm256_add_ps(hsum8x8(a2), _mm256_loadu_ps(t2)), _mm256_set1_ps(inv_n)));
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* row = s + (r0 + r) * ld;
+      const scalar_t* gr = g + (r0 + r) * n;
+      float* ds = grad_s + (r0 + r) * ld;
+      const float mu = mean[r0 + r], rs = rstd[r0 + r];
+      const __m256 m = _mm256_set1_ps(mu), v = _mm256_set1_ps(rs), vc1 = _mm256_set1_ps(c1[r]),
+                   vc2 = _mm256_set1_ps(c2[r]);
+      for (int64_t e = 0; e < full; e += 8) {
+        const __m256 xh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + e), m), v);
+        const __m256 hv = _mm256_mul_ps(load8(gr + e), _mm256_loadu_ps(w + e));
+        _mm256_storeu_ps(ds + e, _mm256_mul_ps(v, _mm256_fnmadd_ps(xh, vc2, _mm256_sub_ps(hv, vc1))));
+      }
+      for (int64_t e = full; e < n; ++e) ds[e] = rs * (gh_tail[r][e - full] - c1[r] - (row[e] - mu) * rs * c2[r]);
+    }
+  }
+#else
+  std::vector<float> xhat(n), gh(n);
+  for (int64_t r = 0; r < rows; ++r)
+    layer_norm_row_backward(s + r * ld, g + r * n, w, mean[r], rstd[r], n, xhat.data(), gh.data(), grad_w, grad_b,
+                            grad_s + r * ld);
+#endif
+}
+
 // One sample's [F, D] rows from a [Fp, ld] fp32 tile into dst (row stride D). fp32 output goes out
 // with copy_bytes, streaming when `stream` (an output the cache cannot keep anyway).
 template <typename scalar_t>
@@ -563,8 +755,10 @@ void store_sample(const float* src, int64_t F, int64_t D, int64_t ld, scalar_t* 
 
 FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
+  // kq: k columns padded to 8, not to a whole 16-wide tile (combine_rows takes ld = 16 j + 8): at the
+  // GEM model's rank 8 a 16-wide S = X A and grad_Y were half padding.
   return {B, F, D, k, round_up(F, kRows), round_up(std::max<int64_t>(D, 1), kCols), round_up(k, kRows),
-          round_up(k, kCols)};
+          round_up(k, kCols / 2)};
 }
 
 // The (X^T Y)^T [k, D] and S [F, k] of one sample as `products` stores them: one fp32 row per sample.
@@ -757,9 +951,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
           if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
         }
         mix_sample(d, xp + b * d.F * d.D, fp ? fp + b * d.Ofm * d.D : fp, mp, xs.data(), s.data());
-        for (int64_t o = 0; o < d.O; ++o)
-          std::tie(meanp[b * d.O + o], rstdp[b * d.O + o]) =
-              layer_norm_row(s.data() + o * d.Dp, d.D, wp, bp, static_cast<float>(eps), op + (b * d.O + o) * d.D);
+        layer_norm_rows(s.data(), d.O, d.D, d.Dp, wp, bp, static_cast<float>(eps), op + b * d.O * d.D,
+                        meanp + b * d.O, rstdp + b * d.O);
       }
     });
   });
@@ -797,7 +990,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
                       workers_for(d.B, 6 * d.O * d.F * d.D), [&](auto& claim) {
         // grad_S [Op, Dp] and X^T [D, Fq] keep zero padding (rows past O, columns past F).
         std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp), ds(d.Op * d.Dp, 0.f), dx(d.Fp * d.Dp),
-            xt(d.D * d.Fq, 0.f), xhat(d.D), gh(d.D);
+            xt(d.D * d.Fq, 0.f);
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
           float* gm = part_m.data_ptr<float>() + c * d.Op * d.Fq;
@@ -811,10 +1004,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
             }
             const float* xr = mix_sample(d, xp + b * d.F * d.D, fp ? fp + b * d.Ofm * d.D : fp, mp, xs.data(),
                                          s.data());
-            for (int64_t o = 0; o < d.O; ++o)
-              layer_norm_row_backward(s.data() + o * d.Dp, gp + (b * d.O + o) * d.D, wp, meanp[b * d.O + o],
-                                      rstdp[b * d.O + o], d.D, xhat.data(), gh.data(), gw, gw + d.D,
-                                      ds.data() + o * d.Dp);
+            layer_norm_rows_backward(s.data(), d.Dp, gp + b * d.O * d.D, wp, meanp + b * d.O, rstdp + b * d.O, d.O,
+                                     d.D, gw, gw + d.D, ds.data());
             if (dfp) store_rows(ds.data(), d.Ofm, d.D, d.Dp, dfp + b * d.Ofm * d.D);
             // grad_X = M^T grad_S [Fp, Dp]; grad_M += grad_S X^T [Op, Fq].
             combine_rows(mtp, d.Fp, d.O, d.O, ds.data(), d.Dp, dx.data(), false);

@@ -1,0 +1,68 @@
+"""Per-call times of the cpu Wukong kernels at the GEM model's `small` shape, for comparing builds.
+
+Prints one JSON line: {"<op> F=<F>": [wall us at 2 threads, CPU us at 1 thread]} for fm_compress and
+feature_mix_norm, forward and backward, at B = 256, D = 32, k = 8, O = 16 (8 FM rows) and F = 10 and
+16 (the model's two layers). "wall" is what the 2-thread training step sees, with the build's own
+thread choice; "CPU" is the thread's CPU time at one thread, which a busy host's time sharing does not
+inflate. Run each build in its own process, alternating, and compare medians:
+
+    for i in 1 2 3; do for pkg in /path/to/main_pkg /path/to/new_pkg; do
+        PYTHONPATH=$pkg python scripts/wukong_model_ops.py; done; done
+
+(a package dir holds a `gem_kernels/` with that build's `_C*.so`). The bench rows at the same shape
+(`python -m bench interaction`) check the outputs before timing them; this script only times.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+import gem_kernels  # noqa: F401  (registers torch.ops.gem_kernels)
+
+B, D, K, O, O_FM = 256, 32, 8, 16, 8
+
+
+def _per_call_us(fn, clock, calls: int = 100, rounds: int = 5) -> list[float]:
+    """us per call of each round, measured with `clock` (perf_counter: wall; thread_time: CPU)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = clock()
+        for _ in range(calls):
+            fn()
+        times.append((clock() - start) / calls * 1e6)
+    return sorted(times)
+
+
+def main() -> None:
+    ops = torch.ops.gem_kernels
+    results = {}
+    for F in (10, 16):
+        x, y = torch.randn(B, F, D), torch.randn(F, K) * F ** -0.5
+        lw, lb = 1 + 0.1 * torch.randn(F * K), 0.1 * torch.randn(F * K)
+        out, mean, rstd, products = ops.fm_compress_native(x, y, lw, lb, 1e-5, True)
+        g = torch.randn_like(out)
+        mix, fm = torch.randn(O, F) * F ** -0.5, torch.randn(B, O_FM, D)
+        w, b = 1 + 0.1 * torch.randn(D), 0.1 * torch.randn(D)
+        out2, mean2, rstd2 = ops.feature_mix_norm_native(x, mix, fm, w, b, 1e-5)
+        g2 = torch.randn_like(out2)
+        fns = {"fm_compress fwd": lambda: ops.fm_compress_native(x, y, lw, lb, 1e-5, True),
+               "fm_compress bwd": lambda: ops.fm_compress_backward_native(g, x, y, lw, mean, rstd, products),
+               "feature_mix_norm fwd": lambda: ops.feature_mix_norm_native(x, mix, fm, w, b, 1e-5),
+               "feature_mix_norm bwd": lambda: ops.feature_mix_norm_backward_native(g2, x, mix, fm, w, mean2, rstd2)}
+        for name, fn in fns.items():
+            torch.set_num_threads(2)
+            wall = _per_call_us(fn, time.perf_counter)
+            torch.set_num_threads(1)
+            cpu = _per_call_us(fn, time.thread_time)
+            # The median wall round (the host's load varies), the least CPU time (what the call costs).
+            results[f"{name} F={F}"] = [round(wall[len(wall) // 2], 1), round(cpu[0], 1)]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
