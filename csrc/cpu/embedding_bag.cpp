@@ -15,7 +15,7 @@
 // already faulted in, not zeroed again by the OS) and, in fp32, takes streaming stores from the
 // sum's registers (no read-for-ownership of each slice's lines, no eviction of the hot table rows).
 // Measured on the bench's case (26 tables, B = 4096, 41 MB output; 2-core Xeon VM, busy, 1 thread,
-// interleaved): 111.8 ms before, 86.3 with both, 110.3 with the cache alone, 100.1 with streaming
+// interleaved, the register stores in all four): 111.8 ms with neither, 86.3 with both, 110.3 with the cache alone, 100.1 with streaming
 // alone; the gather roof (rows read only) 74.5.
 //
 // Backward work decomposition, two phases:
@@ -216,12 +216,14 @@ inline void pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows, c
   if constexpr (std::is_same_v<scalar_t, float>) {
 #pragma GCC unroll 16
     for (int v = 0; v < kV; ++v) {
+#if defined(__AVX2__)
       if constexpr (kStream) {
         static_assert(Vec::size() == 8, "streaming stores of 8-float vectors");
         _mm256_stream_ps(dst + v * Vec::size(), acc[v] * s);
-      } else {
-        (acc[v] * s).store(dst + v * Vec::size());
+        continue;
       }
+#endif
+      (acc[v] * s).store(dst + v * Vec::size());
     }
   } else {
 #pragma GCC unroll 16
