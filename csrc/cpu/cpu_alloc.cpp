@@ -116,7 +116,7 @@ class OutputCache {
 
   static size_t default_limit() {
     const char* env = std::getenv("GEM_KERNELS_OUTPUT_CACHE_MIB");
-    return (env && *env ? std::strtoull(env, nullptr, 10) : 256) << 20;
+    return (env && *env ? std::strtoull(env, nullptr, 10) : 0) << 20;
   }
 
   std::mutex mutex_;

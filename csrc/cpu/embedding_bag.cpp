@@ -11,12 +11,11 @@
 // the same table are prefetched: the lookups are random DRAM reads and the prefetch keeps several
 // of them in flight per core.
 // The pooled output is the one thing written: D values per bag at a stride of the output row. A
-// large one (>= 32 MiB) comes from the output cache (cpu_alloc.h: memory of an earlier output,
-// already faulted in, not zeroed again by the OS) and, in fp32, takes streaming stores from the
-// sum's registers (no read-for-ownership of each slice's lines, no eviction of the hot table rows).
-// Measured on the bench's case (26 tables, B = 4096, 41 MB output; 2-core Xeon VM, busy, 1 thread,
-// interleaved, the register stores in all four): 111.8 ms with neither, 86.3 with both, 110.3 with the cache alone, 100.1 with streaming
-// alone; the gather roof (rows read only) 74.5.
+// large one (>= 32 MiB, empty_cached_output: huge pages, or an earlier output's memory when the
+// output cache is turned on) takes, in fp32, streaming stores from the sum's registers: no
+// read-for-ownership of each slice's lines, no eviction of the hot table rows. Measured on the
+// bench's case (26 tables, B = 4096, 41 MB output; 2-core Xeon VM, busy, 1 thread, interleaved):
+// 10-16 ms saved of 100-160 in four runs (bench/results/notes-roofs.md, section 4).
 //
 // Backward work decomposition, two phases:
 //   1. per table (tables handed out dynamically): the kept (row, position) pairs, packed in one uint64, are
