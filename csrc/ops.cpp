@@ -114,6 +114,9 @@ at::Tensor attention_fast_exp(const at::Tensor& x, bool vectorized);
 // the tests use to run both paths; returns the previous mode (-1 = not decided yet).
 bool streaming_stores_pay_off();
 int64_t set_streaming_stores(int64_t mode);
+// cpu/cpu_alloc.cpp: the cache of large CPU outputs (its limit of idle bytes, for tests and the bench).
+int64_t set_output_cache_limit(int64_t bytes);
+int64_t output_cache_idle_bytes();
 // cpu/gather_peak.cpp: the bench's gather roof (bench/peaks.py): rows ids[t] of tables[t] read in
 // order with a software prefetch distance; returns the XOR of their 8-byte words.
 int64_t gather_rows_read(const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& ids,
@@ -144,6 +147,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_streaming_stores", &gem_kernels::set_streaming_stores,
         "force the CPU store kind: 0 normal, 1 streaming, -1 measure again; returns the previous mode",
         pybind11::arg("mode"));
+  m.def("set_output_cache_limit", &gem_kernels::set_output_cache_limit,
+        "set the idle-bytes limit of the CPU output cache (0: off; releases blocks beyond it); returns the previous one",
+        pybind11::arg("bytes"));
+  m.def("output_cache_idle_bytes", &gem_kernels::output_cache_idle_bytes,
+        "bytes of freed large CPU outputs the output cache holds for reuse");
   m.def("gather_rows_read", &gem_kernels::gather_rows_read,
         "bench helper: read rows ids[t] of tables[t] in order, prefetching the row prefetch_distance ids ahead "
         "(0: none); returns the XOR of the rows' 8-byte words (a last partial word zero-extended)",

@@ -24,6 +24,7 @@ from .utils import (
     INDEX_DTYPES,
     assert_close,
     assert_rounded_once,
+    cpu_kernel_only,
     device_backend_params,
     interpreter_rounding_factor,
     offsets_from_lengths,
@@ -690,3 +691,91 @@ def test_option_codes_agree_with_the_cpp_header():
               "kWarn": codes.WARN, "kSkip": codes.SKIP, "kOptNone": codes.OPT_NONE, "kOptSgd": codes.OPT_SGD,
               "kOptRowwiseAdagrad": codes.OPT_ROWWISE_ADAGRAD, "kOptAdam": codes.OPT_ADAM}
     assert cpp == python
+
+
+# ------------------------------------------------------------------------------------------------
+# The cpu backend's large-output path: the output cache and streaming stores (outputs >= 32 MiB).
+# ------------------------------------------------------------------------------------------------
+
+# Output columns 0, 64, 100, 132, 260, 264 (x 4 bytes): the D = 64 tables start 32-byte aligned and
+# stream, the fixed-D 32 and 128 tables between them do not (normal stores), 36 and 4 take the
+# generic path. ODD_ROW: a 100-float output row, so no slice is aligned from the second bag on.
+LARGE_ALIGNED_MIX = [gk.TableSpec(50, 64), gk.TableSpec(30, 36), gk.TableSpec(40, 32), gk.TableSpec(20, 128),
+                     gk.TableSpec(9, 4), gk.TableSpec(70, 64)]
+LARGE_ODD_ROW = [gk.TableSpec(50, 64), gk.TableSpec(30, 36)]
+
+
+@pytest.fixture
+def large_output_cache():
+    """The cpu backend's output cache on (256 MiB of idle blocks) and empty, restored after."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    from gem_kernels import _backend
+
+    C = _backend._C
+    previous = C.set_output_cache_limit(0)
+    C.set_output_cache_limit(256 << 20)
+    yield C
+    C.set_output_cache_limit(previous)
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("store_kind", [0, 1], ids=["normal_stores", "streaming_stores"])
+@pytest.mark.parametrize("specs", [LARGE_ALIGNED_MIX, LARGE_ODD_ROW], ids=["aligned_mix", "odd_row"])
+@pytest.mark.parametrize("pooling,with_psw,dtype", [("sum", False, torch.float32), ("mean", True, torch.float32),
+                                                    ("sum", True, torch.bfloat16)])
+def test_cpu_large_output_reuses_cached_memory(large_output_cache, store_kind, specs, pooling, with_psw, dtype):
+    """A >= 32 MiB pooled output comes from the output cache: the second call gets the first call's
+    memory back (here poisoned with NaN, so an element the kernel does not write fails), in every
+    store kind (the store_kind fixture forces both), every slice alignment, and with a resize."""
+    from gem_kernels import _backend
+
+    C = large_output_cache
+    output_dim = sum(s.embedding_dim for s in specs)
+    batch = (32 << 20) // (output_dim * torch.empty((), dtype=dtype).element_size()) + 7
+    module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=dtype, backend="cpu")
+    previous = _backend._C.set_streaming_stores(store_kind)
+    try:
+        indices, offsets = make_batch(specs, batch, max_len=2, seed=5)
+        psw = randn_nonzero(indices.numel()) if with_psw else None
+        with torch.no_grad():
+            first = functional(module, indices, offsets, psw)
+            block, nbytes = first.data_ptr(), first.nbytes
+            first.fill_(float("nan"))
+            del first
+            assert C.output_cache_idle_bytes() >= nbytes
+            indices, offsets = make_batch(specs, batch, max_len=2, seed=6)
+            psw = randn_nonzero(indices.numel()) if with_psw else None
+            out = functional(module, indices, offsets, psw)
+            assert out.data_ptr() == block and C.output_cache_idle_bytes() == 0
+            expected = gk.embedding_bag(module.weights.float(), module.table_meta, indices, offsets, psw,
+                                        output_dim=output_dim, pooling=pooling, backend="reference")
+            assert_rounded_once(out, expected, dtype)
+            # A resize moves the data to a normal allocation and hands the block back.
+            out.resize_(batch + 1, output_dim)
+            assert C.output_cache_idle_bytes() >= nbytes
+            assert_rounded_once(out[:batch], expected, dtype)
+    finally:
+        _backend._C.set_streaming_stores(previous)
+
+
+@cpu_kernel_only
+def test_cpu_output_cache_limit(large_output_cache):
+    """Freed large outputs are kept up to the limit of idle bytes, and released beyond it."""
+    C = large_output_cache
+    module = gk.FusedEmbeddingBag(LARGE_ODD_ROW, backend="cpu")
+    indices, offsets = make_batch(LARGE_ODD_ROW, (32 << 20) // 400 + 1, max_len=1)
+    with torch.no_grad():
+        outs = [functional(module, indices, offsets) for _ in range(2)]
+        assert outs[0].data_ptr() != outs[1].data_ptr()
+        del outs
+        assert C.output_cache_idle_bytes() == 2 * (34 << 20)  # 32 MiB + 400 bytes, in 2 MiB pages
+        assert C.set_output_cache_limit(40 << 20) == 256 << 20
+        assert C.output_cache_idle_bytes() == 34 << 20
+        C.set_output_cache_limit(0)
+        assert C.output_cache_idle_bytes() == 0
+        out = functional(module, indices, offsets)
+        del out
+        assert C.output_cache_idle_bytes() == 0
+    with pytest.raises(ValueError, match="bytes must be >= 0"):
+        C.set_output_cache_limit(-1)

@@ -16,6 +16,8 @@ namespace {
 
 // -1: not decided yet; 0: normal stores; 1: streaming stores.
 std::atomic<int> g_streaming{-1};
+// Whether g_streaming was forced (GEM_KERNELS_STREAMING_STORES or set_streaming_stores) rather than measured.
+std::atomic<bool> g_forced{false};
 
 // Seconds to fill a fresh 48 MiB output the way the kernels write theirs: first touch of new
 // (huge) pages, the threads over 2 MiB chunks. 48 MiB is past glibc's largest mmap threshold (32
@@ -48,7 +50,9 @@ bool streaming_stores_pay_off() {
   int mode = g_streaming.load(std::memory_order_relaxed);
   if (mode < 0) {  // two threads may both measure: harmless, they store the same kind of answer
     const char* env = std::getenv("GEM_KERNELS_STREAMING_STORES");
-    mode = env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : measure();
+    const bool forced = env && (env[0] == '0' || env[0] == '1') && env[1] == '\0';
+    mode = forced ? env[0] - '0' : measure();
+    g_forced.store(forced, std::memory_order_relaxed);
     g_streaming.store(mode, std::memory_order_relaxed);
   }
   return mode == 1;
@@ -56,7 +60,17 @@ bool streaming_stores_pay_off() {
 
 int64_t set_streaming_stores(int64_t mode) {
   TORCH_CHECK(mode >= -1 && mode <= 1, "mode must be -1 (measure again on next use), 0 or 1, got ", mode);
+  g_forced.store(mode >= 0, std::memory_order_relaxed);
   return g_streaming.exchange(static_cast<int>(mode));
+}
+
+bool use_streaming_stores_for_scattered_output(size_t output_bytes) {
+  if (output_bytes < kStreamingStoreMinBytes) return false;
+  if (g_streaming.load(std::memory_order_relaxed) < 0) {
+    const char* env = std::getenv("GEM_KERNELS_STREAMING_STORES");
+    if (env && env[0] == '0' && env[1] == '\0') return false;
+  }
+  return !g_forced.load(std::memory_order_relaxed) || g_streaming.load(std::memory_order_relaxed) == 1;
 }
 
 }  // namespace gem_kernels

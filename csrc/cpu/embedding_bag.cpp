@@ -7,9 +7,15 @@
 // Forward work decomposition: items of (table, 128 consecutive bags), table-major, handed to the
 // threads dynamically (parallel_dynamic); one item owns whole bags, so every output slice is
 // written by one thread. The bag's rows are accumulated in fp32 (fp16/bf16 converted on load) with
-// at::vec::Vectorized over D (in registers for D = 32/64/128), while the rows 16 indices ahead in
+// at::vec::Vectorized over D (in registers for D = 32/64/128), while the rows 32 indices ahead in
 // the same table are prefetched: the lookups are random DRAM reads and the prefetch keeps several
 // of them in flight per core.
+// The pooled output is the one thing written: D values per bag at a stride of the output row. A
+// large one (>= 32 MiB, empty_cached_output: huge pages, or an earlier output's memory when the
+// output cache is turned on) takes, in fp32, streaming stores from the sum's registers: no
+// read-for-ownership of each slice's lines, no eviction of the hot table rows. Measured on the
+// bench's case (26 tables, B = 4096, 41 MB output; 2-core Xeon VM, busy, 1 thread, interleaved):
+// 10-16 ms saved of 100-160 in four runs (bench/results/notes-roofs.md, section 4).
 //
 // Backward work decomposition, two phases:
 //   1. per table (tables handed out dynamically): the kept (row, position) pairs, packed in one uint64, are
@@ -45,6 +51,7 @@
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_alloc.h"
 #include "gem_kernels/cpu_rows.h"
+#include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/embedding_bag_codes.h"
 #include "gem_kernels/offsets_check.h"
 #include "gem_kernels/parallel.h"
@@ -61,9 +68,11 @@ using Vec = at::vec::Vectorized<float>;
                                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                       \
                                          AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
-// Rows prefetched ahead of the one being accumulated (FBGEMM's default distance): enough random
-// DRAM reads in flight per core to cover the latency.
-constexpr int64_t kPrefetchDistance = 16;
+// Rows prefetched ahead of the one being accumulated: enough random DRAM reads in flight per core to
+// cover the latency. 32, the gather roof's best distance (bench.peaks.PREFETCH_DISTANCES) on the
+// bench's case; measured against FBGEMM's 16 (2-core Xeon VM, busy, interleaved, streaming output):
+// 82.8 vs 86.3 ms at 1 thread, 127.9 vs 147.9 ms at 2 threads.
+constexpr int64_t kPrefetchDistance = 32;
 // Bags per forward work item: ~20 lookups each, a few thousand rows per item.
 constexpr int64_t kBagsPerChunk = 128;
 // Work items per table in the backward (slices of its unique rows).
@@ -162,11 +171,12 @@ void for_each_bag_chunk(const Meta& m, const index_t* offsets, int64_t work, con
 // One pooled bag of a table with D = kD known at compile time (the common 32/64/128): the row sum
 // lives in registers, the row prefetch and the D loop are unrolled, the per-sample-weight branch is
 // compiled out. When most lookups hit the cache (Zipf-hot rows) these instructions are the cost.
-// Returns the number of kept indices; on_bad(p, idx) handles an out-of-range index.
-template <int kD, bool kHasPsw, typename scalar_t, typename index_t, typename OnBad>
-inline int64_t pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const index_t* __restrict__ indices,
-                                int64_t start, int64_t stop, int64_t prefetch_stop, const float* __restrict__ psw,
-                                float* __restrict__ sum, const OnBad& on_bad) {
+// The sum (divided by the kept count for mean) goes from the registers to dst[0:kD]: with streaming
+// stores when kStream (fp32 only; dst 32-byte aligned). on_bad(p, idx) handles an out-of-range index.
+template <int kD, bool kHasPsw, bool kStream, typename scalar_t, typename index_t, typename OnBad>
+inline void pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const index_t* __restrict__ indices,
+                             int64_t start, int64_t stop, int64_t prefetch_stop, const float* __restrict__ psw,
+                             scalar_t* __restrict__ dst, bool mean, const OnBad& on_bad) {
   constexpr int kV = kD / Vec::size();
   static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
   Vec acc[kV];
@@ -201,21 +211,46 @@ inline int64_t pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows
     }
     ++kept;
   }
+  const Vec s((mean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f);
+  if constexpr (std::is_same_v<scalar_t, float>) {
 #pragma GCC unroll 16
-  for (int v = 0; v < kV; ++v) acc[v].store(sum + v * Vec::size());
-  return kept;
+    for (int v = 0; v < kV; ++v) {
+#if defined(__AVX2__)
+      if constexpr (kStream) {
+        static_assert(Vec::size() == 8, "streaming stores of 8-float vectors");
+        _mm256_stream_ps(dst + v * Vec::size(), acc[v] * s);
+        continue;
+      }
+#endif
+      (acc[v] * s).store(dst + v * Vec::size());
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; v += 2) {
+      at::vec::convert_from_float<scalar_t>(acc[v] * s, acc[v + 1] * s).store(dst + v * Vec::size());
+    }
+  }
 }
 
 template <int kD, typename scalar_t, typename index_t, typename OnBad>
-inline int64_t pool_bag_fixed(const scalar_t* table, int64_t rows, const index_t* indices, int64_t start, int64_t stop,
-                              int64_t prefetch_stop, const float* psw, float* sum, const OnBad& on_bad) {
-  return psw ? pool_bag_fixed_d<kD, true>(table, rows, indices, start, stop, prefetch_stop, psw, sum, on_bad)
-             : pool_bag_fixed_d<kD, false>(table, rows, indices, start, stop, prefetch_stop, psw, sum, on_bad);
+inline void pool_bag_fixed(const scalar_t* table, int64_t rows, const index_t* indices, int64_t start, int64_t stop,
+                           int64_t prefetch_stop, const float* psw, scalar_t* dst, bool mean, bool stream,
+                           const OnBad& on_bad) {
+  const auto run = [&](auto has_psw, auto streamed) {
+    pool_bag_fixed_d<kD, decltype(has_psw)::value, decltype(streamed)::value>(table, rows, indices, start, stop,
+                                                                              prefetch_stop, psw, dst, mean, on_bad);
+  };
+  if (psw) {
+    stream ? run(std::true_type{}, std::true_type{}) : run(std::true_type{}, std::false_type{});
+  } else {
+    stream ? run(std::false_type{}, std::true_type{}) : run(std::false_type{}, std::false_type{});
+  }
 }
 
 template <typename scalar_t, typename index_t>
 void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indices, const index_t* offsets,
-                    const float* psw, scalar_t* out, int64_t output_dim, int64_t pooling, int64_t bounds_check) {
+                    const float* psw, scalar_t* out, int64_t output_dim, int64_t pooling, int64_t bounds_check,
+                    bool stream_out) {
   std::atomic<int64_t> dropped{0};
   std::mutex first_bad_mutex;
   std::string first_bad;
@@ -236,21 +271,28 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
     acc.resize(m.max_D);
     {
       const scalar_t* table = weights + m.w_off[t];
+      // Every bag's slice of this table starts 32-byte aligned (the output is, see the caller).
+      const bool stream = stream_out && (output_dim * sizeof(scalar_t)) % 32 == 0 &&
+                          (m.d_off[t] * sizeof(scalar_t)) % 32 == 0;
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t tb = t * m.B + b;
         const int64_t start = offsets[tb];
         const int64_t stop = offsets[tb + 1];
         TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
-        int64_t kept = 0;
         if (pooling != kNone && (D == 32 || D == 64 || D == 128)) {
           const auto on_bad = [&](int64_t p, int64_t idx) { report_bad(t, b, p, idx, rows); };
-          kept = D == 32    ? pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad)
-                 : D == 64  ? pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad)
-                            : pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, acc.data(), on_bad);
-          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
-          store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
+          scalar_t* dst = out + b * output_dim + m.d_off[t];
+          const bool mean = pooling == kMean;
+          if (D == 32) {
+            pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
+          } else if (D == 64) {
+            pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
+          } else {
+            pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
+          }
           continue;
         }
+        int64_t kept = 0;
         if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
         for (int64_t p = start; p < stop; ++p) {
           if (p + kPrefetchDistance < chunk_stop) {
@@ -279,6 +321,7 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
         }
       }
     }
+    if (stream_out) streaming_store_fence();
   });
   if (bounds_check == kWarn && dropped.load() > 0) {
     TORCH_WARN("embedding_bag: dropping ", dropped.load(), " out-of-range indices; first: ", first_bad);
@@ -300,13 +343,17 @@ at::Tensor embedding_bag_forward_cpu(const at::Tensor& weights, const at::Tensor
   }
   const int64_t N = indices.numel();
   check_offsets_values(offsets, N);
-  auto out = empty_for_streaming_write({pooling == kNone ? N : m.B, output_dim}, weights.options());
+  auto out = empty_cached_output({pooling == kNone ? N : m.B, output_dim}, weights.options());
+  // The pooled fp32 output's fixed-D slices take streaming stores (see the comment at the top).
+  const bool stream_out = pooling != kNone && weights.scalar_type() == at::kFloat &&
+                          use_streaming_stores_for_scattered_output(out.nbytes()) &&
+                          reinterpret_cast<uintptr_t>(out.data_ptr()) % 32 == 0;
   GK_DISPATCH_WEIGHT_TYPES(weights.scalar_type(), "embedding_bag_forward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "embedding_bag_forward_cpu_idx", [&] {
       forward_kernel<scalar_t, index_t>(m, weights.data_ptr<scalar_t>(), indices.data_ptr<index_t>(),
                                         offsets.data_ptr<index_t>(),
                                         per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr,
-                                        out.data_ptr<scalar_t>(), output_dim, pooling, bounds_check);
+                                        out.data_ptr<scalar_t>(), output_dim, pooling, bounds_check, stream_out);
     });
   });
   return out;

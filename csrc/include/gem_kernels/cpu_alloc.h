@@ -32,4 +32,25 @@ inline at::Tensor empty_for_streaming_write(at::IntArrayRef sizes, const at::Ten
   return out;
 }
 
+// Outputs at least this large come from the output cache: glibc maps every block over 32 MiB fresh
+// (and unmaps it on free), so without it each call pays the page faults and the OS zeroing again.
+constexpr size_t kCachedOutputMinBytes = size_t(32) << 20;
+
+// An uninitialised tensor for a kernel output written once in full, at kCachedOutputMinBytes and
+// above a 2 MiB-aligned mmap advised for huge pages (cpu/cpu_alloc.cpp), or, when the cache is on, a
+// block freed by an earlier output of the same (2 MiB-rounded) size: already faulted in, not zeroed
+// again. Freed blocks are kept up to a limit of idle bytes (GEM_KERNELS_OUTPUT_CACHE_MIB, default 0:
+// off); smaller outputs are empty_for_streaming_write's.
+//
+// Off by default because it did not pay where measured: the embedding-bag bench's forward (41 MB
+// output, 2-core Xeon VM, busy, interleaved, with streaming stores) ran 4-11 ms slower with it in
+// four runs and 14 ms faster in one; a fresh 41 MB output on huge pages is only ~20 faults, and the
+// OS zeroes them at fill speed (bench/results/notes-roofs.md, section 4).
+at::Tensor empty_cached_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// Sets the cache's limit of idle bytes (releasing blocks beyond it); returns the previous limit.
+int64_t set_output_cache_limit(int64_t bytes);
+// Bytes of freed blocks the cache holds now.
+int64_t output_cache_idle_bytes();
+
 }  // namespace gem_kernels
