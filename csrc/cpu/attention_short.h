@@ -1,6 +1,6 @@
 // The short-sequence path of the CPU HSTU attention (forward and backward of one (sequence, head)
 // item of at most kShortMaxLen rows). Included by attention.cpp inside its anonymous namespace,
-// after the helpers it shares (row_span, scores_tile, silu_row, silu_grad_row, add_by_bucket);
+// after the helpers it shares (row_span, time_bucket, fast_exp8, silu_grad_row, add_by_bucket);
 // attention.cpp's item loops call forward_item_short / backward_item_short first and take their
 // tile loops when these return false.
 //
@@ -11,8 +11,9 @@
 // - scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a transposed
 //   copy of the item's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass, one FMA chain
 //   per block;
-// - scale, position and time bias: scores_tile over the whole item (one tile);
-// - SiLU (and its derivative) over the same whole blocks, so no scalar tail;
+// - scale, position and time bias, and the forward's SiLU, in one pass over the same whole blocks
+//   (no scalar tail), from a padded copy of the item's pos_bias window and key timestamps; SiLU's
+//   derivative in the backward over the same blocks;
 // - the products with V (forward), K, Q and dO (backward) run over the row's visible keys only
 //   ([begin, end) less a prefix mask's hole), with the weights broadcast against rows of the other
 //   operand: a masked pair is never multiplied, so an Inf or NaN in an invisible row never reaches
@@ -39,37 +40,63 @@ bool short_item(const Prepared& in, const Item& it, const SeqMask& mask) {
          (mask.banded || mask.prefix);
 }
 
-// dst[d * Lp + j] = rows[j * ld + d] for j < L, 0 for L <= j < Lp (padding columns stay finite).
+// dst[d * Lp + j] = rows[j * ld + d] for j < L, 0 for L <= j < Lp (padding columns stay finite);
+// width a multiple of 8. By 8 x 8 blocks in registers: an element-wise copy with a strided store
+// was ~13 % of the forward.
 void transpose_rows(const float* rows, int64_t ld, int64_t L, int64_t width, float* dst) {
   const int64_t Lp = round8(L);
-  for (int64_t j = 0; j < L; ++j)
-    for (int64_t d = 0; d < width; ++d) dst[d * Lp + j] = rows[j * ld + d];
-  for (int64_t d = 0; d < width; ++d) std::fill(dst + d * Lp + L, dst + (d + 1) * Lp, 0.0f);
+  for (int64_t j0 = 0; j0 < Lp; j0 += 8)
+    for (int64_t d0 = 0; d0 < width; d0 += 8) {
+      __m256 r[8];
+      for (int64_t k = 0; k < 8; ++k)
+        r[k] = j0 + k < L ? _mm256_loadu_ps(rows + (j0 + k) * ld + d0) : _mm256_setzero_ps();
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = dst + d0 * Lp + j0;
+      _mm256_storeu_ps(o + 0 * Lp, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * Lp, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * Lp, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * Lp, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * Lp, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * Lp, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * Lp, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * Lp, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+}
+
+// out[8k, 8k + 8) = sum_d x[d] * t[d * ld + 8k, + 8) for k < NB: two FMA chains per block (even
+// and odd d; width is even), so even one block is not bound by the FMA latency.
+template <int NB>
+inline void dot_nb(const float* x, int64_t width, const float* t, int64_t ld, float* out) {
+  __m256 a[NB], b[NB];
+  for (int k = 0; k < NB; ++k) a[k] = b[k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < width; d += 2) {
+    const __m256 x0 = _mm256_set1_ps(x[d]), x1 = _mm256_set1_ps(x[d + 1]);
+    const float* r0 = t + d * ld;
+    const float* r1 = r0 + ld;
+    for (int k = 0; k < NB; ++k) {
+      a[k] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(r0 + 8 * k), a[k]);
+      b[k] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(r1 + 8 * k), b[k]);
+    }
+  }
+  for (int k = 0; k < NB; ++k) _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(a[k], b[k]));
 }
 
 // out[c] = sum_d x[d] * t[d * ld + c] for c in the 8-column blocks [b0, b1).
 void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld, int64_t b0, int64_t b1, float* out) {
   int64_t b = b0;
-  for (; b + 4 <= b1; b += 4) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const float* col = t + b * 8;
-    for (int64_t d = 0; d < width; ++d) {
-      const __m256 xd = _mm256_set1_ps(x[d]);
-      const float* r = col + d * ld;
-      a0 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r), a0);
-      a1 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r + 8), a1);
-      a2 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r + 16), a2);
-      a3 = _mm256_fmadd_ps(xd, _mm256_loadu_ps(r + 24), a3);
-    }
-    _mm256_storeu_ps(out + b * 8, a0);
-    _mm256_storeu_ps(out + b * 8 + 8, a1);
-    _mm256_storeu_ps(out + b * 8 + 16, a2);
-    _mm256_storeu_ps(out + b * 8 + 24, a3);
-  }
-  for (; b < b1; ++b) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t d = 0; d < width; ++d) a = _mm256_fmadd_ps(_mm256_set1_ps(x[d]), _mm256_loadu_ps(t + d * ld + b * 8), a);
-    _mm256_storeu_ps(out + b * 8, a);
+  for (; b + 4 <= b1; b += 4) dot_nb<4>(x, width, t + 8 * b, ld, out + 8 * b);
+  switch (b1 - b) {
+    case 3: dot_nb<3>(x, width, t + 8 * b, ld, out + 8 * b); break;
+    case 2: dot_nb<2>(x, width, t + 8 * b, ld, out + 8 * b); break;
+    case 1: dot_nb<1>(x, width, t + 8 * b, ld, out + 8 * b); break;
+    default: break;
   }
 }
 
@@ -77,26 +104,26 @@ void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld, int64
 void gather_rows(const float* w, const float* x, int64_t ldx, int64_t c0, int64_t c1, int64_t width, float* acc) {
   int64_t d = 0;
   for (; d + 16 <= width; d += 16) {
-    // Two keys per step into separate accumulators: the FMA latency chain halves.
-    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0;
+    // Four keys per step into separate accumulators (8 FMA chains): throughput-, not latency-bound.
+    __m256 a[8];
+    a[0] = _mm256_loadu_ps(acc + d);
+    a[1] = _mm256_loadu_ps(acc + d + 8);
+    for (int k = 2; k < 8; ++k) a[k] = _mm256_setzero_ps();
     int64_t c = c0;
-    for (; c + 2 <= c1; c += 2) {
-      const __m256 w0 = _mm256_set1_ps(w[c]), w1 = _mm256_set1_ps(w[c + 1]);
-      const float* x0 = x + c * ldx + d;
-      const float* x1 = x0 + ldx;
-      a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0), a0);
-      a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + 8), a1);
-      b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1), b0);
-      b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + 8), b1);
+    for (; c + 4 <= c1; c += 4)
+      for (int k = 0; k < 4; ++k) {
+        const __m256 wk = _mm256_set1_ps(w[c + k]);
+        const float* xk = x + (c + k) * ldx + d;
+        a[2 * k] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xk), a[2 * k]);
+        a[2 * k + 1] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xk + 8), a[2 * k + 1]);
+      }
+    for (int k = 0; c < c1; ++c, ++k) {
+      const __m256 wk = _mm256_set1_ps(w[c]);
+      a[2 * k] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + c * ldx + d), a[2 * k]);
+      a[2 * k + 1] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + c * ldx + d + 8), a[2 * k + 1]);
     }
-    if (c < c1) {
-      const __m256 w0 = _mm256_set1_ps(w[c]);
-      a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + c * ldx + d), a0);
-      a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + c * ldx + d + 8), a1);
-    }
-    _mm256_storeu_ps(acc + d, _mm256_add_ps(a0, b0));
-    _mm256_storeu_ps(acc + d + 8, _mm256_add_ps(a1, b1));
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])));
+    _mm256_storeu_ps(acc + d + 8, _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
   }
   if (d < width) {  // one 8-wide chunk left
     __m256 a = _mm256_loadu_ps(acc + d);
@@ -126,36 +153,143 @@ inline Runs runs_of(const RowSpan& span) {
   return {span.begin, span.end, span.end, span.end};
 }
 
-// Scores of every row of the item over the 8-column blocks covering its span, then scale and biases
-// (scores_tile: the item is one tile).
+// The item's biases laid out for whole 8-column blocks (the columns past a row's span included):
+// its pos_bias window, and its key timestamps padded to Lp with the last one. Per thread, reused.
+struct ShortBias {
+  std::vector<float> pos_window;
+  std::vector<int64_t> key_times;
+  const float* pos = nullptr;   // pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
+  const float* time = nullptr;  // time_bias[h]
+  const int64_t* tk = nullptr;  // key timestamps [Lp]
+  const int64_t* tq = nullptr;  // query timestamps [L]
+
+  void init(const Params& p, const Item& it) {
+    const int64_t L = it.L, Lp = round8(L);
+    pos = time = nullptr;
+    if (p.pos_bias != nullptr) {
+      pos_window.assign(Lp + L, 0.0f);
+      const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : it.h) * (2 * p.M - 1) + (p.M - L);
+      std::copy(src, src + 2 * L - 1, pos_window.begin());
+      pos = pos_window.data();
+    }
+    if (p.time_bias != nullptr) {
+      const int64_t* t = p.timestamps + it.start;
+      key_times.assign(t, t + L);
+      key_times.resize(Lp, t[L - 1]);
+      tk = key_times.data();
+      tq = p.query_timestamps + it.start;
+      time = p.time_bias + (p.time_heads == 1 ? 0 : it.h) * (p.num_buckets + 1);
+    }
+  }
+};
+thread_local ShortBias short_bias;
+
+// The number of thresholds thr[0, n) <= x (thr nondecreasing): time_bucket's upper_bound without
+// branches on the data.
+inline int32_t count_at_most(const int64_t* thr, int32_t n, int64_t x) {
+  const int64_t* base = thr;
+  int32_t len = n;
+  while (len > 0) {
+    const int32_t half = len / 2;
+    const bool right = base[half] <= x;
+    base = right ? base + half + 1 : base;
+    len = right ? len - half - 1 : half;
+  }
+  return static_cast<int32_t>(base - thr);
+}
+
+// row[c] <- scale * row[c] + biases, then (kSilu) silu(.) * inv_m, for c in the 8-column blocks [lo, hi)
+// of row i; the time buckets go to buckets[c]. One pass per block in registers: scores_tile's
+// per-row loops, and its scalar tails, cost more than the products at these lengths.
+template <bool kSilu>
+void bias_row(const Params& p, const ShortBias& b, int64_t L, int64_t i, int64_t lo, int64_t hi, float inv_m,
+              float* row, int32_t* buckets) {
+  const __m256 vscale = _mm256_set1_ps(p.scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  const float* pos = b.pos != nullptr ? b.pos + (L - 1 - i) : nullptr;
+  const int64_t* thr = p.bucket_thr.data();
+  const int32_t nb = static_cast<int32_t>(p.num_buckets);
+  const int64_t ti = b.time != nullptr ? b.tq[i] : 0;
+  int32_t bkt = b.time != nullptr ? time_bucket(p, ti - b.tk[lo]) : 0;
+  const __m256i vti = _mm256_set1_epi64x(ti), zero = _mm256_setzero_si256();
+  const auto abs_dt = [&](const int64_t* t) {
+    const __m256i d = _mm256_sub_epi64(vti, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    return _mm256_blendv_epi8(d, _mm256_sub_epi64(zero, d), _mm256_cmpgt_epi64(zero, d));
+  };
+  for (int64_t c = lo; c < hi; c += 8) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
+    if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
+    if (b.time != nullptr) {
+      // As scores_tile: 8 keys in the current bucket (the common case with sorted timestamps) take
+      // one compare and a broadcast bias; any other block walks key by key from the current bucket.
+      const __m256i vlo = _mm256_set1_epi64x(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+      const __m256i vhi = _mm256_set1_epi64x(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+      const __m256i x0 = abs_dt(b.tk + c), x1 = abs_dt(b.tk + c + 4);
+      const __m256i in0 = _mm256_andnot_si256(_mm256_cmpgt_epi64(vlo, x0), _mm256_cmpgt_epi64(vhi, x0));
+      const __m256i in1 = _mm256_andnot_si256(_mm256_cmpgt_epi64(vlo, x1), _mm256_cmpgt_epi64(vhi, x1));
+      if (_mm256_movemask_epi8(_mm256_and_si256(in0, in1)) == -1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + c), _mm256_set1_epi32(bkt));
+        s = _mm256_add_ps(s, _mm256_set1_ps(b.time[bkt]));
+      } else {
+        // Key by key: a step or two from the current bucket, else a branch-free binary search (a
+        // row's last block crosses from the far buckets to the diagonal's in one go: the walk
+        // of scores_tile took ~30 steps there, ~15 % of the forward).
+        alignas(32) float bias[8];
+        for (int64_t k = 0; k < 8; ++k) {
+          const int64_t dt = ti - b.tk[c + k];
+          const int64_t x = dt < 0 ? -dt : dt;
+          if (bkt < nb && x >= thr[bkt]) {
+            ++bkt;
+            if (bkt < nb && x >= thr[bkt]) bkt = count_at_most(thr, nb, x);
+          } else if (bkt > 0 && x < thr[bkt - 1]) {
+            --bkt;
+            if (bkt > 0 && x < thr[bkt - 1]) bkt = count_at_most(thr, nb, x);
+          }
+          buckets[c + k] = bkt;
+          bias[k] = b.time[bkt];
+        }
+        s = _mm256_add_ps(s, _mm256_load_ps(bias));
+      }
+    }
+    if (kSilu) {
+      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
+      s = _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm);
+    }
+    _mm256_storeu_ps(row + c, s);
+  }
+}
+
+// Row i's scores over the 8-column blocks covering its span, biased (and kSilu: weighted), for
+// every row of the item.
+template <bool kSilu>
 void short_scores(const Prepared& in, const Item& it, Workspace& ws, int tile_kind, const float* kt) {
   const Params& p = in.p;
   const int64_t L = it.L, Lp = round8(L), qs = p.H * p.D;
+  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  short_bias.init(p, it);
   for (int64_t i = 0; i < L; ++i) {
     const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
-    if (span.end > span.begin)
-      dot_blocks(it.q0 + i * qs, p.D, kt, Lp, span.begin / 8, round8(span.end) / 8, ws.s.data() + i * kBlockN);
+    if (span.end <= span.begin) continue;
+    const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
+    float* row = ws.s.data() + i * kBlockN;
+    dot_blocks(it.q0 + i * qs, p.D, kt, Lp, lo / 8, hi / 8, row);
+    bias_row<kSilu>(p, short_bias, L, i, lo, hi, inv_m, row, ws.bucket.data() + i * kBlockN);
   }
-  scores_tile(p, ws.mask, ws, it.start, it.h, 0, L, 0, L, tile_kind);
 }
 
 bool forward_item_short(const Prepared& in, const Item& it, Workspace& ws, float* op) {
   if (!short_item(in, it, ws.mask)) return false;
   const Params& p = in.p;
   const int64_t L = it.L, H = p.H, D = p.D, Dv = p.Dv, vs = H * Dv;
-  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
   ws.k_rows.resize(D * round8(L));
   transpose_rows(it.k0, H * D, L, D, ws.k_rows.data());
   const int tile_kind = ws.mask.classify(0, L, 0, L);
-  short_scores(in, it, ws, tile_kind, ws.k_rows.data());
+  short_scores<true>(in, it, ws, tile_kind, ws.k_rows.data());
   for (int64_t i = 0; i < L; ++i) {
     float* dst = op + ((it.start + i) * H + it.h) * Dv;
     std::fill(dst, dst + Dv, 0.0f);
     const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
     if (span.end <= span.begin) continue;
-    float* w = ws.s.data() + i * kBlockN;
-    const int64_t lo = span.begin & ~int64_t{7};
-    silu_row(w + lo, round8(span.end) - lo, inv_m);  // whole blocks: the columns outside the runs are never read
+    const float* w = ws.s.data() + i * kBlockN;  // whole blocks: the columns outside the runs are never read
     const Runs r = runs_of(span);
     gather_rows(w, it.v0, vs, r.a0, r.a1, Dv, dst);
     gather_rows(w, it.v0, vs, r.b0, r.b1, Dv, dst);
@@ -176,7 +310,7 @@ bool backward_item_short(const Prepared& in, const Item& it, Workspace& ws, cons
   transpose_rows(it.k0, qs, L, D, ws.k_rows.data());
   transpose_rows(it.v0, vs, L, Dv, ws.v_rows.data());
   const int tile_kind = ws.mask.classify(0, L, 0, L);
-  short_scores(in, it, ws, tile_kind, ws.k_rows.data());
+  short_scores<false>(in, it, ws, tile_kind, ws.k_rows.data());
   const float* do0 = dout + (it.start * H + it.h) * Dv;
   float* dq0 = dq + (it.start * H + it.h) * D;
   float* dk_acc = ws.acc.data();
