@@ -26,6 +26,7 @@ set before timing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -54,7 +55,7 @@ def _lengths(num_seqs: int, max_seq_len: int, density: float, gen: torch.Generat
     return lengths
 
 
-def _inputs(lengths, max_seq_len, dtype, device, with_bias, seed):
+def _inputs(lengths, max_seq_len, dtype, device, with_bias, seed, h=H, d=D):
     gen = torch.Generator().manual_seed(seed)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
@@ -63,11 +64,11 @@ def _inputs(lengths, max_seq_len, dtype, device, with_bias, seed):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device).requires_grad_(True)
 
-    args = dict(q=rnd(n, H, D), k=rnd(n, H, D), v=rnd(n, H, D), seq_offsets=offsets.to(device),
+    args = dict(q=rnd(n, h, d), k=rnd(n, h, d), v=rnd(n, h, d), seq_offsets=offsets.to(device),
                 max_seq_len=max_seq_len)
     if with_bias:
-        args["pos_bias"] = (0.1 * torch.randn(H, 2 * max_seq_len - 1, generator=gen)).to(device).requires_grad_(True)
-        args["time_bias"] = (0.1 * torch.randn(H, NUM_BUCKETS + 1, generator=gen)).to(device).requires_grad_(True)
+        args["pos_bias"] = (0.1 * torch.randn(h, 2 * max_seq_len - 1, generator=gen)).to(device).requires_grad_(True)
+        args["time_bias"] = (0.1 * torch.randn(h, NUM_BUCKETS + 1, generator=gen)).to(device).requires_grad_(True)
         args["timestamps"] = torch.randint(0, 10**7, (n,), generator=gen).sort().values.to(device)
     return args
 
@@ -176,11 +177,37 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
             for backward in (False, True) if causal else (False,):
                 yield _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, real_density, device, dtype,
                         quick)
+    if not quick and not on_gpu:
+        yield from _model_shape_cases(device, dtype)
 
 
-def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density, device, dtype, quick) -> Case:
+def _model_shape_cases(device, dtype) -> Iterator[Case]:
+    """HSTU at the GEM model's own call (model/config.py `small`): 256 users of 2 contextual tokens +
+    a lognormal history (median 24, log-std 0.8, at most 64) + 1..8 candidates as targets; H = 2,
+    D = 16, causal, position and time bias: short sequences, where per-row and per-item costs, not
+    the products, decide the time (the cpu kernel's short path)."""
+    gen = torch.Generator().manual_seed(1)
+    history = torch.exp(torch.randn(256, generator=gen) * 0.8 + math.log(24.0)).round().clamp(0, 64).long()
+    targets = torch.randint(1, 9, (256,), generator=gen)
+    lengths = 2 + history + targets
+    max_seq_len = 2 + 64 + 8
+    sets = []
+    for seed in range(2):
+        args = _inputs(lengths, max_seq_len, dtype, device, True, seed, h=2, d=16)
+        args.update(num_targets=targets.to(device), contextual_len=2)
+        args["grad_out"] = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(100 + seed)).to(
+            dtype=dtype, device=device)
+        sets.append(args)
+    density = float(lengths.float().mean()) / max_seq_len
+    for backward in (False, True):
+        yield _case("hstu", True, True, backward, sets, lengths, max_seq_len, density, device, dtype, False, h=2, d=16,
+                    label="GEM small model's call, contextual 2 + targets")
+
+
+def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density, device, dtype, quick, h=H, d=D,
+          label="") -> Case:
     args0 = sets[0]
-    flops, nbytes = gk_flops.jagged_attention(args0["seq_offsets"].cpu(), H, D, D, torch.finfo(dtype).bits // 8,
+    flops, nbytes = gk_flops.jagged_attention(args0["seq_offsets"].cpu(), h, d, d, torch.finfo(dtype).bits // 8,
                                               causal=causal, backward=backward)
 
     def wrap(fn, leaves, grad_out=None, unpad=lambda t: t):
@@ -188,7 +215,7 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
 
     def make(args, backend, deterministic=False):
         leaves = [t for n, t in args.items() if n in ("q", "k", "v", "pos_bias", "time_bias")]
-        op_args = {n: t for n, t in args.items() if n != "grad_out"}
+        op_args = {n: t for n, t in args.items() if n != "grad_out"}  # the model cases' mask options too
         return wrap(lambda: gk.jagged_attention(**op_args, kind=kind, causal=causal, backend=backend,
                                                 deterministic=deterministic), leaves, args["grad_out"])
 
@@ -264,8 +291,8 @@ def _case(kind, with_bias, causal, backward, sets, lengths, max_seq_len, density
     else:
         notes.append("HSTU (SiLU weights) has no SDPA form: baseline is the padded eager reference")
     bias_txt = " +pos/time bias" if with_bias else ""
-    shape = (f"B={lengths.numel()} max_seq_len={max_seq_len} dense={density:.2f} H={H} D={D} "
-             f"{'causal' if causal else 'full'}{bias_txt}")
+    shape = (f"B={lengths.numel()} max_seq_len={max_seq_len} dense={density:.2f} H={h} D={d} "
+             f"{'causal' if causal else 'full'}{bias_txt}{', ' + label if label else ''}")
     return Case(op=f"jagged_attention_{kind}_{'fwd_bwd' if backward else 'fwd'}", shape=shape, dtype=dtype,
                 flops=flops, bytes=nbytes, impls=impls, baseline=baseline, peak="matmul", notes=notes,
                 reference=baseline, fp64=fp64, compiled=[n for n in impls if n == "flex"])

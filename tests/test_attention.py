@@ -445,7 +445,8 @@ def test_deterministic_backward_is_bit_identical(device, backend, kind, pos_head
 
 
 @cpu_kernel_only
-def test_cpu_backward_is_independent_of_thread_count():
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])  # hstu: the short path for lengths <= 128 too
+def test_cpu_backward_is_independent_of_thread_count(kind):
     """Per-item bias partials reduced in item order: 1 and 2 threads give the same bits."""
     # ~7e7 FLOPs: enough work that the kernel does use a second thread (it stays on one below ~2^24 a thread).
     inputs = make_inputs([150, 3, 200, 17, 90], H=4, D=64, pos_heads=1, time_heads=4, targets=[3, 0, 9, 1, 0])
@@ -454,12 +455,54 @@ def test_cpu_backward_is_independent_of_thread_count():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            out, grads = run(inputs, "cpu", kind="softmax", contextual_len=2, deterministic=True)
+            out, grads = run(inputs, "cpu", kind=kind, contextual_len=2, deterministic=True)
             results.append([out, *grads])
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# The cpu kernel's short-sequence HSTU path (csrc/cpu/attention_short.h) takes items of at most 128
+# rows with D and Dv multiples of 8 and a banded or prefix mask; the others take the tile loops.
+SHORT_PATH_CASES = [
+    # its length bound: 128 and 127 short, 129 not; 1, 8 and 9 around one 8-column block
+    ([128, 129, 127, 1, 8, 9, 0], dict(targets=[5, 9, 0, 1, 0, 9, 0], pos_heads=2, time_heads=2),
+     dict(contextual_len=2)),
+    ([128, 129, 17, 64], dict(pos_heads=1, time_heads=2), dict(max_attn_len=11)),  # banded: rows start past 0
+    ([128, 129, 17, 64], dict(pos_heads=2), dict(max_attn_len=11, causal=False)),
+    ([128, 129, 17, 64], dict(time_heads=1), dict(causal=False)),  # every pair visible
+    ([128, 129, 17, 64], dict(targets=[4, 0, 3, 2], time_heads=2), dict(max_attn_len=5)),  # per-pair mask: tiles
+]
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("D,Dv", [(8, 16), (16, 8), (12, 16)])  # (12, 16): D not a multiple of 8, tile loops
+@pytest.mark.parametrize("lengths,input_options,options", SHORT_PATH_CASES)
+def test_cpu_short_path_matches_reference(D, Dv, lengths, input_options, options):
+    inputs = make_inputs(lengths, D=D, Dv=Dv, **input_options)
+    _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", **options)
+
+
+@cpu_kernel_only
+def test_cpu_short_path_skips_the_targets_hole():
+    """The model's mask on the short path: target 10 of sequence 0 (targets 9..11, context 2) is seen by
+    itself only, so an infinite v, k or q there reaches row 10 alone (and the other targets, which skip
+    it as the hole between their prefix and themselves, stay finite), as the reference says."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [12, 40]
+    inputs = dict(q=torch.randn(52, 2, 8, generator=g), k=torch.randn(52, 2, 8, generator=g),
+                  v=torch.randn(52, 2, 16, generator=g), seq_offsets=offsets_from_lengths(lengths), max_seq_len=40,
+                  num_targets=torch.tensor([3, 4]))
+    inputs["pos_bias"] = 0.5 * torch.randn(2, 79, generator=g)
+    for name in ("v", "k", "q"):
+        poisoned = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in inputs.items()}
+        poisoned[name][10, 0, 0] = math.inf
+        out, grads = _agree_with_reference(poisoned, "cpu", kind="hstu", contextual_len=2)
+        assert bool(out[[9, 11], 0].isfinite().all()) and bool(out[12:].isfinite().all()), name
+        for grad_name, grad in grads.items():
+            if grad_name != "pos_bias":
+                assert bool(grad[[9, 11]].isfinite().all()), (name, grad_name)
 
 
 @cpu_kernel_only

@@ -768,6 +768,8 @@ bool begin_item(const Prepared& in, int64_t item, Workspace& ws, Item& it) {
   return true;
 }
 
+#include "attention_short.h"  // the short-sequence path: forward_item_short, backward_item_short
+
 // The forward of one item for its query rows [q_lo, L): every row in the full forward, the last
 // delta rows in the cached one. A query row keeps its position i in the sequence (the mask, pos_bias
 // and timestamps see i); it reads q row and writes out (and lse) row q_row0 + i - q_lo.
@@ -879,7 +881,7 @@ std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
   float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
   for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
     Item it;
-    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp);
+    if (begin_item(in, item, ws, it) && !forward_item_short(in, it, ws, op)) forward_item(in, it, ws, op, lp);
   }, in.delta);
   return {dtype == at::kFloat ? out : out.to(dtype), lse};
 }
@@ -988,6 +990,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
     Item it;
     if (!begin_item(in, item, ws, it)) return;
+    if (backward_item_short(in, it, ws, dop, dqp, dkp, dvp, p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr,
+                            p.time_bias ? time_part.data() + item * time_width : nullptr))
+      return;
     const int64_t L = it.L, h = it.h;
     const int64_t qs = H * D, vs = H * Dv;  // row strides
     const float* q0 = it.q0;

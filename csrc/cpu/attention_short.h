@@ -1,0 +1,370 @@
+// The short-sequence path of the CPU HSTU attention (forward and backward of one (sequence, head)
+// item of at most kShortMaxLen rows). Included by attention.cpp inside its anonymous namespace,
+// after the helpers it shares (row_span, time_bucket, fast_exp8, silu_grad_row, add_by_bucket);
+// attention.cpp's item loops call forward_item_short / backward_item_short first and take their
+// tile loops when these return false.
+//
+// Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, D = Dv = 16), so
+// the general path's 128 x 128 tiles hand the BLAS products 36 x 36 x 16 shapes, where each sgemm
+// call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here an item runs
+// row by row on AVX2 over exactly the row's visible keys:
+// - scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a transposed
+//   copy of the item's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass, one FMA chain
+//   per block;
+// - scale, position and time bias, and the forward's SiLU, in one pass over the same whole blocks
+//   (no scalar tail), from a padded copy of the item's pos_bias window and key timestamps; SiLU's
+//   derivative in the backward over the same blocks;
+// - the products with V (forward), K, Q and dO (backward) run over the row's visible keys only
+//   ([begin, end) less a prefix mask's hole), with the weights broadcast against rows of the other
+//   operand: a masked pair is never multiplied, so an Inf or NaN in an invisible row never reaches
+//   an output (the rule the general path keeps with masked_mm).
+// Work decomposition: one item = one (sequence, head), scheduled by for_each_item like the general
+// path; the backward's dk and dv rows of the item accumulate in the workspace and are written once.
+// FLOPs and minimum bytes: the general path's (attention.cpp's header).
+//
+// Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
+// kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
+// hole; the other masks ask visible() per pair and take the tile loops). Needs AVX2 (the build's
+// default); other builds always take the tile loops.
+
+// At most one 128-row tile, so the workspace's tiles hold the whole item.
+constexpr int64_t kShortMaxLen = kBlockN;
+
+#if GK_ATTENTION_AVX2
+
+inline int64_t round8(int64_t n) { return (n + 7) & ~int64_t{7}; }
+
+bool short_item(const Prepared& in, const Item& it, const SeqMask& mask) {
+  const Params& p = in.p;
+  return !p.softmax && in.delta == 0 && it.L <= kShortMaxLen && p.D % 8 == 0 && p.Dv % 8 == 0 &&
+         (mask.banded || mask.prefix);
+}
+
+// dst[d * Lp + j] = rows[j * ld + d] for j < L, 0 for L <= j < Lp (padding columns stay finite);
+// width a multiple of 8. By 8 x 8 blocks in registers: an element-wise copy with a strided store
+// was ~13 % of the forward.
+void transpose_rows(const float* rows, int64_t ld, int64_t L, int64_t width, float* dst) {
+  const int64_t Lp = round8(L);
+  for (int64_t j0 = 0; j0 < Lp; j0 += 8)
+    for (int64_t d0 = 0; d0 < width; d0 += 8) {
+      __m256 r[8];
+      for (int64_t k = 0; k < 8; ++k)
+        r[k] = j0 + k < L ? _mm256_loadu_ps(rows + (j0 + k) * ld + d0) : _mm256_setzero_ps();
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = dst + d0 * Lp + j0;
+      _mm256_storeu_ps(o + 0 * Lp, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * Lp, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * Lp, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * Lp, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * Lp, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * Lp, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * Lp, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * Lp, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+}
+
+// out[8k, 8k + 8) = sum_d x[d] * t[d * ld + 8k, + 8) for k < NB: two FMA chains per block (even
+// and odd d; width is even), so even one block is not bound by the FMA latency.
+template <int NB>
+inline void dot_nb(const float* x, int64_t width, const float* t, int64_t ld, float* out) {
+  __m256 a[NB], b[NB];
+  for (int k = 0; k < NB; ++k) a[k] = b[k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < width; d += 2) {
+    const __m256 x0 = _mm256_set1_ps(x[d]), x1 = _mm256_set1_ps(x[d + 1]);
+    const float* r0 = t + d * ld;
+    const float* r1 = r0 + ld;
+    for (int k = 0; k < NB; ++k) {
+      a[k] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(r0 + 8 * k), a[k]);
+      b[k] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(r1 + 8 * k), b[k]);
+    }
+  }
+  for (int k = 0; k < NB; ++k) _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(a[k], b[k]));
+}
+
+// out[c] = sum_d x[d] * t[d * ld + c] for c in the 8-column blocks [b0, b1).
+void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld, int64_t b0, int64_t b1, float* out) {
+  int64_t b = b0;
+  for (; b + 4 <= b1; b += 4) dot_nb<4>(x, width, t + 8 * b, ld, out + 8 * b);
+  switch (b1 - b) {
+    case 3: dot_nb<3>(x, width, t + 8 * b, ld, out + 8 * b); break;
+    case 2: dot_nb<2>(x, width, t + 8 * b, ld, out + 8 * b); break;
+    case 1: dot_nb<1>(x, width, t + 8 * b, ld, out + 8 * b); break;
+    default: break;
+  }
+}
+
+// acc[0, width) += sum_{c in [c0, c1)} w[c] * x[c * ldx + (0, width)] (width a multiple of 8).
+void gather_rows(const float* w, const float* x, int64_t ldx, int64_t c0, int64_t c1, int64_t width, float* acc) {
+  int64_t d = 0;
+  for (; d + 16 <= width; d += 16) {
+    // Four keys per step into separate accumulators (8 FMA chains): throughput-, not latency-bound.
+    __m256 a[8];
+    a[0] = _mm256_loadu_ps(acc + d);
+    a[1] = _mm256_loadu_ps(acc + d + 8);
+    for (int k = 2; k < 8; ++k) a[k] = _mm256_setzero_ps();
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4)
+      for (int k = 0; k < 4; ++k) {
+        const __m256 wk = _mm256_set1_ps(w[c + k]);
+        const float* xk = x + (c + k) * ldx + d;
+        a[2 * k] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xk), a[2 * k]);
+        a[2 * k + 1] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xk + 8), a[2 * k + 1]);
+      }
+    for (int k = 0; c < c1; ++c, ++k) {
+      const __m256 wk = _mm256_set1_ps(w[c]);
+      a[2 * k] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + c * ldx + d), a[2 * k]);
+      a[2 * k + 1] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(x + c * ldx + d + 8), a[2 * k + 1]);
+    }
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[4], a[6])));
+    _mm256_storeu_ps(acc + d + 8, _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
+  }
+  if (d < width) {  // one 8-wide chunk left
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int64_t c = c0; c < c1; ++c) a = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(x + c * ldx + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+}
+
+// out[c * width + (0, width)] += alpha * w[c] * x[(0, width)] for c in [c0, c1) (width a multiple of 8).
+void scatter_rows(const float* w, float alpha, const float* x, int64_t c0, int64_t c1, int64_t width, float* out) {
+  for (int64_t d = 0; d < width; d += 8) {
+    const __m256 xd = _mm256_mul_ps(_mm256_set1_ps(alpha), _mm256_loadu_ps(x + d));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* o = out + c * width + d;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(w[c]), xd, _mm256_loadu_ps(o)));
+    }
+  }
+}
+
+// The visible keys of row i as at most two runs [a0, a1) and [b0, b1): the span less its hole.
+struct Runs {
+  int64_t a0, a1, b0, b1;
+};
+
+inline Runs runs_of(const RowSpan& span) {
+  if (span.hole_end > span.hole_begin) return {span.begin, span.hole_begin, span.hole_end, span.end};
+  return {span.begin, span.end, span.end, span.end};
+}
+
+// The item's biases laid out for whole 8-column blocks (the columns past a row's span included):
+// its pos_bias window, and its key timestamps padded to Lp with the last one. Per thread, reused.
+struct ShortBias {
+  std::vector<float> pos_window;
+  std::vector<int64_t> key_times;
+  const float* pos = nullptr;   // pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
+  const float* time = nullptr;  // time_bias[h]
+  const int64_t* tk = nullptr;  // key timestamps [Lp]
+  const int64_t* tq = nullptr;  // query timestamps [L]
+
+  void init(const Params& p, const Item& it) {
+    const int64_t L = it.L, Lp = round8(L);
+    pos = time = nullptr;
+    if (p.pos_bias != nullptr) {
+      pos_window.assign(Lp + L, 0.0f);
+      const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : it.h) * (2 * p.M - 1) + (p.M - L);
+      std::copy(src, src + 2 * L - 1, pos_window.begin());
+      pos = pos_window.data();
+    }
+    if (p.time_bias != nullptr) {
+      const int64_t* t = p.timestamps + it.start;
+      key_times.assign(t, t + L);
+      key_times.resize(Lp, t[L - 1]);
+      tk = key_times.data();
+      tq = p.query_timestamps + it.start;
+      time = p.time_bias + (p.time_heads == 1 ? 0 : it.h) * (p.num_buckets + 1);
+    }
+  }
+};
+thread_local ShortBias short_bias;
+
+// The number of thresholds thr[0, n) <= x (thr nondecreasing): time_bucket's upper_bound without
+// branches on the data.
+inline int32_t count_at_most(const int64_t* thr, int32_t n, int64_t x) {
+  const int64_t* base = thr;
+  int32_t len = n;
+  while (len > 0) {
+    const int32_t half = len / 2;
+    const bool right = base[half] <= x;
+    base = right ? base + half + 1 : base;
+    len = right ? len - half - 1 : half;
+  }
+  return static_cast<int32_t>(base - thr);
+}
+
+// row[c] <- scale * row[c] + biases, then (kSilu) silu(.) * inv_m, for c in the 8-column blocks [lo, hi)
+// of row i; the time buckets go to buckets[c]. One pass per block in registers: scores_tile's
+// per-row loops, and its scalar tails, cost more than the products at these lengths.
+template <bool kSilu>
+void bias_row(const Params& p, const ShortBias& b, int64_t L, int64_t i, int64_t lo, int64_t hi, float inv_m,
+              float* row, int32_t* buckets) {
+  const __m256 vscale = _mm256_set1_ps(p.scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  const float* pos = b.pos != nullptr ? b.pos + (L - 1 - i) : nullptr;
+  const int64_t* thr = p.bucket_thr.data();
+  const int32_t nb = static_cast<int32_t>(p.num_buckets);
+  const int64_t ti = b.time != nullptr ? b.tq[i] : 0;
+  int32_t bkt = b.time != nullptr ? time_bucket(p, ti - b.tk[lo]) : 0;
+  const __m256i vti = _mm256_set1_epi64x(ti), zero = _mm256_setzero_si256();
+  const auto abs_dt = [&](const int64_t* t) {
+    const __m256i d = _mm256_sub_epi64(vti, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    return _mm256_blendv_epi8(d, _mm256_sub_epi64(zero, d), _mm256_cmpgt_epi64(zero, d));
+  };
+  for (int64_t c = lo; c < hi; c += 8) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
+    if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
+    if (b.time != nullptr) {
+      // As scores_tile: 8 keys in the current bucket (the common case with sorted timestamps) take
+      // one compare and a broadcast bias; any other block walks key by key from the current bucket.
+      const __m256i vlo = _mm256_set1_epi64x(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+      const __m256i vhi = _mm256_set1_epi64x(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+      const __m256i x0 = abs_dt(b.tk + c), x1 = abs_dt(b.tk + c + 4);
+      const __m256i in0 = _mm256_andnot_si256(_mm256_cmpgt_epi64(vlo, x0), _mm256_cmpgt_epi64(vhi, x0));
+      const __m256i in1 = _mm256_andnot_si256(_mm256_cmpgt_epi64(vlo, x1), _mm256_cmpgt_epi64(vhi, x1));
+      if (_mm256_movemask_epi8(_mm256_and_si256(in0, in1)) == -1) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + c), _mm256_set1_epi32(bkt));
+        s = _mm256_add_ps(s, _mm256_set1_ps(b.time[bkt]));
+      } else {
+        // Key by key: a step or two from the current bucket, else a branch-free binary search (a
+        // row's last block crosses from the far buckets to the diagonal's in one go: the walk
+        // of scores_tile took ~30 steps there, ~15 % of the forward).
+        alignas(32) float bias[8];
+        for (int64_t k = 0; k < 8; ++k) {
+          const int64_t dt = ti - b.tk[c + k];
+          const int64_t x = dt < 0 ? -dt : dt;
+          if (bkt < nb && x >= thr[bkt]) {
+            ++bkt;
+            if (bkt < nb && x >= thr[bkt]) bkt = count_at_most(thr, nb, x);
+          } else if (bkt > 0 && x < thr[bkt - 1]) {
+            --bkt;
+            if (bkt > 0 && x < thr[bkt - 1]) bkt = count_at_most(thr, nb, x);
+          }
+          buckets[c + k] = bkt;
+          bias[k] = b.time[bkt];
+        }
+        s = _mm256_add_ps(s, _mm256_load_ps(bias));
+      }
+    }
+    if (kSilu) {
+      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
+      s = _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm);
+    }
+    _mm256_storeu_ps(row + c, s);
+  }
+}
+
+// Row i's scores over the 8-column blocks covering its span, biased (and kSilu: weighted), for
+// every row of the item.
+template <bool kSilu>
+void short_scores(const Prepared& in, const Item& it, Workspace& ws, int tile_kind, const float* kt) {
+  const Params& p = in.p;
+  const int64_t L = it.L, Lp = round8(L), qs = p.H * p.D;
+  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  short_bias.init(p, it);
+  for (int64_t i = 0; i < L; ++i) {
+    const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
+    if (span.end <= span.begin) continue;
+    const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
+    float* row = ws.s.data() + i * kBlockN;
+    dot_blocks(it.q0 + i * qs, p.D, kt, Lp, lo / 8, hi / 8, row);
+    bias_row<kSilu>(p, short_bias, L, i, lo, hi, inv_m, row, ws.bucket.data() + i * kBlockN);
+  }
+}
+
+bool forward_item_short(const Prepared& in, const Item& it, Workspace& ws, float* op) {
+  if (!short_item(in, it, ws.mask)) return false;
+  const Params& p = in.p;
+  const int64_t L = it.L, H = p.H, D = p.D, Dv = p.Dv, vs = H * Dv;
+  ws.k_rows.resize(D * round8(L));
+  transpose_rows(it.k0, H * D, L, D, ws.k_rows.data());
+  const int tile_kind = ws.mask.classify(0, L, 0, L);
+  short_scores<true>(in, it, ws, tile_kind, ws.k_rows.data());
+  for (int64_t i = 0; i < L; ++i) {
+    float* dst = op + ((it.start + i) * H + it.h) * Dv;
+    std::fill(dst, dst + Dv, 0.0f);
+    const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
+    if (span.end <= span.begin) continue;
+    const float* w = ws.s.data() + i * kBlockN;  // whole blocks: the columns outside the runs are never read
+    const Runs r = runs_of(span);
+    gather_rows(w, it.v0, vs, r.a0, r.a1, Dv, dst);
+    gather_rows(w, it.v0, vs, r.b0, r.b1, Dv, dst);
+  }
+  return true;
+}
+
+// The backward of one item: dq rows written (the item owns them; dq starts zeroed), dk and dv rows
+// accumulated in the workspace and written, bias gradients added to the item's partials.
+bool backward_item_short(const Prepared& in, const Item& it, Workspace& ws, const float* dout, float* dq,
+                         float* dk, float* dv, float* pos_part_item, float* time_part_item) {
+  if (!short_item(in, it, ws.mask)) return false;
+  const Params& p = in.p;
+  const int64_t L = it.L, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
+  const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  ws.k_rows.resize(D * Lp);
+  ws.v_rows.resize(Dv * Lp);
+  transpose_rows(it.k0, qs, L, D, ws.k_rows.data());
+  transpose_rows(it.v0, vs, L, Dv, ws.v_rows.data());
+  const int tile_kind = ws.mask.classify(0, L, 0, L);
+  short_scores<false>(in, it, ws, tile_kind, ws.k_rows.data());
+  const float* do0 = dout + (it.start * H + it.h) * Dv;
+  float* dq0 = dq + (it.start * H + it.h) * D;
+  float* dk_acc = ws.acc.data();
+  float* dv_acc = ws.acc2.data();
+  std::fill(dk_acc, dk_acc + L * D, 0.0f);
+  std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
+  for (int64_t i = 0; i < L; ++i) {
+    const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
+    if (span.end <= span.begin) continue;
+    const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
+    const float* s = ws.s.data() + i * kBlockN;
+    float* pr = ws.pr.data() + i * kBlockN;
+    float* ds = ws.dp.data() + i * kBlockN;  // dP in, dS out
+    const float* do_i = do0 + i * vs;
+    dot_blocks(do_i, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds);
+    silu_grad_row(s + lo, pr + lo, ds + lo, hi - lo, inv_m);  // whole blocks, as in the forward
+    const Runs r = runs_of(span);
+    if (pos_part_item != nullptr) {
+      float* dst = pos_part_item + (L - 1 - i);  // slot j - i + L - 1
+      for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds[c];
+      for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds[c];
+    }
+    if (time_part_item != nullptr) {
+      const int32_t* bucket = ws.bucket.data() + i * kBlockN;
+      add_by_bucket(bucket + r.a0, ds + r.a0, r.a1 - r.a0, time_part_item);
+      add_by_bucket(bucket + r.b0, ds + r.b0, r.b1 - r.b0, time_part_item);
+    }
+    // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
+    float* dq_i = dq0 + i * qs;
+    gather_rows(ds, it.k0, qs, r.a0, r.a1, D, dq_i);
+    gather_rows(ds, it.k0, qs, r.b0, r.b1, D, dq_i);
+    for (int64_t d = 0; d < D; ++d) dq_i[d] *= p.scale;
+    // dk_c += scale * ds[c] q_i, dv_c += p[c] do_i.
+    const float* q_i = it.q0 + i * qs;
+    scatter_rows(ds, p.scale, q_i, r.a0, r.a1, D, dk_acc);
+    scatter_rows(ds, p.scale, q_i, r.b0, r.b1, D, dk_acc);
+    scatter_rows(pr, 1.0f, do_i, r.a0, r.a1, Dv, dv_acc);
+    scatter_rows(pr, 1.0f, do_i, r.b0, r.b1, Dv, dv_acc);
+  }
+  float* dk0 = dk + (it.start * H + it.h) * D;
+  float* dv0 = dv + (it.start * H + it.h) * Dv;
+  for (int64_t c = 0; c < L; ++c) {
+    std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dk0 + c * qs);
+    std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dv0 + c * vs);
+  }
+  return true;
+}
+
+#else
+
+bool forward_item_short(const Prepared&, const Item&, Workspace&, float*) { return false; }
+bool backward_item_short(const Prepared&, const Item&, Workspace&, const float*, float*, float*, float*, float*,
+                         float*) {
+  return false;
+}
+
+#endif
