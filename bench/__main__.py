@@ -216,7 +216,8 @@ def _main(argv: list[str] | None) -> int:
         "loadavg_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
         "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
         "families": [{"name": f.name, "status": f.status, "seconds": f.seconds, "notes": f.notes,
-                      "errors": f.errors, "mismatches": f.mismatches} for f in families],
+                      "errors": f.errors, "mismatches": f.mismatches, "peer_mismatches": f.peer_mismatches}
+                     for f in families],
         "rows": [row for f in families for row in f.rows],
     }
     paths = report.write(result, args.out or report.DEFAULT_OUT)
@@ -232,6 +233,12 @@ def _main(argv: list[str] | None) -> int:
     if mismatches:
         print(f"!!! {len(mismatches)} impl(s) gave WRONG ANSWERS and were not timed:", file=sys.stderr)
         for m in mismatches:
+            print(f"!!!   {m}", file=sys.stderr)
+    peers = [m for f in families for m in f.peer_mismatches]
+    if peers:
+        print(f"!!! {len(peers)} torch.compile'd peer(s) fell outside the rule and were not timed (not a failed "
+              f"run: a compiled peer is not gem_kernels' code):", file=sys.stderr)
+        for m in peers:
             print(f"!!!   {m}", file=sys.stderr)
     recompiled = [r for r in result["rows"] if (r.get("failed") or "").startswith("RecompileError")]
     for r in recompiled:

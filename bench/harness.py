@@ -550,6 +550,11 @@ class FamilyResult:
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)  # impls whose output differed from the reference's
+    # The same for the torch.compile'd peers (Case.compiled: inductor's rewrite of the eager code, FlexAttention):
+    # reported and not timed, but not a failed run. Inductor sums a reduction in its own vectorised order
+    # (measured: a 4096-row bias gradient 14 ulp off float64 at 2 threads on AVX-512, where ATen's cascade
+    # sum is 1.3 ulp off), which a rule calibrated on the eager side can reject; it is not our kernels' defect.
+    peer_mismatches: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -704,7 +709,7 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         msg = f"{what} impl {impl!r} {why}; not timed"
         result.errors.append(msg)
         if mismatch:
-            result.mismatches.append(f"{what} {impl}: {why}")
+            (result.peer_mismatches if impl in case.compiled else result.mismatches).append(f"{what} {impl}: {why}")
         log(f"{tag} !!!!! {msg}")
         failed[impl] = why
         del impls[impl]

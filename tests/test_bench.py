@@ -208,6 +208,20 @@ def test_run_family_drops_wrong_impls_and_computes_speedups():
         assert field in fast_row
 
 
+def test_a_compiled_peer_outside_the_rule_is_reported_apart():
+    """A torch.compile'd peer (Case.compiled) that falls outside the rule is dropped and reported in
+    peer_mismatches, which do not fail the run; our impl outside it is a mismatch, which does."""
+    x = torch.arange(8.0)
+    settings = harness.Settings(min_repeats=2, min_time=0.0, max_time=0.1, warmup_time=0.0)
+    case = _case({"slow": lambda: x.clone(), "wrong": lambda: x + 1, "compile": lambda: x + 2}, compiled=("compile",))
+    result = harness.run_family("peers", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
+                                {"copy_gbps": 10.0, "matmul_tflops": {"float32": 1.0}}, "sha", "ts")
+    assert len(result.mismatches) == 1 and "wrong" in result.mismatches[0], result.mismatches
+    assert len(result.peer_mismatches) == 1 and "compile" in result.peer_mismatches[0], result.peer_mismatches
+    failed = {row["impl"] for row in result.rows if row["status"] == "failed"}
+    assert failed == {"wrong", "compile"}
+
+
 def test_run_family_matmul_peak_and_skip_and_budget():
     settings = harness.Settings(min_repeats=2, min_time=0.0, max_time=0.1, warmup_time=0.0)
     peaks = {"copy_gbps": 10.0, "matmul_tflops": {"float32": 2.0}}
