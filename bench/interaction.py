@@ -13,7 +13,8 @@ Workload (issue 5), scaled to fit the bench budget on a small CPU: B = 4096 (102
 F = 27 and 128 embeddings, D = 64 and 128, fp32; on a GPU B = 16384 in bf16 and fp32. Cross layer:
 N = 512 full rank and N = 1024 at rank 64. WukongLayer: 27 -> 16 FM + 16 LCB embeddings of dim 64
 (a residual projection), fm_rank 8, MLP hidden 256. On the CPU also the GEM model's `small` Wukong
-layers (issue 26): B = 256, 10 and 16 features of dim 32, fm_rank 8, 8 FM + 8 LCB outputs.
+layers (issue 26): B = 1152 rows (its interaction arch runs per (user, candidate): 256 users x 4.5
+candidates on average), 10 and 16 features of dim 32, fm_rank 8, 8 FM + 8 LCB outputs.
 """
 
 from __future__ import annotations
@@ -209,10 +210,12 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                 (mix, (batch, 27, 64, 32, 16)), (wukong, (batch, 27, 16, 16, 64, 8, [256])), (cross, (batch, 1024, 64)),
                 (dot, (big_batch, 128, 64)), (fm, (big_batch, 128, 64, 16)), (dot, (batch, 27, 128))]
         if device.type == "cpu":
-            # The GEM model's `small` config (model/config.py), whose training step these ops limit:
-            # batch 256, 8 tables + 2 tokens = 10 features of dim 32, then 8 FM + 8 LCB = 16; fm_rank 8.
-            plan += [(fm, (256, 10, 32, 8)), (fm, (256, 16, 32, 8)), (mix, (256, 10, 32, 16, 8)),
-                     (mix, (256, 16, 32, 16, 8)), (wukong, (256, 10, 8, 8, 32, 8, [128]))]
+            # The GEM model's `small` config (model/config.py), whose training step these ops limit: one
+            # row per (user, candidate), 256 users x 4.5 candidates on average (K uniform in 1..8) = 1152
+            # rows; 8 tables + 2 tokens = 10 features of dim 32, then 8 FM + 8 LCB = 16; fm_rank 8.
+            rows = 1152
+            plan += [(fm, (rows, 10, 32, 8)), (fm, (rows, 16, 32, 8)), (mix, (rows, 10, 32, 16, 8)),
+                     (mix, (rows, 16, 32, 16, 8)), (wukong, (rows, 10, 8, 8, 32, 8, [128]))]
     for dtype in dtypes:
         elem = torch.empty((), dtype=dtype).element_size()
         for make, shape in plan:

@@ -1,7 +1,8 @@
 """Per-call times of the cpu Wukong kernels at the GEM model's `small` shape, for comparing builds.
 
 Prints one JSON line: {"<op> F=<F>": [wall us at 2 threads, CPU us at 1 thread]} for fm_compress and
-feature_mix_norm, forward and backward, at B = 256, D = 32, k = 8, O = 16 (8 FM rows) and F = 10 and
+feature_mix_norm, forward and backward, at B = 1152 rows (the model's interaction arch runs per (user,
+candidate): 256 users x 4.5 candidates on average), D = 32, k = 8, O = 16 (8 FM rows) and F = 10 and
 16 (the model's two layers). "wall" is what the 2-thread training step sees, with the build's own
 thread choice; "CPU" is the thread's CPU time at one thread, which a busy host's time sharing does not
 inflate. Run each build in its own process, alternating, and compare medians:
@@ -22,7 +23,7 @@ import torch
 
 import gem_kernels  # noqa: F401  (registers torch.ops.gem_kernels)
 
-B, D, K, O, O_FM = 256, 32, 8, 16, 8
+B, D, K, O, O_FM = 1152, 32, 8, 16, 8
 
 
 def _per_call_us(fn, clock, calls: int = 100, rounds: int = 5) -> list[float]:

@@ -275,9 +275,10 @@ inline int64_t sum_chunks(int64_t rows) {
 // Threads worth waking for `items` of `flops_per_item` each: one per 2^23 FLOPs, about 80 us of
 // these kernels on one core. A second thread saves at most half a call, and waking it costs tens of
 // us on a quiet host and up to a scheduler slice (ms) on a busy one, where the join waits for a
-// descheduled worker. At one per 2^16 the GEM model's Wukong ops (2.6-13 MFLOP, B = 256) took two
-// threads; in its 2-thread training step they took 6.2 ms of self CPU time per step (quiet host),
-// 4.6x what the same calls take on one core (bench/results/notes-interaction.md).
+// descheduled worker. Chosen on a busy host at B = 256; the GEM small model's calls are over ~1150
+// (user, candidate) rows, where this gives one thread and 2^16 gives two: alternated three times in
+// its 2-thread training step on a quiet host, 58.1-64.9 vs 59.0-59.9 ms a step, no difference beyond
+// the noise (bench/results/notes-interaction.md).
 int64_t workers_for(int64_t items, int64_t flops_per_item) {
   return std::max<int64_t>(1, items * std::max<int64_t>(1, flops_per_item) >> 23);
 }
