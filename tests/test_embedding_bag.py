@@ -760,6 +760,30 @@ def test_cpu_large_output_reuses_cached_memory(large_output_cache, store_kind, s
 
 
 @cpu_kernel_only
+@pytest.mark.parametrize("value", ["-1", "12abc", "lots"])
+def test_cpu_output_cache_env_is_checked(value):
+    """A bad GEM_KERNELS_OUTPUT_CACHE_MIB is a ValueError naming the variable and its value (strtoull
+    read "-1" as 2^64 - 1 MiB, an unbounded cache); "0" and unset leave the cache off."""
+    import os
+    import subprocess
+    import sys
+
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    code = ("from gem_kernels import _backend\n"
+            "try:\n"
+            "    print(_backend._C.output_cache_idle_bytes())\n"
+            "except ValueError as e:\n"
+            "    print('ValueError', e)\n")
+    env = dict(os.environ, GEM_KERNELS_OUTPUT_CACHE_MIB=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ValueError" in out.stdout and "GEM_KERNELS_OUTPUT_CACHE_MIB" in out.stdout and value in out.stdout, out.stdout
+    env["GEM_KERNELS_OUTPUT_CACHE_MIB"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "0", (out.stdout, out.stderr)
+
+
 def test_cpu_output_cache_limit(large_output_cache):
     """Freed large outputs are kept up to the limit of idle bytes, and released beyond it."""
     C = large_output_cache

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -114,9 +115,16 @@ class OutputCache {
     size_t bytes;
   };
 
+  // GEM_KERNELS_OUTPUT_CACHE_MIB: a whole number of MiB >= 0; unset or empty: 0 (off).
   static size_t default_limit() {
     const char* env = std::getenv("GEM_KERNELS_OUTPUT_CACHE_MIB");
-    return (env && *env ? std::strtoull(env, nullptr, 10) : 0) << 20;
+    if (env == nullptr || *env == '\0') return 0;
+    char* end = nullptr;
+    errno = 0;
+    const long long mib = std::strtoll(env, &end, 10);
+    TORCH_CHECK_VALUE(*end == '\0' && errno == 0 && mib >= 0 && mib <= (1LL << 40),
+                      "GEM_KERNELS_OUTPUT_CACHE_MIB must be a whole number of MiB >= 0, got '", env, "'");
+    return static_cast<size_t>(mib) << 20;
   }
 
   std::mutex mutex_;
