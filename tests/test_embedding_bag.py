@@ -784,6 +784,7 @@ def test_cpu_output_cache_env_is_checked(value):
     assert out.stdout.strip() == "0", (out.stdout, out.stderr)
 
 
+@cpu_kernel_only
 def test_cpu_output_cache_limit(large_output_cache):
     """Freed large outputs are kept up to the limit of idle bytes, and released beyond it."""
     C = large_output_cache
