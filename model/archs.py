@@ -448,14 +448,18 @@ class InteractionArch(nn.Module):
             self.interaction = EagerDotInteraction() if kernels == "eager" else gem_kernels.nn.DotInteraction()
         self.over_arch = mlp((cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers, final_activation=True)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [R, F, D]; dense: the rows' dense token [R, D] (equal to tokens[:, 0]) taken from its
+        own source, or None to read it from tokens. From its own source its gradient goes there
+        directly: through tokens[:, 0] the backward fills a zero [R, F, D], copies the slice's gradient
+        in and adds it to the interaction's gradient of tokens, three passes over [R, F, D]."""
         interactions = self.interaction(tokens).flatten(1)
         # The over arch's first layer on [dense token, interactions] as two GEMMs into one output, with
         # no concatenated copy: the concat costs a copy of [R, D + I] forward, and backward its slices
         # hand the interaction a strided gradient that the fused op copies contiguous again.
         first, dim = self.over_arch[0], tokens.shape[2]
-        hidden = torch.addmm(F.linear(interactions, first.weight[:, dim:], first.bias), tokens[:, 0],
-                             first.weight[:, :dim].t())
+        hidden = torch.addmm(F.linear(interactions, first.weight[:, dim:], first.bias),
+                             tokens[:, 0] if dense is None else dense, first.weight[:, :dim].t())
         for layer in list(self.over_arch)[1:]:
             hidden = layer(hidden)
         return hidden

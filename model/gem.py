@@ -115,7 +115,7 @@ class GemModel(nn.Module):
         candidates = self.sequence_arch(embedded, non_sequence, layout)                  # [R, D]
         _mark(timer, "sequence")
         tokens = interaction_tokens(non_sequence, candidates, layout)                     # [R, F, D]
-        over = self.interaction_arch(tokens)
+        over = self.interaction_arch(tokens, dense_out.index_select(0, layout.candidate_owner))
         _mark(timer, "interaction")
         return self.task_heads(over)
 
@@ -139,7 +139,8 @@ class GemModel(nn.Module):
         layout = SequenceLayout(batch, self.cfg.contextual_len)
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)
         candidates = self.sequence_arch.rank(batch, non_sequence, layout, user_sizes, cache, user_ids)
-        return self.task_heads(self.interaction_arch(interaction_tokens(non_sequence, candidates, layout)))
+        tokens = interaction_tokens(non_sequence, candidates, layout)
+        return self.task_heads(self.interaction_arch(tokens, dense_out.index_select(0, layout.candidate_owner)))
 
     def loss(self, batch: Batch, timer: PhaseTimer | None = None) -> torch.Tensor:
         """Mean binary cross-entropy over the rows and the tasks; `timer` also marks "heads"."""

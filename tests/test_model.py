@@ -210,8 +210,19 @@ def test_interaction_input_and_over_arch_without_the_concats(cfg):
     expected = arch.over_arch(torch.cat([concat[:, 0], arch.interaction(concat).flatten(1)], dim=1))
     assert_close(out, expected)
     grad_out = torch.randn(out.shape, generator=g)
-    for got, want in zip(torch.autograd.grad(out, inputs, grad_out), torch.autograd.grad(expected, inputs, grad_out)):
-        assert_close(got, want)
+    want = torch.autograd.grad(expected, inputs, grad_out)
+    for g_got, g_want in zip(torch.autograd.grad(out, inputs, grad_out, retain_graph=True), want):
+        assert_close(g_got, g_want)
+    # The model hands the dense token from its own source (dense_out gathered per row): the same output,
+    # and the gradient reaches the dense token through that source instead of through tokens[:, 0].
+    dense_out = non_sequence[:, 0].detach().clone().requires_grad_()
+    with_dense = arch(tokens, dense_out.index_select(0, layout.candidate_owner))
+    assert_close(with_dense, out)
+    got = torch.autograd.grad(with_dense, [dense_out, non_sequence, candidates, *arch.parameters()], grad_out)
+    assert_close(got[0] + got[1][:, 0], want[0][:, 0])
+    assert_close(got[1][:, 1:], want[0][:, 1:])
+    for g_got, g_want in zip(got[2:], want[1:]):
+        assert_close(g_got, g_want)
 
 
 # ------------------------------------------------------------------------------------- eager vs fused
