@@ -348,7 +348,9 @@ class SequenceArch(nn.Module):
         if self.contextual_len:
             rows.insert(0, self.context(non_sequence.reshape(num_users, -1)).reshape(-1, dim))
         source = torch.cat(rows)
-        x = source.new_zeros(layout.total, dim).index_copy(0, layout.rows, source)
+        # layout.rows is a permutation of [0, total) (every row is written once): no zero fill, and in
+        # place, not index_copy's clone of the destination (a fill and a copy of [total, D] saved).
+        x = source.new_empty(layout.total, dim).index_copy_(0, layout.rows, source)
         for layer in self.layers:
             x = layer(x, layout.seq_offsets, self.max_len, num_targets=layout.num_targets,
                       timestamps=layout.timestamps, query_timestamps=layout.query_timestamps)
