@@ -183,6 +183,27 @@ def test_forward_and_backward(device, backend, pooling, dtype, index_dtype, batc
 
 
 @pytest.mark.parametrize("device,backend", _params())
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_pooling_none_over_many_work_items(device, backend, with_psw):
+    """Pooling "none" with thousands of positions in a few long bags (the CPU kernel splits by runs of
+    1024 positions: runs start inside bags and cross bag and table boundaries), empty bags between,
+    and out-of-range ids (dropped: zero rows) near the boundaries."""
+    module = gk.FusedEmbeddingBag(SAME_DIM, pooling="none", bounds_check="skip", device=device, backend=backend)
+    gen = torch.Generator().manual_seed(7)
+    lengths = torch.tensor([1500, 0, 700, 2100, 0, 1, 0, 900, 1030])  # 3 tables x B = 3
+    indices = torch.cat([torch.randint(0, spec.num_embeddings, (int(n),), generator=gen)
+                         for spec, n in zip(SAME_DIM, lengths.view(3, 3).sum(1))])
+    indices[[0, 1023, 1024, 1499, 1500, 2047, 2048, 4300, indices.numel() - 1]] = -3
+    indices, offsets = indices.to(device), offsets_from_lengths(lengths, torch.int64, device)
+    psw = randn_nonzero(indices.numel(), device=device) if with_psw else None
+    out = functional(module, indices, offsets, psw, bounds_check="skip")
+    expected = functional(module, indices, offsets, psw, backend="reference", bounds_check="skip")
+    assert out.shape == (indices.numel(), module.output_dim)
+    assert_close(out, expected)
+    assert torch.count_nonzero(out[indices < 0]) == 0
+
+
+@pytest.mark.parametrize("device,backend", _params())
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_long_bags_with_dropped_indices(device, backend, pooling):
     """Bags of up to 45 indices, longer than one gather step (Triton's BLOCK_P rows, the CUDA

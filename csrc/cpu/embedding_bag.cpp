@@ -9,7 +9,8 @@
 // written by one thread. The bag's rows are accumulated in fp32 (fp16/bf16 converted on load) with
 // at::vec::Vectorized over D (in registers for D = 32/64/128), while the rows 32 indices ahead in
 // the same table are prefetched: the lookups are random DRAM reads and the prefetch keeps several
-// of them in flight per core.
+// of them in flight per core. Pooling "none" writes one output row per position and splits by
+// positions instead (forward_none_kernel).
 // The pooled output is the one thing written: D values per bag at a stride of the output row. A
 // large one (>= 32 MiB, empty_cached_output: huge pages, or an earlier output's memory when the
 // output cache is turned on) takes, in fp32, streaming stores from the sum's registers: no
@@ -247,6 +248,54 @@ inline void pool_bag_fixed(const scalar_t* table, int64_t rows, const index_t* i
   }
 }
 
+// Pooling "none": out[p] = w_p * W_t[indices[p]], each position on its own. The work splits by
+// positions, not bags: a bag holds any number of independent rows here, and a KJT of one sample per
+// key (the GEM model's sequence embeddings: two bags of ~9k ids, one of them in a 5-row table) would
+// give a split by bags at most one busy thread per table. Rows kNonePrefetch ids ahead are
+// prefetched (random reads, as the pooled path); without per-sample weights a row is copied as is.
+constexpr int64_t kNonePositionsPerItem = 1024;
+constexpr int64_t kNonePrefetch = 16;
+
+template <typename scalar_t, typename index_t, typename OnBad>
+void forward_none_kernel(const Meta& m, const scalar_t* weights, const index_t* indices, const index_t* offsets,
+                         const float* psw, scalar_t* out, int64_t D, int64_t N, const OnBad& on_bad) {
+  const int64_t num_bags = m.T * m.B;
+  const int64_t items = (N + kNonePositionsPerItem - 1) / kNonePositionsPerItem;
+  parallel_dynamic(items, N * D, [&](int64_t item) {
+    thread_local std::vector<float> row;
+    row.resize(D);
+    const int64_t p_begin = item * kNonePositionsPerItem;
+    const int64_t p_end = std::min(N, p_begin + kNonePositionsPerItem);
+    // The bag holding p_begin: the last tb with offsets[tb] <= p_begin (offsets checked nondecreasing).
+    int64_t tb = std::upper_bound(offsets, offsets + num_bags + 1, static_cast<index_t>(p_begin)) - offsets - 1;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      while (offsets[tb + 1] <= p) ++tb;
+      const int64_t t = tb / m.B;
+      const int64_t rows = m.r_off[t + 1] - m.r_off[t];
+      const scalar_t* table = weights + m.w_off[t];
+      // Prefetch within the same table only: the rows ahead in another table are elsewhere.
+      const int64_t ahead_p = p + kNonePrefetch;
+      if (ahead_p < p_end && ahead_p < offsets[(t + 1) * m.B]) {
+        const int64_t ahead = indices[ahead_p];
+        if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) prefetch_row(table + ahead * D, D);
+      }
+      const int64_t idx = indices[p];
+      scalar_t* dst = out + p * D;
+      if (C10_UNLIKELY(static_cast<uint64_t>(idx) >= static_cast<uint64_t>(rows))) {
+        on_bad(t, tb % m.B, p, idx, rows);
+        std::fill(dst, dst + D, scalar_t(0));
+        continue;
+      }
+      if (psw == nullptr) {
+        std::memcpy(dst, table + idx * D, D * sizeof(scalar_t));
+      } else {
+        load_row(row.data(), table + idx * D, D);
+        store_row(dst, row.data(), psw[p], D);
+      }
+    }
+  });
+}
+
 template <typename scalar_t, typename index_t>
 void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indices, const index_t* offsets,
                     const float* psw, scalar_t* out, int64_t output_dim, int64_t pooling, int64_t bounds_check,
@@ -265,64 +314,58 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
       first_bad = what;
     }
   };
-  for_each_bag_chunk(m, offsets, (offsets[m.T * m.B] + m.T * m.B) * m.max_D,
-                     [&](int64_t t, int64_t b_begin, int64_t b_end, int64_t D, int64_t rows, int64_t chunk_stop) {
-    thread_local std::vector<float> acc;
-    acc.resize(m.max_D);
-    {
-      const scalar_t* table = weights + m.w_off[t];
-      // Every bag's slice of this table starts 32-byte aligned (the output is, see the caller).
-      const bool stream = stream_out && (output_dim * sizeof(scalar_t)) % 32 == 0 &&
-                          (m.d_off[t] * sizeof(scalar_t)) % 32 == 0;
-      for (int64_t b = b_begin; b < b_end; ++b) {
-        const int64_t tb = t * m.B + b;
-        const int64_t start = offsets[tb];
-        const int64_t stop = offsets[tb + 1];
-        TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
-        if (pooling != kNone && (D == 32 || D == 64 || D == 128)) {
-          const auto on_bad = [&](int64_t p, int64_t idx) { report_bad(t, b, p, idx, rows); };
-          scalar_t* dst = out + b * output_dim + m.d_off[t];
-          const bool mean = pooling == kMean;
-          if (D == 32) {
-            pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
-          } else if (D == 64) {
-            pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
-          } else {
-            pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
-          }
-          continue;
-        }
-        int64_t kept = 0;
-        if (pooling != kNone) std::fill(acc.begin(), acc.begin() + D, 0.f);
-        for (int64_t p = start; p < stop; ++p) {
-          if (p + kPrefetchDistance < chunk_stop) {
-            const int64_t ahead = indices[p + kPrefetchDistance];
-            if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
-          }
-          const int64_t idx = indices[p];
-          if (idx < 0 || idx >= rows) {
-            report_bad(t, b, p, idx, rows);
-            if (pooling == kNone) std::fill(out + p * output_dim, out + (p + 1) * output_dim, scalar_t(0));
+  if (pooling == kNone) {
+    forward_none_kernel(m, weights, indices, offsets, psw, out, output_dim, offsets[m.T * m.B], report_bad);
+  } else {
+    for_each_bag_chunk(m, offsets, (offsets[m.T * m.B] + m.T * m.B) * m.max_D,
+                       [&](int64_t t, int64_t b_begin, int64_t b_end, int64_t D, int64_t rows, int64_t chunk_stop) {
+      thread_local std::vector<float> acc;
+      acc.resize(m.max_D);
+      {
+        const scalar_t* table = weights + m.w_off[t];
+        // Every bag's slice of this table starts 32-byte aligned (the output is, see the caller).
+        const bool stream = stream_out && (output_dim * sizeof(scalar_t)) % 32 == 0 &&
+                            (m.d_off[t] * sizeof(scalar_t)) % 32 == 0;
+        for (int64_t b = b_begin; b < b_end; ++b) {
+          const int64_t tb = t * m.B + b;
+          const int64_t start = offsets[tb];
+          const int64_t stop = offsets[tb + 1];
+          TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
+          if (D == 32 || D == 64 || D == 128) {
+            const auto on_bad = [&](int64_t p, int64_t idx) { report_bad(t, b, p, idx, rows); };
+            scalar_t* dst = out + b * output_dim + m.d_off[t];
+            const bool mean = pooling == kMean;
+            if (D == 32) {
+              pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
+            } else if (D == 64) {
+              pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
+            } else {
+              pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
+            }
             continue;
           }
-          const float scale = psw ? psw[p] : 1.f;
-          if (pooling == kNone) {
-            std::fill(acc.begin(), acc.begin() + D, 0.f);
-            axpy_row(acc.data(), table + idx * D, scale, D);
-            store_row(out + p * output_dim, acc.data(), 1.f, D);
-          } else {
-            axpy_row(acc.data(), table + idx * D, scale, D);
+          int64_t kept = 0;
+          std::fill(acc.begin(), acc.begin() + D, 0.f);
+          for (int64_t p = start; p < stop; ++p) {
+            if (p + kPrefetchDistance < chunk_stop) {
+              const int64_t ahead = indices[p + kPrefetchDistance];
+              if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
+            }
+            const int64_t idx = indices[p];
+            if (idx < 0 || idx >= rows) {
+              report_bad(t, b, p, idx, rows);
+              continue;
+            }
+            axpy_row(acc.data(), table + idx * D, psw ? psw[p] : 1.f, D);
+            ++kept;
           }
-          ++kept;
-        }
-        if (pooling != kNone) {
           const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
           store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
         }
       }
-    }
-    if (stream_out) streaming_store_fence();
-  });
+      if (stream_out) streaming_store_fence();
+    });
+  }
   if (bounds_check == kWarn && dropped.load() > 0) {
     TORCH_WARN("embedding_bag: dropping ", dropped.load(), " out-of-range indices; first: ", first_bad);
   }
