@@ -81,7 +81,9 @@ def test_measure_stops_at_max_time_with_fewer_repeats():
     settings = harness.Settings(min_repeats=1000, min_time=10.0, max_time=0.15, warmup_time=0.0)
     start = time.perf_counter()
     timing = harness.measure(lambda: time.sleep(0.02), torch.device("cpu"), settings)
-    assert time.perf_counter() - start < 1.0
+    # Ignoring max_time would take >= 10 s (min_time); the margin above 0.15 s is for a busy host
+    # (the gc.collect before the clock, scheduling), where 1 s failed in CI.
+    assert time.perf_counter() - start < 5.0
     assert timing.capped
     assert 1 <= timing.repeats < 1000
     assert all(t >= 0.02 for t in timing.times)
