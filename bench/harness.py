@@ -44,6 +44,8 @@ from gem_kernels.testing.timing import (RecompileError, Settings, Timing, compil
                                         percentile, sync)
 
 PEAK_KINDS = ("bandwidth", "matmul")
+# The name under which a case's gather roof (Case.gather_roof) is timed among its impls.
+GATHER_ROOF = "(gather roof)"
 
 
 class SkipFamily(Exception):
@@ -106,6 +108,14 @@ class Case:
     # The case's measured gather peak (bench.peaks.gather_gbps, GB/s of reading its looked-up rows in its
     # order): rows get pct_gather_peak = GB/s by formula_bytes over it (embedding-bag forward).
     gather_gbps: float | None = None
+    # CPU: the gather roof as a zero-arg call (bench.peaks.gather_roof_call: its best reader, reading the
+    # rows each impl call reads, rotating over the same input sets). The harness times it interleaved
+    # with the impls, round-robin (GATHER_ROOF), so it runs under the same load from other processes
+    # and in the same cache and TLB state; rows then get pct_gather_peak = 100 x its median time over
+    # the impl's (the same rows read: a time ratio) and gather_roof_ms, and gather_gbps only names
+    # the pre-measured peak in the notes. A roof measured minutes apart on a shared machine is not
+    # the same-access-pattern roof (measured: 54 % against it, 74-77 % interleaved, same build).
+    gather_roof: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.peak not in PEAK_KINDS:
@@ -123,6 +133,8 @@ class Case:
                              f"{'given' if self.fp64 is not None else None}, exact={self.exact}")
         if self.state is not None and set(self.state) != set(self.impls):
             raise ValueError(f"case {self.op!r}: state readers for {sorted(self.state)}, impls {sorted(self.impls)}")
+        if GATHER_ROOF in self.impls:
+            raise ValueError(f"case {self.op!r}: {GATHER_ROOF!r} is the name of the interleaved gather roof, not an impl")
         self.compiled = tuple(self.compiled)
         unknown = [name for name in self.compiled if name not in self.impls]
         if unknown:
@@ -453,6 +465,7 @@ def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha:
         "peak": case.peak,
         "pct_peak": None,
         "pct_gather_peak": None,
+        "gather_roof_ms": None,
         "speedup_vs_baseline": None,
         "baseline": case.baseline,
         "git_sha": git_sha,
@@ -461,10 +474,12 @@ def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha:
 
 
 def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.device, peaks: dict,
-             git_sha: str, timestamp: str, compile_s: float | None = None) -> dict:
+             git_sha: str, timestamp: str, compile_s: float | None = None, roof: Timing | None = None) -> dict:
     """A result row. TFLOP/s and GB/s are None for a case with no flops / no byte count; pct_peak is
     None when the machine has no measured peak of that kind (e.g. a dtype without a matmul peak).
-    ``gbps`` divides the floor bytes, ``gbps_formula`` the case's formula bytes (None without them)."""
+    ``gbps`` divides the floor bytes, ``gbps_formula`` the case's formula bytes (None without them).
+    ``roof``: the case's gather roof timed in the same interleaved run (Case.gather_roof): then
+    pct_gather_peak is its median time over the impl's; without it, GB/s by formula over gather_gbps."""
     seconds = timing.median_ms / 1e3
     row = _base_row(family, case, impl, device, git_sha, timestamp)
     row.update({
@@ -482,7 +497,10 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         "examples_per_s": case.examples / seconds if case.examples and seconds > 0 else None,
     })
     row["pct_peak"] = pct_of_peak(row, peaks)
-    if case.gather_gbps and row["gbps_formula"] is not None:
+    if roof is not None and timing.median_ms > 0:
+        row["gather_roof_ms"] = roof.median_ms
+        row["pct_gather_peak"] = 100 * roof.median_ms / timing.median_ms
+    elif case.gather_gbps and row["gbps_formula"] is not None:
         row["pct_gather_peak"] = 100 * row["gbps_formula"] / case.gather_gbps
     return row
 
@@ -771,8 +789,10 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
     min_calls = {n: MIN_REPEATS_FOR_GOALS for n in names
                  if n in case.compiled or (case.compiled and n == case.baseline)}
 
+    roof: Timing | None = None
+
     def add_row(i: int, impl: str, timing: Timing) -> None:
-        row = make_row(family, case, impl, timing, device, peaks, git_sha, timestamp, compile_s.get(impl))
+        row = make_row(family, case, impl, timing, device, peaks, git_sha, timestamp, compile_s.get(impl), roof)
         rows.append(row)
         extra = f" {row['gbps']:.1f} GB/s" if row["gbps"] is not None else ""
         extra += f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
@@ -791,13 +811,29 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         rows.append(failed_row(family, case, impl, why, device, git_sha, timestamp, compile_s.get(impl)))
 
     if device.type == "cpu" and names:
-        # Interleaved; each impl's cap is an even share of what is left, keeping about one more
-        # case's worth for the cases after this one.
-        cap = max(1e-3, min(settings.max_time, max(budget.left(), 0.0) / (2 * len(names))))
-        log(f"{tag} timing {case.op} {dtype_name(case.dtype)} [{case.shape}]: {', '.join(names)} (interleaved)")
+        # Interleaved, the gather roof among them; each one's cap is an even share of what is left,
+        # keeping about one more case's worth for the cases after this one.
+        fns = {n: impls[n] for n in names}
+        if case.gather_roof is not None:
+            fns[GATHER_ROOF] = case.gather_roof
+        cap = max(1e-3, min(settings.max_time, max(budget.left(), 0.0) / (2 * len(fns))))
+        log(f"{tag} timing {case.op} {dtype_name(case.dtype)} [{case.shape}]: {', '.join(fns)} (interleaved)")
         with _no_recompiles():
-            timings, errors = measure_interleaved({n: impls[n] for n in names}, settings, {n: cap for n in names},
-                                                  warmed, min_calls)
+            timings, errors = measure_interleaved(fns, settings, {n: cap for n in fns}, warmed, min_calls)
+        if case.gather_roof is not None:
+            roof = timings.pop(GATHER_ROOF, None)
+            if roof is None:
+                exc = errors.pop(GATHER_ROOF)
+                why = f"the gather roof raised while timed: {type(exc).__name__}: {_first_line(exc)}"
+                result.errors.append(f"{case.op} [{case.shape}]: {why}")
+                log(f"{tag} ERROR {why}")
+            else:
+                result.notes.append(
+                    f"{case.op} [{case.shape}]: gather roof timed interleaved with the impls: {roof.median_ms:.3f} ms "
+                    f"(p10-p90 {roof.p10_ms:.3f}-{roof.p90_ms:.3f}, n={roof.repeats}, "
+                    f"{roof.page_faults or 0:.0f} faults/call); '% of gather' = its median / the impl's")
+                log(f"{tag} gather roof (interleaved): {roof.median_ms:.3f} ms (p10 {roof.p10_ms:.3f}, "
+                    f"p90 {roof.p90_ms:.3f}, n={roof.repeats})")
         for i, impl in enumerate(names):
             if impl in errors:
                 timing_error(i, impl, errors[impl])

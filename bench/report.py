@@ -119,7 +119,8 @@ def table_lines(rows: list[dict]) -> list[str]:
         if r["pct_peak"] is not None:
             pct += " (bw)" if r["peak"] == "bandwidth" else " (mm)"
         if r.get("pct_gather_peak") is not None:
-            pct += f"; {r['pct_gather_peak']:.1f} of gather"
+            # "interleaved": against the roof timed round-robin with the impls (Case.gather_roof)
+            pct += f"; {r['pct_gather_peak']:.1f} of gather{' (interleaved)' if r.get('gather_roof_ms') else ''}"
         cells = common + [f"{r['ms']:.3f}", f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}",
                           f"{r['repeats']}{'*' if r['capped'] else ''}{' (few)' if r.get('few_repeats') else ''}",
                           compile_s, _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), _fmt(r.get("gbps_formula"), ".1f"),

@@ -784,7 +784,7 @@ def test_cpu_large_output_reuses_cached_memory(large_output_cache, store_kind, s
 @pytest.mark.parametrize("value", ["-1", "12abc", "lots"])
 def test_cpu_output_cache_env_is_checked(value):
     """A bad GEM_KERNELS_OUTPUT_CACHE_MIB is a ValueError naming the variable and its value (strtoull
-    read "-1" as 2^64 - 1 MiB, an unbounded cache); "0" and unset leave the cache off."""
+    read "-1" as 2^64 - 1 MiB, an unbounded cache); "0" is accepted (the cache off)."""
     import os
     import subprocess
     import sys
@@ -803,6 +803,44 @@ def test_cpu_output_cache_env_is_checked(value):
     env["GEM_KERNELS_OUTPUT_CACHE_MIB"] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "0", (out.stdout, out.stderr)
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("env,limit_mib", [(None, 256), ("", 256), ("0", 0), ("100", 100)])
+def test_cpu_output_cache_is_on_by_default(env, limit_mib):
+    """Unset (or empty), GEM_KERNELS_OUTPUT_CACHE_MIB keeps 256 MiB of freed large outputs: the next
+    forward of the same size gets the block back, already faulted in (the first touch of a fresh one
+    was the embedding-bag forward's gap to its gather roof); "0" turns the cache off."""
+    import os
+    import subprocess
+    import sys
+
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    code = ("import torch, gem_kernels as gk\n"
+            "from gem_kernels import _backend\n"
+            "m = gk.FusedEmbeddingBag([gk.TableSpec(50, 64), gk.TableSpec(30, 36)], backend='cpu')\n"
+            "batch = (32 << 20) // 400 + 1\n"
+            "idx = torch.zeros(2 * batch, dtype=torch.int64)\n"
+            "off = torch.arange(2 * batch + 1)\n"
+            "with torch.no_grad():\n"
+            "    out = m(idx, off)\n"
+            "    ptr = out.data_ptr()\n"
+            "    del out\n"
+            "    idle = _backend._C.output_cache_idle_bytes()\n"
+            "    again = m(idx, off)\n"
+            "    print(_backend._C.set_output_cache_limit(0) >> 20, idle >> 20, again.data_ptr() == ptr)\n")
+    full = {k: v for k, v in os.environ.items() if k != "GEM_KERNELS_OUTPUT_CACHE_MIB"}
+    if env is not None:
+        full["GEM_KERNELS_OUTPUT_CACHE_MIB"] = env
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    limit, idle, reused = out.stdout.split()
+    assert int(limit) == limit_mib
+    # On: the freed 34 MiB block (32 MiB + 400 bytes in 2 MiB pages) is kept and handed back.
+    assert int(idle) == (34 if limit_mib >= 34 else 0)
+    if limit_mib >= 34:
+        assert reused == "True"
 
 
 @cpu_kernel_only

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -122,3 +124,104 @@ def test_gather_roof_is_the_best_reader(monkeypatch):
     monkeypatch.setattr(peaks, "gather_gbps", lambda *a, **k: 1e9)
     times = iter([1.0] * 4)
     assert peaks.gather_roof(tables, ids, torch.device("cpu"))["best"] == "aten"
+
+
+@needs_ext
+def test_gather_roof_call_reads_the_rows_of_the_named_reader(monkeypatch):
+    """gather_roof_call (what the bench interleaves with the impls) reads exactly the given rows with the
+    reader gather_roof named: the prefetching reader at that distance, or ATen's index_select."""
+    from gem_kernels.testing import peaks
+
+    gen = torch.Generator().manual_seed(1)
+    tables = [torch.randn(300, 64, generator=gen), torch.randn(50, 128, generator=gen)]
+    ids = [torch.randint(0, 300, (5000,), generator=gen), torch.randint(0, 50, (7,), generator=gen)]
+    expected = _xor_of_rows(tables[0], ids[0]) ^ _xor_of_rows(tables[1], ids[1])
+    for best in ("prefetch 0", "prefetch 32"):
+        assert peaks.gather_roof_call(tables, ids, best, torch.device("cpu"))() == expected
+    calls, original = [], torch.index_select
+    monkeypatch.setattr(torch, "index_select", lambda t, d, i, out=None: (calls.append(i.clone()), original(t, d, i, out=out))[1])
+    peaks.gather_roof_call(tables, ids, "aten", torch.device("cpu"))()
+    assert torch.equal(torch.cat(calls), torch.cat(ids))
+    for bad in ("prefetch", "prefetch x", "index_select 4"):
+        with pytest.raises(ValueError, match="best must be"):
+            peaks.gather_roof_call(tables, ids, bad, torch.device("cpu"))
+
+
+def _roof_case(impls, roof, **kw):
+    return harness.Case(op="embedding_bag fwd", shape="s", dtype=torch.float32, flops=0, bytes=1000,
+                        formula_bytes=4000, impls=impls, baseline="slow", unverified="test", gather_gbps=2.0,
+                        gather_roof=roof, **kw)
+
+
+def test_the_gather_roof_is_timed_interleaved_with_the_impls():
+    """A case's gather roof (Case.gather_roof) is called round-robin between the impls' timed calls,
+    gets no row of its own, and every row's % of gather is its median over the impl's (timings of
+    the real harness: only the bookkeeping is checked, no speed)."""
+    order = []
+
+    def impl(name, seconds):
+        return lambda: (order.append(name), time.sleep(seconds))
+
+    case = _roof_case({"slow": impl("slow", 0.004), "fast": impl("fast", 0.001)}, impl("roof", 0.002))
+    settings = harness.Settings(min_repeats=4, min_time=0.0, max_time=1.0, warmup_time=0.0)
+    result = harness.run_family("fake", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
+                                {"copy_gbps": 10.0}, "sha", "ts")
+    assert {row["impl"] for row in result.rows} == {"slow", "fast"} and not result.errors
+    timed = order[order.index("roof") - 2:]  # from the first timed round: slow, fast, roof, slow, ...
+    assert timed[:6] == ["slow", "fast", "roof"] * 2
+    notes = [n for n in result.notes if "gather roof timed interleaved" in n]
+    assert len(notes) == 1
+    for row in result.rows:
+        assert row["gather_roof_ms"] > 0
+        assert row["pct_gather_peak"] == pytest.approx(100 * row["gather_roof_ms"] / row["ms"])
+        assert f"{row['gather_roof_ms']:.3f} ms" in notes[0]
+    from bench.report import table_lines
+
+    assert "of gather (interleaved)" in "\n".join(table_lines(result.rows))
+
+
+def test_a_gather_roof_that_raises_is_an_error_and_rows_fall_back_to_the_premeasured_peak():
+    def roof():
+        raise RuntimeError("reader broke")
+
+    case = _roof_case({"slow": lambda: None}, roof)
+    settings = harness.Settings(min_repeats=2, min_time=0.0, max_time=0.1, warmup_time=0.0)
+    result = harness.run_family("fake", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
+                                {"copy_gbps": 10.0}, "sha", "ts")
+    assert any("gather roof raised" in e and "reader broke" in e for e in result.errors), result.errors
+    (row,) = result.rows
+    assert row["gather_roof_ms"] is None
+    assert row["pct_gather_peak"] == pytest.approx(100 * row["gbps_formula"] / 2.0)
+
+
+def test_an_impl_cannot_take_the_gather_roofs_name():
+    with pytest.raises(ValueError, match="gather roof"):
+        _roof_case({"slow": lambda: None, harness.GATHER_ROOF: lambda: None}, None)
+
+
+def test_embedding_bag_case_interleaves_a_roof_reading_each_input_sets_rows(monkeypatch):
+    """The bench's forward case gives the harness a roof call built with gather_roof's best reader on
+    the case's tables, reading, call after call, the rows of the same rotating input sets as its impls."""
+    from bench import embedding_bag
+
+    built, read = [], []
+
+    def fake_call(tables, ids, best, device):
+        built.append((tables, ids, best))
+        return lambda k=len(built) - 1: read.append(k)
+
+    monkeypatch.setattr(embedding_bag, "gather_roof", lambda *a, **k: {"gbps": 1.0, "aten_gbps": 1.0,
+                                                                        "prefetched_gbps": None, "best": "prefetch 16"})
+    monkeypatch.setattr(embedding_bag, "gather_roof_call", fake_call)
+    fwd = next(embedding_bag.cases(True, torch.device("cpu")))
+    specs, batch = embedding_bag.table_specs(4, 1000, 20_000), 256  # the quick preset's two input sets
+    assert len(built) == 2
+    for k, (tables, ids, best) in enumerate(built):
+        indices, offsets = embedding_bag.zipf_batch(specs, batch, embedding_bag.SEED + k)
+        assert best == "prefetch 16" and [tuple(t.shape) for t in tables] == [(s.num_embeddings, s.embedding_dim)
+                                                                             for s in specs]
+        for t, part in enumerate(ids):
+            assert torch.equal(part, indices[int(offsets[t * batch]):int(offsets[(t + 1) * batch])])
+    for _ in range(3):
+        fwd.gather_roof()
+    assert read == [0, 1, 0]

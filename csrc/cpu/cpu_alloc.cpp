@@ -115,10 +115,10 @@ class OutputCache {
     size_t bytes;
   };
 
-  // GEM_KERNELS_OUTPUT_CACHE_MIB: a whole number of MiB >= 0; unset or empty: 0 (off).
+  // GEM_KERNELS_OUTPUT_CACHE_MIB: a whole number of MiB >= 0 (0: off); unset or empty: kDefaultOutputCacheMiB.
   static size_t default_limit() {
     const char* env = std::getenv("GEM_KERNELS_OUTPUT_CACHE_MIB");
-    if (env == nullptr || *env == '\0') return 0;
+    if (env == nullptr || *env == '\0') return static_cast<size_t>(kDefaultOutputCacheMiB) << 20;
     char* end = nullptr;
     errno = 0;
     const long long mib = std::strtoll(env, &end, 10);

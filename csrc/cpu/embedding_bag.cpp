@@ -12,8 +12,8 @@
 // of them in flight per core. Pooling "none" writes one output row per position and splits by
 // positions instead (forward_none_kernel).
 // The pooled output is the one thing written: D values per bag at a stride of the output row. A
-// large one (>= 32 MiB, empty_cached_output: huge pages, or an earlier output's memory when the
-// output cache is turned on) takes, in fp32, streaming stores from the sum's registers: no
+// large one (>= 32 MiB, empty_cached_output: an earlier output's memory, already faulted in, or a
+// fresh mmap on huge pages) takes, in fp32, streaming stores from the sum's registers: no
 // read-for-ownership of each slice's lines, no eviction of the hot table rows. Measured on the
 // bench's case (26 tables, B = 4096, 41 MB output; 2-core Xeon VM, busy, 1 thread, interleaved):
 // 10-16 ms saved of 100-160 in four runs (bench/results/notes-roofs.md, section 4).

@@ -8,7 +8,9 @@ is relative to are the better of the two measurements (``measure_peaks_again``).
 - gather GB/s (``gather_roof``, per case: the embedding-bag family's roof): reading the case's own
   looked-up rows from its own tables in its own order, the access pattern a pooled lookup cannot avoid,
   the best of ATen's index_select (``gather_gbps``) and a prefetching C++ reader at several prefetch
-  distances (``prefetched_gather_gbps``).
+  distances (``prefetched_gather_gbps``). ``gather_roof_call`` gives the best reader as a call, which
+  the bench times again interleaved with the case's impls: their % of the roof is the ratio of the
+  two medians from that one run.
 On CPU torch uses all cores (the bench sets the thread count once for the whole run).
 The bench (bench/peaks.py) and the model's MFU (model/train.py) both use them: they live in the package
 so that neither of the two imports the other.
@@ -67,6 +69,13 @@ def gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor], device: tor
     full CPU shape: the fused forward at 179 % of it), so it is the roof of an unprefetched gather,
     not of the memory system."""
     settings = settings or Settings(min_repeats=3, min_time=0.2, max_time=2.0, warmup_time=0.05)
+    nbytes = sum(i.numel() * t.shape[1] * t.element_size() for t, i in zip(tables, ids))
+    timing = measure(_aten_gather(tables, ids, device), device, settings)
+    return nbytes / (timing.p10_ms / 1e3) / 1e9
+
+
+def _aten_gather(tables: list[torch.Tensor], ids: list[torch.Tensor], device: torch.device):
+    """gather_gbps's timed call: the rows read with index_select into small reused blocks."""
     chunks = [(table, part) for table, table_ids in zip(tables, ids)
               for part in table_ids.to(device).split(_GATHER_CHUNK)]
     blocks = {(t.shape[1], t.dtype): torch.empty(_GATHER_CHUNK, t.shape[1], dtype=t.dtype, device=device)
@@ -77,9 +86,7 @@ def gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor], device: tor
             block = blocks[(table.shape[1], table.dtype)]
             torch.index_select(table, 0, part, out=block[:part.numel()])
 
-    nbytes = sum(i.numel() * t.shape[1] * t.element_size() for t, i in zip(tables, ids))
-    timing = measure(gather, device, settings)
-    return nbytes / (timing.p10_ms / 1e3) / 1e9
+    return gather
 
 
 # Prefetch distances (ids ahead, within a work item's ids; 0 = no software prefetch) the prefetching
@@ -124,6 +131,25 @@ def gather_roof(tables: list[torch.Tensor], ids: list[torch.Tensor], device: tor
     log(f"[peaks] gather roof {candidates[best]:.1f} GB/s ({best}); aten {aten:.1f}"
         + ("".join(f", prefetch {d}: {g:.1f}" for d, g in prefetched.items()) if prefetched else ""))
     return {"gbps": candidates[best], "aten_gbps": aten, "prefetched_gbps": prefetched, "best": best}
+
+
+def gather_roof_call(tables: list[torch.Tensor], ids: list[torch.Tensor], best: str, device: torch.device):
+    """A zero-arg call reading rows ``ids[t]`` of ``tables[t]`` the way ``gather_roof``'s reader
+    ``best`` ("aten" or "prefetch <distance>") did: what the bench times interleaved with a case's
+    impls (bench.harness.Case.gather_roof), so that the roof and the impls run under the same load
+    and the same cache and TLB state rather than minutes apart."""
+    if best == "aten":
+        return _aten_gather(tables, ids, device)
+    kind, _, distance = best.partition(" ")
+    if kind != "prefetch" or not distance.isdigit():
+        raise ValueError(f"best must be 'aten' or 'prefetch <distance>', got {best!r}")
+    if device.type != "cpu" or _backend._C is None:
+        raise ValueError(f"the prefetching reader ({best!r}) runs on the CPU with gem_kernels._C built, "
+                         f"not on {device}{'' if _backend._C is not None else ' (extension not built)'}")
+    tables = [t.contiguous() for t in tables]
+    ids = [i.cpu().contiguous() for i in ids]
+    read, d = _backend._C.gather_rows_read, int(distance)
+    return lambda: read(tables, ids, d)
 
 
 def _settings(quick: bool) -> Settings:

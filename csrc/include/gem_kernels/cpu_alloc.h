@@ -37,15 +37,21 @@ inline at::Tensor empty_for_streaming_write(at::IntArrayRef sizes, const at::Ten
 constexpr size_t kCachedOutputMinBytes = size_t(32) << 20;
 
 // An uninitialised tensor for a kernel output written once in full, at kCachedOutputMinBytes and
-// above a 2 MiB-aligned mmap advised for huge pages (cpu/cpu_alloc.cpp), or, when the cache is on, a
-// block freed by an earlier output of the same (2 MiB-rounded) size: already faulted in, not zeroed
-// again. Freed blocks are kept up to a limit of idle bytes (GEM_KERNELS_OUTPUT_CACHE_MIB, default 0:
-// off); smaller outputs are empty_for_streaming_write's.
+// above a 2 MiB-aligned mmap advised for huge pages (cpu/cpu_alloc.cpp), or a block freed by an
+// earlier output of the same (2 MiB-rounded) size: already faulted in, not zeroed again. Freed
+// blocks are kept up to a limit of idle bytes (GEM_KERNELS_OUTPUT_CACHE_MIB, default
+// kDefaultOutputCacheMiB; 0 turns the cache off); smaller outputs are empty_for_streaming_write's.
 //
-// Off by default because it did not pay where measured: the embedding-bag bench's forward (41 MB
-// output, 2-core Xeon VM, busy, interleaved, with streaming stores) ran 4-11 ms slower with it in
-// four runs and 14 ms faster in one; a fresh 41 MB output on huge pages is only ~20 faults, and the
-// OS zeroes them at fill speed (bench/results/notes-roofs.md, section 4).
+// Why it is on: a fresh output's first touch is a fault per 2 MiB page whose zeroing the OS does in
+// the faulting thread, and it was the whole gap between the embedding-bag forward and its gather
+// roof. Measured on the bench's case (41 MB output; 2-core Xeon VM, load 4-6, every impl interleaved
+// with the roof): 60.1 -> 49.8 ms at 1 thread (76 -> 92 % of the roof), 95.2 -> 85.9 ms at 2; with
+// every id on row 0, 25.0 -> 16.7 ms against the read-only reader's 14.0
+// (bench/results/notes-gatherroof.md). An earlier A/B that found no gain set the limit per call
+// between interleaved variants, so each "cache" call found the block released (21 faults per call,
+// as a fresh output): the cache never hit there.
+constexpr int64_t kDefaultOutputCacheMiB = 256;
+
 at::Tensor empty_cached_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // Sets the cache's limit of idle bytes (releasing blocks beyond it); returns the previous limit.
