@@ -26,8 +26,8 @@ from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.reference import float64_ground_truth
 from gem_kernels.reference import hstu_layer as ref
 
-from .utils import (assert_close_vs_eager, device_backend_params, interpreter_rounding_factor, offsets_from_lengths,
-                    rounding_atol)
+from .utils import (assert_close_vs_eager, cpu_kernel_only, device_backend_params, interpreter_rounding_factor,
+                    offsets_from_lengths, rounding_atol)
 
 # The backends of the tests on CPU tensors (triton: the interpreter, where there is no GPU); the
 # FlashAttention-rule tests also run triton and cuda on CUDA tensors where there is one. cpu: under
@@ -301,18 +301,63 @@ def test_cpu_ops_at_widths_off_the_vector_lanes(group_norm):
     _check_cpu_ops(37, 23, 3, 5, 3, group_norm, silu_qkv=False, seeds=range(3))
 
 
-@pytest.mark.parametrize("n", [255, 512, 513, 1100])
+# Token counts against the cpu ops' chunking (csrc/cpu/hstu_layer.cpp chunking()) at uvqk width
+# O = 576 and output K = 576, where blocks are at most 256 rows: 255 (one chunk, one block), 512 (one
+# chunk of two blocks), 513 (two 512-row chunks' worth, rounded up to 4 chunks of 129 rows), 1100
+# (4 chunks of 275 in blocks of 138 + 137), 2597 (the bench's history-1024 batch: 8 chunks of 325,
+# the last 322).
+CHUNKING_TOKENS = [255, 512, 513, 1100, 2597]
+CHUNKING_DIMS = dict(dim=24, heads=2, lin=96, att=48)
+
+
+@pytest.mark.parametrize("n", CHUNKING_TOKENS)
 def test_cpu_ops_across_chunks_and_blocks(n):
-    """The cpu projection ops run 512-row chunks (the weight-gradient partials) in blocks of fewer rows
-    where a layer is wide (here 256: uvqk width 288, output K 288): token counts inside one block, at
-    a chunk's end, one past it, and over three chunks, on 2 threads, with silu_qkv (its recomputed
-    pre-activations) and the group norm; each output by FlashAttention's rule as above."""
+    """The cpu projection ops run equal chunks (the weight-gradient partials) in blocks of fewer rows
+    where a layer is wide: each token count of CHUNKING_TOKENS on 2 threads, with silu_qkv (its
+    recomputed pre-activations) and the group norm; each output by FlashAttention's rule as above."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _check_cpu_ops(n, 24, 2, 48, 24, True, silu_qkv=True, seeds=range(1))
+        _check_cpu_ops(n, *CHUNKING_DIMS.values(), True, silu_qkv=True, seeds=range(1))
     finally:
         torch.set_num_threads(threads)
+
+
+@cpu_kernel_only  # the C++ kernel's claim: the emulated CUDA ops (GK_CUDA_EMU=1) gave other bits on 2 threads
+def test_cpu_ops_do_not_depend_on_the_thread_count():
+    """The chunking and the order of the weight-gradient partials' sum depend on N alone, never on
+    the thread count (csrc/cpu/hstu_layer.cpp): the four cpu projection ops give the same bits on 1
+    and 2 threads, at the bench's 2597 tokens (8 chunks, handed to whichever thread is free)."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu not built")
+    cpu = torch.ops.gem_kernels
+    n, dim, heads, lin, att = 2597, *CHUNKING_DIMS.values()
+    width, num_out = heads * lin, heads * (2 * lin + 2 * att)
+    g = torch.Generator().manual_seed(0)
+    x, nw, nb, w, b = (torch.randn(*s, generator=g) for s in ((n, dim), (dim,), (dim,), (dim, num_out), (num_out,)))
+    grads = [torch.randn(*s, generator=g) for s in ((n, width), (n, heads, lin), (n, heads, att), (n, heads, att))]
+    attn, u_pre, grad_out = (torch.randn(*s, generator=g) for s in ((n, width), (n, width), (n, dim)))
+    onw, onb, ow = torch.randn(width, generator=g), torch.randn(width, generator=g), torch.randn(3 * width, dim,
+                                                                                              generator=g)
+
+    def run():
+        uvqk = cpu.hstu_uvqk_fwd_native(x, nw, nb, 1e-6, w, b, heads, lin, att, True)
+        uvqk_grads = cpu.hstu_uvqk_bwd_native(*grads, x, nw, nb, 1e-6, w, b, uvqk[4], heads, lin, att, True)
+        out = cpu.hstu_output_fwd_native(attn, u_pre, x, onw, onb, 1e-6, ow, None, None, heads, False, True, True)
+        out_grads = cpu.hstu_output_bwd_native(grad_out, attn, u_pre, onw, onb, 1e-6, ow, False, None, out[1], heads,
+                                               False, True, True)
+        return [*uvqk, *uvqk_grads, *out, *out_grads]
+
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(run())
+    finally:
+        torch.set_num_threads(threads)
+    for i, (one, two) in enumerate(zip(*results)):
+        assert torch.equal(one, two), f"output {i}"
 
 
 def _check_cpu_ops(n, dim, heads, lin, att, group_norm, *, silu_qkv, seeds):

@@ -1,9 +1,11 @@
 // CPU kernels of the HSTU layer's two projection halves (generative-recommenders' STULayer; the
 // attention between them is cpu/attention.cpp). Maths in gem_kernels/reference/hstu_layer.py.
 //
-// Work decomposition: each op is one pass over the jagged rows in chunks of kChunkRows (512) rows,
-// handed out dynamically by parallel_ranges; a worker runs its chunk in blocks of block_rows(width)
-// rows whose GEMM operands stay in L2 (all 512 at the small model's shape, 128 at D = 256, O = 1024),
+// Work decomposition: each op is one pass over the jagged rows in equal chunks of at most kChunkRows
+// (512) rows, a multiple of 4 of them (chunking(): balanced over 2 or 4 threads), handed out
+// dynamically by parallel_ranges; a worker runs its chunk in equal blocks of at most
+// block_rows(width) rows whose GEMM operands stay in L2 (512 at the small model's shape, 256 at
+// D = 256, O = 1024),
 // and per block: the prologue rows (LayerNorm, or the Norm(a) * silu(u) concat) into a block buffer,
 // single-threaded BLAS sgemm on it (cpu_blas.h: no ATen dispatch per call), the epilogue rows (SiLU,
 // the norm backward) while the block is in cache. Weight gradients are per-chunk partial GEMMs
@@ -13,7 +15,9 @@
 // uvqk backward as ATen GEMMs over all rows (eight slice GEMMs, four [N, 32] temporaries, a scalar
 // std::exp per element of silu') took 9-13 ms of one thread's CPU, 3.2-3.5 now (notes-hstu_layer.md).
 // At D = 256 whole-row GEMMs once beat 64-row blocks run through ATen's mm (6.0 vs 3.4 ms);
-// the blocks here call sgemm directly and are 128 rows at that width.
+// the blocks here call sgemm directly and are up to 256 rows at that width; there, with the partials
+// summed by sum_partials, each projection op runs at 0.81-0.95x the CPU time of the eager op
+// (notes-wideproj.md).
 //
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
@@ -243,17 +247,41 @@ void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
 }
 
-// Rows of one chunk: the unit of dynamic scheduling and of the weight-gradient and norm-weight
-// partial sums (their order, hence their bits, depends on it and not on the thread count). A chunk
-// runs in blocks of at most block_rows(width) rows whose GEMM operands stay in L2.
+// Most rows of one chunk: the unit of dynamic scheduling and of the weight-gradient and norm-weight
+// partial sums (their order, hence their bits, depends on the chunking and not on the thread count).
 constexpr int64_t kChunkRows = 512;
 
-// Rows per block such that the block's [rows, width] GEMM output is at most 128 Ki floats (512 KiB,
-// a quarter of this Xeon's L2), a power of two in [32, kChunkRows].
+// Most rows per block such that the block's [rows, width] GEMM output is at most 256 Ki floats
+// (1 MiB, half of this Xeon's L2), a power of two in [32, kChunkRows].
 int64_t block_rows(int64_t width) {
   int64_t rows = kChunkRows;
   while (rows > 32 && rows * width > (int64_t(1) << 18)) rows /= 2;
   return rows;
+}
+
+// How a pass splits its n rows: `count` chunks of `rows` rows (the last one fewer), each run in
+// blocks of at most `block` rows (equal but for the last), all from n and the width alone.
+struct Chunking {
+  int64_t count, rows, block;
+  int64_t begin(int64_t c) const { return c * rows; }
+  int64_t end(int64_t c, int64_t n) const { return std::min(n, (c + 1) * rows); }
+};
+
+// More than one chunk: a multiple of 4 of equal ones, so that dynamic claims over 2 or 4 threads end
+// together. 512-row chunks left the last one short: N = 2597 (the hstu_layer bench at history 1024)
+// was 5 chunks and 37 rows, 3 chunks on one of 2 threads against 2 on the other, the projections
+// 18 % over an even split, where eager's multi-threaded GEMMs split evenly (fwd+bwd 75.8 ms fused
+// against 69.5 ms attn-only on the 2-thread quiet run, 0.92-0.95x at one thread); now 8 chunks of
+// 325. The extra chunks cost one more weight-gradient partial each (sum_partials: one read of
+// (D + 1) * O floats).
+Chunking chunking(int64_t n, int64_t width) {
+  int64_t count = (n + kChunkRows - 1) / kChunkRows;
+  if (count > 1) count = (count + 3) / 4 * 4;
+  if (count == 0) return {0, 0, 1};
+  const int64_t rows = (n + count - 1) / count;
+  const int64_t blocks = (rows + block_rows(width) - 1) / block_rows(width);
+  // count recomputed: past a few hundred chunks, equal ones of `rows` can cover n in fewer.
+  return {(n + rows - 1) / rows, rows, (rows + blocks - 1) / blocks};
 }
 
 // xa = [LayerNorm(x) | 1] for rows [r0, r0 + rows) into xa [rows, D + 1], each row's stats computed
@@ -315,13 +343,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
   const float* nbp = nb.data_ptr<float>();
   const float* wap = wa.data_ptr<float>();
   float* sp = stats.data_ptr<float>();
-  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(o);
-  parallel_ranges(chunks, 1, workers_for(n * d * o * 2), [&](auto& claim) {
+  const Chunking ch = chunking(n, o);
+  parallel_ranges(ch.count, 1, workers_for(n * d * o * 2), [&](auto& claim) {
     const SingleThreadBlas single_thread;
-    std::vector<float> xa(rows_per_block * (d + 1)), z(rows_per_block * o);
+    std::vector<float> xa(ch.block * (d + 1)), z(ch.block * o);
     for (int64_t c0, c1; claim(c0, c1);) {
-      for (int64_t r0 = c0 * kChunkRows; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
-        const int64_t rows = std::min(rows_per_block, n - r0);
+      for (int64_t r0 = ch.begin(c0), r1 = ch.end(c0, n); r0 < r1; r0 += ch.block) {
+        const int64_t rows = std::min(ch.block, r1 - r0);
         layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), sp, true, r0, rows, d, xa.data());
         mm(false, false, rows, o, d + 1, 1.0f, xa.data(), d + 1, wap, o, 0.0f, z.data(), o);
         // Epilogue: the block's [rows, O] product split into the four outputs, SiLU on v, q, k when
@@ -345,6 +373,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
   return {outs[0].to(dtype), outs[1].view({n, num_heads, linear_dim}).to(dtype),
           outs[2].view({n, num_heads, attention_dim}).to(dtype),
           outs[3].view({n, num_heads, attention_dim}).to(dtype), stats};
+}
+
+// out[j] = the sum over parts c of partials[c * size + j], in part order, accumulated in fp64: the
+// weight gradients' per-chunk partial GEMMs. Parallel over column blocks, each element's sum in the
+// same order whatever the thread count; each partial read once. ATen's sum(0, kDouble) before it cast
+// the partials to a double copy first, then summed and cast back: 3-4 ms of a 40 ms uvqk backward at
+// D = 256, O = 1024, N = 4096 (8 MiB of partials), where eager's one GEMM over all rows has none.
+void sum_partials(const float* partials, int64_t parts, int64_t size, float* out) {
+  constexpr int64_t kCols = 1024;  // one block's fp64 accumulators: 8 KiB, in L1
+  parallel_dynamic((size + kCols - 1) / kCols, parts * size, [&](int64_t block) {
+    const int64_t j0 = block * kCols, cols = std::min(kCols, size - j0);
+    const int64_t nv = cols - cols % kLanesD;
+    alignas(64) double acc[kCols];
+    std::fill(acc, acc + cols, 0.0);
+    for (int64_t c = 0; c < parts; ++c) {
+      const float* p = partials + c * size + j0;
+      for (int64_t j = 0; j < nv; j += kLanesD) (VecD::loadu(acc + j) + load_wide(p + j)).store(acc + j);
+      for (int64_t j = nv; j < cols; ++j) acc[j] += p[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) out[j0 + j] = static_cast<float>(acc[j]);
+  });
 }
 
 // Per-chunk fp64 partial sums [chunks, 2 * width] reduced in chunk order -> two separate fp32 [width]
@@ -375,7 +424,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   const float* nbp = nb.data_ptr<float>();
   const float* wap = wa.data_ptr<float>();
   const float* sp = stats.data_ptr<float>();
-  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(o);
+  const Chunking ch = chunking(n, o);
+  const int64_t chunks = ch.count;
   Tensor dx = at::empty({n, d}, opts);
   float* dxp = dx.data_ptr<float>();
   // Per chunk: [dW; db] = xa^T @ dz over its rows (fp32, as one GEMM over them), and the norm
@@ -388,14 +438,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   double* pp = norm_partials.data_ptr<double>();
   parallel_ranges(chunks, 1, workers_for(n * d * o * 4), [&](auto& claim) {
     const SingleThreadBlas single_thread;
-    std::vector<float> xa(rows_per_block * (d + 1)), dz(rows_per_block * o), dxn(rows_per_block * d);
+    std::vector<float> xa(ch.block * (d + 1)), dz(ch.block * o), dxn(ch.block * d);
     for (int64_t c0, c1; claim(c0, c1);) {
       float* dw_chunk = dwp + c0 * (d + 1) * o;
       double* dnw = pp + c0 * 2 * d;
       double* dnb = dnw + d;
-      const int64_t chunk_begin = c0 * kChunkRows;
-      for (int64_t r0 = chunk_begin; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
-        const int64_t rows = std::min(rows_per_block, n - r0);
+      const int64_t chunk_begin = ch.begin(c0);
+      for (int64_t r0 = chunk_begin, r1 = ch.end(c0, n); r0 < r1; r0 += ch.block) {
+        const int64_t rows = std::min(ch.block, r1 - r0);
         // xa = [xn | 1] recomputed from the saved stats; with silu_qkv the pre-activations of v, q, k
         // too (one GEMM), then dz = grad * silu'(z) in place.
         layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp), false, r0, rows, d,
@@ -424,8 +474,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
       }
     }
   });
-  // Chunk partials summed in chunk order, in fp64.
-  const Tensor dwa = chunks > 0 ? dwa_partials.sum(0, false, at::kDouble).to(at::kFloat) : at::zeros({d + 1, o}, opts);
+  // Chunk partials summed in chunk order, in fp64 (zeros when there are none).
+  const Tensor dwa = at::empty({d + 1, o}, opts);
+  sum_partials(dwp, chunks, (d + 1) * o, dwa.data_ptr<float>());
   const Tensor dw = dwa.narrow(0, 0, d), db = dwa.select(0, d).clone();
   auto [dnw, dnb] = reduce_partials(norm_partials, d);
   return {dx.to(x_in.scalar_type()), dnw.to(norm_weight.scalar_type()), dnb.to(norm_bias.scalar_type()),
@@ -477,13 +528,13 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   Tensor out = at::empty({n, dim}, opts);
   float* op = out.data_ptr<float>();
-  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(k);
-  parallel_ranges(chunks, 1, workers_for(n * k * dim * 2), [&](auto& claim) {
+  const Chunking ch = chunking(n, k);
+  parallel_ranges(ch.count, 1, workers_for(n * k * dim * 2), [&](auto& claim) {
     const SingleThreadBlas single_thread;
-    std::vector<float> c(rows_per_block * k);
+    std::vector<float> c(ch.block * k);
     for (int64_t c0, c1; claim(c0, c1);) {
-      for (int64_t r0 = c0 * kChunkRows; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
-        const int64_t rows = std::min(rows_per_block, n - r0);
+      for (int64_t r0 = ch.begin(c0), r1 = ch.end(c0, n); r0 < r1; r0 += ch.block) {
+        const int64_t rows = std::min(ch.block, r1 - r0);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t row = r0 + i;
           output_prologue_row(ap + row * width, up + row * width, nullptr, ns, static_cast<float>(eps), concat_u,
@@ -524,7 +575,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   float* sp = stats.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  const int64_t chunks = (n + kChunkRows - 1) / kChunkRows, rows_per_block = block_rows(k);
+  const Chunking ch = chunking(n, k);
+  const int64_t chunks = ch.count;
   Tensor dob = has_output_bias ? g.sum(0).to(output_weight.scalar_type()) : at::empty({0}, opts);
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
   // Per chunk: dW = c^T @ g over its rows (fp32), and the norm-weight partials in fp64 (see the uvqk
@@ -544,16 +596,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const float* bep = b_elem.data_ptr<float>();
   parallel_ranges(chunks, 1, workers_for(n * k * dim * 4), [&](auto& claim) {
     const SingleThreadBlas single_thread;
-    std::vector<float> silu_buf(2 * width), c(rows_per_block * k), dc(rows_per_block * k);
+    std::vector<float> silu_buf(2 * width), c(ch.block * k), dc(ch.block * k);
     float* s = silu_buf.data();
     float* sgrad = s + width;
     for (int64_t c0, c1; claim(c0, c1);) {
       float* dw_chunk = dwp + c0 * k * dim;
       double* dnw = pp + c0 * 2 * width;
       double* dnb = dnw + width;
-      const int64_t chunk_begin = c0 * kChunkRows;
-      for (int64_t r0 = chunk_begin; r0 < std::min(n, c1 * kChunkRows); r0 += rows_per_block) {
-        const int64_t rows = std::min(rows_per_block, n - r0);
+      const int64_t chunk_begin = ch.begin(c0);
+      for (int64_t r0 = chunk_begin, r1 = ch.end(c0, n); r0 < r1; r0 += ch.block) {
+        const int64_t rows = std::min(ch.block, r1 - r0);
         // dc = g @ W^T; then per row c recomputed (the forward's prologue with its saved stats) for
         // the weight gradient, and the gating / norm backward.
         mm(false, true, rows, k, dim, 1.0f, gp + r0 * dim, dim, wp, dim, 0.0f, dc.data(), k);
@@ -588,8 +640,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
       }
     }
   });
-  // Chunk partials summed in chunk order, in fp64.
-  const Tensor dw = chunks > 0 ? dw_partials.sum(0, false, at::kDouble).to(at::kFloat) : at::zeros({k, dim}, opts);
+  // Chunk partials summed in chunk order, in fp64 (zeros when there are none).
+  const Tensor dw = at::empty({k, dim}, opts);
+  sum_partials(dwp, chunks, k * dim, dw.data_ptr<float>());
   const Tensor per_element = group_norm ? partials.view({partials.size(0), 2 * groups, gs}).sum(2) : partials;
   auto [dnw, dnb] = reduce_partials(per_element, nw.numel());
   return {dattn.to(attn_in.scalar_type()), du.to(u_in.scalar_type()), dnw.to(norm_weight.scalar_type()),
