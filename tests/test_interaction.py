@@ -203,11 +203,13 @@ def test_dot_interaction_triton_tiles(monkeypatch, device, backend, num_features
 
 
 # B = 3000: the cpu's batch sum for grad_bias runs over many fixed chunks. The cpu's fp32 kernels
-# run over blocks of 128 rows (claims of whole 16-row sum chunks in the backward): B = 300 is two
-# full blocks and a partial one on one thread; B = 700 at N = 128 (and at N = 200, rank 40) is
-# worth two threads, five full blocks and a partial one; B = 0 and 1 at low rank.
+# run over blocks of 256 rows (claims of whole 16-row sum chunks in the backward, so blocks of other
+# sizes take the unpacked sgemm): B = 300 is a full block and a partial one on one thread; B = 700 at
+# N = 128 (and at N = 200, rank 40) is worth two threads, two full blocks and a partial one; B = 512
+# is two 256-row blocks in both passes (the packed weight's path); B = 0 and 1 at low rank.
 CROSS_SHAPES = [(0, 8, None), (0, 8, 3), (1, 1, None), (1, 33, 2), (5, 37, None), (5, 37, 4), (3, 200, 1),
-                (7, 64, 16), (300, 48, None), (700, 128, None), (700, 200, 40), (3000, 16, None)]
+                (7, 64, 16), (300, 48, None), (512, 64, None), (512, 64, 8), (700, 128, None), (700, 200, 40),
+                (3000, 16, None)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
