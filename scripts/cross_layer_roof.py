@@ -2,7 +2,10 @@
 forward and forward+backward beside the same GEMMs called alone (torch.mm: x W^T, dz W, dz^T x; low
 rank the six products with U and V), interleaved round by round in one process.
 
-    PYTHONPATH=$PWD python scripts/cross_layer_roof.py --threads 1,2 [--cpu-time] [--rounds 9]
+    PYTHONPATH=$PWD python scripts/cross_layer_roof.py --threads 1,2 [--cpu-time] [--rounds 9] [--gemm-shapes]
+
+--gemm-shapes first prints what sgemm alone reaches at the op's three B=4096, N=512 shapes (x W^T,
+dz W, dz^T x) beside the square n=2048 product of bench/peaks.py: the op's true ceiling.
 
 Run it on two checkouts alternately to compare builds. --cpu-time reports the process's CPU time
 instead of wall time: on a busy host (other processes on the cores) it leaves out the time this
@@ -63,15 +66,39 @@ def _fns(B: int, N: int, rank: int | None) -> tuple[dict, int]:
     return {"gemms": gemms, "fwd": forward, "fwd+bwd": forward_backward}, gemm_flops
 
 
+def _gemm_shapes(threads: int, rounds: int, clock) -> None:
+    B, N = SHAPES[0][:2]
+    gen = torch.Generator().manual_seed(0)
+    x, g, w = torch.randn(B, N, generator=gen), torch.randn(B, N, generator=gen), torch.randn(N, N, generator=gen)
+    a, b = torch.randn(2048, 2048, generator=gen), torch.randn(2048, 2048, generator=gen)
+    out, out_w, out_sq = torch.empty(B, N), torch.empty(N, N), torch.empty(2048, 2048)
+    cases = {"square n=2048": (lambda: torch.mm(a, b, out=out_sq), 2 * 2048 ** 3),
+             "NT x W^T": (lambda: torch.mm(x, w.t(), out=out), 2 * B * N * N),
+             "NN dz W": (lambda: torch.mm(g, w, out=out), 2 * B * N * N),
+             "TN dz^T x": (lambda: torch.mm(g.t(), x, out=out_w), 2 * B * N * N)}
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (fn, _flops) in cases.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    print(f"threads={threads} sgemm TFLOP/s, median (best): " + "  ".join(
+        f"{name} {flops / sorted(times[name])[rounds // 2] / 1e12:.3f} ({flops / min(times[name]) / 1e12:.3f})"
+        for name, (_fn, flops) in cases.items()), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--cpu-time", action="store_true")
+    parser.add_argument("--gemm-shapes", action="store_true")
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
+        if args.gemm_shapes:
+            _gemm_shapes(threads, args.rounds, clock)
         for B, N, rank in SHAPES:
             fns, gemm_flops = _fns(B, N, rank)
             for fn in fns.values():

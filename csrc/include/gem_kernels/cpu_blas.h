@@ -3,6 +3,7 @@
 // each, as much as a small tile's product).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -37,7 +38,7 @@ inline void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
 
 // The B operand of many row-major products C[m x n] = A[m x k] op(B) that share it, packed once in
 // MKL's internal layout: a product over a block of rows otherwise repacks all of B on every call
-// (a 512 x 512 W per 128-row block cost the cross layer's blocked NT GEMM ~15% on one core).
+// (a 512 x 512 W per 128-row block made the cross layer's blocked NT GEMM ~20% slower on one core).
 // Products of exactly `m` rows use the packed copy (MKL requires the packing's m); others, and
 // every product without MKL, call sgemm on B itself. Read-only after construction: workers share it.
 class PackedB {
