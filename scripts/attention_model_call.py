@@ -10,11 +10,13 @@ and interleave the runs, e.g.
       OMP_NUM_THREADS=1 python scripts/attention_model_call.py --gk $repo; done; done
 
 --gk only chooses where `gem_kernels` is imported from; the inputs always come from this repository's bench.
+--native times the kernels alone (jagged_attention_{fwd,bwd}_native), without the Python wrapper and autograd.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -26,6 +28,8 @@ def main() -> None:
     parser.add_argument("--gk", default=None, help="repository root to import gem_kernels from (default: this one)")
     parser.add_argument("--long", action="store_true", help="also the history 256 and 1024 bench cases")
     parser.add_argument("--seconds", type=float, default=2.0, help="CPU seconds per timed case")
+    parser.add_argument("--native", action="store_true",
+                        help="time the kernels alone (the native fwd and bwd ops), not the autograd call")
     args = parser.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.abspath(args.gk or here))
@@ -57,7 +61,17 @@ def main() -> None:
             out = gk.jagged_attention(**op_args, kind="hstu", causal=True, backend="cpu")
             torch.autograd.grad(out, leaves, a["grad_out"])
 
-        for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        timed = (("fwd", fwd), ("fwd+bwd", fwd_bwd))
+        if args.native:
+            ops = torch.ops.gem_kernels
+            t = {n: (x.detach() if isinstance(x, torch.Tensor) else x) for n, x in a.items()}
+            mask = (t["max_seq_len"], "hstu", True, 1.0 / math.sqrt(t["q"].shape[2]), t.get("num_targets"),
+                    t.get("contextual_len", 0), 0, t["pos_bias"], t["time_bias"], t["timestamps"], None)
+            out, lse = ops.jagged_attention_fwd_native(t["q"], t["k"], t["v"], t["seq_offsets"], *mask)
+            timed = (("fwd-op", lambda: ops.jagged_attention_fwd_native(t["q"], t["k"], t["v"], t["seq_offsets"], *mask)),
+                     ("bwd-op", lambda: ops.jagged_attention_bwd_native(t["grad_out"], t["q"], t["k"], t["v"], out, lse,
+                                                                       t["seq_offsets"], *mask, False)))
+        for label, fn in timed:
             fn()
             t0 = time.process_time()
             n = 0

@@ -1,6 +1,7 @@
 // CPU kernels of the attention family: jagged attention (softmax and HSTU), forward and backward.
 //
-// Work decomposition: one work item is one (sequence, head); items are handed out longest first
+// Work decomposition: one work item is one (sequence, head) (a short HSTU sequence: all its heads,
+// see attention_short.h); items are handed out longest first
 // from an atomic counter to the at::parallel_for threads (dynamic scheduling: sequence lengths are
 // skewed). An item walks flash-style tiles of kBlockM queries x kBlockN keys of its own sequence
 // only (no padding work), with the online softmax in fp32: no [L, L] matrix exists, only a

@@ -1,25 +1,26 @@
-// The short-sequence path of the CPU HSTU attention (forward and backward of one (sequence, head)
-// item of at most kShortMaxLen rows). Included by attention.cpp inside its anonymous namespace,
-// after the helpers it shares (row_span, time_bucket, fast_exp8, silu_grad_row, add_by_bucket);
-// attention.cpp's item loops call forward_item_short / backward_item_short first and take their
-// tile loops when these return false.
+// The short-sequence path of the CPU HSTU attention (forward and backward of one sequence of at most
+// kShortMaxLen rows, all its heads). Included by attention.cpp inside its anonymous namespace, after
+// the helpers it shares (row_span, time_bucket, table_bucket, fast_exp8, silu_grad_row); attention.cpp's
+// item loops run a sequence here when short_path says so, and take their tile loops otherwise.
 //
-// Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, D = Dv = 16), so
+// Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, H = 2, D = Dv = 16), so
 // the general path's 128 x 128 tiles hand the BLAS products 36 x 36 x 16 shapes, where each sgemm
-// call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here an item runs
+// call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here a sequence runs
 // row by row on AVX2 over exactly the row's visible keys:
-// - scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a transposed
-//   copy of the item's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass, one FMA chain
-//   per block;
-// - scale, position and time bias, and the forward's SiLU, in one pass over the same whole blocks
-//   (no scalar tail), from a padded copy of the item's pos_bias window and key timestamps; SiLU's
-//   derivative in the backward over the same blocks;
+// - once per sequence, for every head: the mask, each row's span, and each pair's time bucket (they
+//   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time;
+// - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
+//   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
+// - scale, the head's position and time bias (a gather by bucket), and the forward's SiLU, in one pass
+//   over the same whole blocks (no scalar tail), from a padded copy of the head's pos_bias window;
+//   SiLU's derivative in the backward over the same blocks;
 // - the products with V (forward), K, Q and dO (backward) run over the row's visible keys only
 //   ([begin, end) less a prefix mask's hole), with the weights broadcast against rows of the other
 //   operand: a masked pair is never multiplied, so an Inf or NaN in an invisible row never reaches
 //   an output (the rule the general path keeps with masked_mm).
-// Work decomposition: one item = one (sequence, head), scheduled by for_each_item like the general
-// path; the backward's dk and dv rows of the item accumulate in the workspace and are written once.
+// Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
+// items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
+// its time-bias gradient in 4 interleaved histograms per head.
 // FLOPs and minimum bytes: the general path's (attention.cpp's header).
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
