@@ -181,11 +181,11 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
         yield from _model_shape_cases(device, dtype)
 
 
-def _model_shape_cases(device, dtype) -> Iterator[Case]:
-    """HSTU at the GEM model's own call (model/config.py `small`): 256 users of 2 contextual tokens +
+def model_call_inputs(device, dtype):
+    """The GEM small model's HSTU call (model/config.py `small`): 256 users of 2 contextual tokens +
     a lognormal history (median 24, log-std 0.8, at most 64) + 1..8 candidates as targets; H = 2,
-    D = 16, causal, position and time bias: short sequences, where per-row and per-item costs, not
-    the products, decide the time (the cpu kernel's short path)."""
+    D = 16, causal, position and time bias. Returns (lengths, max_seq_len, two input sets with their
+    grad_out) for the bench cases and scripts/attention_model_call.py."""
     gen = torch.Generator().manual_seed(1)
     history = torch.exp(torch.randn(256, generator=gen) * 0.8 + math.log(24.0)).round().clamp(0, 64).long()
     targets = torch.randint(1, 9, (256,), generator=gen)
@@ -198,6 +198,13 @@ def _model_shape_cases(device, dtype) -> Iterator[Case]:
         args["grad_out"] = torch.randn(args["q"].shape, generator=torch.Generator().manual_seed(100 + seed)).to(
             dtype=dtype, device=device)
         sets.append(args)
+    return lengths, max_seq_len, sets
+
+
+def _model_shape_cases(device, dtype) -> Iterator[Case]:
+    """HSTU at the GEM model's own call (model_call_inputs): short sequences, where per-row and
+    per-item costs, not the products, decide the time (the cpu kernel's short path)."""
+    lengths, max_seq_len, sets = model_call_inputs(device, dtype)
     density = float(lengths.float().mean()) / max_seq_len
     for backward in (False, True):
         yield _case("hstu", True, True, backward, sets, lengths, max_seq_len, density, device, dtype, False, h=2, d=16,

@@ -506,6 +506,52 @@ def test_cpu_short_path_skips_the_targets_hole():
 
 
 @cpu_kernel_only
+@pytest.mark.parametrize("num_buckets", [40, 150])  # 150: the thresholds past int64 (clamped) exist
+def test_cpu_short_path_heads_share_buckets_at_the_thresholds(num_buckets):
+    """The short path runs a sequence's heads as one item: each pair's time bucket is found once (from a
+    table of |dt| cells, not a search) and each head adds its own pos_bias and time_bias rows to it. Key
+    timestamps sit at every bucket threshold, one below and one above (and far apart: |dt| up to ~2^62,
+    negative dt, unsorted), over lengths around 8-column blocks and at the short path's 128 rows, with
+    heads whose tables differ: a bucket off by one at a threshold, or a head reading another's table,
+    misses the reference."""
+    from gem_kernels._attention import bucket_thresholds
+
+    g = torch.Generator().manual_seed(5)
+    thr = bucket_thresholds(num_buckets, "cpu")
+    thr = thr[thr < 2**61]
+    at_thresholds = torch.cat([thr - 1, thr, thr + 1, -thr, torch.tensor([0, 1, 2, 3, 2**61, -(2**61)])])
+    lengths = [128, 7, 8, 9, 16, 17, 1, 33]
+    N = sum(lengths)
+    inputs = make_inputs(lengths, D=8, Dv=16, pos_heads=2, time_heads=2, targets=[9, 0, 3, 1, 2, 8, 1, 5])
+    inputs["time_bias"] = torch.randn(2, num_buckets + 1, generator=g).requires_grad_(True)
+    # Key j of each sequence at a random pick of at_thresholds: row 0's dt to it is exactly that value.
+    ts = at_thresholds[torch.randint(0, at_thresholds.numel(), (N,), generator=g)]
+    ts[inputs["seq_offsets"][:-1]] = 0
+    inputs["timestamps"] = ts
+    _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", contextual_len=2)
+
+
+@cpu_kernel_only
+def test_cpu_short_path_nonfinite_masked_key_of_one_head():
+    """A NaN in one head's k or v row of a target (its other targets skip it, so only its own row sees it)
+    reaches that row and head only: the heads of a short sequence run in one item, but never read each
+    other's rows."""
+    lengths = [12, 8]  # targets 9..11 of sequence 0 (context 2)
+    inputs = make_inputs(lengths, D=8, Dv=8, pos_heads=2, time_heads=2, targets=[3, 1])
+    for name in ("k", "v"):
+        poisoned = {n: (x.detach().clone() if isinstance(x, torch.Tensor) else x) for n, x in inputs.items()}
+        poisoned[name][10, 1, 0] = math.nan
+        out, grads = _agree_with_reference(poisoned, "cpu", kind="hstu", contextual_len=2)
+        expected = torch.zeros(out.shape[:2], dtype=torch.bool)
+        expected[10, 1] = True
+        assert torch.equal(out.isnan().any(-1), expected), name
+        for grad_name in ("q", "k", "v"):
+            bad = grads[grad_name].isnan().any(-1)
+            assert not bool(bad[:, 0].any()), (name, grad_name)  # head 0 never sees head 1's row
+            assert not bool(bad[[9, 11], 1].any()), (name, grad_name)
+
+
+@cpu_kernel_only
 @pytest.mark.skipif("cpu" not in gk.available_backends(), reason="the C++ extension is not built")
 @pytest.mark.parametrize("vectorized", [True, False], ids=["cpu-avx2", "cpu-scalar"])
 def test_cpu_fast_exp_matches_exp(vectorized):

@@ -1,6 +1,7 @@
 // CPU kernels of the attention family: jagged attention (softmax and HSTU), forward and backward.
 //
-// Work decomposition: one work item is one (sequence, head); items are handed out longest first
+// Work decomposition: one work item is one (sequence, head) (a short HSTU sequence: all its heads,
+// see attention_short.h); items are handed out longest first
 // from an atomic counter to the at::parallel_for threads (dynamic scheduling: sequence lengths are
 // skewed). An item walks flash-style tiles of kBlockM queries x kBlockN keys of its own sequence
 // only (no padding work), with the online softmax in fp32: no [L, L] matrix exists, only a
@@ -355,6 +356,9 @@ struct Params {
   int64_t time_heads = 0, num_buckets = 0;
   // bucket(dt) = number of thresholds <= |dt| (see bucket_thresholds): a short search instead of a log.
   std::vector<int64_t> bucket_thr;
+  // table_bucket's cells (see bucket_cells): 64 binary exponents x 16 mantissa steps of |dt|.
+  std::vector<int32_t> cell_bucket;  // the bucket of the cell's smallest |dt|; -1: search thr instead
+  std::vector<int64_t> cell_next;    // the cell's one threshold less 1 (INT64_MAX: none in the cell)
   const int64_t* timestamps = nullptr;
   const int64_t* query_timestamps = nullptr;  // tq_i of bucket(tq_i - t_j): timestamps when not given
 };
@@ -527,6 +531,57 @@ inline int32_t time_bucket(const Params& p, int64_t dt) {
   return static_cast<int32_t>(std::upper_bound(p.bucket_thr.begin(), p.bucket_thr.end(), x) - p.bucket_thr.begin());
 }
 
+// The cell of |dt| = x >= 0: its binary exponent e (x = 0 and 1 share cell 0) and the 4 bits after its
+// leading one, as e * 16 + m. A cell spans 1/16 of an octave (a single integer below 16), and the log
+// buckets are 0.301 / ln 2 = 0.43 octave wide, so a cell holds at most one threshold (the clamped
+// INT64_MAX ones excepted: bucket_cells sends those cells to the search).
+inline int64_t bucket_cell(uint64_t x) {
+  const int e = 63 - __builtin_clzll(x | 1);
+  const uint64_t m = e >= 4 ? x >> (e - 4) : x << (4 - e);
+  return e * 16 + static_cast<int64_t>(m & 15);
+}
+
+// The cells' tables of Params from its thresholds: cell_bucket[c] = the number of thresholds <= the
+// cell's smallest x, cell_next[c] = its threshold in (smallest, largest] less 1. A cell with more than one
+// threshold (or none of whose x is an int64) gets -1.
+void bucket_cells(Params& p) {
+  const auto& thr = p.bucket_thr;
+  const auto count_at_most_x = [&](uint64_t x) {
+    return static_cast<int64_t>(std::upper_bound(thr.begin(), thr.end(), x,
+                                                 [](uint64_t a, int64_t t) { return a < static_cast<uint64_t>(t); }) -
+                                thr.begin());
+  };
+  p.cell_bucket.assign(64 * 16, -1);
+  p.cell_next.assign(64 * 16, std::numeric_limits<int64_t>::max());
+  for (int e = 0; e < 63; ++e)
+    for (uint64_t m = 0; m < 16; ++m) {
+      uint64_t lo, hi;
+      if (e >= 4) {
+        lo = (uint64_t{16} + m) << (e - 4);
+        hi = lo + (uint64_t{1} << (e - 4)) - 1;
+      } else {
+        if (m % (uint64_t{16} >> e) != 0) continue;  // no x has these bits
+        lo = hi = (uint64_t{1} << e) + (m >> (4 - e));
+      }
+      if (e == 0) lo = 0;  // x = 0 and 1
+      const int64_t c = e * 16 + static_cast<int64_t>(m);
+      const int64_t below = count_at_most_x(lo), within = count_at_most_x(hi) - below;
+      if (within > 1) continue;
+      p.cell_bucket[c] = static_cast<int32_t>(below);
+      if (within == 1) p.cell_next[c] = thr[below] - 1;
+    }
+}
+
+// time_bucket by bucket_cells' tables: a table read and one compare instead of a search or a walk
+// (the walk cost ~half of the GEM model's attention forward: its |dt| cross a bucket every few keys).
+inline int32_t table_bucket(const Params& p, int64_t dt) {
+  const uint64_t x = dt < 0 ? uint64_t{0} - static_cast<uint64_t>(dt) : static_cast<uint64_t>(dt);
+  const int64_t c = bucket_cell(x);
+  const int32_t b = p.cell_bucket[c];
+  if (b < 0) return time_bucket(p, dt);  // x >= 2^63 (|INT64_MIN|) lands here too: e = 63
+  return b + (static_cast<int64_t>(x) > p.cell_next[c] ? 1 : 0);
+}
+
 // Per-thread scratch: score, probability and mask tiles, accumulators.
 struct Workspace {
   std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum;
@@ -686,6 +741,7 @@ Params make_params(const at::Tensor& q, const at::Tensor& v, int64_t max_seq_len
     p.time_heads = time_bias.size(0);
     p.num_buckets = time_bias.size(1) - 1;
     p.bucket_thr = bucket_thresholds(p.num_buckets);
+    bucket_cells(p);
     p.timestamps = timestamps.data_ptr<int64_t>();
     p.query_timestamps = query_timestamps.defined() ? query_timestamps.data_ptr<int64_t>() : p.timestamps;
   }
@@ -768,7 +824,19 @@ bool begin_item(const Prepared& in, int64_t item, Workspace& ws, Item& it) {
   return true;
 }
 
-#include "attention_short.h"  // the short-sequence path: forward_item_short, backward_item_short
+#include "attention_short.h"  // the short-sequence path: short_path, forward_seq_short, backward_seq_short
+
+// Whether every sequence takes the short path, which needs no nonfinite-row flags (it multiplies
+// visible pairs only) and writes every row of its outputs and gradients.
+bool all_short(const Prepared& in) {
+  return std::all_of(in.seqs.begin(), in.seqs.end(), [&](const SeqInfo& s) { return short_path(in, s); });
+}
+
+// Whether the sequences cover rows [0, N) (seq_offsets may start past 0 or end before N).
+bool covers_rows(const Prepared& in) {
+  if (in.seqs.empty()) return in.N == 0;
+  return in.seqs.front().start == 0 && in.seqs.back().start + in.seqs.back().len == in.N;
+}
 
 // The forward of one item for its query rows [q_lo, L): every row in the full forward, the last
 // delta rows in the cached one. A query row keeps its position i in the sequence (the mask, pos_bias
@@ -872,7 +940,7 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
 
 // out [rows, H, Dv] in `dtype` and fp32 lse [rows, H] (softmax; [0] for hstu), rows = q's rows.
 std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
-  in.bad_v = nonfinite_rows(in.v);
+  if (!all_short(in)) in.bad_v = nonfinite_rows(in.v);
   const Params& p = in.p;
   const int64_t rows = in.q.size(0), H = p.H, Dv = p.Dv;
   auto out = at::empty({rows, H, Dv}, in.q.options());
@@ -880,8 +948,15 @@ std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
   float* op = out.data_ptr<float>();
   float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
   for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
+    // A short sequence is one item of all its heads (they share its mask and time buckets): its item
+    // of head 0 runs it, the others have nothing to do.
+    const SeqInfo& seq = in.seqs[item / H];
+    if (short_path(in, seq)) {
+      if (item % H == 0) forward_seq_short(in, seq, ws, op);
+      return;
+    }
     Item it;
-    if (begin_item(in, item, ws, it) && !forward_item_short(in, it, ws, op)) forward_item(in, it, ws, op, lp);
+    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp);
   }, in.delta);
   return {dtype == at::kFloat ? out : out.to(dtype), lse};
 }
@@ -964,10 +1039,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
                 "softmax backward needs out [N, H, Dv] and fp32 lse [N, H]");
   }
   const auto options = in.q.options();
-  auto dq = at::zeros({N, H, D}, options);
-  // dk and dv accumulate in place, like dq: a key with no visible query keeps its 0.
-  auto dk = at::zeros({N, H, D}, options);
-  auto dv = at::zeros({N, H, Dv}, options);
+  // dq, dk and dv accumulate in place: a key with no visible query keeps its 0. The short path
+  // writes each of its rows whole, so when it takes every row the zero fill (~8 % of its backward at
+  // the model's shape) is skipped.
+  const bool short_only = all_short(in);
+  const auto alloc = [&](int64_t width) {
+    return short_only && covers_rows(in) ? at::empty({N, H, width}, options) : at::zeros({N, H, width}, options);
+  };
+  auto dq = alloc(D);
+  auto dk = alloc(D);
+  auto dv = alloc(Dv);
   // Per-item bias-gradient partials: item (b, h) covers relative positions [-(L-1), L-1] of pos_bias
   // (2L-1 slots) and all time buckets.
   const int64_t num_items = static_cast<int64_t>(seqs.size()) * H;
@@ -984,15 +1065,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
-  const std::vector<uint8_t> bad_q = nonfinite_rows(in.q), bad_k = nonfinite_rows(in.k), bad_do = nonfinite_rows(dout);
+  std::vector<uint8_t> bad_q, bad_k, bad_do;  // the tile loops' masked-product guards
+  if (!short_only) {
+    bad_q = nonfinite_rows(in.q);
+    bad_k = nonfinite_rows(in.k);
+    bad_do = nonfinite_rows(dout);
+  }
   const std::vector<float> delta = p.softmax ? softmax_delta(dout, out) : std::vector<float>();
 
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
+    const SeqInfo& seq = seqs[item / H];
+    if (short_path(in, seq)) {  // as in the forward; its heads' partials are its items' (item + h)
+      if (item % H == 0)
+        backward_seq_short(in, seq, ws, dop, dqp, dkp, dvp, p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr,
+                           p.time_bias ? time_part.data() + item * time_width : nullptr);
+      return;
+    }
     Item it;
     if (!begin_item(in, item, ws, it)) return;
-    if (backward_item_short(in, it, ws, dop, dqp, dkp, dvp, p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr,
-                            p.time_bias ? time_part.data() + item * time_width : nullptr))
-      return;
     const int64_t L = it.L, h = it.h;
     const int64_t qs = H * D, vs = H * Dv;  // row strides
     const float* q0 = it.q0;

@@ -1,25 +1,26 @@
-// The short-sequence path of the CPU HSTU attention (forward and backward of one (sequence, head)
-// item of at most kShortMaxLen rows). Included by attention.cpp inside its anonymous namespace,
-// after the helpers it shares (row_span, time_bucket, fast_exp8, silu_grad_row, add_by_bucket);
-// attention.cpp's item loops call forward_item_short / backward_item_short first and take their
-// tile loops when these return false.
+// The short-sequence path of the CPU HSTU attention (forward and backward of one sequence of at most
+// kShortMaxLen rows, all its heads). Included by attention.cpp inside its anonymous namespace, after
+// the helpers it shares (row_span, time_bucket, table_bucket, fast_exp8, silu_grad_row); attention.cpp's
+// item loops run a sequence here when short_path says so, and take their tile loops otherwise.
 //
-// Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, D = Dv = 16), so
+// Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, H = 2, D = Dv = 16), so
 // the general path's 128 x 128 tiles hand the BLAS products 36 x 36 x 16 shapes, where each sgemm
-// call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here an item runs
+// call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here a sequence runs
 // row by row on AVX2 over exactly the row's visible keys:
-// - scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a transposed
-//   copy of the item's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass, one FMA chain
-//   per block;
-// - scale, position and time bias, and the forward's SiLU, in one pass over the same whole blocks
-//   (no scalar tail), from a padded copy of the item's pos_bias window and key timestamps; SiLU's
-//   derivative in the backward over the same blocks;
+// - once per sequence, for every head: the mask, each row's span, and each pair's time bucket (they
+//   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time;
+// - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
+//   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
+// - scale, the head's position and time bias (a gather by bucket), and the forward's SiLU, in one pass
+//   over the same whole blocks (no scalar tail), from a padded copy of the head's pos_bias window;
+//   SiLU's derivative in the backward over the same blocks;
 // - the products with V (forward), K, Q and dO (backward) run over the row's visible keys only
 //   ([begin, end) less a prefix mask's hole), with the weights broadcast against rows of the other
 //   operand: a masked pair is never multiplied, so an Inf or NaN in an invisible row never reaches
 //   an output (the rule the general path keeps with masked_mm).
-// Work decomposition: one item = one (sequence, head), scheduled by for_each_item like the general
-// path; the backward's dk and dv rows of the item accumulate in the workspace and are written once.
+// Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
+// items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
+// its time-bias gradient in 4 interleaved histograms per head.
 // FLOPs and minimum bytes: the general path's (attention.cpp's header).
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
@@ -33,12 +34,6 @@ constexpr int64_t kShortMaxLen = kBlockN;
 #if GK_ATTENTION_AVX2
 
 inline int64_t round8(int64_t n) { return (n + 7) & ~int64_t{7}; }
-
-bool short_item(const Prepared& in, const Item& it, const SeqMask& mask) {
-  const Params& p = in.p;
-  return !p.softmax && in.delta == 0 && it.L <= kShortMaxLen && p.D % 8 == 0 && p.Dv % 8 == 0 &&
-         (mask.banded || mask.prefix);
-}
 
 // dst[d * Lp + j] = rows[j * ld + d] for j < L, 0 for L <= j < Lp (padding columns stay finite);
 // width a multiple of 8. By 8 x 8 blocks in registers: an element-wise copy with a strided store
@@ -143,6 +138,15 @@ void scatter_rows(const float* w, float alpha, const float* x, int64_t c0, int64
   }
 }
 
+// dst[0, n) = src[0, n), and = 0, for n a multiple of 8: the per-row copies and fills of D or Dv floats
+// otherwise call memmove / memset (~3 % of the backward at the model's shape, D = 16).
+inline void copy_row8(const float* src, int64_t n, float* dst) {
+  for (int64_t d = 0; d < n; d += 8) _mm256_storeu_ps(dst + d, _mm256_loadu_ps(src + d));
+}
+inline void zero_row8(float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; d += 8) _mm256_storeu_ps(dst + d, _mm256_setzero_ps());
+}
+
 // The visible keys of row i as at most two runs [a0, a1) and [b0, b1): the span less its hole.
 struct Runs {
   int64_t a0, a1, b0, b1;
@@ -153,103 +157,95 @@ inline Runs runs_of(const RowSpan& span) {
   return {span.begin, span.end, span.end, span.end};
 }
 
-// The item's biases laid out for whole 8-column blocks (the columns past a row's span included):
-// its pos_bias window, and its key timestamps padded to Lp with the last one. Per thread, reused.
-struct ShortBias {
-  std::vector<float> pos_window;
+// What a sequence's heads share, laid out for whole 8-column blocks (the columns past a row's span
+// included): every row's span, and every pair's time bucket (in the workspace's bucket tile, row i at
+// i * kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
+// its timestamps only, so it is found once for all heads. Per thread, reused.
+struct ShortSeq {
+  std::vector<RowSpan> spans;
   std::vector<int64_t> key_times;
-  const float* pos = nullptr;   // pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
-  const float* time = nullptr;  // time_bias[h]
-  const int64_t* tk = nullptr;  // key timestamps [Lp]
-  const int64_t* tq = nullptr;  // query timestamps [L]
+  std::vector<float> pos_window;  // one head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
+  std::vector<float> hist;        // the backward's time-bias gradient of one head: 4 interleaved copies
 
-  void init(const Params& p, const Item& it) {
-    const int64_t L = it.L, Lp = round8(L);
-    pos = time = nullptr;
-    if (p.pos_bias != nullptr) {
-      pos_window.assign(Lp + L, 0.0f);
-      const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : it.h) * (2 * p.M - 1) + (p.M - L);
+  void init(const Params& p, const SeqInfo& seq, Workspace& ws) {
+    const int64_t L = seq.len, Lp = round8(L);
+    ws.mask.init(p, L, seq.targets);
+    const int tile_kind = ws.mask.classify(0, L, 0, L);
+    spans.resize(L);
+    for (int64_t i = 0; i < L; ++i) spans[i] = row_span(ws.mask, tile_kind, i, 0, L);
+    if (p.time_bias == nullptr) return;
+    const int64_t* t = p.timestamps + seq.start;
+    key_times.assign(t, t + L);
+    key_times.resize(Lp, t[L - 1]);
+    for (int64_t i = 0; i < L; ++i) {
+      const RowSpan& span = spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t ti = p.query_timestamps[seq.start + i];
+      int32_t* bucket = ws.bucket.data() + i * kBlockN;
+      for (int64_t c = span.begin & ~int64_t{7}; c < round8(span.end); c += 4) {
+        if (!table_bucket4(p, ti, key_times.data() + c, bucket + c))
+          for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - key_times[k]);
+      }
+    }
+  }
+
+  // table_bucket of ti - tk[0, 4) on 4 lanes, into out[0, 4); false (nothing written) when a lane's
+  // |dt| is 2^52 or more or falls in a cell that needs the search. |dt| < 2^52 converts to a double
+  // exactly, and the double's exponent and first 4 mantissa bits are bucket_cell's e * 16 + m.
+  static bool table_bucket4(const Params& p, int64_t ti, const int64_t* tk, int32_t* out) {
+    const __m256i d = _mm256_sub_epi64(_mm256_set1_epi64x(ti), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk)));
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi64x(1);
+    const __m256i x = _mm256_blendv_epi8(d, _mm256_sub_epi64(zero, d), _mm256_cmpgt_epi64(zero, d));
+    // |INT64_MIN| wraps to a negative x: out of range too.
+    const __m256i out_of_range = _mm256_or_si256(_mm256_cmpgt_epi64(zero, x),
+                                                 _mm256_cmpgt_epi64(x, _mm256_set1_epi64x((int64_t{1} << 52) - 1)));
+    if (!_mm256_testz_si256(out_of_range, out_of_range)) return false;
+    const __m256i x1 = _mm256_blendv_epi8(x, one, _mm256_cmpgt_epi64(one, x));  // x = 0 shares cell 0 with 1
+    const __m256i two52 = _mm256_set1_epi64x(int64_t{0x4330000000000000});
+    const __m256d xd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(x1, two52)), _mm256_castsi256_pd(two52));
+    const __m256i cell = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_castpd_si256(xd), 48), _mm256_set1_epi64x(0x3FF0));
+    const __m128i b = _mm256_i64gather_epi32(p.cell_bucket.data(), cell, 4);
+    if (_mm_movemask_epi8(_mm_cmpgt_epi32(_mm_setzero_si128(), b)) != 0) return false;
+    const __m256i next = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(p.cell_next.data()), cell, 8);
+    // -1 in the low half of each 64-bit lane where x passes the cell's threshold.
+    const __m256i up = _mm256_permutevar8x32_epi32(_mm256_cmpgt_epi64(x, next), _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi32(b, _mm256_castsi256_si128(up)));
+    return true;
+  }
+
+  // Head h's pos_bias window, or nullptr without pos_bias.
+  const float* pos_of(const Params& p, int64_t L, int64_t h) {
+    if (p.pos_bias == nullptr) return nullptr;
+    if (h == 0 || p.pos_heads > 1) {
+      pos_window.assign(round8(L) + L, 0.0f);
+      const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
       std::copy(src, src + 2 * L - 1, pos_window.begin());
-      pos = pos_window.data();
     }
-    if (p.time_bias != nullptr) {
-      const int64_t* t = p.timestamps + it.start;
-      key_times.assign(t, t + L);
-      key_times.resize(Lp, t[L - 1]);
-      tk = key_times.data();
-      tq = p.query_timestamps + it.start;
-      time = p.time_bias + (p.time_heads == 1 ? 0 : it.h) * (p.num_buckets + 1);
-    }
+    return pos_window.data();
   }
 };
-thread_local ShortBias short_bias;
+thread_local ShortSeq short_seq;
 
-// The number of thresholds thr[0, n) <= x (thr nondecreasing): time_bucket's upper_bound without
-// branches on the data.
-inline int32_t count_at_most(const int64_t* thr, int32_t n, int64_t x) {
-  const int64_t* base = thr;
-  int32_t len = n;
-  while (len > 0) {
-    const int32_t half = len / 2;
-    const bool right = base[half] <= x;
-    base = right ? base + half + 1 : base;
-    len = right ? len - half - 1 : half;
-  }
-  return static_cast<int32_t>(base - thr);
+bool short_path(const Prepared& in, const SeqInfo& seq) {
+  const Params& p = in.p;
+  const bool banded = p.contextual_len == 0 && seq.targets == 0;  // SeqMask::init's
+  const bool prefix = !banded && p.causal && p.max_attn_len == 0;
+  return !p.softmax && in.delta == 0 && seq.len <= kShortMaxLen && p.D % 8 == 0 && p.Dv % 8 == 0 && (banded || prefix);
 }
 
-// row[c] <- scale * row[c] + biases, then (kSilu) silu(.) * inv_m, for c in the 8-column blocks [lo, hi)
-// of row i; the time buckets go to buckets[c]. One pass per block in registers: scores_tile's
-// per-row loops, and its scalar tails, cost more than the products at these lengths.
+// row[c] <- scale * row[c] + pos[c] + time[bucket[c]], then (kSilu) silu(.) * inv_m, for c in the
+// 8-column blocks [lo, hi) of one row (pos: the head's window at the row's offset; either bias may be
+// absent). One pass per block in registers: scores_tile's per-row loops, and its scalar tails, cost more
+// than the products at these lengths.
 template <bool kSilu>
-void bias_row(const Params& p, const ShortBias& b, int64_t L, int64_t i, int64_t lo, int64_t hi, float inv_m,
-              float* row, int32_t* buckets) {
-  const __m256 vscale = _mm256_set1_ps(p.scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
-  const float* pos = b.pos != nullptr ? b.pos + (L - 1 - i) : nullptr;
-  const int64_t* thr = p.bucket_thr.data();
-  const int32_t nb = static_cast<int32_t>(p.num_buckets);
-  const int64_t ti = b.time != nullptr ? b.tq[i] : 0;
-  int32_t bkt = b.time != nullptr ? time_bucket(p, ti - b.tk[lo]) : 0;
-  const __m256i vti = _mm256_set1_epi64x(ti), zero = _mm256_setzero_si256();
-  const auto abs_dt = [&](const int64_t* t) {
-    const __m256i d = _mm256_sub_epi64(vti, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-    return _mm256_blendv_epi8(d, _mm256_sub_epi64(zero, d), _mm256_cmpgt_epi64(zero, d));
-  };
+void bias_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo, int64_t hi,
+              float inv_m, float* row) {
+  const __m256 vscale = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (int64_t c = lo; c < hi; c += 8) {
     __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
     if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
-    if (b.time != nullptr) {
-      // As scores_tile: 8 keys in the current bucket (the common case with sorted timestamps) take
-      // one compare and a broadcast bias; any other block walks key by key from the current bucket.
-      const __m256i vlo = _mm256_set1_epi64x(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
-      const __m256i vhi = _mm256_set1_epi64x(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
-      const __m256i x0 = abs_dt(b.tk + c), x1 = abs_dt(b.tk + c + 4);
-      const __m256i in0 = _mm256_andnot_si256(_mm256_cmpgt_epi64(vlo, x0), _mm256_cmpgt_epi64(vhi, x0));
-      const __m256i in1 = _mm256_andnot_si256(_mm256_cmpgt_epi64(vlo, x1), _mm256_cmpgt_epi64(vhi, x1));
-      if (_mm256_movemask_epi8(_mm256_and_si256(in0, in1)) == -1) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(buckets + c), _mm256_set1_epi32(bkt));
-        s = _mm256_add_ps(s, _mm256_set1_ps(b.time[bkt]));
-      } else {
-        // Key by key: a step or two from the current bucket, else a branch-free binary search (a
-        // row's last block crosses from the far buckets to the diagonal's in one go: the walk
-        // of scores_tile took ~30 steps there, ~15 % of the forward).
-        alignas(32) float bias[8];
-        for (int64_t k = 0; k < 8; ++k) {
-          const int64_t dt = ti - b.tk[c + k];
-          const int64_t x = dt < 0 ? -dt : dt;
-          if (bkt < nb && x >= thr[bkt]) {
-            ++bkt;
-            if (bkt < nb && x >= thr[bkt]) bkt = count_at_most(thr, nb, x);
-          } else if (bkt > 0 && x < thr[bkt - 1]) {
-            --bkt;
-            if (bkt > 0 && x < thr[bkt - 1]) bkt = count_at_most(thr, nb, x);
-          }
-          buckets[c + k] = bkt;
-          bias[k] = b.time[bkt];
-        }
-        s = _mm256_add_ps(s, _mm256_load_ps(bias));
-      }
-    }
+    if (time != nullptr)
+      s = _mm256_add_ps(s, _mm256_i32gather_ps(time, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bucket + c)), 4));
     if (kSilu) {
       const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
       s = _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm);
@@ -258,113 +254,129 @@ void bias_row(const Params& p, const ShortBias& b, int64_t L, int64_t i, int64_t
   }
 }
 
-// Row i's scores over the 8-column blocks covering its span, biased (and kSilu: weighted), for
-// every row of the item.
-template <bool kSilu>
-void short_scores(const Prepared& in, const Item& it, Workspace& ws, int tile_kind, const float* kt) {
+// The forward of one sequence, every head: out rows written.
+void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, float* op) {
   const Params& p = in.p;
-  const int64_t L = it.L, Lp = round8(L), qs = p.H * p.D;
+  const int64_t L = seq.len, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
+  if (L == 0) return;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
-  short_bias.init(p, it);
-  for (int64_t i = 0; i < L; ++i) {
-    const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
-    if (span.end <= span.begin) continue;
-    const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
-    float* row = ws.s.data() + i * kBlockN;
-    dot_blocks(it.q0 + i * qs, p.D, kt, Lp, lo / 8, hi / 8, row);
-    bias_row<kSilu>(p, short_bias, L, i, lo, hi, inv_m, row, ws.bucket.data() + i * kBlockN);
+  ShortSeq& sq = short_seq;
+  sq.init(p, seq, ws);
+  ws.k_rows.resize(D * Lp);
+  float* row = ws.s.data();
+  for (int64_t h = 0; h < H; ++h) {
+    const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
+    const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
+    transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, D, ws.k_rows.data());
+    const float* pos = sq.pos_of(p, L, h);
+    const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * (p.num_buckets + 1) : nullptr;
+    for (int64_t i = 0; i < L; ++i) {
+      float* dst = op + ((seq.start + i) * H + h) * Dv;
+      zero_row8(dst, Dv);
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
+      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, row);
+      bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
+                     hi, inv_m, row);
+      const Runs r = runs_of(span);  // whole blocks: the columns outside the runs are never read
+      gather_rows(row, v0, vs, r.a0, r.a1, Dv, dst);
+      gather_rows(row, v0, vs, r.b0, r.b1, Dv, dst);
+    }
   }
 }
 
-bool forward_item_short(const Prepared& in, const Item& it, Workspace& ws, float* op) {
-  if (!short_item(in, it, ws.mask)) return false;
-  const Params& p = in.p;
-  const int64_t L = it.L, H = p.H, D = p.D, Dv = p.Dv, vs = H * Dv;
-  ws.k_rows.resize(D * round8(L));
-  transpose_rows(it.k0, H * D, L, D, ws.k_rows.data());
-  const int tile_kind = ws.mask.classify(0, L, 0, L);
-  short_scores<true>(in, it, ws, tile_kind, ws.k_rows.data());
-  for (int64_t i = 0; i < L; ++i) {
-    float* dst = op + ((it.start + i) * H + it.h) * Dv;
-    std::fill(dst, dst + Dv, 0.0f);
-    const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
-    if (span.end <= span.begin) continue;
-    const float* w = ws.s.data() + i * kBlockN;  // whole blocks: the columns outside the runs are never read
-    const Runs r = runs_of(span);
-    gather_rows(w, it.v0, vs, r.a0, r.a1, Dv, dst);
-    gather_rows(w, it.v0, vs, r.b0, r.b1, Dv, dst);
-  }
-  return true;
+// hist[k * n + bucket[c]] += ds[c] for c in [c0, c1), k = c % 4: four copies, so that consecutive
+// keys of one bucket (the usual case) do not wait on each other's store; no data-dependent branch
+// (add_by_bucket's run detection mispredicted every few keys at the model's bucket runs).
+inline void add_by_bucket4(const int32_t* bucket, const float* ds, int64_t c0, int64_t c1, int64_t n, float* hist) {
+  for (int64_t c = c0; c < c1; ++c) hist[(c & 3) * n + bucket[c]] += ds[c];
 }
 
-// The backward of one item: dq rows written (the item owns them; dq starts zeroed), dk and dv rows
-// accumulated in the workspace and written, bias gradients added to the item's partials.
-bool backward_item_short(const Prepared& in, const Item& it, Workspace& ws, const float* dout, float* dq,
-                         float* dk, float* dv, float* pos_part_item, float* time_part_item) {
-  if (!short_item(in, it, ws.mask)) return false;
+// The backward of one sequence, every head: dq rows written, dk and dv rows
+// accumulated in the workspace and written, bias gradients added to the partials of its items
+// (head h: pos_part + h * (2L - 1), time_part + h * (num_buckets + 1)).
+void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, const float* dout, float* dq, float* dk,
+                        float* dv, float* pos_part, float* time_part) {
   const Params& p = in.p;
-  const int64_t L = it.L, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
+  const int64_t L = seq.len, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
+  if (L == 0) return;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  const int64_t nt = p.num_buckets + 1;
+  ShortSeq& sq = short_seq;
+  sq.init(p, seq, ws);
   ws.k_rows.resize(D * Lp);
   ws.v_rows.resize(Dv * Lp);
-  transpose_rows(it.k0, qs, L, D, ws.k_rows.data());
-  transpose_rows(it.v0, vs, L, Dv, ws.v_rows.data());
-  const int tile_kind = ws.mask.classify(0, L, 0, L);
-  short_scores<false>(in, it, ws, tile_kind, ws.k_rows.data());
-  const float* do0 = dout + (it.start * H + it.h) * Dv;
-  float* dq0 = dq + (it.start * H + it.h) * D;
+  float* s = ws.s.data();
+  float* pr = ws.pr.data();
+  float* ds = ws.dp.data();  // dP in, dS out
   float* dk_acc = ws.acc.data();
   float* dv_acc = ws.acc2.data();
-  std::fill(dk_acc, dk_acc + L * D, 0.0f);
-  std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
-  for (int64_t i = 0; i < L; ++i) {
-    const RowSpan span = row_span(ws.mask, tile_kind, i, 0, L);
-    if (span.end <= span.begin) continue;
-    const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
-    const float* s = ws.s.data() + i * kBlockN;
-    float* pr = ws.pr.data() + i * kBlockN;
-    float* ds = ws.dp.data() + i * kBlockN;  // dP in, dS out
-    const float* do_i = do0 + i * vs;
-    dot_blocks(do_i, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds);
-    silu_grad_row(s + lo, pr + lo, ds + lo, hi - lo, inv_m);  // whole blocks, as in the forward
-    const Runs r = runs_of(span);
-    if (pos_part_item != nullptr) {
-      float* dst = pos_part_item + (L - 1 - i);  // slot j - i + L - 1
-      for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds[c];
-      for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds[c];
-    }
-    if (time_part_item != nullptr) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
+    const float* k0 = in.k.const_data_ptr<float>() + (seq.start * H + h) * D;
+    transpose_rows(k0, qs, L, D, ws.k_rows.data());
+    transpose_rows(in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv, vs, L, Dv, ws.v_rows.data());
+    const float* pos = sq.pos_of(p, L, h);
+    const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * nt : nullptr;
+    float* pos_part_h = pos != nullptr ? pos_part + h * (2 * L - 1) : nullptr;
+    if (time != nullptr) sq.hist.assign(4 * nt, 0.0f);
+    const float* do0 = dout + (seq.start * H + h) * Dv;
+    float* dq0 = dq + (seq.start * H + h) * D;
+    std::fill(dk_acc, dk_acc + L * D, 0.0f);
+    std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
+    for (int64_t i = 0; i < L; ++i) {
+      float* dq_i = dq0 + i * qs;
+      zero_row8(dq_i, D);
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
+      const float* q_i = q0 + i * qs;
+      const float* do_i = do0 + i * vs;
       const int32_t* bucket = ws.bucket.data() + i * kBlockN;
-      add_by_bucket(bucket + r.a0, ds + r.a0, r.a1 - r.a0, time_part_item);
-      add_by_bucket(bucket + r.b0, ds + r.b0, r.b1 - r.b0, time_part_item);
+      dot_blocks(q_i, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
+      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s);
+      dot_blocks(do_i, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds);
+      silu_grad_row(s + lo, pr + lo, ds + lo, hi - lo, inv_m);  // whole blocks, as in the forward
+      const Runs r = runs_of(span);
+      if (pos_part_h != nullptr) {
+        float* dst = pos_part_h + (L - 1 - i);  // slot j - i + L - 1
+        for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds[c];
+        for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds[c];
+      }
+      if (time != nullptr) {
+        add_by_bucket4(bucket, ds, r.a0, r.a1, nt, sq.hist.data());
+        add_by_bucket4(bucket, ds, r.b0, r.b1, nt, sq.hist.data());
+      }
+      // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
+      gather_rows(ds, k0, qs, r.a0, r.a1, D, dq_i);
+      gather_rows(ds, k0, qs, r.b0, r.b1, D, dq_i);
+      for (int64_t d = 0; d < D; ++d) dq_i[d] *= p.scale;
+      // dk_c += scale * ds[c] q_i, dv_c += p[c] do_i.
+      scatter_rows(ds, p.scale, q_i, r.a0, r.a1, D, dk_acc);
+      scatter_rows(ds, p.scale, q_i, r.b0, r.b1, D, dk_acc);
+      scatter_rows(pr, 1.0f, do_i, r.a0, r.a1, Dv, dv_acc);
+      scatter_rows(pr, 1.0f, do_i, r.b0, r.b1, Dv, dv_acc);
     }
-    // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
-    float* dq_i = dq0 + i * qs;
-    gather_rows(ds, it.k0, qs, r.a0, r.a1, D, dq_i);
-    gather_rows(ds, it.k0, qs, r.b0, r.b1, D, dq_i);
-    for (int64_t d = 0; d < D; ++d) dq_i[d] *= p.scale;
-    // dk_c += scale * ds[c] q_i, dv_c += p[c] do_i.
-    const float* q_i = it.q0 + i * qs;
-    scatter_rows(ds, p.scale, q_i, r.a0, r.a1, D, dk_acc);
-    scatter_rows(ds, p.scale, q_i, r.b0, r.b1, D, dk_acc);
-    scatter_rows(pr, 1.0f, do_i, r.a0, r.a1, Dv, dv_acc);
-    scatter_rows(pr, 1.0f, do_i, r.b0, r.b1, Dv, dv_acc);
+    float* dk0 = dk + (seq.start * H + h) * D;
+    float* dv0 = dv + (seq.start * H + h) * Dv;
+    for (int64_t c = 0; c < L; ++c) {
+      copy_row8(dk_acc + c * D, D, dk0 + c * qs);
+      copy_row8(dv_acc + c * Dv, Dv, dv0 + c * vs);
+    }
+    if (time != nullptr) {
+      float* dst = time_part + h * nt;
+      const float* hs = sq.hist.data();
+      for (int64_t b = 0; b < nt; ++b) dst[b] += (hs[b] + hs[nt + b]) + (hs[2 * nt + b] + hs[3 * nt + b]);
+    }
   }
-  float* dk0 = dk + (it.start * H + it.h) * D;
-  float* dv0 = dv + (it.start * H + it.h) * Dv;
-  for (int64_t c = 0; c < L; ++c) {
-    std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dk0 + c * qs);
-    std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dv0 + c * vs);
-  }
-  return true;
 }
 
 #else
 
-bool forward_item_short(const Prepared&, const Item&, Workspace&, float*) { return false; }
-bool backward_item_short(const Prepared&, const Item&, Workspace&, const float*, float*, float*, float*, float*,
-                         float*) {
-  return false;
-}
+bool short_path(const Prepared&, const SeqInfo&) { return false; }
+void forward_seq_short(const Prepared&, const SeqInfo&, Workspace&, float*) {}
+void backward_seq_short(const Prepared&, const SeqInfo&, Workspace&, const float*, float*, float*, float*, float*,
+                        float*) {}
 
 #endif
