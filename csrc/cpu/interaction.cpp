@@ -819,20 +819,25 @@ void store_sample(const float* src, int64_t F, int64_t D, int64_t ld, scalar_t* 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// out [8, 32] = A X for the 8 x K matrix A[j, i] = a[j * ars + i * acs] and X = rows [K, 32].
+inline void rows32_eight(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K, float* out) {
+  for_row_pairs(8, [&](auto pair, int64_t j0) {
+    constexpr int R = decltype(pair)::value;
+    __m256 acc[R][4];
+    rows32_product<R>(a + j0 * ars, ars, acs, rows, K, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + (j0 + r) * kRow32 + 8 * v, acc[r][v]);
+  });
+}
+
 // fm_compress at D = 32, k = 8 (the GEM model's): rows of X are four vectors and rows of S one.
 // At = (X^T Y)^T [8, 32] = Y^T X, two rows at a time (rows32_product); S [F, 8] = X A: a row of S
 // is eight dot products of X's row with At's rows, reduced together by one hsum8x8 into one vector.
 // yt is Y^T fp32 [8, F]; at and s get At and S (s flat [F * 8]).
 inline void fm_sample32(int64_t F, const float* x, const float* yt, float* at, float* s) {
-  for_row_pairs(8, [&](auto rows, int64_t j0) {
-    constexpr int R = decltype(rows)::value;
-    __m256 acc[R][4];
-    rows32_product<R>(yt + j0 * F, F, 1, x, F, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(at + (j0 + r) * kRow32 + 8 * v, acc[r][v]);
-  });
+  rows32_eight(yt, F, 1, x, F, at);
   for (int64_t f = 0; f < F; ++f) {
     const float* xf = x + f * kRow32;
     const __m256 x0 = _mm256_loadu_ps(xf), x1 = _mm256_loadu_ps(xf + 8), x2 = _mm256_loadu_ps(xf + 16),
@@ -856,15 +861,7 @@ inline void fm_sample32(int64_t F, const float* x, const float* yt, float* at, f
 template <typename out_t>
 inline void fm_backward_sample32(int64_t F, const float* x, const float* y, const float* at, const float* ds,
                                  float* gat, float* gyv, out_t* dx) {
-  for_row_pairs(8, [&](auto rows, int64_t j0) {
-    constexpr int R = decltype(rows)::value;
-    __m256 acc[R][4];
-    rows32_product<R>(ds + j0, 1, 8, x, F, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(gat + (j0 + r) * kRow32 + 8 * v, acc[r][v]);
-  });
+  rows32_eight(ds, 1, 8, x, F, gat);
   for_row_pairs(F, [&](auto rows, int64_t f0) {
     constexpr int R = decltype(rows)::value;
     __m256 acc[R][4];
@@ -1114,6 +1111,18 @@ const float* mix_sample(const MixDims& d, const scalar_t* xb, const scalar_t* fm
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Rows o0..o0+R of S = M X + fm (fm on rows < O_fm) into acc.
+template <int R, typename scalar_t>
+inline void mix_s_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
+                         __m256 (&acc)[R][4]) {
+  rows32_product<R>(m + o0 * d.F, d.F, 1, x, d.F, acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    if (o0 + r < d.Ofm)
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_add_ps(acc[r][v], load8(fmb + (o0 + r) * kRow32 + 8 * v));
+}
+
 // Row o of S = M X + fm held in acc (four vectors) -> its LayerNorm statistics, with the
 // centred row kept in c [O, 32] for the output pass: two-pass mean and variance like
 // layer_norm_rows, each row's sums reduced in registers (hsum_bcast) instead of re-read from S.
@@ -1121,14 +1130,11 @@ template <int R, typename scalar_t>
 inline void mix_center_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
                               float* c, float* mean, float* var) {
   __m256 acc[R][4];
-  rows32_product<R>(m + o0 * d.F, d.F, 1, x, d.F, acc);
+  mix_s_rows32<R>(d, o0, m, x, fmb, acc);
   const __m256 inv_n = _mm256_set1_ps(1.f / kRow32);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int64_t o = o0 + r;
-    if (o < d.Ofm)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_add_ps(acc[r][v], load8(fmb + o * kRow32 + 8 * v));
     const __m256 mu = _mm256_mul_ps(hsum_bcast(sum4(acc[r])), inv_n);
     __m256 q = _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -1176,14 +1182,11 @@ inline void mix_backward_rows32(const MixDims& d, int64_t o0, const float* m, co
                                 const scalar_t* g, const float* w, const float* mean, const float* rstd, float* gw,
                                 float* gb, float* ds, scalar_t* dfm) {
   __m256 acc[R][4];
-  rows32_product<R>(m + o0 * d.F, d.F, 1, x, d.F, acc);
+  mix_s_rows32<R>(d, o0, m, x, fmb, acc);
   const __m256 inv_n = _mm256_set1_ps(1.f / kRow32);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int64_t o = o0 + r;
-    if (o < d.Ofm)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_add_ps(acc[r][v], load8(fmb + o * kRow32 + 8 * v));
     const __m256 mu = _mm256_broadcast_ss(mean + o), rs = _mm256_broadcast_ss(rstd + o);
     __m256 xh[4], gh[4], hx = _mm256_setzero_ps();
 #pragma GCC unroll 8
