@@ -251,7 +251,7 @@ def test_cross_layer(device, backend, shape, dtype):
         assert_close_vs_eager(a, e, ea, dtype, f"grad {name}", factor)
 
 
-def _check_fm_compress(B, F, D, k, dtype, device, backend):
+def _check_fm_compress(B, F, D, k, dtype, device, backend, vs_exact=False):
     x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
     y = randn_nonzero(F, k, dtype=dtype, device=device).requires_grad_(True)
     lw = randn_nonzero(F * k, dtype=dtype, device=device).requires_grad_(True)
@@ -261,7 +261,7 @@ def _check_fm_compress(B, F, D, k, dtype, device, backend):
     g = randn_nonzero(B, F * k, dtype=dtype, device=device)
     inputs = (x, y, lw, lb)
     names = ["x", "y", "ln_weight", "ln_bias"]
-    if dtype != torch.float32:
+    if dtype != torch.float32 or vs_exact:
         _check_vs_exact_and_eager(out, _grads(out, inputs, g), inputs, g, ref.eager_fm_compress, dtype, names,
                                   interpreter_rounding_factor(backend, device, dtype))
         return
@@ -287,7 +287,7 @@ def test_fm_compress(device, backend, shape, dtype):
     _check_fm_compress(*shape, dtype, device, backend)
 
 
-def _check_feature_mix_norm(B, F, D, O, Ofm, dtype, device, backend):
+def _check_feature_mix_norm(B, F, D, O, Ofm, dtype, device, backend, vs_exact=False):
     x = randn_nonzero(B, F, D, dtype=dtype, device=device)
     mix = randn_nonzero(O, F, dtype=dtype, device=device) / math.sqrt(F)
     fm = randn_nonzero(B, Ofm, D, dtype=dtype, device=device)
@@ -299,7 +299,7 @@ def _check_feature_mix_norm(B, F, D, O, Ofm, dtype, device, backend):
     g = randn_nonzero(B, O, D, dtype=dtype, device=device)
     poison_allocator(B * max(O, F) * D * 4, device)
     names = ["x", "mix", "fm", "ln_weight", "ln_bias"]
-    if dtype != torch.float32:
+    if dtype != torch.float32 or vs_exact:
         _check_vs_exact_and_eager(out, _grads(out, inputs, g), inputs, g, ref.eager_feature_mix_norm, dtype, names,
                                   interpreter_rounding_factor(backend, device, dtype))
         return
@@ -421,6 +421,85 @@ def test_fm_compress_cpu_streams_large_grad_x(D):
     (expected,) = torch.autograd.grad(gk.fm_compress(x, y, lw, lb, backend="reference"), x, g)
     # grad_x sums only within a sample; the batch sums are test_fm_compress_cpu_batch_sums_accurate's.
     assert_close(grad_x, expected, torch.float32)
+
+
+# The cpu kernels' D = 32 path (fm_compress also k = 8; the GEM model's Wukong layers): rows in pairs
+# (odd F, O and k tails: F = 9, O = 15), batch sums in chunks of 16 samples (B = 17, 1153: a short
+# chunk), no samples (B = 0), fm rows none / some / all, and a converted dtype. The weight gradients
+# sum the batch: at 1153 samples fp32 sums in any order differ from the reference's by more than
+# its fixed tolerance, so B > 1000 takes FlashAttention's rule against fp64 (vs_exact).
+@cpu_kernel_only
+@pytest.mark.parametrize("B", [0, 1, 7, 8, 9, 17, 1153])
+@pytest.mark.parametrize("F", [9, 10, 16])
+def test_fm_compress_cpu_rows32(B, F):
+    _check_fm_compress(B, F, 32, 8, torch.float32, "cpu", "cpu", vs_exact=B > 1000)
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("B", [0, 1, 9, 17, 1153])
+@pytest.mark.parametrize("F,O,Ofm", [(10, 16, 8), (16, 16, 8), (9, 15, 7), (3, 1, 0), (5, 3, 3)])
+def test_feature_mix_norm_cpu_rows32(B, F, O, Ofm):
+    _check_feature_mix_norm(B, F, 32, O, Ofm, torch.float32, "cpu", "cpu", vs_exact=B > 1000)
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wukong_cpu_rows32_converted_dtypes(dtype):
+    _check_fm_compress(9, 9, 32, 8, dtype, "cpu", "cpu")
+    _check_feature_mix_norm(9, 9, 32, 15, 7, dtype, "cpu", "cpu")
+
+
+@cpu_kernel_only
+def test_wukong_cpu_rows32_streams_large_grad_x():
+    """Past the cache size the D = 32 backwards write grad_x through their scratch with streaming
+    stores; normal stores write it in place. Both give the reference's gradients."""
+    from gem_kernels import _backend
+
+    B, F = 16400, 16
+    assert 4 * B * (2 * F * 32 + 16 * 32) > 32 << 20
+    x = randn_nonzero(B, F, 32).requires_grad_(True)
+    y, lw, lb = randn_nonzero(F, 8), randn_nonzero(F * 8), randn_nonzero(F * 8)
+    mix, fm = randn_nonzero(16, F) / 4, randn_nonzero(B, 8, 32)
+    g, g2 = randn_nonzero(B, F * 8), randn_nonzero(B, 16, 32)
+    (fm_expected,) = torch.autograd.grad(gk.fm_compress(x, y, lw, lb, backend="reference"), x, g)
+    (mix_expected,) = torch.autograd.grad(gk.feature_mix_norm(x, mix, fm, backend="reference"), x, g2)
+    previous = _backend._C.set_streaming_stores(1)
+    try:
+        for kind in (1, 0):
+            _backend._C.set_streaming_stores(kind)
+            (grad_x,) = torch.autograd.grad(gk.fm_compress(x, y, lw, lb, backend="cpu"), x, g)
+            assert_close(grad_x, fm_expected, torch.float32)
+            (grad_x,) = torch.autograd.grad(gk.feature_mix_norm(x, mix, fm, backend="cpu"), x, g2)
+            assert_close(grad_x, mix_expected, torch.float32)
+    finally:
+        _backend._C.set_streaming_stores(previous)
+
+
+@cpu_kernel_only
+def test_wukong_cpu_rows32_batch_sums_accurate():
+    """The D = 32 path sums grad_y and grad_mix over the batch in per-(row, column) vectors per
+    16-sample chunk: within 2x of eager fp32's error against fp64 at 4096 samples."""
+    B, F, D, k, O = 4096, 16, 32, 8, 16
+    gen = torch.Generator().manual_seed(0)
+    fm_inputs = [randn_nonzero(B, F, D, generator=gen), randn_nonzero(F, k, generator=gen),
+                 randn_nonzero(F * k, generator=gen), randn_nonzero(F * k, generator=gen)]
+    mix_inputs = [fm_inputs[0], randn_nonzero(O, F, generator=gen) / 4, randn_nonzero(B, 8, D, generator=gen),
+                  randn_nonzero(D, generator=gen), randn_nonzero(D, generator=gen)]
+    for fn, eager_fn, inputs, g, names in (
+            (gk.fm_compress, ref.eager_fm_compress, fm_inputs, randn_nonzero(B, F * k, generator=gen),
+             ["out", "x", "y", "ln_weight", "ln_bias"]),
+            (gk.feature_mix_norm, ref.eager_feature_mix_norm, mix_inputs, randn_nonzero(B, O, D, generator=gen),
+             ["out", "x", "mix", "fm", "ln_weight", "ln_bias"])):
+
+        def run(f, dtype, inputs=inputs, g=g):
+            leaves = [t.to(dtype, copy=True).requires_grad_(True) for t in inputs]
+            out = f(*leaves)
+            return [out, *torch.autograd.grad(out, leaves, g.to(dtype))]
+
+        exact, eager = run(eager_fn, torch.float64), run(eager_fn, torch.float32)
+        actual = run(lambda *a, fn=fn: fn(*a, backend="cpu"), torch.float32)
+        for name, a, e, ea in zip(names, actual, exact, eager):
+            assert_close_vs_eager(a, e, ea, torch.float32, name)
 
 
 @cpu_kernel_only

@@ -663,6 +663,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   return {grad_x0, grad_xl, grad_u, grad_v, grad_bias};
 }
 
+// Rows of D = 32 floats (the GEM model's Wukong layers): a row is four ymm vectors, so a sample's
+// products, LayerNorms and sums run on fixed-size register blocks with no padded copies, runtime
+// loop bounds or transposes. At the model's shape (1152 rows, F = 10 and 16, O = 16, k = 8) the
+// general kernels above spent most of their time around the products, not in them (notes-interaction.md).
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kRow32 = 32;
+
+// Every lane = the sum of v's eight lanes.
+inline __m256 hsum_bcast(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+inline __m256 sum4(const __m256 (&v)[4]) { return _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])); }
+
+// acc[r] += sum_{j < K} a[r * ars + j * acs] * rows[j] for R rows of 32 floats (rows at stride 32):
+// four vector loads and R broadcasts per 4 R FMAs; R = 2 keeps eight independent accumulators.
+template <int R>
+inline void rows32_fma(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K, __m256 (&acc)[R][4]) {
+  for (int64_t j = 0; j < K; ++j, rows += kRow32) {
+    const __m256 x0 = _mm256_loadu_ps(rows), x1 = _mm256_loadu_ps(rows + 8), x2 = _mm256_loadu_ps(rows + 16),
+                 x3 = _mm256_loadu_ps(rows + 24);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 g = _mm256_broadcast_ss(a + r * ars + j * acs);
+      acc[r][0] = _mm256_fmadd_ps(g, x0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(g, x1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(g, x2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(g, x3, acc[r][3]);
+    }
+  }
+}
+
+template <int R>
+inline void rows32_product(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K,
+                           __m256 (&acc)[R][4]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+  rows32_fma<R>(a, ars, acs, rows, K, acc);
+}
+
+// Runs body(R, i0) for i0 = 0, 2, 4, ... < n with R (an integral_constant) = 2, and 1 for an odd last row.
+template <typename Body>
+inline void for_row_pairs(int64_t n, const Body& body) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) body(std::integral_constant<int, 2>{}, i);
+  if (i < n) body(std::integral_constant<int, 1>{}, i);
+}
+
+// One sample's X as fp32 rows of 32: fp32 input in place, other dtypes converted into xs [F, 32].
+template <typename scalar_t>
+inline const float* rows32_of(const scalar_t* xb, int64_t F, float* xs) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return xb;
+  } else {
+    for (int64_t i = 0; i < F * kRow32; i += 8) _mm256_storeu_ps(xs + i, load8(xb + i));
+    return xs;
+  }
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------
 // fm_compress: s = flatten(X (X^T Y)) per sample, out = LayerNorm(s) * w + b
 // ------------------------------------------------------------------------------------------------
@@ -959,6 +1023,78 @@ void store_sample(const float* src, int64_t F, int64_t D, int64_t ld, scalar_t* 
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// out [8, 32] = A X for the 8 x K matrix A[j, i] = a[j * ars + i * acs] and X = rows [K, 32].
+inline void rows32_eight(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K, float* out) {
+  for_row_pairs(8, [&](auto pair, int64_t j0) {
+    constexpr int R = decltype(pair)::value;
+    __m256 acc[R][4];
+    rows32_product<R>(a + j0 * ars, ars, acs, rows, K, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + (j0 + r) * kRow32 + 8 * v, acc[r][v]);
+  });
+}
+
+// fm_compress at D = 32, k = 8 (the GEM model's): rows of X are four vectors and rows of S one.
+// At = (X^T Y)^T [8, 32] = Y^T X, two rows at a time (rows32_product); S [F, 8] = X A: a row of S
+// is eight dot products of X's row with At's rows, reduced together by one hsum8x8 into one vector.
+// yt is Y^T fp32 [8, F]; at and s get At and S (s flat [F * 8]).
+inline void fm_sample32(int64_t F, const float* x, const float* yt, float* at, float* s) {
+  rows32_eight(yt, F, 1, x, F, at);
+  for (int64_t f = 0; f < F; ++f) {
+    const float* xf = x + f * kRow32;
+    const __m256 x0 = _mm256_loadu_ps(xf), x1 = _mm256_loadu_ps(xf + 8), x2 = _mm256_loadu_ps(xf + 16),
+                 x3 = _mm256_loadu_ps(xf + 24);
+    __m256 dot[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const float* a = at + j * kRow32;
+      dot[j] = _mm256_fmadd_ps(x3, _mm256_loadu_ps(a + 24),
+                               _mm256_fmadd_ps(x2, _mm256_loadu_ps(a + 16),
+                                               _mm256_fmadd_ps(x1, _mm256_loadu_ps(a + 8),
+                                                               _mm256_mul_ps(x0, _mm256_loadu_ps(a)))));
+    }
+    _mm256_storeu_ps(s + f * 8, hsum8x8(dot));
+  }
+}
+
+// The fm_compress backward of one sample at D = 32, k = 8, from x, At and grad_S (ds [F, 8]):
+// grad_At = grad_S^T X [8, 32] (into gat), grad_X = grad_S At + Y grad_At (y fp32 [F, 8]),
+// gyv[f * 8 + j] (8 floats each) += x[f] * grad_At[j] lane-wise (grad_Y's dot products, reduced once per chunk).
+template <typename out_t>
+inline void fm_backward_sample32(int64_t F, const float* x, const float* y, const float* at, const float* ds,
+                                 float* gat, float* gyv, out_t* dx) {
+  rows32_eight(ds, 1, 8, x, F, gat);
+  for_row_pairs(F, [&](auto rows, int64_t f0) {
+    constexpr int R = decltype(rows)::value;
+    __m256 acc[R][4];
+    rows32_product<R>(ds + f0 * 8, 8, 1, at, 8, acc);
+    rows32_fma<R>(y + f0 * 8, 8, 1, gat, 8, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) store8(dx + (f0 + r) * kRow32 + 8 * v, acc[r][v]);
+  });
+  for (int64_t f = 0; f < F; ++f) {
+    const float* xf = x + f * kRow32;
+    const __m256 x0 = _mm256_loadu_ps(xf), x1 = _mm256_loadu_ps(xf + 8), x2 = _mm256_loadu_ps(xf + 16),
+                 x3 = _mm256_loadu_ps(xf + 24);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const float* a = gat + j * kRow32;
+      float* acc = gyv + (f * 8 + j) * 8;
+      __m256 t = _mm256_loadu_ps(acc);
+      t = _mm256_fmadd_ps(x0, _mm256_loadu_ps(a), t);
+      t = _mm256_fmadd_ps(x1, _mm256_loadu_ps(a + 8), t);
+      t = _mm256_fmadd_ps(x2, _mm256_loadu_ps(a + 16), t);
+      _mm256_storeu_ps(acc, _mm256_fmadd_ps(x3, _mm256_loadu_ps(a + 24), t));
+    }
+  }
+}
+#endif
+
 FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
   const int64_t B = x.size(0), F = x.size(1), D = x.size(2), k = y.size(1);
   // kq: k columns padded to 8, not to a whole 16-wide tile (combine_rows takes ld = 16 j + 8): at the
@@ -966,6 +1102,11 @@ FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
   return {B, F, D, k, round_up(F, kRows), round_up(std::max<int64_t>(D, 1), kCols), round_up(k, kRows),
           round_up(k, kCols / 2)};
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The shape fm_sample32 and fm_backward_sample32 take.
+inline bool fm_rows32(const FmDims& d) { return d.D == kRow32 && d.k == 8; }
+#endif
 
 // The (X^T Y)^T [k, D] and S [F, k] of one sample as `products` stores them: one fp32 row per sample.
 inline int64_t products_row(const FmDims& d) { return d.k * d.D + d.F * d.k; }
@@ -996,6 +1137,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
       for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
         if (b + 1 < end) prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
+#if defined(__AVX2__) && defined(__FMA__)
+        if (fm_rows32(d)) {
+          // At and S straight into the products row when the backward will read them.
+          float* at = pp ? pp + b * products_row(d) : w.at.data();
+          float* s = pp ? at + d.k * d.D : w.sf.data();
+          fm_sample32(d.F, rows32_of(xp + b * d.F * d.D, d.F, w.xs.data()), ytp, at, s);
+          std::tie(mp[b], rp[b]) = layer_norm_row(s, n, wp, bp, static_cast<float>(eps), op + b * n);
+          continue;
+        }
+#endif
         fm_sample(d, xp + b * d.F * d.D, ytp, w);
         if (pp) {
           float* pb = pp + b * products_row(d);
@@ -1033,7 +1184,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
     yt.narrow(0, 0, d.k).copy_(y.t());
 
     auto w32 = ln_weight.to(at::kFloat);
+    auto y32 = y.to(at::kFloat).contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_backward_cpu", [&] {
+      const float* y32p = y32.data_ptr<float>();
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const scalar_t* gp = grad_out.data_ptr<scalar_t>();
       const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>();
@@ -1047,11 +1200,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
         std::vector<float> xhat(n), gh(n), ds(n), dsy(d.Fp * 2 * d.kp, 0.f), dx(d.Fp * d.Dp), da(d.D * d.kq, 0.f);
         for (int64_t f = 0; f < d.F; ++f)
           for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
+#if defined(__AVX2__) && defined(__FMA__)
+        std::vector<float> gyv(fm_rows32(d) ? 8 * d.F * d.k : 0);
+#endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
           float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
           float* gw = part_wb.data_ptr<float>() + c * 2 * n;
           const int64_t last = (c + 1) * d.B / chunks;
+#if defined(__AVX2__) && defined(__FMA__)
+          if (fm_rows32(d)) {
+            std::fill(gyv.begin(), gyv.end(), 0.f);
+            for (int64_t b = c * d.B / chunks; b < last; ++b) {
+              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, w.xs.data());
+              const float *at = w.at.data(), *s = w.sf.data();
+              if (saved) {
+                at = pp + b * products_row(d);
+                s = at + d.k * d.D;
+              } else {
+                fm_sample32(d.F, xr, ytp, w.at.data(), w.sf.data());
+              }
+              layer_norm_row_backward(s, gp + b * n, wp, mp[b], rp[b], n, xhat.data(), gh.data(), gw, gw + n,
+                                      ds.data());
+              // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
+              if (stream) {
+                fm_backward_sample32(d.F, xr, y32p, at, ds.data(), dat, gyv.data(), dx.data());
+                store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
+              } else {
+                fm_backward_sample32(d.F, xr, y32p, at, ds.data(), dat, gyv.data(), dxp + b * d.F * d.D);
+              }
+            }
+            for (int64_t f = 0; f < d.F; ++f) {
+              __m256 dots[8];
+              for (int j = 0; j < 8; ++j) dots[j] = _mm256_loadu_ps(gyv.data() + (f * 8 + j) * 8);
+              _mm256_storeu_ps(gy + f * d.kq, hsum8x8(dots));
+            }
+            continue;
+          }
+#endif
           for (int64_t b = c * d.B / chunks; b < last; ++b) {
             if (b + 1 < last) {
               prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
@@ -1129,6 +1315,138 @@ const float* mix_sample(const MixDims& d, const scalar_t* xb, const scalar_t* fm
   return xr;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Rows o0..o0+R of S = M X + fm (fm on rows < O_fm) into acc.
+template <int R, typename scalar_t>
+inline void mix_s_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
+                         __m256 (&acc)[R][4]) {
+  rows32_product<R>(m + o0 * d.F, d.F, 1, x, d.F, acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    if (o0 + r < d.Ofm)
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_add_ps(acc[r][v], load8(fmb + (o0 + r) * kRow32 + 8 * v));
+}
+
+// Row o of S = M X + fm held in acc (four vectors) -> its LayerNorm statistics, with the
+// centred row kept in c [O, 32] for the output pass: two-pass mean and variance like
+// layer_norm_rows, each row's sums reduced in registers (hsum_bcast) instead of re-read from S.
+template <int R, typename scalar_t>
+inline void mix_center_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
+                              float* c, float* mean, float* var) {
+  __m256 acc[R][4];
+  mix_s_rows32<R>(d, o0, m, x, fmb, acc);
+  const __m256 inv_n = _mm256_set1_ps(1.f / kRow32);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int64_t o = o0 + r;
+    const __m256 mu = _mm256_mul_ps(hsum_bcast(sum4(acc[r])), inv_n);
+    __m256 q = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) {
+      const __m256 cv = _mm256_sub_ps(acc[r][v], mu);
+      _mm256_storeu_ps(c + o * kRow32 + 8 * v, cv);
+      q = _mm256_fmadd_ps(cv, cv, q);
+    }
+    mean[o] = _mm256_cvtss_f32(mu);
+    var[o] = _mm256_cvtss_f32(hsum_bcast(q));
+  }
+}
+
+// feature_mix_norm forward of one sample at D = 32. c is [O, 32] scratch, var and rs [round_up(O, 8)]
+// (var's lanes past O stay 0: finite, unused).
+template <typename scalar_t>
+void mix_norm_sample32(const MixDims& d, const float* m, const float* x, const scalar_t* fmb, const float* w,
+                       const float* bias, float eps, float* c, float* var, float* rs, scalar_t* out, float* mean,
+                       float* rstd) {
+  for_row_pairs(d.O, [&](auto rows, int64_t o0) {
+    mix_center_rows32<decltype(rows)::value>(d, o0, m, x, fmb, c, mean, var);
+  });
+  const __m256 inv_n = _mm256_set1_ps(1.f / kRow32), veps = _mm256_set1_ps(eps);
+  for (int64_t o = 0; o < d.O; o += 8)
+    _mm256_storeu_ps(rs + o, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_sqrt_ps(_mm256_fmadd_ps(
+                                                                   _mm256_loadu_ps(var + o), inv_n, veps))));
+  std::copy(rs, rs + d.O, rstd);
+  __m256 wv[4], bv[4];
+#pragma GCC unroll 8
+  for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_ps(w + 8 * v), bv[v] = _mm256_loadu_ps(bias + 8 * v);
+  for (int64_t o = 0; o < d.O; ++o) {
+    const __m256 r = _mm256_broadcast_ss(rs + o);
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v)
+      store8(out + o * kRow32 + 8 * v,
+             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(c + o * kRow32 + 8 * v), r), wv[v], bv[v]));
+  }
+}
+
+// feature_mix_norm backward of rows o0..o0+R of one sample at D = 32: S again from M X + fm, then the
+// LayerNorm backward on the registers (as layer_norm_rows_backward: xhat = (s - mean) rstd, gh = g w,
+// grad_s = rstd (gh - mean(gh) - xhat mean(gh xhat))) into ds [O, 32] and grad_fm; gw/gb += g xhat, g.
+template <int R, typename scalar_t>
+inline void mix_backward_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
+                                const scalar_t* g, const float* w, const float* mean, const float* rstd, float* gw,
+                                float* gb, float* ds, scalar_t* dfm) {
+  __m256 acc[R][4];
+  mix_s_rows32<R>(d, o0, m, x, fmb, acc);
+  const __m256 inv_n = _mm256_set1_ps(1.f / kRow32);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int64_t o = o0 + r;
+    const __m256 mu = _mm256_broadcast_ss(mean + o), rs = _mm256_broadcast_ss(rstd + o);
+    __m256 xh[4], gh[4], hx = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) {
+      const __m256 gv = load8(g + o * kRow32 + 8 * v);
+      xh[v] = _mm256_mul_ps(_mm256_sub_ps(acc[r][v], mu), rs);
+      gh[v] = _mm256_mul_ps(gv, _mm256_loadu_ps(w + 8 * v));
+      _mm256_storeu_ps(gw + 8 * v, _mm256_fmadd_ps(gv, xh[v], _mm256_loadu_ps(gw + 8 * v)));
+      _mm256_storeu_ps(gb + 8 * v, _mm256_add_ps(_mm256_loadu_ps(gb + 8 * v), gv));
+      hx = _mm256_fmadd_ps(gh[v], xh[v], hx);
+    }
+    const __m256 c1 = _mm256_mul_ps(hsum_bcast(sum4(gh)), inv_n), c2 = _mm256_mul_ps(hsum_bcast(hx), inv_n);
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) {
+      const __m256 dv = _mm256_mul_ps(rs, _mm256_fnmadd_ps(xh[v], c2, _mm256_sub_ps(gh[v], c1)));
+      _mm256_storeu_ps(ds + o * kRow32 + 8 * v, dv);
+      if (o < d.Ofm) store8(dfm + o * kRow32 + 8 * v, dv);
+    }
+  }
+}
+
+// gmv[o * F + f] (8 floats each) += ds[o] * x[f] lane-wise for rows o0..o0+R: grad_M's dot products as per-(o, f)
+// vector accumulators, reduced once per chunk of samples (no transpose of X, no padding of F).
+template <int R>
+inline void mix_grad_m_rows32(const MixDims& d, int64_t o0, const float* ds, const float* x, float* gmv) {
+  __m256 dr[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) dr[r][v] = _mm256_loadu_ps(ds + (o0 + r) * kRow32 + 8 * v);
+  for (int64_t f = 0; f < d.F; ++f) {
+    const float* xf = x + f * kRow32;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* acc = gmv + ((o0 + r) * d.F + f) * 8;
+      __m256 t = _mm256_loadu_ps(acc);
+#pragma GCC unroll 8
+      for (int v = 0; v < 4; ++v) t = _mm256_fmadd_ps(dr[r][v], _mm256_loadu_ps(xf + 8 * v), t);
+      _mm256_storeu_ps(acc, t);
+    }
+  }
+}
+
+// Rows f0..f0+R of grad_X = M^T grad_S: m is M fp32 [O, F], read down its columns.
+template <int R, typename out_t>
+inline void mix_grad_x_rows32(const MixDims& d, int64_t f0, const float* m, const float* ds, out_t* dx) {
+  __m256 acc[R][4];
+  rows32_product<R>(m + f0, 1, d.F, ds, d.O, acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int v = 0; v < 4; ++v) store8(dx + (f0 + r) * kRow32 + 8 * v, acc[r][v]);
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Tensor& x, const at::Tensor& mix,
                                                                     const at::Tensor& fm, const at::Tensor& ln_weight,
                                                                     const at::Tensor& ln_bias, double eps) {
@@ -1150,12 +1468,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
     float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
     parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 2 * d.O * d.F * d.D), [&](auto& claim) {
       std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp);
+#if defined(__AVX2__) && defined(__FMA__)
+      std::vector<float> var(round_up(d.O, 8), 0.f), rs(round_up(d.O, 8));
+#endif
       for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
         if (b + 1 < end) {
           prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
           if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
         }
+#if defined(__AVX2__) && defined(__FMA__)
+        if (d.D == kRow32) {
+          mix_norm_sample32(d, mp, rows32_of(xp + b * d.F * d.D, d.F, xs.data()), fp ? fp + b * d.Ofm * d.D : fp,
+                            wp, bp, static_cast<float>(eps), s.data(), var.data(), rs.data(), op + b * d.O * d.D,
+                            meanp + b * d.O, rstdp + b * d.O);
+          continue;
+        }
+#endif
         mix_sample(d, xp + b * d.F * d.D, fp ? fp + b * d.Ofm * d.D : fp, mp, xs.data(), s.data());
         layer_norm_rows(s.data(), d.O, d.D, d.Dp, wp, bp, static_cast<float>(eps), op + b * d.O * d.D,
                         meanp + b * d.O, rstdp + b * d.O);
@@ -1197,11 +1526,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
         // grad_S [Op, Dp] and X^T [D, Fq] keep zero padding (rows past O, columns past F).
         std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp), ds(d.Op * d.Dp, 0.f), dx(d.Fp * d.Dp),
             xt(d.D * d.Fq, 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+        std::vector<float> gmv(d.D == kRow32 ? 8 * d.O * d.F : 0);
+#endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
           float* gm = part_m.data_ptr<float>() + c * d.Op * d.Fq;
           float* gw = part_wb.data_ptr<float>() + c * 2 * d.D;
           const int64_t last = (c + 1) * d.B / chunks;
+#if defined(__AVX2__) && defined(__FMA__)
+          if (d.D == kRow32) {
+            std::fill(gmv.begin(), gmv.end(), 0.f);
+            for (int64_t b = c * d.B / chunks; b < last; ++b) {
+              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xs.data());
+              const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
+              scalar_t* dfm = dfp ? dfp + b * d.Ofm * d.D : dfp;
+              for_row_pairs(d.O, [&](auto rows, int64_t o0) {
+                constexpr int R = decltype(rows)::value;
+                mix_backward_rows32<R>(d, o0, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O, rstdp + b * d.O,
+                                       gw, gw + d.D, ds.data(), dfm);
+                mix_grad_m_rows32<R>(d, o0, ds.data(), xr, gmv.data());
+              });
+              // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
+              for_row_pairs(d.F, [&](auto rows, int64_t f0) {
+                constexpr int R = decltype(rows)::value;
+                if (stream)
+                  mix_grad_x_rows32<R>(d, f0, mp, ds.data(), dx.data());
+                else
+                  mix_grad_x_rows32<R>(d, f0, mp, ds.data(), dxp + b * d.F * d.D);
+              });
+              if (stream) store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
+            }
+            for (int64_t o = 0; o < d.O; ++o)
+              for (int64_t f = 0; f < d.F; ++f) gm[o * d.Fq + f] = hsum8(_mm256_loadu_ps(gmv.data() + (o * d.F + f) * 8));
+            continue;
+          }
+#endif
           for (int64_t b = c * d.B / chunks; b < last; ++b) {
             if (b + 1 < last) {
               prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
