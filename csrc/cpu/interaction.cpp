@@ -8,8 +8,9 @@
 // [B, F, F]- or [B, D, k]-sized is ever written.
 // Sample-independent sums (grad_y, LayerNorm grad_weight/grad_bias, cross layer grad_bias) go to
 // per-chunk fp32 partials over fixed chunks of kSumChunk samples, summed at the end: accurate, and
-// deterministic whatever the thread count. cross_layer (fp32): MKL sgemm over row blocks with the
-// bias, product and residual (and their backward) applied to each block in L2 (see its section).
+// deterministic whatever the thread count. cross_layer: its matmuls are one at::addmm/at::mm each (MKL / oneDNN);
+// the bias rides in addmm, and the product-plus-residual epilogue (and its backward) is one
+// vectorised pass over [B, N] instead of eager's separate mul/add/sum kernels.
 //
 // Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
 // (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
@@ -42,13 +43,11 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
-#include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gem_kernels/checks.h"
-#include "gem_kernels/cpu_blas.h"
 #include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/interaction_checks.h"
 #include "gem_kernels/parallel.h"
@@ -379,206 +378,16 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
 // ------------------------------------------------------------------------------------------------
 // cross_layer: out = x0 * z + xl, z = p U^T + b, p = xl V^T (p = xl when v is empty)
 // ------------------------------------------------------------------------------------------------
-//
-// fp32 runs fused over row blocks: a worker multiplies a block of kCrossBlockRows rows with a
-// single-threaded MKL sgemm against a weight packed once per call (cpu_blas.h PackedB) into a
-// per-thread scratch, and applies the elementwise part to that block while it is in L2:
-//   forward:  zs = xl_blk W^T (low rank: p_blk = xl_blk V^T, zs = p_blk U^T), then
-//             z = zs + b, out = x0 * z + xl.
-//   backward: dz = dy * x0 (to the scratch and to grad_z), dx0 = dy * z, db's column sums, then
-//             dxs = dz_blk W (low rank: dp_blk = dz_blk U, dxs = dp_blk V), grad_xl = dxs + dy.
-//   The weight gradients are one multi-threaded GEMM each over all rows (dW = dz^T xl, or dU =
-//   dz^T p and dV = dp^T xl): per-block products with k = block rows run far from the peak.
-// Bytes per call (B x N fp32 tensors of T = 4*B*N bytes): the forward reads xl, x0 and writes z,
-// out (4 T; it was 10 T: addmm's bias broadcast into z, the GEMM's read-modify-write of z, then a
-// pass reading x0, z, xl); the backward reads dy, x0, z and writes grad_z, grad_x0, grad_xl
-// (6 T, plus the dW GEMM's 2 T; it was 13 T with addmm's copy of dy into grad_xl and its C
-// round trip). The outputs go out with streaming stores (no read-for-ownership of their lines).
-// z is kept from the forward (T written there, read here) rather than recomputed: its GEMM costs
-// 2*B*N*N FLOPs, ~7 ms at B = 4096, N = 512 where the T round trip costs < 1 ms.
-// Other dtypes keep ATen's addmm/mm (float16/bfloat16: oneDNN, which uses the CPU's bf16/fp16
-// units) and one vectorised elementwise pass.
 
-// Elements per epilogue task of the other dtypes' path: enough to amortise scheduling.
+// Elements per epilogue task: enough to amortise scheduling.
 constexpr int64_t kEpilogueGrain = 16384;
-
-// Rows per block: W (N*N*4 = 1 MiB at N = 512), MKL's packed copy of it and the 256-row blocks a
-// worker touches (x0, xl, the product in scratch: 3 x 512 KiB) about fill a 2 MiB L2; smaller
-// blocks ran the product slower (MKL's small-m sgemm: 128 rows ~8% slower on one core). Fixed, not
-// scaled to the thread count, so that every row's GEMM call is the same on any number of threads.
-constexpr int64_t kCrossBlockRows = 256;
-
-// The block epilogues write the [B, N] outputs with streaming stores where rows are 32-byte aligned
-// (N a multiple of 8): the outputs are not read again in the call, and a normal store first reads
-// each line from memory (8 MiB per output at B = 4096, N = 512).
-inline bool streamable(const float* p, int64_t N) {
-#if defined(__AVX2__) && defined(__FMA__)
-  return N % 8 == 0 && reinterpret_cast<uintptr_t>(p) % 32 == 0;
-#else
-  (void)p, (void)N;
-  return false;
-#endif
-}
-
-// Forward row: z = zs + b, out = x0 * z + xl.
-inline void cross_forward_row(const float* zs, const float* bias, const float* a, const float* x, float* z, float* o,
-                              int64_t N, bool stream) {
-  int64_t n = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if (stream)
-    for (; n < N; n += 8) {
-      const __m256 zv = _mm256_add_ps(_mm256_loadu_ps(zs + n), _mm256_loadu_ps(bias + n));
-      _mm256_stream_ps(z + n, zv);
-      _mm256_stream_ps(o + n, _mm256_fmadd_ps(_mm256_loadu_ps(a + n), zv, _mm256_loadu_ps(x + n)));
-    }
-#endif
-  for (; n < N; ++n) {
-    const float zv = zs[n] + bias[n];
-    z[n] = zv;
-    o[n] = a[n] * zv + x[n];
-  }
-}
-
-// Backward row, before the product: dz = g * x0 into the scratch row and grad_z, grad_x0 = g * z,
-// colsum += dz.
-inline void cross_backward_row(const float* g, const float* a, const float* z, float* dzs, float* gz, float* ga,
-                               float* colsum, int64_t N, bool stream) {
-  int64_t n = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if (stream)
-    for (; n < N; n += 8) {
-      const __m256 gv = _mm256_loadu_ps(g + n);
-      const __m256 dz = _mm256_mul_ps(gv, _mm256_loadu_ps(a + n));
-      _mm256_storeu_ps(dzs + n, dz);
-      _mm256_stream_ps(gz + n, dz);
-      _mm256_stream_ps(ga + n, _mm256_mul_ps(gv, _mm256_loadu_ps(z + n)));
-      _mm256_storeu_ps(colsum + n, _mm256_add_ps(_mm256_loadu_ps(colsum + n), dz));
-    }
-#endif
-  for (; n < N; ++n) {
-    const float dz = g[n] * a[n];
-    dzs[n] = dz;
-    gz[n] = dz;
-    ga[n] = g[n] * z[n];
-    colsum[n] += dz;
-  }
-}
-
-// Backward row, after the product: grad_xl = dxs + g.
-inline void cross_residual_row(const float* dxs, const float* g, float* gx, int64_t N, bool stream) {
-  int64_t n = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if (stream)
-    for (; n < N; n += 8) _mm256_stream_ps(gx + n, _mm256_add_ps(_mm256_loadu_ps(dxs + n), _mm256_loadu_ps(g + n)));
-#endif
-  for (; n < N; ++n) gx[n] = dxs[n] + g[n];
-}
-
-// This thread's scratch of at least `floats`, kept across calls: a fresh block-sized vector per call
-// is a new mapping whose page faults (hundreds per call) cost as much as the stores saved above.
-float* cross_scratch(size_t floats) {
-  thread_local std::vector<float> scratch;
-  if (scratch.size() < floats) scratch.resize(floats);
-  return scratch.data();
-}
-
-// Orders a worker's streaming stores before the join that publishes its rows.
-inline void stream_fence() {
-#if defined(__AVX2__) && defined(__FMA__)
-  _mm_sfence();
-#endif
-}
-
-void cross_layer_forward_f32(const float* x0, const float* xl, const float* u, const float* v, const float* bias,
-                             float* out, float* z, float* p, int64_t B, int64_t N, int64_t rank) {
-  const int64_t flops_per_row = 2 * N * (rank > 0 ? 2 * rank : N);
-  const int64_t block = std::min(kCrossBlockRows, B);
-  // Full rank: z_blk = xl_blk W^T. Low rank: p_blk = xl_blk V^T, z_blk = p_blk U^T.
-  const PackedB first(true, block, rank > 0 ? rank : N, N, rank > 0 ? v : u, N);
-  const PackedB second(true, block, N, rank, u, rank);
-  const bool stream = streamable(z, N) && streamable(out, N);
-  parallel_ranges(B, kCrossBlockRows, workers_for(B, flops_per_row), [&](auto& claim) {
-    const SingleThreadBlas single_thread;
-    float* zs = cross_scratch(block * N);
-    for (int64_t r0, r1; claim(r0, r1);) {
-      const int64_t rows = r1 - r0;
-      if (rank > 0) {
-        first.multiply(rows, xl + r0 * N, N, 0.0f, p + r0 * rank, rank);
-        second.multiply(rows, p + r0 * rank, rank, 0.0f, zs, N);
-      } else {
-        first.multiply(rows, xl + r0 * N, N, 0.0f, zs, N);
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t base = (r0 + i) * N;
-        cross_forward_row(zs + i * N, bias, x0 + base, xl + base, z + base, out + base, N, stream);
-      }
-    }
-    stream_fence();
-  });
-}
-
-// The weight gradients come after, from grad_z (and grad_p) over all rows. db's column sums go to
-// `partial` [sum_chunks(B), N]: a claim is a run of whole sum chunks, so the sums do not depend on
-// the schedule (and a block is kCrossBlockRows rows, the packed operand's, when the chunks are
-// kSumChunk rows: B a multiple of 16 up to 16384).
-void cross_layer_backward_f32(const float* g, const float* x0, const float* u, const float* v, const float* z,
-                              float* grad_z, float* grad_x0, float* grad_xl, float* grad_p, float* partial,
-                              int64_t B, int64_t N, int64_t rank) {
-  const int64_t chunks = sum_chunks(B);
-  const int64_t flops_per_row = 2 * N * (rank > 0 ? 2 * rank : N);
-  const int64_t block_chunks = std::max<int64_t>(1, kCrossBlockRows * chunks / B);
-  const int64_t block = std::min(kCrossBlockRows, B);
-  // Full rank: dxl_blk = dz_blk W. Low rank: dp_blk = dz_blk U, dxl_blk = dp_blk V.
-  const PackedB first(false, block, rank > 0 ? rank : N, N, u, rank > 0 ? rank : N);
-  const PackedB second(false, block, N, rank, v, N);
-  const bool stream = streamable(grad_z, N) && streamable(grad_x0, N) && streamable(grad_xl, N);
-  parallel_ranges(chunks, block_chunks, workers_for(B, flops_per_row), [&](auto& claim) {
-    const SingleThreadBlas single_thread;
-    // Rows of a claim: at most block_chunks chunks of ceil(B / chunks) rows.
-    const int64_t most = block_chunks * ((B + chunks - 1) / chunks);
-    float* dzs = cross_scratch(2 * most * N);
-    float* dxs = dzs + most * N;
-    for (int64_t c0, c1; claim(c0, c1);) {
-      const int64_t r0 = c0 * B / chunks, rows = c1 * B / chunks - r0;
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t row = c * B / chunks; row < (c + 1) * B / chunks; ++row) {
-          const int64_t base = row * N;
-          cross_backward_row(g + base, x0 + base, z + base, dzs + (row - r0) * N, grad_z + base,
-                             grad_x0 + base, partial + c * N, N, stream);
-        }
-      if (rank > 0) {
-        first.multiply(rows, dzs, N, 0.0f, grad_p + r0 * rank, rank);
-        second.multiply(rows, grad_p + r0 * rank, rank, 0.0f, dxs, N);
-      } else {
-        first.multiply(rows, dzs, N, 0.0f, dxs, N);
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t base = (r0 + i) * N;
-        cross_residual_row(dxs + i * N, g + base, grad_xl + base, N, stream);
-      }
-    }
-    stream_fence();
-  });
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor& x0, const at::Tensor& xl,
                                                                const at::Tensor& u, const at::Tensor& v,
                                                                const at::Tensor& bias) {
   GK_CHECK_CPU(x0);
   const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
-  const int64_t B = x0.size(0), N = x0.size(1), rank = low_rank ? v.size(0) : 0;
-  if (x0.scalar_type() == at::kFloat) {
-    auto out = at::empty_like(xl);
-    auto z = at::empty_like(xl);
-    // N = 0: p = xl V^T is a sum over nothing (zeros), and sgemm would reject the 0 leading dimensions.
-    auto p = low_rank ? (N == 0 ? at::zeros({B, rank}, xl.options()) : at::empty({B, rank}, xl.options()))
-                      : at::empty({0}, xl.options());
-    if (N > 0)
-      cross_layer_forward_f32(x0.data_ptr<float>(), xl.data_ptr<float>(), u.data_ptr<float>(),
-                              low_rank ? v.data_ptr<float>() : nullptr, bias.data_ptr<float>(), out.data_ptr<float>(),
-                              z.data_ptr<float>(), low_rank ? p.data_ptr<float>() : nullptr, B, N, rank);
-    return {out, z, p};
-  }
+  const int64_t B = x0.size(0), N = x0.size(1);
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
   auto out = at::empty_like(xl);
@@ -602,26 +411,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
     const at::Tensor& v, const at::Tensor& z, const at::Tensor& p) {
   GK_CHECK_CPU(x0);
   const bool low_rank = interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
-  const int64_t B = x0.size(0), N = x0.size(1), rank = low_rank ? v.size(0) : 0;
+  const int64_t B = x0.size(0), N = x0.size(1);
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
   // Column sums of grad_z over fixed row chunks (deterministic), in fp32.
   const int64_t chunks = sum_chunks(B);
   auto partial = at::zeros({chunks, N}, x0.options().dtype(at::kFloat));
-  if (x0.scalar_type() == at::kFloat) {
-    auto grad_xl = at::empty_like(xl);
-    auto grad_p = low_rank ? at::empty({B, rank}, x0.options()) : at::Tensor();
-    if (B > 0 && N > 0)
-      cross_layer_backward_f32(grad_out.data_ptr<float>(), x0.data_ptr<float>(), u.data_ptr<float>(),
-                               low_rank ? v.data_ptr<float>() : nullptr, z.data_ptr<float>(), grad_z.data_ptr<float>(),
-                               grad_x0.data_ptr<float>(), grad_xl.data_ptr<float>(),
-                               low_rank ? grad_p.data_ptr<float>() : nullptr, partial.data_ptr<float>(), B, N, rank);
-    else if (low_rank)
-      grad_p.zero_();  // N = 0: dp = dz U is a sum over nothing
-    auto grad_u = at::mm(grad_z.t(), low_rank ? p : xl);
-    auto grad_v = low_rank ? at::mm(grad_p.t(), xl) : at::empty({0}, x0.options());
-    return {grad_x0, grad_xl, grad_u, grad_v, partial.sum(0)};
-  }
   if (B > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x0.scalar_type(), "cross_layer_backward_cpu", [&] {
       const scalar_t* g = grad_out.data_ptr<scalar_t>();
