@@ -423,6 +423,33 @@ def test_fm_compress_cpu_streams_large_grad_x(D):
 # sum the batch: at 1153 samples fp32 sums in any order differ from the reference's by more than
 # its fixed tolerance, so B > 1000 takes FlashAttention's rule against fp64 (vs_exact).
 @cpu_kernel_only
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_wukong_cpu_rows32_nonfinite_like_the_reference(bad):
+    """A non-finite input element on the D = 32 path: Inf/NaN reach exactly the outputs and input
+    gradients they reach in the reference (its sample only), the finite rest equal as usual."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 10, 32, generator=g)
+    x[3, 2, 5] = bad
+    y, w, b = torch.randn(10, 8, generator=g), torch.randn(80, generator=g), torch.randn(80, generator=g)
+    m, fm = torch.randn(16, 10, generator=g), torch.randn(20, 8, 32, generator=g)
+    lw, lb = torch.randn(32, generator=g), torch.randn(32, generator=g)
+    calls = (lambda xx, be: gk.fm_compress(xx, y, w, b, 1e-5, backend=be),
+             lambda xx, be: gk.feature_mix_norm(xx, m, fm, lw, lb, 1e-5, backend=be))
+    for call in calls:
+        outs, grads = [], []
+        for backend in ("cpu", "reference"):
+            xx = x.clone().requires_grad_()
+            out = call(xx, backend)
+            grads.append(torch.autograd.grad(out, xx, torch.ones_like(out))[0])
+            outs.append(out.detach())
+        for got, want in ((outs[0], outs[1]), (grads[0], grads[1])):
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+            assert not want[torch.arange(20) != 3].isnan().any()  # other samples stay finite
+            finite = want.isfinite()
+            assert_close(got[finite], want[finite])
+
+
+@cpu_kernel_only
 @pytest.mark.parametrize("B", [0, 1, 7, 8, 9, 17, 1153])
 @pytest.mark.parametrize("F", [9, 10, 16])
 def test_fm_compress_cpu_rows32(B, F):
