@@ -11,6 +11,7 @@ import struct
 
 import torch
 
+from .._autograd import register_autograd
 from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import FAMILIES, kernel, resolve_backend
 from .._validate import (
@@ -141,7 +142,7 @@ def _backward(ctx, grad_out, _grad_lse):
             dpos if pos_bias is not None else None, dtime if time_bias is not None else None, None, None, None, None)
 
 
-jagged_attention_fwd_op.register_autograd(_backward, setup_context=_setup)
+register_autograd(jagged_attention_fwd_op, _backward, setup_context=_setup)
 run_kernels_without_autocast(jagged_attention_fwd_op, jagged_attention_bwd_op)
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import register_autograd
 from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import (FLOAT_DTYPES, INDEX_DTYPES, check_nonnegative_int, check_offsets_meta, check_offsets_values,
                          check_same_device, check_tensor, per_sample_weights_arg)
@@ -215,7 +216,7 @@ def _backward(ctx, grad_output):
     return (grad_weights,) + (None,) * 8 + (grad_psw,) + (None,) * 10
 
 
-embedding_bag_op.register_autograd(_backward, setup_context=_setup)
+register_autograd(embedding_bag_op, _backward, setup_context=_setup)
 
 
 if hasattr(torch.ops.gem_kernels, "embedding_bag_forward_native"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import register_autograd
 from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import kernel, resolve_backend
 from .._validate import check_float64_on_reference, check_same_device, check_tensor, float_dtypes
@@ -85,7 +86,7 @@ def _uvqk_backward(ctx, grad_u, grad_v, grad_q, grad_k, _grad_stats):
     return dx, dnw, dnb, None, dw, db, None, None, None, None, None
 
 
-hstu_uvqk_fwd_op.register_autograd(_uvqk_backward, setup_context=_uvqk_setup)
+register_autograd(hstu_uvqk_fwd_op, _uvqk_backward, setup_context=_uvqk_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def _output_backward(ctx, grad_out, _grad_stats):
     return (da, du, grad_out, dnw, dnb, None, dw, dob if has_bias else None, None, None, None, None, None, None)
 
 
-hstu_output_fwd_op.register_autograd(_output_backward, setup_context=_output_setup)
+register_autograd(hstu_output_fwd_op, _output_backward, setup_context=_output_setup)
 run_kernels_without_autocast(hstu_uvqk_fwd_op, hstu_uvqk_bwd_op, hstu_output_fwd_op, hstu_output_bwd_op)
 
 

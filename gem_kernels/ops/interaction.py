@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .._autograd import register_autograd
 from .._autocast import autocast_operands, run_kernels_without_autocast
 from .._backend import FAMILIES, kernel, native_kernels, resolve_backend
 from .._validate import check_float64_on_reference, check_same_device, check_tensor, float_dtypes
@@ -68,7 +69,7 @@ def _dot_interaction_backward(ctx, grad_out):
     return dot_interaction_backward_op(grad_out.contiguous(), x, ctx.self_interaction, ctx.backend), None, None
 
 
-dot_interaction_op.register_autograd(_dot_interaction_backward, setup_context=_dot_interaction_setup)
+register_autograd(dot_interaction_op, _dot_interaction_backward, setup_context=_dot_interaction_setup)
 
 
 @torch.library.custom_op("gem_kernels::cross_layer", mutates_args=())
@@ -117,7 +118,7 @@ def _cross_layer_backward(ctx, grad_out, _grad_z, _grad_p):
     return (*grads, None)
 
 
-cross_layer_op.register_autograd(_cross_layer_backward, setup_context=_cross_layer_setup)
+register_autograd(cross_layer_op, _cross_layer_backward, setup_context=_cross_layer_setup)
 
 
 def products_shape(x: torch.Tensor, y: torch.Tensor, saved: bool) -> tuple[int, int]:
@@ -184,7 +185,7 @@ def _fm_compress_backward(ctx, grad_out, _grad_mean, _grad_rstd, _grad_products)
     return (*grads, None, None, None)
 
 
-fm_compress_op.register_autograd(_fm_compress_backward, setup_context=_fm_compress_setup)
+register_autograd(fm_compress_op, _fm_compress_backward, setup_context=_fm_compress_setup)
 
 
 @torch.library.custom_op("gem_kernels::feature_mix_norm", mutates_args=())
@@ -236,7 +237,7 @@ def _feature_mix_norm_backward(ctx, grad_out, _grad_mean, _grad_rstd):
     return (*grads, None, None)
 
 
-feature_mix_norm_op.register_autograd(_feature_mix_norm_backward, setup_context=_feature_mix_norm_setup)
+register_autograd(feature_mix_norm_op, _feature_mix_norm_backward, setup_context=_feature_mix_norm_setup)
 run_kernels_without_autocast(dot_interaction_op, dot_interaction_backward_op, cross_layer_op, cross_layer_backward_op,
                              fm_compress_op, fm_compress_backward_op, feature_mix_norm_op,
                              feature_mix_norm_backward_op)

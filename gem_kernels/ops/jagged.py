@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._autograd import register_autograd
 from .._backend import kernel, resolve_backend
 from .._validate import (
     FLOAT_DTYPES,
@@ -111,10 +112,10 @@ def _grad_padded(ctx, grad_values):
     return (grad,) + (None,) * (ctx.num_inputs - 1)
 
 
-jagged_to_padded_op.register_autograd(_grad_values, setup_context=_setup_values_input)
-padded_to_jagged_op.register_autograd(_grad_padded, setup_context=_setup_padded_input)
-jagged_to_padded_backward_op.register_autograd(_grad_padded, setup_context=_setup_padded_input)
-padded_to_jagged_backward_op.register_autograd(_grad_values, setup_context=_setup_values_input)
+register_autograd(jagged_to_padded_op, _grad_values, setup_context=_setup_values_input)
+register_autograd(padded_to_jagged_op, _grad_padded, setup_context=_setup_padded_input)
+register_autograd(jagged_to_padded_backward_op, _grad_padded, setup_context=_setup_padded_input)
+register_autograd(padded_to_jagged_backward_op, _grad_values, setup_context=_setup_values_input)
 
 
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
