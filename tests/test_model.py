@@ -225,6 +225,41 @@ def test_interaction_input_and_over_arch_without_the_concats(cfg):
         assert_close(g_got, g_want)
 
 
+def test_over_arch_first_layer_backward_fills_no_weight_sized_zero():
+    """The over arch's first layer reads its weight's two column blocks through one split: the weight's
+    gradient is one cat of the blocks' gradients, with no zero [H, D + I] filled per block (what two
+    slices' backward does, then an add of the two) and the same values as the full-weight formulation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    arch = GemModel(TINY, "fused").interaction_arch
+    first = arch.over_arch[0]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(9, TINY.num_features, TINY.embedding_dim, generator=g, requires_grad=True)
+    out = arch(tokens)
+    grad_out = torch.randn(out.shape, generator=g)
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            # slice_backward: a zero of the sliced tensor's shape with the block copied in (one op here).
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.fill_,
+                                       torch.ops.aten.zero_, torch.ops.aten.new_zeros, torch.ops.aten.slice_backward):
+                self.shapes.append(tuple(result.shape))
+            return result
+
+    with Fills() as fills:
+        (got,) = torch.autograd.grad(out, [first.weight], grad_out)
+    assert tuple(first.weight.shape) not in fills.shapes
+    interactions = arch.interaction(tokens).flatten(1)
+    expected = arch.over_arch(torch.cat([tokens[:, 0], interactions], dim=1))
+    (want,) = torch.autograd.grad(expected, [first.weight], grad_out)
+    assert_close(got, want)
+
+
 # ------------------------------------------------------------------------------------- eager vs fused
 
 
