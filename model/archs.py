@@ -35,12 +35,13 @@ def check_kernels(kernels: str) -> None:
 
 def mlp(sizes: tuple[int, ...] | list[int], final_activation: bool) -> nn.Sequential:
     """Linear layers of widths sizes[0] -> ... -> sizes[-1] with ReLU between (and after the last
-    one when final_activation)."""
+    one when final_activation). The ReLUs run in place on their Linear's output, which nothing else
+    reads (the Linear's backward keeps its input, not its output): no [rows, width] allocated per layer."""
     layers: list[nn.Module] = []
     for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(fan_in, fan_out))
         if final_activation or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
+            layers.append(nn.ReLU(inplace=True))
     return nn.Sequential(*layers)
 
 

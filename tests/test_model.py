@@ -225,6 +225,36 @@ def test_interaction_input_and_over_arch_without_the_concats(cfg):
         assert_close(g_got, g_want)
 
 
+@pytest.mark.parametrize("which", ["model_mlp", "wukong_fm_mlp"])
+def test_mlp_relus_run_in_place_with_the_same_gradients(which):
+    """The MLPs' ReLUs overwrite their Linear's output (no second [rows, width] tensor per layer; the
+    Linear's backward reads its input, not its output): the output and every gradient equal the
+    out-of-place formulation's exactly."""
+    from model.archs import mlp
+
+    torch.manual_seed(0)
+    net = mlp((6, 5, 4), final_activation=True) if which == "model_mlp" else \
+        gem_kernels.nn.WukongLayer(3, 2, 1, 4, fm_rank=2, mlp_hidden=[5, 7]).fm_mlp
+    linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+    outputs = {}
+    for i, m in enumerate(linears):
+        m.register_forward_hook(lambda mod, inp, out, i=i: outputs.__setitem__(i, out.data_ptr()))
+    x = torch.randn(9, linears[0].in_features, requires_grad=True)
+    out = net(x)
+    relus = [i for i, m in enumerate(net) if isinstance(m, torch.nn.ReLU)]
+    assert relus and all(net[i].inplace for i in relus)
+    if isinstance(net[-1], torch.nn.ReLU):
+        assert out.data_ptr() == outputs[len(linears) - 1]
+    expected = x
+    for m in net:
+        expected = torch.relu(expected) if isinstance(m, torch.nn.ReLU) else m(expected)
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape)
+    inputs = [x, *net.parameters()]
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        assert torch.equal(got, want)
+
+
 def test_over_arch_first_layer_backward_fills_no_weight_sized_zero():
     """The over arch's first layer reads its weight's two column blocks through one split: the weight's
     gradient is one cat of the blocks' gradients, with no zero [H, D + I] filled per block (what two

@@ -79,7 +79,8 @@ def _mlp(sizes: Sequence[int], device, dtype) -> nn.Sequential:
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1], device=device, dtype=dtype))
         if i < len(sizes) - 2:
-            layers.append(nn.ReLU())
+            # In place: the Linear's output has no other reader (see model.archs.mlp).
+            layers.append(nn.ReLU(inplace=True))
     return nn.Sequential(*layers)
 
 
