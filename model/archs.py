@@ -35,12 +35,13 @@ def check_kernels(kernels: str) -> None:
 
 def mlp(sizes: tuple[int, ...] | list[int], final_activation: bool) -> nn.Sequential:
     """Linear layers of widths sizes[0] -> ... -> sizes[-1] with ReLU between (and after the last
-    one when final_activation)."""
+    one when final_activation). The ReLUs run in place on their Linear's output, which nothing else
+    reads (the Linear's backward keeps its input, not its output): no [rows, width] allocated per layer."""
     layers: list[nn.Module] = []
     for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(fan_in, fan_out))
         if final_activation or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
+            layers.append(nn.ReLU(inplace=True))
     return nn.Sequential(*layers)
 
 
@@ -459,9 +460,13 @@ class InteractionArch(nn.Module):
         # The over arch's first layer on [dense token, interactions] as two GEMMs into one output, with
         # no concatenated copy: the concat costs a copy of [R, D + I] forward, and backward its slices
         # hand the interaction a strided gradient that the fused op copies contiguous again.
+        # The weight's two column blocks by one split (not two slices): its backward is one cat of
+        # the two gradients, where each slice's backward fills a zero [H, D + I], copies its block
+        # in, and autograd adds the two.
         first, dim = self.over_arch[0], tokens.shape[2]
-        hidden = torch.addmm(F.linear(interactions, first.weight[:, dim:], first.bias),
-                             tokens[:, 0] if dense is None else dense, first.weight[:, :dim].t())
+        dense_weight, interaction_weight = first.weight.split([dim, first.weight.shape[1] - dim], dim=1)
+        hidden = torch.addmm(F.linear(interactions, interaction_weight, first.bias),
+                             tokens[:, 0] if dense is None else dense, dense_weight.t())
         for layer in list(self.over_arch)[1:]:
             hidden = layer(hidden)
         return hidden

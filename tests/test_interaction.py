@@ -874,6 +874,45 @@ def test_modules_match_eager_formulation():
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_in", [5, 7], ids=["identity_residual", "learned_residual"])
+def test_wukong_feature_mix_is_one_add(num_in):
+    """feature_mix() is M = residual + [0; lcb_weight] (the LCB rows under the FM rows) built in one add
+    of the padded LCB weight, no slicing and concatenating of blocks; M and its gradients equal the block
+    formulation's, and the layer with a learned residual equals the eager formulas (the identity case is
+    test_modules_match_eager_formulation's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(4)
+    layer = gk.nn.WukongLayer(num_in, 2, 3, 6, fm_rank=3, mlp_hidden=8, backend="cpu")
+    residual = layer.residual_weight if num_in != 5 else torch.eye(5)
+    expected = torch.cat([residual[:2], residual[2:] + layer.lcb_weight])
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        mix = layer.feature_mix()
+    assert torch.ops.aten.cat not in ops.ops
+    torch.testing.assert_close(mix, expected, rtol=0, atol=0)
+    params = [p for p in (layer.residual_weight, layer.lcb_weight) if p is not None]
+    grad = torch.randn_like(mix)
+    for got, want in zip(torch.autograd.grad(mix, params, grad), torch.autograd.grad(expected, params, grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    x = randn_nonzero(4, num_in, 6)
+    fm = ref.eager_fm_compress(x, layer.fm_y, layer.fm_norm.weight, layer.fm_norm.bias)
+    fmb = layer.fm_mlp(fm).view(4, 2, 6)
+    lcb = torch.einsum("of,bfd->bod", layer.lcb_weight, x)
+    mixed = torch.cat([fmb, lcb], 1) + torch.einsum("of,bfd->bod", residual, x)
+    torch.testing.assert_close(layer(x), torch.nn.functional.layer_norm(mixed, (6,), layer.norm.weight, layer.norm.bias),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_module_bad_config():
     with pytest.raises(ValueError, match="low_rank"):
         gk.nn.CrossNet(8, 2, low_rank=0)

@@ -225,6 +225,71 @@ def test_interaction_input_and_over_arch_without_the_concats(cfg):
         assert_close(g_got, g_want)
 
 
+@pytest.mark.parametrize("which", ["model_mlp", "wukong_fm_mlp"])
+def test_mlp_relus_run_in_place_with_the_same_gradients(which):
+    """The MLPs' ReLUs overwrite their Linear's output (no second [rows, width] tensor per layer; the
+    Linear's backward reads its input, not its output): the output and every gradient equal the
+    out-of-place formulation's exactly."""
+    from model.archs import mlp
+
+    torch.manual_seed(0)
+    net = mlp((6, 5, 4), final_activation=True) if which == "model_mlp" else \
+        gem_kernels.nn.WukongLayer(3, 2, 1, 4, fm_rank=2, mlp_hidden=[5, 7]).fm_mlp
+    linears = [m for m in net if isinstance(m, torch.nn.Linear)]
+    outputs = {}
+    for i, m in enumerate(linears):
+        m.register_forward_hook(lambda mod, inp, out, i=i: outputs.__setitem__(i, out.data_ptr()))
+    x = torch.randn(9, linears[0].in_features, requires_grad=True)
+    out = net(x)
+    relus = [i for i, m in enumerate(net) if isinstance(m, torch.nn.ReLU)]
+    assert relus and all(net[i].inplace for i in relus)
+    if isinstance(net[-1], torch.nn.ReLU):
+        assert out.data_ptr() == outputs[len(linears) - 1]
+    expected = x
+    for m in net:
+        expected = torch.relu(expected) if isinstance(m, torch.nn.ReLU) else m(expected)
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape)
+    inputs = [x, *net.parameters()]
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+        assert torch.equal(got, want)
+
+
+def test_over_arch_first_layer_backward_fills_no_weight_sized_zero():
+    """The over arch's first layer reads its weight's two column blocks through one split: the weight's
+    gradient is one cat of the blocks' gradients, with no zero [H, D + I] filled per block (what two
+    slices' backward does, then an add of the two) and the same values as the full-weight formulation."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    arch = GemModel(TINY, "fused").interaction_arch
+    first = arch.over_arch[0]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(9, TINY.num_features, TINY.embedding_dim, generator=g, requires_grad=True)
+    out = arch(tokens)
+    grad_out = torch.randn(out.shape, generator=g)
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            # slice_backward: a zero of the sliced tensor's shape with the block copied in (one op here).
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.fill_,
+                                       torch.ops.aten.zero_, torch.ops.aten.new_zeros, torch.ops.aten.slice_backward):
+                self.shapes.append(tuple(result.shape))
+            return result
+
+    with Fills() as fills:
+        (got,) = torch.autograd.grad(out, [first.weight], grad_out)
+    assert tuple(first.weight.shape) not in fills.shapes
+    interactions = arch.interaction(tokens).flatten(1)
+    expected = arch.over_arch(torch.cat([tokens[:, 0], interactions], dim=1))
+    (want,) = torch.autograd.grad(expected, [first.weight], grad_out)
+    assert_close(got, want)
+
+
 # ------------------------------------------------------------------------------------- eager vs fused
 
 
