@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -81,6 +82,37 @@ inline __m256 fast_exp8(__m256 x) {
 inline __m256 sigmoid8(__m256 z) {
   const __m256 one = _mm256_set1_ps(1.0f);
   return _mm256_div_ps(one, _mm256_add_ps(one, exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
+
+// exp8_clamped on 16 lanes, for a function built for AVX-512F (target attribute) that the caller
+// runs after a run-time check: the same operations lane for lane.
+__attribute__((target("avx512f"))) inline __m512 exp16_clamped(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// sigmoid8 on 16 lanes (AVX-512F, as exp16_clamped).
+__attribute__((target("avx512f"))) inline __m512 sigmoid16(__m512 z) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+}
+
+// Whether this CPU runs AVX-512F (the 16-lane functions above), unless GEM_KERNELS_NO_AVX512 is set
+// (as in cpu/zch.cpp: how the tests take the AVX2 path on a CPU that has AVX-512). Read once.
+inline bool cpu_has_avx512f() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0 && std::getenv("GEM_KERNELS_NO_AVX512") == nullptr;
+  }();
+  return has;
 }
 #endif
 
