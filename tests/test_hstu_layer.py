@@ -301,6 +301,35 @@ def test_cpu_ops_at_widths_off_the_vector_lanes(group_norm):
     _check_cpu_ops(37, 23, 3, 5, 3, group_norm, silu_qkv=False, seeds=range(3))
 
 
+_SILU_ROWS_CHECK = """
+import os
+os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.test_hstu_layer import _check_cpu_ops
+_check_cpu_ops(70, 24, 1, 27, 27, False, silu_qkv=True, seeds=range(2))
+print("silu rows ok")
+"""
+
+
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_ops_silu_rows_on_both_paths(avx512):
+    """The cpu ops' SiLU rows run 16-lane AVX-512F blocks where the CPU has it, then 8-lane AVX2 ones
+    and a scalar tail: at widths 27 = 16 + 8 + 3 (SiLU on u, v, q, k), each op against the reference
+    op in float64 by FlashAttention's rule, with the AVX-512 path and with GEM_KERNELS_NO_AVX512=1
+    (the AVX2 one on any CPU). A fresh process: the path is chosen once."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu not built")
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("GEM_KERNELS_NO_AVX512", None)
+    if avx512 == "off":
+        env["GEM_KERNELS_NO_AVX512"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _SILU_ROWS_CHECK], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "silu rows ok" in run.stdout, run.stderr[-2000:]
+
+
 # Token counts against the cpu ops' chunking (csrc/cpu/hstu_layer.cpp chunking()) at uvqk width
 # O = 576 and output K = 576, where blocks are at most 256 rows: 255 (one chunk, one block), 512 (one
 # chunk of two blocks), 513 (two 512-row chunks' worth, rounded up to 4 chunks of 129 rows), 1100

@@ -57,6 +57,7 @@
 #include "gem_kernels/attention_checks.h"
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_blas.h"
+#include "gem_kernels/cpu_exp.h"  // fast_exp, fast_exp8
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -68,61 +69,10 @@ namespace {
 constexpr int64_t kBlockM = 128;
 constexpr int64_t kBlockN = 128;
 
-// exp via 2^n * p(r), |r| <= ln2/2, degree-7 Taylor (rel. error < 1e-7); plain float arithmetic so
-// the loops that call it auto-vectorise (std::exp does not). x < -87 gives 0, x > 88 gives +inf
-// (HSTU's sigmoid takes exp(-s) of any score), NaN gives NaN.
-inline float fast_exp(float x) {
-  const float in = x;
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const float y = p * scale;
-  // Selects, not branches (the callers' loops stay vectorised); below -87 (< 1.7e-38) exactly 0, so
-  // that exp(-inf) is 0.
-  return in > 88.0f ? std::numeric_limits<float>::infinity() : (in < -87.0f ? 0.0f : (in != in ? in : y));
-}
-
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
 inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
 
 #if GK_ATTENTION_AVX2
-// fast_exp on 8 lanes: the same range reduction and polynomial (with FMA), the same edge values.
-inline __m256 fast_exp8(__m256 x) {
-  const __m256 in = x;
-  // max/min return their second operand for a NaN lane: it is clamped like any value here and
-  // restored by the last select.
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  y = _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
-                       _mm256_cmp_ps(in, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
-  y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(in, _mm256_set1_ps(-87.0f), _CMP_LT_OQ));
-  return _mm256_blendv_ps(y, in, _mm256_cmp_ps(in, in, _CMP_UNORD_Q));
-}
-
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
