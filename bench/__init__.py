@@ -32,7 +32,8 @@ alike, and faults/call counts minor page faults per call: glibc maps every block
 so an op returning a large tensor (a padded batch) pays a first-touch fault per page on every call,
 the same for every impl; with 4 KiB pages on a VM that costs more than the copy itself. The bench
 therefore sets PyTorch's THP_MEM_ALLOC_ENABLE=1 (transparent huge pages for large tensors, 512x
-fewer faults) unless told ``--no-thp``; the results record which.
+fewer faults) unless told ``--no-thp``, and keeps freed heap mapped for reuse
+(``--malloc-keep-mib``, as ``python -m model.train``); the results record both.
 """
 
 import os as _os

@@ -14,6 +14,10 @@ from pathlib import Path
 
 from bench import unwritable
 
+# gem_kernels.testing.malloc.DEFAULT_KEEP_MIB, written out: importing it imports torch, which must come
+# after THP_MEM_ALLOC_ENABLE is set (tests/test_bench.py checks the two agree).
+MALLOC_KEEP_MIB = 1024
+
 FAMILIES = {
     "jagged": "bench.jagged",
     "embedding_bag": "bench.embedding_bag",
@@ -54,7 +58,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="CPU: keep PyTorch's default allocation (by default the bench sets THP_MEM_ALLOC_ENABLE=1 "
                              "unless it is already set, backing large tensors with transparent huge pages so that a "
                              "fresh output faults once per 2 MiB rather than once per 4 KiB page)")
+    parser.add_argument("--malloc-keep-mib", type=int, default=MALLOC_KEEP_MIB, metavar="MIB",
+                        help="CPU, glibc: keep up to MIB of freed heap mapped for reuse instead of returning it to "
+                             "the OS (gem_kernels.testing.malloc; every impl of a comparison runs in this one "
+                             f"process, so all get it); 0 keeps glibc's defaults (default {MALLOC_KEEP_MIB}, as "
+                             "python -m model.train)")
     args = parser.parse_args(argv)
+    if args.malloc_keep_mib < 0:
+        parser.error(f"--malloc-keep-mib must be >= 0, got {args.malloc_keep_mib}")
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; choose from {list(FAMILIES)}")
@@ -136,6 +147,9 @@ def _main(argv: list[str] | None) -> int:
         # fresh large output otherwise page-faults every 4 KiB page on every call (~4 us each on this
         # VM), which dwarfs the copy itself and hides the kernels' differences.
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    from gem_kernels.testing.malloc import keep_freed_cpu_memory  # imports torch: after THP_MEM_ALLOC_ENABLE
+
+    malloc_kept = keep_freed_cpu_memory(args.malloc_keep_mib)
 
     import torch
 
@@ -215,6 +229,7 @@ def _main(argv: list[str] | None) -> int:
         # Other processes on the machine skew timings (a 2-core box shared by several people): recorded.
         "loadavg_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
         "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+        "malloc_keep_mib": args.malloc_keep_mib if malloc_kept else 0,
         "families": [{"name": f.name, "status": f.status, "seconds": f.seconds, "notes": f.notes,
                       "errors": f.errors, "mismatches": f.mismatches, "peer_mismatches": f.peer_mismatches}
                      for f in families],

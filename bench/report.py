@@ -189,7 +189,8 @@ def markdown(result: dict) -> str:
         f"({p['sizes']['copy_mib']} MiB, read+write counted){_measurements(p)}",
         f"- 1-min load average {result['loadavg_1min']['start']:.1f} at start, {result['loadavg_1min']['end']:.1f} at end"
         f"{_load_warning(result['loadavg_1min'], m['cpu_cores'])}; "
-        f"THP_MEM_ALLOC_ENABLE={int(result.get('thp_mem_alloc', False))}",
+        f"THP_MEM_ALLOC_ENABLE={int(result.get('thp_mem_alloc', False))}; "
+        f"malloc keeps {result.get('malloc_keep_mib', 0)} MiB of freed heap (0: glibc's defaults)",
         *_above_peak(result["rows"]),
         f"- mode: {'quick' if result['quick'] else 'full'}; families: "
         + ", ".join(f"{f['name']} {f['status']} ({f['seconds']:.1f} s)" for f in result["families"]),

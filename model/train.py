@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from gem_kernels.testing.malloc import DEFAULT_KEEP_MIB, keep_freed_cpu_memory
 from gem_kernels.testing.peaks import matmul_peak_tflops, mfu
 
 from .archs import KERNELS
@@ -81,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--malloc-keep-mib", type=int, default=DEFAULT_KEEP_MIB, metavar="MIB",
+                        help="CPU, glibc: keep up to MIB of freed heap mapped for reuse instead of returning it to the "
+                             "OS, so a step's activations do not fault their pages in again every step "
+                             f"(gem_kernels.testing.malloc); 0 keeps glibc's defaults (default {DEFAULT_KEEP_MIB}, "
+                             "as python -m bench)")
     parser.add_argument("--distributed", action="store_true",
                         help="under torchrun: TorchRec DMP, tables sharded by the gem_kernels sharders, the rest "
                              "data-parallel; gloo on CPU, NCCL on GPU (model/distributed.py)")
@@ -92,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size is not None and args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    for name in ("eval_every", "checkpoint_every", "warmup"):
+    for name in ("eval_every", "checkpoint_every", "warmup", "malloc_keep_mib"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.seed < 2**63:  # torch's generators take 64 bits; the data generator wants >= 0
@@ -421,6 +427,7 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
         "dtype": "bfloat16" if args.amp == "bf16" else "float32",
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
+        "malloc_keep_mib": args.malloc_keep_mib if getattr(args, "malloc_kept", False) else 0,
         "compile": args.compile,
         "use_sequence": cfg.use_sequence,
         "interaction": cfg.interaction,
@@ -436,6 +443,7 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    args.malloc_kept = keep_freed_cpu_memory(args.malloc_keep_mib)
     if args.distributed:
         from .distributed import main as distributed_main
 
