@@ -138,6 +138,28 @@ void scatter_rows(const float* w, float alpha, const float* x, int64_t c0, int64
   }
 }
 
+// out[c * width + (0, width)] += alpha * sum_{k < 4} w[k * ldw + c] * x[k * ldx + (0, width)] for c in
+// [c0, c1) (width a multiple of 8): scatter_rows for four rows that all see the keys [c0, c1). One load
+// and one store of each out row per four rows (scatter_rows is bound by them: one each per row and
+// key), and each x chunk held in registers for the whole run of keys.
+void scatter_rows4(const float* w, int64_t ldw, float alpha, const float* x, int64_t ldx, int64_t c0, int64_t c1,
+                   int64_t width, float* out) {
+  const __m256 va = _mm256_set1_ps(alpha);
+  for (int64_t d = 0; d < width; d += 8) {
+    const __m256 x0 = _mm256_mul_ps(va, _mm256_loadu_ps(x + d)), x1 = _mm256_mul_ps(va, _mm256_loadu_ps(x + ldx + d));
+    const __m256 x2 = _mm256_mul_ps(va, _mm256_loadu_ps(x + 2 * ldx + d));
+    const __m256 x3 = _mm256_mul_ps(va, _mm256_loadu_ps(x + 3 * ldx + d));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* o = out + c * width + d;
+      // Two chains, summed: (o + w0 x0 + w1 x1) + (w2 x2 + w3 x3).
+      const __m256 a = _mm256_fmadd_ps(_mm256_set1_ps(w[ldw + c]), x1,
+                                       _mm256_fmadd_ps(_mm256_set1_ps(w[c]), x0, _mm256_loadu_ps(o)));
+      const __m256 b = _mm256_fmadd_ps(_mm256_set1_ps(w[3 * ldw + c]), x3, _mm256_mul_ps(_mm256_set1_ps(w[2 * ldw + c]), x2));
+      _mm256_storeu_ps(o, _mm256_add_ps(a, b));
+    }
+  }
+}
+
 // dst[0, n) = src[0, n), and = 0, for n a multiple of 8: the per-row copies and fills of D or Dv floats
 // otherwise call memmove / memset (~3 % of the backward at the model's shape, D = 16).
 inline void copy_row8(const float* src, int64_t n, float* dst) {
@@ -204,9 +226,14 @@ struct ShortSeq {
     const __m256i two52 = _mm256_set1_epi64x(int64_t{0x4330000000000000});
     const __m256d xd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(x1, two52)), _mm256_castsi256_pd(two52));
     const __m256i cell = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_castpd_si256(xd), 48), _mm256_set1_epi64x(0x3FF0));
-    const __m128i b = _mm256_i64gather_epi32(p.cell_bucket.data(), cell, 4);
+    // The tables by scalar loads, not vpgatherqd / vpgatherqq (see gather8).
+    alignas(32) int64_t cs[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(cs), cell);
+    const int32_t* cb = p.cell_bucket.data();
+    const __m128i b = _mm_setr_epi32(cb[cs[0]], cb[cs[1]], cb[cs[2]], cb[cs[3]]);
     if (_mm_movemask_epi8(_mm_cmpgt_epi32(_mm_setzero_si128(), b)) != 0) return false;
-    const __m256i next = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(p.cell_next.data()), cell, 8);
+    const int64_t* cn = p.cell_next.data();
+    const __m256i next = _mm256_setr_epi64x(cn[cs[0]], cn[cs[1]], cn[cs[2]], cn[cs[3]]);
     // -1 in the low half of each 64-bit lane where x passes the cell's threshold.
     const __m256i up = _mm256_permutevar8x32_epi32(_mm256_cmpgt_epi64(x, next), _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi32(b, _mm256_castsi256_si128(up)));
@@ -233,6 +260,15 @@ bool short_path(const Prepared& in, const SeqInfo& seq) {
   return !p.softmax && in.delta == 0 && seq.len <= kShortMaxLen && p.D % 8 == 0 && p.Dv % 8 == 0 && (banded || prefix);
 }
 
+// (table[idx[0]], ..., table[idx[7]]) by eight scalar loads. Not vgatherdps: at the head of the
+// weights' exp and divide chain it made that loop ~3x slower on the Xeon (Sapphire Rapids class) this
+// was tuned on (21 vs 7 ns per 8 columns in a standalone loop), though a loop of gathers alone ran at
+// 2.4 ns.
+inline __m256 gather8(const float* table, const int32_t* idx) {
+  return _mm256_setr_ps(table[idx[0]], table[idx[1]], table[idx[2]], table[idx[3]], table[idx[4]], table[idx[5]],
+                        table[idx[6]], table[idx[7]]);
+}
+
 // row[c] <- scale * row[c] + pos[c] + time[bucket[c]], then (kSilu) silu(.) * inv_m, for c in the
 // 8-column blocks [lo, hi) of one row (pos: the head's window at the row's offset; either bias may be
 // absent). One pass per block in registers: scores_tile's per-row loops, and its scalar tails, cost more
@@ -244,8 +280,7 @@ void bias_row(float scale, const float* pos, const float* time, const int32_t* b
   for (int64_t c = lo; c < hi; c += 8) {
     __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
     if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
-    if (time != nullptr)
-      s = _mm256_add_ps(s, _mm256_i32gather_ps(time, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bucket + c)), 4));
+    if (time != nullptr) s = _mm256_add_ps(s, gather8(time, bucket + c));
     if (kSilu) {
       const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
       s = _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm);
@@ -263,25 +298,34 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
   ShortSeq& sq = short_seq;
   sq.init(p, seq, ws);
   ws.k_rows.resize(D * Lp);
-  float* row = ws.s.data();
+  float* s = ws.s.data();  // row i's scores and weights at i * kBlockN
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
     transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, D, ws.k_rows.data());
     const float* pos = sq.pos_of(p, L, h);
     const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * (p.num_buckets + 1) : nullptr;
+    // Three passes over the rows (scores, weights, P V) rather than one pass per row: a row's weights
+    // are one ~100-cycle dependency chain per 8-column block (bias gather, exp, divide), and a row has
+    // ~4 blocks, so run row by row the chains of consecutive rows did not overlap; the weights pass
+    // holds only independent chains.
+    for (int64_t i = 0; i < L; ++i) {
+      const RowSpan& span = sq.spans[i];
+      if (span.end > span.begin)
+        dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, span.begin / 8, round8(span.end) / 8, s + i * kBlockN);
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      const RowSpan& span = sq.spans[i];
+      if (span.end > span.begin)
+        bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN,
+                       span.begin & ~int64_t{7}, round8(span.end), inv_m, s + i * kBlockN);
+    }
     for (int64_t i = 0; i < L; ++i) {
       float* dst = op + ((seq.start + i) * H + h) * Dv;
       zero_row8(dst, Dv);
-      const RowSpan& span = sq.spans[i];
-      if (span.end <= span.begin) continue;
-      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
-      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, row);
-      bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
-                     hi, inv_m, row);
-      const Runs r = runs_of(span);  // whole blocks: the columns outside the runs are never read
-      gather_rows(row, v0, vs, r.a0, r.a1, Dv, dst);
-      gather_rows(row, v0, vs, r.b0, r.b1, Dv, dst);
+      const Runs r = runs_of(sq.spans[i]);  // whole blocks: the columns outside the runs are never read
+      gather_rows(s + i * kBlockN, v0, vs, r.a0, r.a1, Dv, dst);
+      gather_rows(s + i * kBlockN, v0, vs, r.b0, r.b1, Dv, dst);
     }
   }
 }
@@ -325,38 +369,70 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     float* dq0 = dq + (seq.start * H + h) * D;
     std::fill(dk_acc, dk_acc + L * D, 0.0f);
     std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
+    // By passes over the rows, as in the forward (see there): scores and dP, then P and dS, then the
+    // products. dk and dv take rows four at a time (scatter_rows4).
+    for (int64_t i = 0; i < L; ++i) {
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t b0 = span.begin / 8, b1 = round8(span.end) / 8;
+      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, b0, b1, s + i * kBlockN);
+      dot_blocks(do0 + i * vs, Dv, ws.v_rows.data(), Lp, b0, b1, ds + i * kBlockN);
+    }
+    for (int64_t i = 0; i < L; ++i) {
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end), o = i * kBlockN;
+      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + o, lo, hi, inv_m,
+                      s + o);
+      silu_grad_row(s + o + lo, pr + o + lo, ds + o + lo, hi - lo, inv_m);  // whole blocks, as in the forward
+    }
     for (int64_t i = 0; i < L; ++i) {
       float* dq_i = dq0 + i * qs;
       zero_row8(dq_i, D);
-      const RowSpan& span = sq.spans[i];
-      if (span.end <= span.begin) continue;
-      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
-      const float* q_i = q0 + i * qs;
-      const float* do_i = do0 + i * vs;
-      const int32_t* bucket = ws.bucket.data() + i * kBlockN;
-      dot_blocks(q_i, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
-      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s);
-      dot_blocks(do_i, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds);
-      silu_grad_row(s + lo, pr + lo, ds + lo, hi - lo, inv_m);  // whole blocks, as in the forward
-      const Runs r = runs_of(span);
+      const Runs r = runs_of(sq.spans[i]);
+      const float* ds_i = ds + i * kBlockN;
       if (pos_part_h != nullptr) {
         float* dst = pos_part_h + (L - 1 - i);  // slot j - i + L - 1
-        for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds[c];
-        for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds[c];
+        for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds_i[c];
+        for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds_i[c];
       }
       if (time != nullptr) {
-        add_by_bucket4(bucket, ds, r.a0, r.a1, nt, sq.hist.data());
-        add_by_bucket4(bucket, ds, r.b0, r.b1, nt, sq.hist.data());
+        const int32_t* bucket = ws.bucket.data() + i * kBlockN;
+        add_by_bucket4(bucket, ds_i, r.a0, r.a1, nt, sq.hist.data());
+        add_by_bucket4(bucket, ds_i, r.b0, r.b1, nt, sq.hist.data());
       }
       // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
-      gather_rows(ds, k0, qs, r.a0, r.a1, D, dq_i);
-      gather_rows(ds, k0, qs, r.b0, r.b1, D, dq_i);
+      gather_rows(ds_i, k0, qs, r.a0, r.a1, D, dq_i);
+      gather_rows(ds_i, k0, qs, r.b0, r.b1, D, dq_i);
       for (int64_t d = 0; d < D; ++d) dq_i[d] *= p.scale;
-      // dk_c += scale * ds[c] q_i, dv_c += p[c] do_i.
-      scatter_rows(ds, p.scale, q_i, r.a0, r.a1, D, dk_acc);
-      scatter_rows(ds, p.scale, q_i, r.b0, r.b1, D, dk_acc);
-      scatter_rows(pr, 1.0f, do_i, r.a0, r.a1, Dv, dv_acc);
-      scatter_rows(pr, 1.0f, do_i, r.b0, r.b1, Dv, dv_acc);
+    }
+    // dk_c += scale * ds[i, c] q_i, dv_c += p[i, c] do_i.
+    for (int64_t i0 = 0; i0 < L; i0 += 4) {
+      const int64_t n = std::min<int64_t>(4, L - i0);
+      Runs r[4];
+      for (int64_t k = 0; k < n; ++k) r[k] = runs_of(sq.spans[i0 + k]);
+      // The keys every row of the group sees (an intersection of first runs) take one pass of four rows;
+      // each row's other keys (a causal group's last 1..3 keys, a target's own) its own pass.
+      int64_t c0 = 0, c1 = L;
+      for (int64_t k = 0; k < n; ++k) {
+        c0 = std::max(c0, r[k].a0);
+        c1 = std::min(c1, r[k].a1);
+      }
+      if (n < 4 || c0 >= c1) c0 = c1 = 0;
+      if (c0 < c1) {
+        scatter_rows4(ds + i0 * kBlockN, kBlockN, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
+        scatter_rows4(pr + i0 * kBlockN, kBlockN, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t i = i0 + k, o = i * kBlockN;
+        const Runs& rk = r[k];
+        // rk's first run less [c0, c1) (which lies within it when not empty), then its second run.
+        const int64_t parts[3][2] = {{rk.a0, c0 < c1 ? c0 : rk.a1}, {c0 < c1 ? c1 : rk.a1, rk.a1}, {rk.b0, rk.b1}};
+        for (const auto& part : parts) {
+          scatter_rows(ds + o, p.scale, q0 + i * qs, part[0], part[1], D, dk_acc);
+          scatter_rows(pr + o, 1.0f, do0 + i * vs, part[0], part[1], Dv, dv_acc);
+        }
+      }
     }
     float* dk0 = dk + (seq.start * H + h) * D;
     float* dv0 = dv + (seq.start * H + h) * Dv;
