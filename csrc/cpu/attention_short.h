@@ -199,14 +199,18 @@ struct ShortSeq {
     const int64_t* t = p.timestamps + seq.start;
     key_times.assign(t, t + L);
     key_times.resize(Lp, t[L - 1]);
+    // Locals, not members: short_seq is thread_local, and gcc re-derived its address (a call, with
+    // vzeroupper and spills) on every 4 keys to reread key_times.
+    const int64_t* tk = key_times.data();
+    const RowSpan* sp = spans.data();
     for (int64_t i = 0; i < L; ++i) {
-      const RowSpan& span = spans[i];
+      const RowSpan& span = sp[i];
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
       int32_t* bucket = ws.bucket.data() + i * kBlockN;
-      for (int64_t c = span.begin & ~int64_t{7}; c < round8(span.end); c += 4) {
-        if (!table_bucket4(p, ti, key_times.data() + c, bucket + c))
-          for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - key_times[k]);
+      for (int64_t c = span.begin & ~int64_t{7}, c1 = round8(span.end); c < c1; c += 4) {
+        if (!table_bucket4(p, ti, tk + c, bucket + c))
+          for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
       }
     }
   }
@@ -298,34 +302,25 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
   ShortSeq& sq = short_seq;
   sq.init(p, seq, ws);
   ws.k_rows.resize(D * Lp);
-  float* s = ws.s.data();  // row i's scores and weights at i * kBlockN
+  float* s = ws.s.data();  // one row's scores and weights
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
     transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, D, ws.k_rows.data());
     const float* pos = sq.pos_of(p, L, h);
     const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * (p.num_buckets + 1) : nullptr;
-    // Three passes over the rows (scores, weights, P V) rather than one pass per row: a row's weights
-    // are one ~100-cycle dependency chain per 8-column block (bias gather, exp, divide), and a row has
-    // ~4 blocks, so run row by row the chains of consecutive rows did not overlap; the weights pass
-    // holds only independent chains.
-    for (int64_t i = 0; i < L; ++i) {
-      const RowSpan& span = sq.spans[i];
-      if (span.end > span.begin)
-        dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, span.begin / 8, round8(span.end) / 8, s + i * kBlockN);
-    }
-    for (int64_t i = 0; i < L; ++i) {
-      const RowSpan& span = sq.spans[i];
-      if (span.end > span.begin)
-        bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN,
-                       span.begin & ~int64_t{7}, round8(span.end), inv_m, s + i * kBlockN);
-    }
     for (int64_t i = 0; i < L; ++i) {
       float* dst = op + ((seq.start + i) * H + h) * Dv;
       zero_row8(dst, Dv);
-      const Runs r = runs_of(sq.spans[i]);  // whole blocks: the columns outside the runs are never read
-      gather_rows(s + i * kBlockN, v0, vs, r.a0, r.a1, Dv, dst);
-      gather_rows(s + i * kBlockN, v0, vs, r.b0, r.b1, Dv, dst);
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
+      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
+      bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
+                     hi, inv_m, s);
+      const Runs r = runs_of(span);  // whole blocks: the columns outside the runs are never read
+      gather_rows(s, v0, vs, r.a0, r.a1, Dv, dst);
+      gather_rows(s, v0, vs, r.b0, r.b1, Dv, dst);
     }
   }
 }
@@ -369,35 +364,28 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     float* dq0 = dq + (seq.start * H + h) * D;
     std::fill(dk_acc, dk_acc + L * D, 0.0f);
     std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
-    // By passes over the rows, as in the forward (see there): scores and dP, then P and dS, then the
-    // products. dk and dv take rows four at a time (scatter_rows4).
-    for (int64_t i = 0; i < L; ++i) {
-      const RowSpan& span = sq.spans[i];
-      if (span.end <= span.begin) continue;
-      const int64_t b0 = span.begin / 8, b1 = round8(span.end) / 8;
-      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, b0, b1, s + i * kBlockN);
-      dot_blocks(do0 + i * vs, Dv, ws.v_rows.data(), Lp, b0, b1, ds + i * kBlockN);
-    }
-    for (int64_t i = 0; i < L; ++i) {
-      const RowSpan& span = sq.spans[i];
-      if (span.end <= span.begin) continue;
-      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end), o = i * kBlockN;
-      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + o, lo, hi, inv_m,
-                      s + o);
-      silu_grad_row(s + o + lo, pr + o + lo, ds + o + lo, hi - lo, inv_m);  // whole blocks, as in the forward
-    }
+    // Row by row: scores, dP, P and dS (kept in row i of the tiles for the dk and dv pass below), the
+    // bias gradients and dq.
     for (int64_t i = 0; i < L; ++i) {
       float* dq_i = dq0 + i * qs;
       zero_row8(dq_i, D);
-      const Runs r = runs_of(sq.spans[i]);
-      const float* ds_i = ds + i * kBlockN;
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end), o = i * kBlockN;
+      float* s_i = s + o;
+      float* ds_i = ds + o;
+      const int32_t* bucket = ws.bucket.data() + o;
+      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s_i);
+      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s_i);
+      dot_blocks(do0 + i * vs, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds_i);
+      silu_grad_row(s_i + lo, pr + o + lo, ds_i + lo, hi - lo, inv_m);  // whole blocks, as in the forward
+      const Runs r = runs_of(span);
       if (pos_part_h != nullptr) {
         float* dst = pos_part_h + (L - 1 - i);  // slot j - i + L - 1
         for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds_i[c];
         for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds_i[c];
       }
       if (time != nullptr) {
-        const int32_t* bucket = ws.bucket.data() + i * kBlockN;
         add_by_bucket4(bucket, ds_i, r.a0, r.a1, nt, sq.hist.data());
         add_by_bucket4(bucket, ds_i, r.b0, r.b1, nt, sq.hist.data());
       }
@@ -429,6 +417,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
         // rk's first run less [c0, c1) (which lies within it when not empty), then its second run.
         const int64_t parts[3][2] = {{rk.a0, c0 < c1 ? c0 : rk.a1}, {c0 < c1 ? c1 : rk.a1, rk.a1}, {rk.b0, rk.b1}};
         for (const auto& part : parts) {
+          if (part[0] >= part[1]) continue;
           scatter_rows(ds + o, p.scale, q0 + i * qs, part[0], part[1], D, dk_acc);
           scatter_rows(pr + o, 1.0f, do0 + i * vs, part[0], part[1], Dv, dv_acc);
         }
