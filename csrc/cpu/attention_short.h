@@ -1,6 +1,6 @@
 // The short-sequence path of the CPU HSTU attention (forward and backward of one sequence of at most
 // kShortMaxLen rows, all its heads). Included by attention.cpp inside its anonymous namespace, after
-// the helpers it shares (row_span, time_bucket, table_bucket, fast_exp8, silu_grad_row); attention.cpp's
+// the helpers it shares (row_span, table_bucket, fast_exp8); attention.cpp's
 // item loops run a sequence here when short_path says so, and take their tile loops otherwise.
 //
 // Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, H = 2, D = Dv = 16), so
@@ -11,13 +11,22 @@
 //   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time;
 // - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
 //   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
-// - scale, the head's position and time bias (a gather by bucket), and the forward's SiLU, in one pass
-//   over the same whole blocks (no scalar tail), from a padded copy of the head's pos_bias window;
-//   SiLU's derivative in the backward over the same blocks;
+// - scale, the head's position and time bias (by bucket), and the forward's SiLU, in one pass over
+//   the same whole blocks (no scalar tail), from a padded copy of the head's pos_bias window; in the
+//   backward the same pass gives P and dS (SiLU's derivative) without storing the biased scores. The
+//   time bias and the bucket tables are read by scalar loads, not AVX2 gathers: on the Xeon this was
+//   tuned on, a gather at the head of the exp / divide chain made that pass ~3x slower;
 // - the products with V (forward), K, Q and dO (backward) run over the row's visible keys only
 //   ([begin, end) less a prefix mask's hole), with the weights broadcast against rows of the other
 //   operand: a masked pair is never multiplied, so an Inf or NaN in an invisible row never reaches
 //   an output (the rule the general path keeps with masked_mm).
+// - the backward's dk and dv (dk_c += ds[i, c] q_i, dv_c += p[i, c] dO_i) run after a head's rows, four
+//   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
+//   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
+//   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
+// Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
+// before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
+// 2.4 ms at the model's shape, 1 thread).
 // Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
 // its time-bias gradient in 4 interleaved histograms per head.
@@ -273,23 +282,40 @@ inline __m256 gather8(const float* table, const int32_t* idx) {
                         table[idx[6]], table[idx[7]]);
 }
 
-// row[c] <- scale * row[c] + pos[c] + time[bucket[c]], then (kSilu) silu(.) * inv_m, for c in the
-// 8-column blocks [lo, hi) of one row (pos: the head's window at the row's offset; either bias may be
-// absent). One pass per block in registers: scores_tile's per-row loops, and its scalar tails, cost more
-// than the products at these lengths.
-template <bool kSilu>
-void bias_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo, int64_t hi,
-              float inv_m, float* row) {
+// scale * row[c, c + 8) + pos[c, c + 8) + time[bucket[c, c + 8)] (either bias may be absent).
+inline __m256 biased8(__m256 scale, const float* pos, const float* time, const int32_t* bucket, const float* row,
+                      int64_t c) {
+  __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), scale);
+  if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
+  if (time != nullptr) s = _mm256_add_ps(s, gather8(time, bucket + c));
+  return s;
+}
+
+// row[c] <- silu(scale * row[c] + pos[c] + time[bucket[c]]) * inv_m for c in the 8-column blocks
+// [lo, hi) of one row (pos: the head's window at the row's offset; either bias may be absent). One pass
+// per block in registers: scores_tile's per-row loops, and its scalar tails, cost more than the
+// products at these lengths.
+void bias_silu_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo, int64_t hi,
+                   float inv_m, float* row) {
   const __m256 vscale = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (int64_t c = lo; c < hi; c += 8) {
-    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
-    if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
-    if (time != nullptr) s = _mm256_add_ps(s, gather8(time, bucket + c));
-    if (kSilu) {
-      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
-      s = _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm);
-    }
-    _mm256_storeu_ps(row + c, s);
+    const __m256 s = biased8(vscale, pos, time, bucket, row, c);
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
+    _mm256_storeu_ps(row + c, _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm));
+  }
+}
+
+// The backward's P and dS of one row from its raw scores s (biased8, then attention.cpp's silu_grad_row,
+// ds holding dP on entry), for c in the 8-column blocks [lo, hi): one pass, the biased scores never stored.
+void bias_silu_grad_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo,
+                        int64_t hi, float inv_m, const float* s, float* p, float* ds) {
+  const __m256 vscale = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  for (int64_t c = lo; c < hi; c += 8) {
+    const __m256 x = biased8(vscale, pos, time, bucket, s, c);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(p + c, _mm256_mul_ps(_mm256_mul_ps(x, sig), vm));
+    const __m256 g = _mm256_mul_ps(sig, _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, sig))));
+    _mm256_storeu_ps(ds + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ds + c), g), vm));
   }
 }
 
@@ -316,13 +342,20 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
       if (span.end <= span.begin) continue;
       const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
       dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
-      bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
-                     hi, inv_m, s);
+      bias_silu_row(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
+                    hi, inv_m, s);
       const Runs r = runs_of(span);  // whole blocks: the columns outside the runs are never read
       gather_rows(s, v0, vs, r.a0, r.a1, Dv, dst);
       gather_rows(s, v0, vs, r.b0, r.b1, Dv, dst);
     }
   }
+}
+
+// dst[c] += x[c] for c in [c0, c1).
+inline void add_range(const float* x, int64_t c0, int64_t c1, float* dst) {
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(dst + c, _mm256_add_ps(_mm256_loadu_ps(dst + c), _mm256_loadu_ps(x + c)));
+  for (; c < c1; ++c) dst[c] += x[c];
 }
 
 // hist[k * n + bucket[c]] += ds[c] for c in [c0, c1), k = c % 4: four copies, so that consecutive
@@ -376,14 +409,14 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
       float* ds_i = ds + o;
       const int32_t* bucket = ws.bucket.data() + o;
       dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s_i);
-      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s_i);
       dot_blocks(do0 + i * vs, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds_i);
-      silu_grad_row(s_i + lo, pr + o + lo, ds_i + lo, hi - lo, inv_m);  // whole blocks, as in the forward
+      bias_silu_grad_row(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s_i,
+                         pr + o, ds_i);  // whole blocks, as in the forward
       const Runs r = runs_of(span);
       if (pos_part_h != nullptr) {
         float* dst = pos_part_h + (L - 1 - i);  // slot j - i + L - 1
-        for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds_i[c];
-        for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds_i[c];
+        add_range(ds_i, r.a0, r.a1, dst);
+        add_range(ds_i, r.b0, r.b1, dst);
       }
       if (time != nullptr) {
         add_by_bucket4(bucket, ds_i, r.a0, r.a1, nt, sq.hist.data());
