@@ -239,7 +239,8 @@ struct ShortSeq {
     const __m256i two52 = _mm256_set1_epi64x(int64_t{0x4330000000000000});
     const __m256d xd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(x1, two52)), _mm256_castsi256_pd(two52));
     const __m256i cell = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_castpd_si256(xd), 48), _mm256_set1_epi64x(0x3FF0));
-    // The tables by scalar loads, not vpgatherqd / vpgatherqq (see gather8).
+    // The tables by scalar loads, not vpgatherqd / vpgatherqq, as in gather8 (here no difference
+    // showed at the model's shape: the pass is ~0.4 ms of the forward either way).
     alignas(32) int64_t cs[4];
     _mm256_store_si256(reinterpret_cast<__m256i*>(cs), cell);
     const int32_t* cb = p.cell_bucket.data();
