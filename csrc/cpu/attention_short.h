@@ -190,7 +190,7 @@ inline Runs runs_of(const RowSpan& span) {
 
 // What a sequence's heads share, laid out for whole 8-column blocks (the columns past a row's span
 // included): every row's span, and every pair's time bucket (in the workspace's bucket tile, row i at
-// i * kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
+// i * Lp: see backward_seq_short for why not kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
 // its timestamps only, so it is found once for all heads. Per thread, reused.
 struct ShortSeq {
   std::vector<RowSpan> spans;
@@ -216,7 +216,7 @@ struct ShortSeq {
       const RowSpan& span = sp[i];
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
-      int32_t* bucket = ws.bucket.data() + i * kBlockN;
+      int32_t* bucket = ws.bucket.data() + i * Lp;
       for (int64_t c = span.begin & ~int64_t{7}, c1 = round8(span.end); c < c1; c += 4) {
         if (!table_bucket4(p, ti, tk + c, bucket + c))
           for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
@@ -343,7 +343,7 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
       if (span.end <= span.begin) continue;
       const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
       dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
-      bias_silu_row(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
+      bias_silu_row(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * Lp, lo,
                     hi, inv_m, s);
       const Runs r = runs_of(span);  // whole blocks: the columns outside the runs are never read
       gather_rows(s, v0, vs, r.a0, r.a1, Dv, dst);
@@ -399,13 +399,15 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     std::fill(dk_acc, dk_acc + L * D, 0.0f);
     std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
     // Row by row: scores, dP, P and dS (kept in row i of the tiles for the dk and dv pass below), the
-    // bias gradients and dq.
+    // bias gradients and dq. The tiles' rows (and the buckets') at stride Lp, not kBlockN: at 512 bytes
+    // the rows of s, P, dS and the buckets 8 apart share their L1 sets, ~20 lines a set for a 36-row
+    // sequence against 12 ways.
     for (int64_t i = 0; i < L; ++i) {
       float* dq_i = dq0 + i * qs;
       zero_row8(dq_i, D);
       const RowSpan& span = sq.spans[i];
       if (span.end <= span.begin) continue;
-      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end), o = i * kBlockN;
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end), o = i * Lp;
       float* s_i = s + o;
       float* ds_i = ds + o;
       const int32_t* bucket = ws.bucket.data() + o;
@@ -442,11 +444,11 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
       }
       if (n < 4 || c0 >= c1) c0 = c1 = 0;
       if (c0 < c1) {
-        scatter_rows4(ds + i0 * kBlockN, kBlockN, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
-        scatter_rows4(pr + i0 * kBlockN, kBlockN, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
+        scatter_rows4(ds + i0 * Lp, Lp, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
+        scatter_rows4(pr + i0 * Lp, Lp, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
       }
       for (int64_t k = 0; k < n; ++k) {
-        const int64_t i = i0 + k, o = i * kBlockN;
+        const int64_t i = i0 + k, o = i * Lp;
         const Runs& rk = r[k];
         // rk's first run less [c0, c1) (which lies within it when not empty), then its second run.
         const int64_t parts[3][2] = {{rk.a0, c0 < c1 ? c0 : rk.a1}, {c0 < c1 ? c1 : rk.a1, rk.a1}, {rk.b0, rk.b1}};
