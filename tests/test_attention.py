@@ -552,6 +552,28 @@ def test_cpu_short_path_nonfinite_masked_key_of_one_head():
 
 
 @cpu_kernel_only
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_cpu_short_path_nonfinite_row_of_a_four_row_group(name):
+    """The short backward takes dk and dv four query rows at a time over the keys all four see, and each
+    row alone over its others: an Inf in history row 5 (group 4..7, which sees keys 0..5; rows 6 and 7 see
+    keys 6 and 7 too) reaches exactly what the reference says, so a key row 5 does not see (6 and later)
+    keeps a finite dk and dv (q), and a row that does not see key 6 keeps a finite output and dq (k, v)."""
+    lengths = [23, 9]  # context 2, history 2..19, targets 20..22; then 9 rows with 1 target
+    inputs = make_inputs(lengths, D=8, Dv=16, pos_heads=2, time_heads=2, targets=[3, 1])
+    poisoned = {n: (x.detach().clone() if isinstance(x, torch.Tensor) else x) for n, x in inputs.items()}
+    poisoned[name][5 if name == "q" else 6, 0, 0] = math.inf
+    out, grads = _agree_with_reference(poisoned, "cpu", kind="hstu", contextual_len=2)
+    assert bool(out[:, 1].isfinite().all()) and bool(out[23:].isfinite().all())
+    if name == "q":
+        assert bool(out[[i for i in range(23) if i != 5], 0].isfinite().all())
+        assert bool(grads["k"][6:, 0].isfinite().all()) and bool(grads["v"][6:, 0].isfinite().all())
+        assert not bool(grads["k"][:6, 0].isfinite().all())
+    else:
+        assert bool(out[2:6, 0].isfinite().all()) and bool(grads["q"][2:6, 0].isfinite().all())
+        assert not bool(out[6, 0].isfinite().all())
+
+
+@cpu_kernel_only
 @pytest.mark.skipif("cpu" not in gk.available_backends(), reason="the C++ extension is not built")
 @pytest.mark.parametrize("vectorized", [True, False], ids=["cpu-avx2", "cpu-scalar"])
 def test_cpu_fast_exp_matches_exp(vectorized):

@@ -1,6 +1,6 @@
 // The short-sequence path of the CPU HSTU attention (forward and backward of one sequence of at most
 // kShortMaxLen rows, all its heads). Included by attention.cpp inside its anonymous namespace, after
-// the helpers it shares (row_span, time_bucket, table_bucket, fast_exp8, silu_grad_row); attention.cpp's
+// the helpers it shares (row_span, table_bucket, fast_exp8); attention.cpp's
 // item loops run a sequence here when short_path says so, and take their tile loops otherwise.
 //
 // Why a separate path: the GEM model's sequences are short (~36 rows, at most 74, H = 2, D = Dv = 16), so
@@ -11,13 +11,22 @@
 //   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time;
 // - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
 //   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
-// - scale, the head's position and time bias (a gather by bucket), and the forward's SiLU, in one pass
-//   over the same whole blocks (no scalar tail), from a padded copy of the head's pos_bias window;
-//   SiLU's derivative in the backward over the same blocks;
+// - scale, the head's position and time bias (by bucket), and the forward's SiLU, in one pass over
+//   the same whole blocks (no scalar tail), from a padded copy of the head's pos_bias window; in the
+//   backward the same pass gives P and dS (SiLU's derivative) without storing the biased scores. The
+//   time bias and the bucket tables are read by scalar loads, not AVX2 gathers: on the Xeon this was
+//   tuned on, a gather at the head of the exp / divide chain made that pass ~3x slower;
 // - the products with V (forward), K, Q and dO (backward) run over the row's visible keys only
 //   ([begin, end) less a prefix mask's hole), with the weights broadcast against rows of the other
 //   operand: a masked pair is never multiplied, so an Inf or NaN in an invisible row never reaches
 //   an output (the rule the general path keeps with masked_mm).
+// - the backward's dk and dv (dk_c += ds[i, c] q_i, dv_c += p[i, c] dO_i) run after a head's rows, four
+//   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
+//   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
+//   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
+// Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
+// before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
+// 2.4 ms at the model's shape, 1 thread).
 // Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
 // its time-bias gradient in 4 interleaved histograms per head.
@@ -138,6 +147,28 @@ void scatter_rows(const float* w, float alpha, const float* x, int64_t c0, int64
   }
 }
 
+// out[c * width + (0, width)] += alpha * sum_{k < 4} w[k * ldw + c] * x[k * ldx + (0, width)] for c in
+// [c0, c1) (width a multiple of 8): scatter_rows for four rows that all see the keys [c0, c1). One load
+// and one store of each out row per four rows (scatter_rows is bound by them: one each per row and
+// key), and each x chunk held in registers for the whole run of keys.
+void scatter_rows4(const float* w, int64_t ldw, float alpha, const float* x, int64_t ldx, int64_t c0, int64_t c1,
+                   int64_t width, float* out) {
+  const __m256 va = _mm256_set1_ps(alpha);
+  for (int64_t d = 0; d < width; d += 8) {
+    const __m256 x0 = _mm256_mul_ps(va, _mm256_loadu_ps(x + d)), x1 = _mm256_mul_ps(va, _mm256_loadu_ps(x + ldx + d));
+    const __m256 x2 = _mm256_mul_ps(va, _mm256_loadu_ps(x + 2 * ldx + d));
+    const __m256 x3 = _mm256_mul_ps(va, _mm256_loadu_ps(x + 3 * ldx + d));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* o = out + c * width + d;
+      // Two chains, summed: (o + w0 x0 + w1 x1) + (w2 x2 + w3 x3).
+      const __m256 a = _mm256_fmadd_ps(_mm256_set1_ps(w[ldw + c]), x1,
+                                       _mm256_fmadd_ps(_mm256_set1_ps(w[c]), x0, _mm256_loadu_ps(o)));
+      const __m256 b = _mm256_fmadd_ps(_mm256_set1_ps(w[3 * ldw + c]), x3, _mm256_mul_ps(_mm256_set1_ps(w[2 * ldw + c]), x2));
+      _mm256_storeu_ps(o, _mm256_add_ps(a, b));
+    }
+  }
+}
+
 // dst[0, n) = src[0, n), and = 0, for n a multiple of 8: the per-row copies and fills of D or Dv floats
 // otherwise call memmove / memset (~3 % of the backward at the model's shape, D = 16).
 inline void copy_row8(const float* src, int64_t n, float* dst) {
@@ -159,7 +190,7 @@ inline Runs runs_of(const RowSpan& span) {
 
 // What a sequence's heads share, laid out for whole 8-column blocks (the columns past a row's span
 // included): every row's span, and every pair's time bucket (in the workspace's bucket tile, row i at
-// i * kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
+// i * Lp: see backward_seq_short for why not kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
 // its timestamps only, so it is found once for all heads. Per thread, reused.
 struct ShortSeq {
   std::vector<RowSpan> spans;
@@ -177,14 +208,18 @@ struct ShortSeq {
     const int64_t* t = p.timestamps + seq.start;
     key_times.assign(t, t + L);
     key_times.resize(Lp, t[L - 1]);
+    // Locals, not members: short_seq is thread_local, and gcc re-derived its address (a call, with
+    // vzeroupper and spills) on every 4 keys to reread key_times.
+    const int64_t* tk = key_times.data();
+    const RowSpan* sp = spans.data();
     for (int64_t i = 0; i < L; ++i) {
-      const RowSpan& span = spans[i];
+      const RowSpan& span = sp[i];
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
-      int32_t* bucket = ws.bucket.data() + i * kBlockN;
-      for (int64_t c = span.begin & ~int64_t{7}; c < round8(span.end); c += 4) {
-        if (!table_bucket4(p, ti, key_times.data() + c, bucket + c))
-          for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - key_times[k]);
+      int32_t* bucket = ws.bucket.data() + i * Lp;
+      for (int64_t c = span.begin & ~int64_t{7}, c1 = round8(span.end); c < c1; c += 4) {
+        if (!table_bucket4(p, ti, tk + c, bucket + c))
+          for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
       }
     }
   }
@@ -204,9 +239,15 @@ struct ShortSeq {
     const __m256i two52 = _mm256_set1_epi64x(int64_t{0x4330000000000000});
     const __m256d xd = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(x1, two52)), _mm256_castsi256_pd(two52));
     const __m256i cell = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_castpd_si256(xd), 48), _mm256_set1_epi64x(0x3FF0));
-    const __m128i b = _mm256_i64gather_epi32(p.cell_bucket.data(), cell, 4);
+    // The tables by scalar loads, not vpgatherqd / vpgatherqq, as in gather8 (here no difference
+    // showed at the model's shape: the pass is ~0.4 ms of the forward either way).
+    alignas(32) int64_t cs[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(cs), cell);
+    const int32_t* cb = p.cell_bucket.data();
+    const __m128i b = _mm_setr_epi32(cb[cs[0]], cb[cs[1]], cb[cs[2]], cb[cs[3]]);
     if (_mm_movemask_epi8(_mm_cmpgt_epi32(_mm_setzero_si128(), b)) != 0) return false;
-    const __m256i next = _mm256_i64gather_epi64(reinterpret_cast<const long long*>(p.cell_next.data()), cell, 8);
+    const int64_t* cn = p.cell_next.data();
+    const __m256i next = _mm256_setr_epi64x(cn[cs[0]], cn[cs[1]], cn[cs[2]], cn[cs[3]]);
     // -1 in the low half of each 64-bit lane where x passes the cell's threshold.
     const __m256i up = _mm256_permutevar8x32_epi32(_mm256_cmpgt_epi64(x, next), _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi32(b, _mm256_castsi256_si128(up)));
@@ -233,24 +274,49 @@ bool short_path(const Prepared& in, const SeqInfo& seq) {
   return !p.softmax && in.delta == 0 && seq.len <= kShortMaxLen && p.D % 8 == 0 && p.Dv % 8 == 0 && (banded || prefix);
 }
 
-// row[c] <- scale * row[c] + pos[c] + time[bucket[c]], then (kSilu) silu(.) * inv_m, for c in the
-// 8-column blocks [lo, hi) of one row (pos: the head's window at the row's offset; either bias may be
-// absent). One pass per block in registers: scores_tile's per-row loops, and its scalar tails, cost more
-// than the products at these lengths.
-template <bool kSilu>
-void bias_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo, int64_t hi,
-              float inv_m, float* row) {
+// (table[idx[0]], ..., table[idx[7]]) by eight scalar loads. Not vgatherdps: at the head of the
+// weights' exp and divide chain it made that loop ~3x slower on the Xeon (Sapphire Rapids class) this
+// was tuned on (21 vs 7 ns per 8 columns in a standalone loop), though a loop of gathers alone ran at
+// 2.4 ns.
+inline __m256 gather8(const float* table, const int32_t* idx) {
+  return _mm256_setr_ps(table[idx[0]], table[idx[1]], table[idx[2]], table[idx[3]], table[idx[4]], table[idx[5]],
+                        table[idx[6]], table[idx[7]]);
+}
+
+// scale * row[c, c + 8) + pos[c, c + 8) + time[bucket[c, c + 8)] (either bias may be absent).
+inline __m256 biased8(__m256 scale, const float* pos, const float* time, const int32_t* bucket, const float* row,
+                      int64_t c) {
+  __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), scale);
+  if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
+  if (time != nullptr) s = _mm256_add_ps(s, gather8(time, bucket + c));
+  return s;
+}
+
+// row[c] <- silu(scale * row[c] + pos[c] + time[bucket[c]]) * inv_m for c in the 8-column blocks
+// [lo, hi) of one row (pos: the head's window at the row's offset; either bias may be absent). One pass
+// per block in registers: scores_tile's per-row loops, and its scalar tails, cost more than the
+// products at these lengths.
+void bias_silu_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo, int64_t hi,
+                   float inv_m, float* row) {
   const __m256 vscale = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (int64_t c = lo; c < hi; c += 8) {
-    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
-    if (pos != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(pos + c));
-    if (time != nullptr)
-      s = _mm256_add_ps(s, _mm256_i32gather_ps(time, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bucket + c)), 4));
-    if (kSilu) {
-      const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
-      s = _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm);
-    }
-    _mm256_storeu_ps(row + c, s);
+    const __m256 s = biased8(vscale, pos, time, bucket, row, c);
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), s));
+    _mm256_storeu_ps(row + c, _mm256_mul_ps(_mm256_div_ps(s, _mm256_add_ps(one, e)), vm));
+  }
+}
+
+// The backward's P and dS of one row from its raw scores s (biased8, then attention.cpp's silu_grad_row,
+// ds holding dP on entry), for c in the 8-column blocks [lo, hi): one pass, the biased scores never stored.
+void bias_silu_grad_row(float scale, const float* pos, const float* time, const int32_t* bucket, int64_t lo,
+                        int64_t hi, float inv_m, const float* s, float* p, float* ds) {
+  const __m256 vscale = _mm256_set1_ps(scale), one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
+  for (int64_t c = lo; c < hi; c += 8) {
+    const __m256 x = biased8(vscale, pos, time, bucket, s, c);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, fast_exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(p + c, _mm256_mul_ps(_mm256_mul_ps(x, sig), vm));
+    const __m256 g = _mm256_mul_ps(sig, _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, sig))));
+    _mm256_storeu_ps(ds + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ds + c), g), vm));
   }
 }
 
@@ -263,7 +329,7 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
   ShortSeq& sq = short_seq;
   sq.init(p, seq, ws);
   ws.k_rows.resize(D * Lp);
-  float* row = ws.s.data();
+  float* s = ws.s.data();  // one row's scores and weights
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
@@ -276,14 +342,21 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
       const RowSpan& span = sq.spans[i];
       if (span.end <= span.begin) continue;
       const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
-      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, row);
-      bias_row<true>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * kBlockN, lo,
-                     hi, inv_m, row);
+      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
+      bias_silu_row(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, ws.bucket.data() + i * Lp, lo,
+                    hi, inv_m, s);
       const Runs r = runs_of(span);  // whole blocks: the columns outside the runs are never read
-      gather_rows(row, v0, vs, r.a0, r.a1, Dv, dst);
-      gather_rows(row, v0, vs, r.b0, r.b1, Dv, dst);
+      gather_rows(s, v0, vs, r.a0, r.a1, Dv, dst);
+      gather_rows(s, v0, vs, r.b0, r.b1, Dv, dst);
     }
   }
+}
+
+// dst[c] += x[c] for c in [c0, c1).
+inline void add_range(const float* x, int64_t c0, int64_t c1, float* dst) {
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(dst + c, _mm256_add_ps(_mm256_loadu_ps(dst + c), _mm256_loadu_ps(x + c)));
+  for (; c < c1; ++c) dst[c] += x[c];
 }
 
 // hist[k * n + bucket[c]] += ds[c] for c in [c0, c1), k = c % 4: four copies, so that consecutive
@@ -325,38 +398,66 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     float* dq0 = dq + (seq.start * H + h) * D;
     std::fill(dk_acc, dk_acc + L * D, 0.0f);
     std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
+    // Row by row: scores, dP, P and dS (kept in row i of the tiles for the dk and dv pass below), the
+    // bias gradients and dq. The tiles' rows (and the buckets') at stride Lp, not kBlockN: at 512 bytes
+    // the rows of s, P, dS and the buckets 8 apart share their L1 sets, ~20 lines a set for a 36-row
+    // sequence against 12 ways.
     for (int64_t i = 0; i < L; ++i) {
       float* dq_i = dq0 + i * qs;
       zero_row8(dq_i, D);
       const RowSpan& span = sq.spans[i];
       if (span.end <= span.begin) continue;
-      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end);
-      const float* q_i = q0 + i * qs;
-      const float* do_i = do0 + i * vs;
-      const int32_t* bucket = ws.bucket.data() + i * kBlockN;
-      dot_blocks(q_i, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s);
-      bias_row<false>(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s);
-      dot_blocks(do_i, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds);
-      silu_grad_row(s + lo, pr + lo, ds + lo, hi - lo, inv_m);  // whole blocks, as in the forward
+      const int64_t lo = span.begin & ~int64_t{7}, hi = round8(span.end), o = i * Lp;
+      float* s_i = s + o;
+      float* ds_i = ds + o;
+      const int32_t* bucket = ws.bucket.data() + o;
+      dot_blocks(q0 + i * qs, D, ws.k_rows.data(), Lp, lo / 8, hi / 8, s_i);
+      dot_blocks(do0 + i * vs, Dv, ws.v_rows.data(), Lp, lo / 8, hi / 8, ds_i);
+      bias_silu_grad_row(p.scale, pos != nullptr ? pos + (L - 1 - i) : nullptr, time, bucket, lo, hi, inv_m, s_i,
+                         pr + o, ds_i);  // whole blocks, as in the forward
       const Runs r = runs_of(span);
       if (pos_part_h != nullptr) {
         float* dst = pos_part_h + (L - 1 - i);  // slot j - i + L - 1
-        for (int64_t c = r.a0; c < r.a1; ++c) dst[c] += ds[c];
-        for (int64_t c = r.b0; c < r.b1; ++c) dst[c] += ds[c];
+        add_range(ds_i, r.a0, r.a1, dst);
+        add_range(ds_i, r.b0, r.b1, dst);
       }
       if (time != nullptr) {
-        add_by_bucket4(bucket, ds, r.a0, r.a1, nt, sq.hist.data());
-        add_by_bucket4(bucket, ds, r.b0, r.b1, nt, sq.hist.data());
+        add_by_bucket4(bucket, ds_i, r.a0, r.a1, nt, sq.hist.data());
+        add_by_bucket4(bucket, ds_i, r.b0, r.b1, nt, sq.hist.data());
       }
       // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
-      gather_rows(ds, k0, qs, r.a0, r.a1, D, dq_i);
-      gather_rows(ds, k0, qs, r.b0, r.b1, D, dq_i);
+      gather_rows(ds_i, k0, qs, r.a0, r.a1, D, dq_i);
+      gather_rows(ds_i, k0, qs, r.b0, r.b1, D, dq_i);
       for (int64_t d = 0; d < D; ++d) dq_i[d] *= p.scale;
-      // dk_c += scale * ds[c] q_i, dv_c += p[c] do_i.
-      scatter_rows(ds, p.scale, q_i, r.a0, r.a1, D, dk_acc);
-      scatter_rows(ds, p.scale, q_i, r.b0, r.b1, D, dk_acc);
-      scatter_rows(pr, 1.0f, do_i, r.a0, r.a1, Dv, dv_acc);
-      scatter_rows(pr, 1.0f, do_i, r.b0, r.b1, Dv, dv_acc);
+    }
+    // dk_c += scale * ds[i, c] q_i, dv_c += p[i, c] do_i.
+    for (int64_t i0 = 0; i0 < L; i0 += 4) {
+      const int64_t n = std::min<int64_t>(4, L - i0);
+      Runs r[4];
+      for (int64_t k = 0; k < n; ++k) r[k] = runs_of(sq.spans[i0 + k]);
+      // The keys every row of the group sees (an intersection of first runs) take one pass of four rows;
+      // each row's other keys (a causal group's last 1..3 keys, a target's own) its own pass.
+      int64_t c0 = 0, c1 = L;
+      for (int64_t k = 0; k < n; ++k) {
+        c0 = std::max(c0, r[k].a0);
+        c1 = std::min(c1, r[k].a1);
+      }
+      if (n < 4 || c0 >= c1) c0 = c1 = 0;
+      if (c0 < c1) {
+        scatter_rows4(ds + i0 * Lp, Lp, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
+        scatter_rows4(pr + i0 * Lp, Lp, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
+      }
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t i = i0 + k, o = i * Lp;
+        const Runs& rk = r[k];
+        // rk's first run less [c0, c1) (which lies within it when not empty), then its second run.
+        const int64_t parts[3][2] = {{rk.a0, c0 < c1 ? c0 : rk.a1}, {c0 < c1 ? c1 : rk.a1, rk.a1}, {rk.b0, rk.b1}};
+        for (const auto& part : parts) {
+          if (part[0] >= part[1]) continue;
+          scatter_rows(ds + o, p.scale, q0 + i * qs, part[0], part[1], D, dk_acc);
+          scatter_rows(pr + o, 1.0f, do0 + i * vs, part[0], part[1], Dv, dv_acc);
+        }
+      }
     }
     float* dk0 = dk + (seq.start * H + h) * D;
     float* dv0 = dv + (seq.start * H + h) * Dv;
