@@ -10,7 +10,8 @@
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
 // that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
 // backward), the SiLU rows (weights forward; P and dS backward) and the time buckets run on AVX2
-// (8 lanes, fast_exp8) where the build targets it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// (8 lanes, fast_exp8) where the build targets it, the exp and SiLU rows of 32+ keys on AVX-512 (16
+// lanes, fast_exp16) where the CPU has it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
 // so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
@@ -84,6 +85,102 @@ inline float hsum8(__m256 v) {
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
 }
+
+// The exp and SiLU rows on 16 lanes where the CPU has AVX-512 (a runtime check: the build targets
+// x86-64-v3). They were ~a quarter of the forward at history 1024 (1 thread, per-piece CPU time);
+// MKL's sgemm beside them already runs AVX-512. Each computes what its 8-lane twin below does, lane
+// for lane (fast_exp16 is fast_exp8's steps), the tail under a mask; only the order of a row sum's
+// partial sums differs.
+#define GK_AVX512 __attribute__((target("avx512f,avx512dq")))
+
+GK_AVX512 inline __m512 fast_exp16(__m512 x) {
+  const __m512 in = x;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(in, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), y, in);
+}
+
+// The mask of lanes [c, n) of a 16-lane block at c.
+GK_AVX512 inline __mmask16 tail_mask(int64_t c, int64_t n) {
+  return n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1u);
+}
+
+GK_AVX512 __attribute__((noinline)) float exp_shifted_sum16(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m), vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + c);
+    const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vneg_inf, _CMP_EQ_OQ),
+                                          fast_exp16(_mm512_sub_ps(v, vm)), _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(x + c, k, e);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+GK_AVX512 __attribute__((noinline)) void softmax_grad_row16(const float* s, float* p, float* ds, int64_t n, float lse,
+                                                            float delta) {
+  const __m512 vl = _mm512_set1_ps(lse), vd = _mm512_set1_ps(delta);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 pv = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), vl));
+    _mm512_mask_storeu_ps(p + c, k, pv);
+    _mm512_mask_storeu_ps(ds + c, k, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, ds + c), vd)));
+  }
+}
+
+GK_AVX512 __attribute__((noinline)) void silu_row16(float* x, int64_t n, float inv_m) {
+  const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + c);
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_mask_storeu_ps(x + c, k, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), vm));
+  }
+}
+
+GK_AVX512 __attribute__((noinline)) void silu_grad_row16(const float* s, float* p, float* ds, int64_t n, float inv_m) {
+  const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 x = _mm512_maskz_loadu_ps(k, s + c);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    _mm512_mask_storeu_ps(p + c, k, _mm512_mul_ps(_mm512_mul_ps(x, sig), vm));
+    const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
+    _mm512_mask_storeu_ps(ds + c, k, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, ds + c), g), vm));
+  }
+}
+
+// y[c] <- fast_exp16(x[c]) over [0, n) (the tests' window on it, attention_fast_exp16).
+GK_AVX512 __attribute__((noinline)) void fast_exp16_rows(const float* x, float* y, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    _mm512_mask_storeu_ps(y + c, k, fast_exp16(_mm512_maskz_loadu_ps(k, x + c)));
+  }
+}
+
+// Whether the row loops take the 16-lane twins: the CPU has AVX-512 F and DQ, and rows are at least
+// kAvx512MinRow long (shorter ones, as most of the short path's, stay on the inlined 8-lane loops:
+// the twins are out-of-line calls).
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+constexpr int64_t kAvx512MinRow = 32;
 #endif
 
 // max_keep_nan folded over x[0, n): NaN when any element is NaN, else the max (-inf when n = 0).
@@ -116,6 +213,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
   float sum = 0.0f;
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && kHasAvx512) return exp_shifted_sum16(x, n, m);
   if (n >= 8) {
     const __m256 vm = _mm256_set1_ps(m), vneg_inf = _mm256_set1_ps(neg_inf);
     __m256 vsum = _mm256_setzero_ps();
@@ -142,6 +240,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
 inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, float lse, float delta) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && kHasAvx512) return softmax_grad_row16(s, p, ds, n, lse, delta);
   const __m256 vl = _mm256_set1_ps(lse), vd = _mm256_set1_ps(delta);
   for (; c + 8 <= n; c += 8) {
     const __m256 pv = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vl));
@@ -160,6 +259,7 @@ inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, flo
 inline void silu_row(float* x, int64_t n, float inv_m) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && kHasAvx512) return silu_row16(x, n, inv_m);
   // gcc leaves the scalar loop below unvectorised (perf showed vmulss/vdivss in it).
   const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (; c + 8 <= n; c += 8) {
@@ -176,6 +276,7 @@ inline void silu_row(float* x, int64_t n, float inv_m) {
 inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float inv_m) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && kHasAvx512) return silu_grad_row16(s, p, ds, n, inv_m);
   const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (; c + 8 <= n; c += 8) {
     const __m256 x = _mm256_loadu_ps(s + c);
@@ -1181,6 +1282,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
 }  // namespace
 
 bool attention_avx2() { return GK_ATTENTION_AVX2 != 0; }
+
+bool attention_avx512() {
+#if GK_ATTENTION_AVX2
+  return kHasAvx512;
+#else
+  return false;
+#endif
+}
+
+at::Tensor attention_fast_exp16(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
+  TORCH_CHECK(attention_avx512(), "attention_fast_exp16 needs AVX-512 (attention_avx512())");
+  const auto x = x_in.contiguous();
+  auto y = at::empty_like(x);
+#if GK_ATTENTION_AVX2
+  fast_exp16_rows(x.const_data_ptr<float>(), y.data_ptr<float>(), x.numel());
+#endif
+  return y;
+}
 
 at::Tensor attention_fast_exp(const at::Tensor& x_in, bool vectorized) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
