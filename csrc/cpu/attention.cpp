@@ -648,11 +648,21 @@ struct Workspace {
   std::vector<uint8_t> bad_q, bad_k, bad_v, bad_do;  // per tile of the item: rows with an Inf or NaN
   std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
   SeqMask mask;
+  // Sized for the short path (kBlockN x kBlockN); for_tiles grows it for the general path's tiles,
+  // so that a batch of short sequences does not zero-fill the larger tiles on every call.
   Workspace(int64_t D, int64_t Dv)
-      : s(kTileM * kTileN), pr(kTileM * kTileN), dp(kTileM * kTileN),
-        acc(std::max(kTileM, kTileN) * std::max(D, Dv)), acc2(kTileN * std::max(D, Dv)),
-        row_max(kTileM), row_sum(kTileM), vis(kTileM * kTileN),
-        bucket(kTileM * kTileN) {}
+      : s(kBlockN * kBlockN), pr(kBlockN * kBlockN), dp(kBlockN * kBlockN), acc(kBlockN * std::max(D, Dv)),
+        acc2(kBlockN * std::max(D, Dv)), row_max(kBlockN), row_sum(kBlockN), vis(kBlockN * kBlockN),
+        bucket(kBlockN * kBlockN) {}
+  void for_tiles(int64_t D, int64_t Dv) {
+    for (auto* t : {&s, &pr, &dp}) t->resize(kTileM * kTileN);
+    acc.resize(std::max(kTileM, kTileN) * std::max(D, Dv));
+    acc2.resize(kTileN * std::max(D, Dv));
+    row_max.resize(kTileM);
+    row_sum.resize(kTileM);
+    vis.resize(kTileM * kTileN);
+    bucket.resize(kTileM * kTileN);
+  }
 };
 
 // s[r, c] <- s[r, c] + biases (the Q K^T product applied the scale as its alpha), and the
@@ -870,6 +880,7 @@ bool begin_item(const Prepared& in, int64_t item, Workspace& ws, Item& it) {
   const Params& p = in.p;
   const SeqInfo& seq = in.seqs[item / p.H];
   if (seq.len == 0) return false;
+  ws.for_tiles(p.D, p.Dv);
   it.h = item % p.H;
   it.start = seq.start;
   it.L = seq.len;
