@@ -86,34 +86,20 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// The exp and SiLU rows on 16 lanes where the CPU has AVX-512 (a runtime check: the build targets
-// x86-64-v3). They were ~a quarter of the forward at history 1024 (1 thread, per-piece CPU time);
-// MKL's sgemm beside them already runs AVX-512. Each computes what its 8-lane twin below does, lane
-// for lane (fast_exp16 is fast_exp8's steps), the tail under a mask; only the order of a row sum's
-// partial sums differs.
-#define GK_AVX512 __attribute__((target("avx512f,avx512dq")))
+// The exp and SiLU rows on 16 lanes where the CPU has AVX-512F (cpu_has_avx512f: a runtime check, as
+// the build targets x86-64-v3; GEM_KERNELS_NO_AVX512=1 turns it off). They were ~a quarter of the
+// forward at history 1024 (1 thread, per-piece CPU time); MKL's sgemm beside them already runs
+// AVX-512. Each computes what its 8-lane twin below does, lane for lane (fast_exp16 is fast_exp8's
+// steps), the tail under a mask; only the order of a row sum's partial sums differs.
+#define GK_AVX512 __attribute__((target("avx512f")))
 
+// fast_exp8 on 16 lanes: exp16_clamped (cpu_exp.h) and fast_exp8's edge values.
 GK_AVX512 inline __m512 fast_exp16(__m512 x) {
-  const __m512 in = x;
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(in, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y,
+  __m512 y = exp16_clamped(x);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y,
                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(in, in, _CMP_UNORD_Q), y, in);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
 }
 
 // The mask of lanes [c, n) of a 16-lane block at c.
@@ -176,10 +162,9 @@ GK_AVX512 __attribute__((noinline)) void fast_exp16_rows(const float* x, float* 
   }
 }
 
-// Whether the row loops take the 16-lane twins: the CPU has AVX-512 F and DQ, and rows are at least
-// kAvx512MinRow long (shorter ones, as most of the short path's, stay on the inlined 8-lane loops:
-// the twins are out-of-line calls).
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+// The row loops take the 16-lane twins where cpu_has_avx512f() and rows are at least kAvx512MinRow
+// long (shorter ones, as most of the short path's, stay on the inlined 8-lane loops: the twins are
+// out-of-line calls).
 constexpr int64_t kAvx512MinRow = 32;
 #endif
 
@@ -213,7 +198,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
   float sum = 0.0f;
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
-  if (n >= kAvx512MinRow && kHasAvx512) return exp_shifted_sum16(x, n, m);
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return exp_shifted_sum16(x, n, m);
   if (n >= 8) {
     const __m256 vm = _mm256_set1_ps(m), vneg_inf = _mm256_set1_ps(neg_inf);
     __m256 vsum = _mm256_setzero_ps();
@@ -240,7 +225,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
 inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, float lse, float delta) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
-  if (n >= kAvx512MinRow && kHasAvx512) return softmax_grad_row16(s, p, ds, n, lse, delta);
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return softmax_grad_row16(s, p, ds, n, lse, delta);
   const __m256 vl = _mm256_set1_ps(lse), vd = _mm256_set1_ps(delta);
   for (; c + 8 <= n; c += 8) {
     const __m256 pv = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vl));
@@ -259,7 +244,7 @@ inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, flo
 inline void silu_row(float* x, int64_t n, float inv_m) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
-  if (n >= kAvx512MinRow && kHasAvx512) return silu_row16(x, n, inv_m);
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return silu_row16(x, n, inv_m);
   // gcc leaves the scalar loop below unvectorised (perf showed vmulss/vdivss in it).
   const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (; c + 8 <= n; c += 8) {
@@ -276,7 +261,7 @@ inline void silu_row(float* x, int64_t n, float inv_m) {
 inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float inv_m) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
-  if (n >= kAvx512MinRow && kHasAvx512) return silu_grad_row16(s, p, ds, n, inv_m);
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return silu_grad_row16(s, p, ds, n, inv_m);
   const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (; c + 8 <= n; c += 8) {
     const __m256 x = _mm256_loadu_ps(s + c);
@@ -1296,7 +1281,7 @@ bool attention_avx2() { return GK_ATTENTION_AVX2 != 0; }
 
 bool attention_avx512() {
 #if GK_ATTENTION_AVX2
-  return kHasAvx512;
+  return cpu_has_avx512f();
 #else
   return false;
 #endif
