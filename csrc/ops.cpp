@@ -110,6 +110,9 @@ namespace gem_kernels {
 // `vectorized` and AVX2, else the scalar one), for the tests of its accuracy.
 bool attention_avx2();
 at::Tensor attention_fast_exp(const at::Tensor& x, bool vectorized);
+// ... and whether its exp and SiLU rows take 16 AVX-512 lanes (a runtime check), and that exp.
+bool attention_avx512();
+at::Tensor attention_fast_exp16(const at::Tensor& x);
 // cpu/cpu_stream.cpp: whether large outputs take streaming stores (measured once), and the override
 // the tests use to run both paths; returns the previous mode (-1 = not decided yet).
 bool streaming_stores_pay_off();
@@ -141,6 +144,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_avx2", &gem_kernels::attention_avx2, "whether the CPU attention rows run on AVX2");
   m.def("attention_fast_exp", &gem_kernels::attention_fast_exp, "the CPU attention kernel's exp (for tests)",
         pybind11::arg("x"), pybind11::arg("vectorized"));
+  m.def("attention_avx512", &gem_kernels::attention_avx512,
+        "whether the CPU attention's exp and SiLU rows take 16 AVX-512 lanes on this CPU");
+  m.def("attention_fast_exp16", &gem_kernels::attention_fast_exp16,
+        "the CPU attention kernel's 16-lane exp (for tests; needs attention_avx512())", pybind11::arg("x"));
   m.def("streaming_stores", &gem_kernels::streaming_stores_pay_off,
         "whether CPU kernels write outputs over 32 MiB with streaming stores (measured on first use, "
         "or GEM_KERNELS_STREAMING_STORES=0/1)");

@@ -575,24 +575,31 @@ def test_cpu_short_path_nonfinite_row_of_a_four_row_group(name):
 
 @cpu_kernel_only
 @pytest.mark.skipif("cpu" not in gk.available_backends(), reason="the C++ extension is not built")
-@pytest.mark.parametrize("vectorized", [True, False], ids=["cpu-avx2", "cpu-scalar"])
-def test_cpu_fast_exp_matches_exp(vectorized):
-    """The cpu kernel's exp (fast_exp8 on 8 AVX2 lanes, fast_exp on the rest) against exp in float64
-    (the exact value, which std::exp rounds to within 0.5 ulp) over its whole range, a length that
-    leaves a scalar tail, and the edge values the kernel relies on."""
+@pytest.mark.parametrize("path", ["avx2", "scalar", "avx512"], ids=lambda p: f"cpu-{p}")
+def test_cpu_fast_exp_matches_exp(path):
+    """The cpu kernel's exp (fast_exp8 on 8 AVX2 lanes, fast_exp on the rest; fast_exp16 on 16
+    AVX-512 lanes, masked tail, where the CPU has them) against exp in float64 (the exact value, which
+    std::exp rounds to within 0.5 ulp) over its whole range, a length that leaves a tail, and the edge
+    values the kernel relies on."""
     from gem_kernels._backend import _C
     from gem_kernels._build_info import BUILD_INFO
 
     if BUILD_INFO.get("cpu_arch_flag") == "-march=x86-64-v3":
         assert _C.attention_avx2()  # the default x86 build must take the vector path
+    if path == "avx512" and not _C.attention_avx512():
+        pytest.skip("this CPU has no AVX-512: the kernel's rows never take the 16-lane exp")
+
+    def fast_exp(t):
+        return _C.attention_fast_exp16(t) if path == "avx512" else _C.attention_fast_exp(t, path == "avx2")
+
     x = torch.cat([torch.linspace(-87.0, 88.0, 200_003), torch.randn(997) * 4, torch.tensor([0.0, -0.0])])
-    got = _C.attention_fast_exp(x, vectorized).double()
+    got = fast_exp(x).double()
     exact = torch.exp(x.double())
     rel = ((got - exact).abs() / exact).max().item()
     assert rel < 2 * 2.0**-23, rel  # 2 ulp; measured 7.2e-8 on both paths
     edges = torch.tensor([-math.inf, -1e30, -87.5, 88.5, 1e30, math.inf, math.nan, -math.nan, -87.0, 88.0,
-                          0.0, 1.0, -1.0, 2.0, 3.0, -3.0])  # 16: both paths see each edge in the 8-lane body
-    got = _C.attention_fast_exp(edges, vectorized)
+                          0.0, 1.0, -1.0, 2.0, 3.0, -3.0])  # 16: each vector path sees every edge in its body
+    got = fast_exp(edges)
     assert torch.equal(got[:6], torch.tensor([0.0, 0.0, 0.0, math.inf, math.inf, math.inf]))
     assert bool(got[6:8].isnan().all())
     torch.testing.assert_close(got[8:].double(), torch.exp(edges[8:].double()), rtol=2 * 2.0**-23, atol=0)

@@ -3,14 +3,15 @@
 // Work decomposition: one work item is one (sequence, head) (a short HSTU sequence: all its heads,
 // see attention_short.h); items are handed out longest first
 // from an atomic counter to the at::parallel_for threads (dynamic scheduling: sequence lengths are
-// skewed). An item walks flash-style tiles of kBlockM queries x kBlockN keys of its own sequence
+// skewed). An item walks flash-style tiles of kTileM queries x kTileN keys of its own sequence
 // only (no padding work), with the online softmax in fp32: no [L, L] matrix exists, only a
-// kBlockM x kBlockN score tile. A tile whose (i, j) ids make every pair invisible is skipped
+// kTileM x kTileN score tile. A tile whose (i, j) ids make every pair invisible is skipped
 // before any arithmetic; one whose pairs are all visible skips the per-element mask. The two tile
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
 // that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
 // backward), the SiLU rows (weights forward; P and dS backward) and the time buckets run on AVX2
-// (8 lanes, fast_exp8) where the build targets it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// (8 lanes, fast_exp8) where the build targets it, the exp and SiLU rows of 32+ keys on AVX-512 (16
+// lanes, fast_exp16) where the CPU has it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
 // so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
@@ -63,11 +64,16 @@
 namespace gem_kernels {
 namespace {
 
-// 128 x 128 tiles: the score tile (64 KiB) and a 128 x 128 Q/K/V tile (64 KiB each) stay in L2.
-// Measured on this machine's MKL (1 thread): sgemm reaches ~50 GFLOP/s at 64x64x128 but ~83 at
-// 128x128x128, which outweighs the larger half-masked diagonal tiles of causal attention.
-constexpr int64_t kBlockM = 128;
+// The short path's rows (attention_short.h): at most kBlockN keys, kBlockN-pitched in the workspace.
 constexpr int64_t kBlockN = 128;
+// The general path's tiles: kTileM queries x kTileN keys. 256 x 256: the score, probability and dP
+// tiles (256 KiB each) and the operands' tiles (128 KiB each) stay in a 2 MiB L2, and MKL's sgemm
+// (1 thread, this repo's 2-core Xeon) runs a 256x256x128 product at ~155 GFLOP/s against 118-146 at
+// 128x128x128. Measured in the kernel (softmax and HSTU fwd+bwd at the bench's history 1024, 1
+// thread, every size interleaved in one process): 128 x 128 tiles with 32-row strips 84.6 / 71.9
+// GFLOP/s, 256 x 256 with 64-row strips 85.2 / 74.9, 128 x 512 85.1 / 74.3.
+constexpr int64_t kTileM = 256;
+constexpr int64_t kTileN = 256;
 
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
 inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
@@ -79,6 +85,87 @@ inline float hsum8(__m256 v) {
   x = _mm_add_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
 }
+
+// The exp and SiLU rows on 16 lanes where the CPU has AVX-512F (cpu_has_avx512f: a runtime check, as
+// the build targets x86-64-v3; GEM_KERNELS_NO_AVX512=1 turns it off). They were ~a quarter of the
+// forward at history 1024 (1 thread, per-piece CPU time); MKL's sgemm beside them already runs
+// AVX-512. Each computes what its 8-lane twin below does, lane for lane (fast_exp16 is fast_exp8's
+// steps), the tail under a mask; only the order of a row sum's partial sums differs.
+#define GK_AVX512 __attribute__((target("avx512f")))
+
+// fast_exp8 on 16 lanes: exp16_clamped (cpu_exp.h) and fast_exp8's edge values.
+GK_AVX512 inline __m512 fast_exp16(__m512 x) {
+  __m512 y = exp16_clamped(x);
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), y,
+                           _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), y, _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
+}
+
+// The mask of lanes [c, n) of a 16-lane block at c.
+GK_AVX512 inline __mmask16 tail_mask(int64_t c, int64_t n) {
+  return n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1u);
+}
+
+GK_AVX512 __attribute__((noinline)) float exp_shifted_sum16(float* x, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m), vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + c);
+    const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vneg_inf, _CMP_EQ_OQ),
+                                          fast_exp16(_mm512_sub_ps(v, vm)), _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(x + c, k, e);
+    vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+GK_AVX512 __attribute__((noinline)) void softmax_grad_row16(const float* s, float* p, float* ds, int64_t n, float lse,
+                                                            float delta) {
+  const __m512 vl = _mm512_set1_ps(lse), vd = _mm512_set1_ps(delta);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 pv = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), vl));
+    _mm512_mask_storeu_ps(p + c, k, pv);
+    _mm512_mask_storeu_ps(ds + c, k, _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, ds + c), vd)));
+  }
+}
+
+GK_AVX512 __attribute__((noinline)) void silu_row16(float* x, int64_t n, float inv_m) {
+  const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + c);
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_mask_storeu_ps(x + c, k, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), vm));
+  }
+}
+
+GK_AVX512 __attribute__((noinline)) void silu_grad_row16(const float* s, float* p, float* ds, int64_t n, float inv_m) {
+  const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    const __m512 x = _mm512_maskz_loadu_ps(k, s + c);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    _mm512_mask_storeu_ps(p + c, k, _mm512_mul_ps(_mm512_mul_ps(x, sig), vm));
+    const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
+    _mm512_mask_storeu_ps(ds + c, k, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, ds + c), g), vm));
+  }
+}
+
+// y[c] <- fast_exp16(x[c]) over [0, n) (the tests' window on it, attention_fast_exp16).
+GK_AVX512 __attribute__((noinline)) void fast_exp16_rows(const float* x, float* y, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tail_mask(c, n);
+    _mm512_mask_storeu_ps(y + c, k, fast_exp16(_mm512_maskz_loadu_ps(k, x + c)));
+  }
+}
+
+// The row loops take the 16-lane twins where cpu_has_avx512f() and rows are at least kAvx512MinRow
+// long (shorter ones, as most of the short path's, stay on the inlined 8-lane loops: the twins are
+// out-of-line calls).
+constexpr int64_t kAvx512MinRow = 32;
 #endif
 
 // max_keep_nan folded over x[0, n): NaN when any element is NaN, else the max (-inf when n = 0).
@@ -111,6 +198,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
   float sum = 0.0f;
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return exp_shifted_sum16(x, n, m);
   if (n >= 8) {
     const __m256 vm = _mm256_set1_ps(m), vneg_inf = _mm256_set1_ps(neg_inf);
     __m256 vsum = _mm256_setzero_ps();
@@ -137,6 +225,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float m) {
 inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, float lse, float delta) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return softmax_grad_row16(s, p, ds, n, lse, delta);
   const __m256 vl = _mm256_set1_ps(lse), vd = _mm256_set1_ps(delta);
   for (; c + 8 <= n; c += 8) {
     const __m256 pv = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vl));
@@ -155,6 +244,7 @@ inline void softmax_grad_row(const float* s, float* p, float* ds, int64_t n, flo
 inline void silu_row(float* x, int64_t n, float inv_m) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return silu_row16(x, n, inv_m);
   // gcc leaves the scalar loop below unvectorised (perf showed vmulss/vdivss in it).
   const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (; c + 8 <= n; c += 8) {
@@ -171,6 +261,7 @@ inline void silu_row(float* x, int64_t n, float inv_m) {
 inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float inv_m) {
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return silu_grad_row16(s, p, ds, n, inv_m);
   const __m256 one = _mm256_set1_ps(1.0f), vm = _mm256_set1_ps(inv_m);
   for (; c + 8 <= n; c += 8) {
     const __m256 x = _mm256_loadu_ps(s + c);
@@ -211,15 +302,15 @@ inline void add_by_bucket(const int32_t* bucket, const float* ds, int64_t n, flo
   }
 }
 
-// out[r, :] += alpha * sum over visible c of w[r, c] * x[c, :] (w, vis: kBlockN-pitched tiles). The
+// out[r, :] += alpha * sum over visible c of w[r, c] * x[c, :] (w, vis: kTileN-pitched tiles). The
 // masked products' slow path, taken for mixed tiles whose x rows hold an Inf or NaN: a BLAS product
 // of the zeroed weights would add 0 * inf = NaN from keys the row cannot see.
 void masked_mm(int64_t bm, int64_t bn, int64_t width, float alpha, const float* w, const uint8_t* vis,
                const float* x, int64_t ldx, float* out, int64_t ldo) {
   for (int64_t r = 0; r < bm; ++r)
     for (int64_t c = 0; c < bn; ++c) {
-      if (!vis[r * kBlockN + c]) continue;
-      const float a = alpha * w[r * kBlockN + c];
+      if (!vis[r * kTileN + c]) continue;
+      const float a = alpha * w[r * kTileN + c];
       const float* xr = x + c * ldx;
       float* o = out + r * ldo;
       for (int64_t d = 0; d < width; ++d) o[d] += a * xr[d];
@@ -231,8 +322,8 @@ void masked_mm_t(int64_t bm, int64_t bn, int64_t width, float alpha, const float
                  const float* x, int64_t ldx, float* out, int64_t ldo) {
   for (int64_t r = 0; r < bm; ++r)
     for (int64_t c = 0; c < bn; ++c) {
-      if (!vis[r * kBlockN + c]) continue;
-      const float a = alpha * w[r * kBlockN + c];
+      if (!vis[r * kTileN + c]) continue;
+      const float a = alpha * w[r * kTileN + c];
       const float* xr = x + r * ldx;
       float* o = out + c * ldo;
       for (int64_t d = 0; d < width; ++d) o[d] += a * xr[d];
@@ -430,14 +521,16 @@ RowSpan row_span(const SeqMask& mask, int tile_kind, int64_t i, int64_t j0, int6
 // rows see) or kStrip keys (P^T dO, dS^T Q: each key strip over the rows that see it), so a causal
 // diagonal tile computes 1/2 + 1/8 of a full tile's pairs instead of all of them. The values outside
 // a strip's extent are never read (the row loops fill them), so the extents only bound the products.
-constexpr int64_t kStrip = 32;
+// 64: in a 256 x 256 diagonal tile, 32-row strips' products (M = 32) ran slower than 64-row ones
+// that compute 1/16 of the tile more (MKL, 1 thread: Q K^T 141 vs 106 us, P V 121 vs 94 us).
+constexpr int64_t kStrip = 64;
 
 struct TileExtents {
   bool split = false;  // false: each product runs over the whole tile
   // Row strip s (rows [s * kStrip, (s + 1) * kStrip)) needs keys [col_lo[s], col_hi[s]); key strip t
   // needs rows [row_lo[t], row_hi[t]). Empty (lo >= hi) when nothing in the strip is visible.
-  int64_t col_lo[kBlockM / kStrip], col_hi[kBlockM / kStrip];
-  int64_t row_lo[kBlockN / kStrip], row_hi[kBlockN / kStrip];
+  int64_t col_lo[kTileM / kStrip], col_hi[kTileM / kStrip];
+  int64_t row_lo[kTileN / kStrip], row_hi[kTileN / kStrip];
 
   void init(const SeqMask& mask, int tile_kind, int64_t i0, int64_t bm, int64_t j0, int64_t bn) {
     split = tile_kind == 1 && (mask.banded || mask.prefix);
@@ -540,25 +633,35 @@ struct Workspace {
   std::vector<uint8_t> bad_q, bad_k, bad_v, bad_do;  // per tile of the item: rows with an Inf or NaN
   std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
   SeqMask mask;
+  // Sized for the short path (kBlockN x kBlockN); for_tiles grows it for the general path's tiles,
+  // so that a batch of short sequences does not zero-fill the larger tiles on every call.
   Workspace(int64_t D, int64_t Dv)
-      : s(kBlockM * kBlockN), pr(kBlockM * kBlockN), dp(kBlockM * kBlockN),
-        acc(std::max(kBlockM, kBlockN) * std::max(D, Dv)), acc2(kBlockN * std::max(D, Dv)),
-        row_max(kBlockM), row_sum(kBlockM), vis(kBlockM * kBlockN),
-        bucket(kBlockM * kBlockN) {}
+      : s(kBlockN * kBlockN), pr(kBlockN * kBlockN), dp(kBlockN * kBlockN), acc(kBlockN * std::max(D, Dv)),
+        acc2(kBlockN * std::max(D, Dv)), row_max(kBlockN), row_sum(kBlockN), vis(kBlockN * kBlockN),
+        bucket(kBlockN * kBlockN) {}
+  void for_tiles(int64_t D, int64_t Dv) {
+    for (auto* t : {&s, &pr, &dp}) t->resize(kTileM * kTileN);
+    acc.resize(std::max(kTileM, kTileN) * std::max(D, Dv));
+    acc2.resize(kTileN * std::max(D, Dv));
+    row_max.resize(kTileM);
+    row_sum.resize(kTileM);
+    vis.resize(kTileM * kTileN);
+    bucket.resize(kTileM * kTileN);
+  }
 };
 
-// s[r, c] <- scale * s[r, c] + biases, and the visibility of every pair (when the tile is mixed).
+// s[r, c] <- s[r, c] + biases (the Q K^T product applied the scale as its alpha), and the
+// visibility of every pair (when the tile is mixed).
 // Returns whether the biases are present (the caller masks only mixed tiles).
 void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t start, int64_t h, int64_t i0,
                  int64_t bm, int64_t j0, int64_t bn, int tile_kind) {
   float* s = ws.s.data();
   for (int64_t r = 0; r < bm; ++r) {
-    float* row = s + r * kBlockN;
+    float* row = s + r * kTileN;
     // Only the row's span: every caller zeroes (or never reads) the scores outside it, so a causal
     // tile pays the biases for its visible half alone.
     const RowSpan span = row_span(mask, tile_kind, i0 + r, j0, bn);
     const int64_t c0 = span.begin, c1 = span.end;
-    for (int64_t c = c0; c < c1; ++c) row[c] *= p.scale;
     if (p.pos_bias != nullptr) {
       const int64_t hb = p.pos_heads == 1 ? 0 : h;
       // j - i + M - 1 for j = j0 + c, i = i0 + r: a contiguous run of pos_bias.
@@ -569,7 +672,7 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       const int64_t hb = p.time_heads == 1 ? 0 : h;
       const float* bias = p.time_bias + hb * (p.num_buckets + 1);
       const int64_t ti = p.query_timestamps[start + i0 + r];
-      int32_t* buckets = ws.bucket.data() + r * kBlockN;
+      int32_t* buckets = ws.bucket.data() + r * kTileN;
       // Walk the bucket from the previous key's: exact for any timestamps, and ~free when they are
       // sorted (|t_i - t_j| then moves monotonically and rarely crosses a threshold).
       const int64_t* thr = p.bucket_thr.data();
@@ -613,7 +716,7 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       for (; c < c1; ++c) walk(c);
     }
     if (tile_kind == 1) {
-      uint8_t* vis = ws.vis.data() + r * kBlockN;
+      uint8_t* vis = ws.vis.data() + r * kTileN;
       if (span.ask) {
         for (int64_t c = 0; c < bn; ++c) vis[c] = mask.visible(i0 + r, j0 + c) ? 1 : 0;
       } else {  // the masked products' slow path still reads vis
@@ -762,6 +865,7 @@ bool begin_item(const Prepared& in, int64_t item, Workspace& ws, Item& it) {
   const Params& p = in.p;
   const SeqInfo& seq = in.seqs[item / p.H];
   if (seq.len == 0) return false;
+  ws.for_tiles(p.D, p.Dv);
   it.h = item % p.H;
   it.start = seq.start;
   it.L = seq.len;
@@ -801,8 +905,8 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
   const int64_t L = it.L, h = it.h;
   float* s = ws.s.data();
   float* acc = ws.acc.data();
-  static_assert(kBlockM == kBlockN, "one tile grid for the nonfinite flags of rows and keys");
-  tile_flags(in.bad_v.data() + it.start * H + h, L, H, kBlockN, ws.bad_v);
+  static_assert(kTileM == kTileN, "one tile grid for the nonfinite flags of rows and keys");
+  tile_flags(in.bad_v.data() + it.start * H + h, L, H, kTileN, ws.bad_v);
   // Q K^T on contiguous key rows, as in the backward (see there). Not in the cached forward: its few
   // query rows would pay the copy of every key row.
   const float* k_rows = it.k0;
@@ -813,25 +917,25 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
     k_rows = ws.k_rows.data();
     k_ld = D;
   }
-  for (int64_t i0 = q_lo; i0 < L; i0 += kBlockM) {
-    const int64_t bm = std::min(kBlockM, L - i0);
+  for (int64_t i0 = q_lo; i0 < L; i0 += kTileM) {
+    const int64_t bm = std::min(kTileM, L - i0);
     std::fill(acc, acc + bm * Dv, 0.0f);
     std::fill(ws.row_max.begin(), ws.row_max.end(), neg_inf);
     std::fill(ws.row_sum.begin(), ws.row_sum.end(), 0.0f);
-    for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
-      const int64_t bn = std::min(kBlockN, L - j0);
+    for (int64_t j0 = 0; j0 < L; j0 += kTileN) {
+      const int64_t bn = std::min(kTileN, L - j0);
       const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
       if (tile_kind == 0) continue;
       TileExtents ext;
       ext.init(ws.mask, tile_kind, i0, bm, j0, bn);
       ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-        mm(false, true, r1 - r0, c1 - c0, D, 1.0f, q_rows + (i0 - q_lo + r0) * H * D, H * D, k_rows + (j0 + c0) * k_ld,
-           k_ld, 0.0f, s + r0 * kBlockN + c0, kBlockN);
+        mm(false, true, r1 - r0, c1 - c0, D, p.scale, q_rows + (i0 - q_lo + r0) * H * D, H * D, k_rows + (j0 + c0) * k_ld,
+           k_ld, 0.0f, s + r0 * kTileN + c0, kTileN);
       });
       scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
       for (int64_t r = 0; r < bm; ++r) {
-        float* row = s + r * kBlockN;
-        const uint8_t* vis = ws.vis.data() + r * kBlockN;
+        float* row = s + r * kTileN;
+        const uint8_t* vis = ws.vis.data() + r * kTileN;
         const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
         // Outside the span the weights are 0 (the P V product takes the whole tile).
         std::fill(row, row + span.begin, 0.0f);
@@ -861,13 +965,13 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
         // Rows with nothing visible yet hold -inf scores: zero them before the product.
         for (int64_t r = 0; r < bm; ++r)
           if (ws.row_max[r] == neg_inf)
-            std::fill(s + r * kBlockN, s + r * kBlockN + bn, 0.0f);
+            std::fill(s + r * kTileN, s + r * kTileN + bn, 0.0f);
       }
-      if (tile_kind == 1 && ws.bad_v[j0 / kBlockN])
+      if (tile_kind == 1 && ws.bad_v[j0 / kTileN])
         masked_mm(bm, bn, Dv, 1.0f, s, ws.vis.data(), it.v0 + j0 * H * Dv, H * Dv, acc, Dv);
       else
         ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-          mm(false, false, r1 - r0, Dv, c1 - c0, 1.0f, s + r0 * kBlockN + c0, kBlockN, it.v0 + (j0 + c0) * H * Dv,
+          mm(false, false, r1 - r0, Dv, c1 - c0, 1.0f, s + r0 * kTileN + c0, kTileN, it.v0 + (j0 + c0) * H * Dv,
              H * Dv, 1.0f, acc + r0 * Dv, Dv);
         });
     }
@@ -1050,38 +1154,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     float* dk0 = dkp + (it.start * H + h) * D;
     float* dv0 = dvp + (it.start * H + h) * Dv;
     const float* delta0 = p.softmax ? delta.data() + it.start * H + h : nullptr;  // rows at stride H
-    tile_flags(bad_q.data() + it.start * H + h, L, H, kBlockM, ws.bad_q);
-    tile_flags(bad_k.data() + it.start * H + h, L, H, kBlockN, ws.bad_k);
-    tile_flags(bad_do.data() + it.start * H + h, L, H, kBlockM, ws.bad_do);
+    tile_flags(bad_q.data() + it.start * H + h, L, H, kTileM, ws.bad_q);
+    tile_flags(bad_k.data() + it.start * H + h, L, H, kTileN, ws.bad_k);
+    tile_flags(bad_do.data() + it.start * H + h, L, H, kTileM, ws.bad_do);
     float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
     float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
     float* s = ws.s.data();
     float* pr = ws.pr.data();
     float* dpt = ws.dp.data();
-    for (int64_t j0 = 0; j0 < L; j0 += kBlockN) {
-      const int64_t bn = std::min(kBlockN, L - j0);
+    for (int64_t j0 = 0; j0 < L; j0 += kTileN) {
+      const int64_t bn = std::min(kTileN, L - j0);
       float* dk_acc = dk0 + j0 * qs;
       float* dv_acc = dv0 + j0 * vs;
-      for (int64_t i0 = 0; i0 < L; i0 += kBlockM) {
-        const int64_t bm = std::min(kBlockM, L - i0);
+      for (int64_t i0 = 0; i0 < L; i0 += kTileM) {
+        const int64_t bm = std::min(kTileM, L - i0);
         const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
         if (tile_kind == 0) continue;
         TileExtents ext;
         ext.init(ws.mask, tile_kind, i0, bm, j0, bn);
         ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-          mm(false, true, r1 - r0, c1 - c0, D, 1.0f, q0 + (i0 + r0) * qs, qs, k0 + (j0 + c0) * D, D, 0.0f,
-             s + r0 * kBlockN + c0, kBlockN);
+          mm(false, true, r1 - r0, c1 - c0, D, p.scale, q0 + (i0 + r0) * qs, qs, k0 + (j0 + c0) * D, D, 0.0f,
+             s + r0 * kTileN + c0, kTileN);
         });
         scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
         ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
           mm(false, true, r1 - r0, c1 - c0, Dv, 1.0f, do0 + (i0 + r0) * vs, vs, v0 + (j0 + c0) * Dv, Dv, 0.0f,
-             dpt + r0 * kBlockN + c0, kBlockN);
+             dpt + r0 * kTileN + c0, kTileN);
         });
         for (int64_t r = 0; r < bm; ++r) {
-          const float* row = s + r * kBlockN;
-          const uint8_t* vis = ws.vis.data() + r * kBlockN;
-          float* prow = pr + r * kBlockN;
-          float* drow = dpt + r * kBlockN;  // dP in, dS out
+          const float* row = s + r * kTileN;
+          const uint8_t* vis = ws.vis.data() + r * kTileN;
+          float* prow = pr + r * kTileN;
+          float* drow = dpt + r * kTileN;  // dP in, dS out
           const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
           const int64_t c0 = span.begin, c1 = span.end;
           // Outside the span P and dS are 0, selected: dP of an invisible pair may be inf or NaN (v = inf).
@@ -1111,31 +1215,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
             for (int64_t c = c0; c < c1; ++c) dst[c] += drow[c];
           }
           if (time_part_item != nullptr) {
-            add_by_bucket(ws.bucket.data() + r * kBlockN + c0, drow + c0, c1 - c0, time_part_item);
+            add_by_bucket(ws.bucket.data() + r * kTileN + c0, drow + c0, c1 - c0, time_part_item);
           }
         }
         // Mixed tiles whose other operand holds an Inf or NaN take the masked path (see masked_mm).
         const bool mixed = tile_kind == 1;
         const uint8_t* vis = ws.vis.data();
-        if (mixed && ws.bad_do[i0 / kBlockM])
+        if (mixed && ws.bad_do[i0 / kTileM])
           masked_mm_t(bm, bn, Dv, 1.0f, pr, vis, do0 + i0 * vs, vs, dv_acc, vs);
         else
           ext.key_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-            mm(true, false, c1 - c0, Dv, r1 - r0, 1.0f, pr + r0 * kBlockN + c0, kBlockN, do0 + (i0 + r0) * vs, vs,
+            mm(true, false, c1 - c0, Dv, r1 - r0, 1.0f, pr + r0 * kTileN + c0, kTileN, do0 + (i0 + r0) * vs, vs,
                1.0f, dv_acc + c0 * vs, vs);
           });
-        if (mixed && ws.bad_q[i0 / kBlockM])
+        if (mixed && ws.bad_q[i0 / kTileM])
           masked_mm_t(bm, bn, D, p.scale, dpt, vis, q0 + i0 * qs, qs, dk_acc, qs);
         else
           ext.key_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-            mm(true, false, c1 - c0, D, r1 - r0, p.scale, dpt + r0 * kBlockN + c0, kBlockN, q0 + (i0 + r0) * qs, qs,
+            mm(true, false, c1 - c0, D, r1 - r0, p.scale, dpt + r0 * kTileN + c0, kTileN, q0 + (i0 + r0) * qs, qs,
                1.0f, dk_acc + c0 * qs, qs);
           });
-        if (mixed && ws.bad_k[j0 / kBlockN])
+        if (mixed && ws.bad_k[j0 / kTileN])
           masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * D, D, dq0 + i0 * qs, qs);
         else
           ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-            mm(false, false, r1 - r0, D, c1 - c0, p.scale, dpt + r0 * kBlockN + c0, kBlockN, k0 + (j0 + c0) * D, D,
+            mm(false, false, r1 - r0, D, c1 - c0, p.scale, dpt + r0 * kTileN + c0, kTileN, k0 + (j0 + c0) * D, D,
                1.0f, dq0 + (i0 + r0) * qs, qs);
           });
       }
@@ -1174,6 +1278,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
 }  // namespace
 
 bool attention_avx2() { return GK_ATTENTION_AVX2 != 0; }
+
+bool attention_avx512() {
+#if GK_ATTENTION_AVX2
+  return cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
+at::Tensor attention_fast_exp16(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
+  TORCH_CHECK(attention_avx512(), "attention_fast_exp16 needs AVX-512 (attention_avx512())");
+  const auto x = x_in.contiguous();
+  auto y = at::empty_like(x);
+#if GK_ATTENTION_AVX2
+  fast_exp16_rows(x.const_data_ptr<float>(), y.data_ptr<float>(), x.numel());
+#endif
+  return y;
+}
 
 at::Tensor attention_fast_exp(const at::Tensor& x_in, bool vectorized) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "x must be a float32 CPU tensor");
