@@ -97,3 +97,10 @@ def test_a_formula_with_the_wrong_gradient_count_is_an_error():
     x = torch.ones(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="returned 1 gradients, expected 2"):
         twice(x, 2.0).sum().backward()
+
+
+def test_the_graph_node_names_its_op():
+    # a profile of the backward tells the ops apart (one shared class name would not)
+    values = torch.randn(5, 3, requires_grad=True)
+    padded = gk.jagged_to_padded(values, torch.tensor([0, 2, 5]), 4)
+    assert type(padded.grad_fn).__name__ == "LeanFor_gem_kernels_jagged_to_paddedBackward"

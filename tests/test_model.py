@@ -771,3 +771,6 @@ def test_train_cli_runs_bf16(tmp_path):
     assert "amp=bf16" in result.stdout and "held-out AUC click" in result.stdout and "MFU" in result.stdout
     written = json.loads(path.read_text())
     assert written["dtype"] == "bfloat16" and math.isfinite(written["loss_last"]) and 0 < written["mfu"] < 1
+    # the CLI applies its --malloc-keep-mib default (gem_kernels.testing.malloc; 0 where it is not glibc)
+    from gem_kernels.testing import malloc
+    assert written["malloc_keep_mib"] == (malloc.DEFAULT_KEEP_MIB if malloc._mallopt() is not None else 0)
