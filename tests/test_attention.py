@@ -484,6 +484,41 @@ def test_cpu_short_path_matches_reference(D, Dv, lengths, input_options, options
     _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", **options)
 
 
+_ROW_PATHS_CHECK = """
+import os
+os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+from tests.test_attention import _check_against_reference, make_inputs
+# rows of 32+ keys (the 16-lane rows where the CPU has AVX-512F) and of fewer, long and short items,
+# a 16 + 8 + 3 tail (lengths 27, 59), softmax and hstu with both biases
+inputs = make_inputs([300, 59, 27, 0, 130], pos_heads=2, time_heads=2, targets=[7, 3, 0, 0, 2])
+for kind in ("softmax", "hstu"):
+    _check_against_reference(inputs, "cpu", torch.float32, kind=kind, contextual_len=1)
+print("row paths ok")
+"""
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_rows_on_both_paths(avx512):
+    """The cpu kernel's exp and SiLU rows (forward and backward) take 16 AVX-512F lanes for rows of
+    32+ keys where the CPU has it, 8 AVX2 lanes otherwise: both paths against the reference, forward
+    and every gradient, whatever CPU runs the tests (GEM_KERNELS_NO_AVX512=1 takes AVX2 on any). A
+    fresh process: the path is chosen once."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("GEM_KERNELS_NO_AVX512", None)
+    if avx512 == "off":
+        env["GEM_KERNELS_NO_AVX512"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _ROW_PATHS_CHECK], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "row paths ok" in run.stdout, run.stderr[-2000:]
+
+
 @cpu_kernel_only
 def test_cpu_short_path_skips_the_targets_hole():
     """The model's mask on the short path: target 10 of sequence 0 (targets 9..11, context 2) is seen by
