@@ -312,10 +312,11 @@ print("silu rows ok")
 
 @pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
 def test_cpu_ops_silu_rows_on_both_paths(avx512):
-    """The cpu ops' SiLU rows run 16-lane AVX-512F blocks where the CPU has it, then 8-lane AVX2 ones
-    and a scalar tail: at widths 27 = 16 + 8 + 3 (SiLU on u, v, q, k), each op against the reference
-    op in float64 by FlashAttention's rule, with the AVX-512 path and with GEM_KERNELS_NO_AVX512=1
-    (the AVX2 one on any CPU). A fresh process: the path is chosen once."""
+    """The cpu ops' SiLU rows (silu_block) run 16-lane AVX-512F vectors with a masked last one where
+    the CPU has it, else 8-lane AVX2 vectors and a scalar tail: at widths 27 = 16 + 11 (AVX-512) =
+    8 + 8 + 8 + 3 (AVX2) (SiLU on u, v, q, k), each op against the reference op in float64 by
+    FlashAttention's rule, with the AVX-512 path and with GEM_KERNELS_NO_AVX512=1 (the AVX2 one on
+    any CPU). A fresh process: the path is chosen once."""
     if "cpu" not in gk.available_backends():
         pytest.skip("cpu not built")
     import subprocess
