@@ -5,6 +5,8 @@ bench.hstu_layer's shapes (D = 256, H = 4, dims 64, no silu_qkv, concat u and x)
 model's (tokens = 8704, D = 32, H = 2, dims 16, silu_qkv, no concat). Each piece is timed in
 thread CPU time (run it with OMP_NUM_THREADS=1: a shared host's other loads then do not count),
 the impls interleaved round by round; the median and the minimum over the rounds are printed with fused / attn-only.
+glibc keeps freed memory mapped (--malloc-keep-mib, as `python -m model.train` and `python -m bench` do):
+without it each op's outputs fault their pages in again, which doubled the small model's uvqk forward.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/hstu_layer_pieces.py [--rounds 7] [--shapes 4096,1024]
 """
@@ -19,6 +21,7 @@ import torch
 
 import gem_kernels as gk
 from gem_kernels._backend import kernel
+from gem_kernels.testing.malloc import DEFAULT_KEEP_MIB, keep_freed_cpu_memory
 from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.reference import hstu_layer as ref
 from bench import hstu_layer as bench_layer
@@ -153,7 +156,10 @@ def main():
     ap.add_argument("--shapes", default="4096,1024,256,model")
     ap.add_argument("--pieces", default="")
     ap.add_argument("--wall", action="store_true", help="wall time (for several threads) instead of thread CPU time")
+    ap.add_argument("--malloc-keep-mib", type=int, default=DEFAULT_KEEP_MIB,
+                    help="freed heap glibc keeps mapped (0: its defaults)")
     args = ap.parse_args()
+    keep_freed_cpu_memory(args.malloc_keep_mib)
     clock = time.perf_counter if args.wall else time.thread_time
     print(f"torch threads {torch.get_num_threads()}; ms of {'wall' if args.wall else 'thread CPU'} time, "
           f"median of {args.rounds} rounds")
