@@ -817,8 +817,10 @@ template <typename T>
 inline vec vload_as(const T* p) { return load8(p); }
 template <typename T>
 inline void vstore_as(T* p, vec v) { store8(p, v); }
-// kLanes floats -> 8 lanes with the same sum.
-inline __m256 vfold8(const float* p) { return _mm256_loadu_ps(p); }
+// 8 lanes with the same sum as v's.
+inline __m256 vfold(vec v) { return v; }
+// cross32's accumulator block: 4 x 2 of the 16 ymm registers.
+constexpr int kCrossA = 4, kCrossB = 2;
 #include "interaction_rows32.inc"
 }  // namespace v8
 
@@ -863,7 +865,11 @@ inline void vstore_as(T* p, vec v) {
     store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
 }
-inline __m256 vfold8(const float* p) { return _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
+inline __m256 vfold(vec v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+// cross32's accumulator block: 4 x 4 of the 32 zmm registers.
+constexpr int kCrossA = 4, kCrossB = 4;
 #include "interaction_rows32.inc"
 }  // namespace v16
 #if defined(__clang__)
@@ -987,7 +993,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
           for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
 #if defined(__AVX2__) && defined(__FMA__)
         const bool wide = cpu_has_avx512f();
-        std::vector<float> gyv(fm_rows32(d) ? (wide ? v16::kLanes : v8::kLanes) * d.F * d.k : 0);
+        // A chunk's grad_At [8, 32] per sample, and its X as fp32 rows when X is not fp32 (cross32 reads both).
+        const int64_t most = (d.B + chunks - 1) / chunks;
+        std::vector<float> gatc(fm_rows32(d) ? most * 8 * kRow32 : 0);
+        std::vector<float> xsc(fm_rows32(d) && !std::is_same_v<scalar_t, float> ? most * d.F * kRow32 : 0);
 #endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
@@ -996,9 +1005,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
           const int64_t last = (c + 1) * d.B / chunks;
 #if defined(__AVX2__) && defined(__FMA__)
           if (fm_rows32(d)) {
-            std::fill(gyv.begin(), gyv.end(), 0.f);
-            for (int64_t b = c * d.B / chunks; b < last; ++b) {
-              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, w.xs.data());
+            const int64_t first = c * d.B / chunks;
+            for (int64_t b = first; b < last; ++b) {
+              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xsc.data() + (b - first) * d.F * kRow32);
+              float* gat = gatc.data() + (b - first) * 8 * kRow32;
               const float *at = w.at.data(), *s = w.sf.data();
               if (saved) {
                 at = pp + b * products_row(d);
@@ -1013,9 +1023,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
               // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
               auto backward = [&](auto* out) {
                 if (wide)
-                  v16::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), dat, gyv.data(), out);
+                  v16::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
                 else
-                  v8::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), dat, gyv.data(), out);
+                  v8::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
               };
               if (stream) {
                 backward(dx.data());
@@ -1024,10 +1034,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
                 backward(dxp + b * d.F * d.D);
               }
             }
+            const float* xc = xsc.data();
+            if constexpr (std::is_same_v<scalar_t, float>) xc = xp + first * d.F * d.D;
             if (wide)
-              v16::fm_grad_y32(d.F, gyv.data(), gy, d.kq);
+              v16::cross32(xc, d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8, last - first, gy, d.kq);
             else
-              v8::fm_grad_y32(d.F, gyv.data(), gy, d.kq);
+              v8::cross32(xc, d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8, last - first, gy, d.kq);
             continue;
           }
 #endif
@@ -1186,7 +1198,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
             xt(d.D * d.Fq, 0.f);
 #if defined(__AVX2__) && defined(__FMA__)
         const bool wide = cpu_has_avx512f();
-        std::vector<float> gmv(d.D == kRow32 ? (wide ? v16::kLanes : v8::kLanes) * d.O * d.F : 0);
+        // A chunk's grad_S [O, 32] per sample, and its X as fp32 rows when X is not fp32 (cross32 reads both).
+        const int64_t most = (d.B + chunks - 1) / chunks;
+        std::vector<float> dsc(d.D == kRow32 ? most * d.O * kRow32 : 0);
+        std::vector<float> xsc(d.D == kRow32 && !std::is_same_v<scalar_t, float> ? most * d.F * kRow32 : 0);
 #endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
@@ -1195,19 +1210,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
           const int64_t last = (c + 1) * d.B / chunks;
 #if defined(__AVX2__) && defined(__FMA__)
           if (d.D == kRow32) {
-            std::fill(gmv.begin(), gmv.end(), 0.f);
-            for (int64_t b = c * d.B / chunks; b < last; ++b) {
-              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xs.data());
+            const int64_t first = c * d.B / chunks;
+            for (int64_t b = first; b < last; ++b) {
+              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xsc.data() + (b - first) * d.F * kRow32);
+              float* dsb = dsc.data() + (b - first) * d.O * kRow32;
               const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
               scalar_t* dfm = dfp ? dfp + b * d.Ofm * d.D : dfp;
               // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
               auto backward = [&](auto* out) {
                 if (wide)
                   v16::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
-                                             rstdp + b * d.O, gw, gw + d.D, ds.data(), dfm, gmv.data(), out);
+                                             rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
                 else
                   v8::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
-                                            rstdp + b * d.O, gw, gw + d.D, ds.data(), dfm, gmv.data(), out);
+                                            rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
               };
               if (stream) {
                 backward(dx.data());
@@ -1216,10 +1232,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
                 backward(dxp + b * d.F * d.D);
               }
             }
+            const float* xc = xsc.data();
+            if constexpr (std::is_same_v<scalar_t, float>) xc = xp + first * d.F * d.D;
             if (wide)
-              v16::mix_grad_m32(d, gmv.data(), gm, d.Fq);
+              v16::cross32(dsc.data(), d.O * kRow32, d.O, xc, d.F * kRow32, d.F, last - first, gm, d.Fq);
             else
-              v8::mix_grad_m32(d, gmv.data(), gm, d.Fq);
+              v8::cross32(dsc.data(), d.O * kRow32, d.O, xc, d.F * kRow32, d.F, last - first, gm, d.Fq);
             continue;
           }
 #endif
