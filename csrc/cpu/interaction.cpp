@@ -877,6 +877,38 @@ constexpr int kCrossA = 4, kCrossB = 4;
 #else
 #pragma GCC pop_options
 #endif
+
+// cross32 on the lanes this CPU runs.
+inline void cross32(bool wide, const float* a, int64_t as, int64_t na, const float* b, int64_t bs, int64_t nb,
+                    int64_t n, float* out, int64_t ld) {
+  if (wide)
+    v16::cross32(a, as, na, b, bs, nb, n, out, ld);
+  else
+    v8::cross32(a, as, na, b, bs, nb, n, out, ld);
+}
+
+// The fp32 rows of X from sample `first` on, as cross32 reads them: fp32 X in place, other dtypes the
+// chunk's converted copy xsc.
+template <typename scalar_t>
+inline const float* chunk_rows32(const scalar_t* xp, int64_t first, int64_t F, const float* xsc) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return xp + first * F * kRow32;
+  } else {
+    return xsc;
+  }
+}
+
+// Runs backward(out) for one sample's grad_X [F, 32]: out is its place in the output, or the dx
+// scratch when the output streams (then written out as whole rows by store_sample).
+template <typename scalar_t, typename Backward>
+inline void grad_x_rows32(bool stream, float* dx, int64_t F, int64_t ld, scalar_t* dst, const Backward& backward) {
+  if (stream) {
+    backward(dx);
+    store_sample(dx, F, kRow32, ld, dst, stream);
+  } else {
+    backward(dst);
+  }
+}
 #endif
 
 FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
@@ -1020,26 +1052,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
               }
               layer_norm_row_backward(s, gp + b * n, wp, mp[b], rp[b], n, xhat.data(), gh.data(), gw, gw + n,
                                       ds.data());
-              // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
-              auto backward = [&](auto* out) {
+              grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, [&](auto* out) {
                 if (wide)
                   v16::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
                 else
                   v8::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
-              };
-              if (stream) {
-                backward(dx.data());
-                store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
-              } else {
-                backward(dxp + b * d.F * d.D);
-              }
+              });
             }
-            const float* xc = xsc.data();
-            if constexpr (std::is_same_v<scalar_t, float>) xc = xp + first * d.F * d.D;
-            if (wide)
-              v16::cross32(xc, d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8, last - first, gy, d.kq);
-            else
-              v8::cross32(xc, d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8, last - first, gy, d.kq);
+            cross32(wide, chunk_rows32(xp, first, d.F, xsc.data()), d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8,
+                    last - first, gy, d.kq);
             continue;
           }
 #endif
@@ -1216,28 +1237,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
               float* dsb = dsc.data() + (b - first) * d.O * kRow32;
               const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
               scalar_t* dfm = dfp ? dfp + b * d.Ofm * d.D : dfp;
-              // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
-              auto backward = [&](auto* out) {
+              grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, [&](auto* out) {
                 if (wide)
                   v16::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
                                              rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
                 else
                   v8::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
                                             rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
-              };
-              if (stream) {
-                backward(dx.data());
-                store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
-              } else {
-                backward(dxp + b * d.F * d.D);
-              }
+              });
             }
-            const float* xc = xsc.data();
-            if constexpr (std::is_same_v<scalar_t, float>) xc = xp + first * d.F * d.D;
-            if (wide)
-              v16::cross32(dsc.data(), d.O * kRow32, d.O, xc, d.F * kRow32, d.F, last - first, gm, d.Fq);
-            else
-              v8::cross32(dsc.data(), d.O * kRow32, d.O, xc, d.F * kRow32, d.F, last - first, gm, d.Fq);
+            cross32(wide, dsc.data(), d.O * kRow32, d.O, chunk_rows32(xp, first, d.F, xsc.data()), d.F * kRow32,
+                    d.F, last - first, gm, d.Fq);
             continue;
           }
 #endif
