@@ -1154,6 +1154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
     parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 2 * d.O * d.F * d.D), [&](auto& claim) {
       std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp);
 #if defined(__AVX2__) && defined(__FMA__)
+      std::vector<float> ssq(round_up(d.O, 8), 0.f), rs(round_up(d.O, 8));
       const bool wide = cpu_has_avx512f();
 #endif
       for (int64_t begin, end; claim(begin, end);)
@@ -1167,11 +1168,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
           const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xs.data());
           const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
           if (wide)
-            v16::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), op + b * d.O * d.D,
-                                   meanp + b * d.O, rstdp + b * d.O);
+            v16::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), s.data(), ssq.data(), rs.data(),
+                                   op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O);
           else
-            v8::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), op + b * d.O * d.D,
-                                  meanp + b * d.O, rstdp + b * d.O);
+            v8::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), s.data(), ssq.data(), rs.data(),
+                                  op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O);
           continue;
         }
 #endif
