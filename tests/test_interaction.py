@@ -471,6 +471,24 @@ def test_wukong_cpu_rows32_converted_dtypes(dtype):
 
 
 @cpu_kernel_only
+def test_wukong_cpu_rows32_on_the_avx2_path():
+    """The D = 32 kernels run on 16 AVX-512F lanes where the CPU has it (the tests above, in this
+    process) and on 8 AVX2 lanes otherwise: GEM_KERNELS_NO_AVX512=1 takes the AVX2 path on any CPU, in
+    a fresh process (the path is chosen once), for the same rows32 tests (forward and every gradient
+    vs the reference, the batch sums vs fp64, non-finite inputs, converted dtypes)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GEM_KERNELS_NO_AVX512="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+                          "-k", "rows32 and not streams and not avx2_path"], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
+
+
+@cpu_kernel_only
 def test_wukong_cpu_rows32_streams_large_grad_x():
     """Past the cache size the D = 32 backwards write grad_x through their scratch with streaming
     stores; normal stores write it in place. Both give the reference's gradients."""

@@ -20,6 +20,9 @@
 // ATen's at::vec::Vectorized only has its AVX2/AVX512 specialisations inside ATen's per-ISA builds
 // (in an extension TU it is the scalar fallback), and GCC's `#pragma omp simd` version of the same
 // tile left the accumulators in memory at a quarter of the speed.
+// At D = 32 (the GEM model's Wukong layers) fm_compress and feature_mix_norm run their own row
+// kernels (interaction_rows32.inc), built for 8 AVX2 lanes and for 16 AVX-512F lanes and picked at
+// run time (cpu_has_avx512f; GEM_KERNELS_NO_AVX512=1 forces AVX2).
 //
 // Roofline (s = element size, P = number of pairs):
 //   dot_interaction fwd: FLOPs 2*B*P*D, bytes B*(F*D + P)*s.  bwd: 2*B*(2P)*D FLOPs (sym(G) X),
@@ -48,6 +51,7 @@
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_exp.h"
 #include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/interaction_checks.h"
 #include "gem_kernels/parallel.h"
@@ -472,44 +476,6 @@ inline __m256 hsum_bcast(__m256 v) {
   return _mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
-inline __m256 sum4(const __m256 (&v)[4]) { return _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])); }
-
-// acc[r] += sum_{j < K} a[r * ars + j * acs] * rows[j] for R rows of 32 floats (rows at stride 32):
-// four vector loads and R broadcasts per 4 R FMAs; R = 2 keeps eight independent accumulators.
-template <int R>
-inline void rows32_fma(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K, __m256 (&acc)[R][4]) {
-  for (int64_t j = 0; j < K; ++j, rows += kRow32) {
-    const __m256 x0 = _mm256_loadu_ps(rows), x1 = _mm256_loadu_ps(rows + 8), x2 = _mm256_loadu_ps(rows + 16),
-                 x3 = _mm256_loadu_ps(rows + 24);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 g = _mm256_broadcast_ss(a + r * ars + j * acs);
-      acc[r][0] = _mm256_fmadd_ps(g, x0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(g, x1, acc[r][1]);
-      acc[r][2] = _mm256_fmadd_ps(g, x2, acc[r][2]);
-      acc[r][3] = _mm256_fmadd_ps(g, x3, acc[r][3]);
-    }
-  }
-}
-
-template <int R>
-inline void rows32_product(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K,
-                           __m256 (&acc)[R][4]) {
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-  rows32_fma<R>(a, ars, acs, rows, K, acc);
-}
-
-// Runs body(R, i0) for i0 = 0, 2, 4, ... < n with R (an integral_constant) = 2, and 1 for an odd last row.
-template <typename Body>
-inline void for_row_pairs(int64_t n, const Body& body) {
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) body(std::integral_constant<int, 2>{}, i);
-  if (i < n) body(std::integral_constant<int, 1>{}, i);
-}
-
 // One sample's X as fp32 rows of 32: fp32 input in place, other dtypes converted into xs [F, 32].
 template <typename scalar_t>
 inline const float* rows32_of(const scalar_t* xb, int64_t F, float* xs) {
@@ -818,74 +784,129 @@ void store_sample(const float* src, int64_t F, int64_t D, int64_t ld, scalar_t* 
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// out [8, 32] = A X for the 8 x K matrix A[j, i] = a[j * ars + i * acs] and X = rows [K, 32].
-inline void rows32_eight(const float* a, int64_t ars, int64_t acs, const float* rows, int64_t K, float* out) {
-  for_row_pairs(8, [&](auto pair, int64_t j0) {
-    constexpr int R = decltype(pair)::value;
-    __m256 acc[R][4];
-    rows32_product<R>(a + j0 * ars, ars, acs, rows, K, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + (j0 + r) * kRow32 + 8 * v, acc[r][v]);
-  });
+struct MixDims {
+  int64_t B, F, D, O, Ofm, Op, Dp, Fp, Fq;
+};
+
+MixDims mix_dims(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm) {
+  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0);
+  return {B, F, D, O, fm.size(1), round_up(O, kRows), round_up(std::max<int64_t>(D, 1), kCols), round_up(F, kRows),
+          round_up(F, kCols)};
 }
 
-// fm_compress at D = 32, k = 8 (the GEM model's): rows of X are four vectors and rows of S one.
-// At = (X^T Y)^T [8, 32] = Y^T X, two rows at a time (rows32_product); S [F, 8] = X A: a row of S
-// is eight dot products of X's row with At's rows, reduced together by one hsum8x8 into one vector.
-// yt is Y^T fp32 [8, F]; at and s get At and S (s flat [F * 8]).
-inline void fm_sample32(int64_t F, const float* x, const float* yt, float* at, float* s) {
-  rows32_eight(yt, F, 1, x, F, at);
-  for (int64_t f = 0; f < F; ++f) {
-    const float* xf = x + f * kRow32;
-    const __m256 x0 = _mm256_loadu_ps(xf), x1 = _mm256_loadu_ps(xf + 8), x2 = _mm256_loadu_ps(xf + 16),
-                 x3 = _mm256_loadu_ps(xf + 24);
-    __m256 dot[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const float* a = at + j * kRow32;
-      dot[j] = _mm256_fmadd_ps(x3, _mm256_loadu_ps(a + 24),
-                               _mm256_fmadd_ps(x2, _mm256_loadu_ps(a + 16),
-                                               _mm256_fmadd_ps(x1, _mm256_loadu_ps(a + 8),
-                                                               _mm256_mul_ps(x0, _mm256_loadu_ps(a)))));
-    }
-    _mm256_storeu_ps(s + f * 8, hsum8x8(dot));
+#if defined(__AVX2__) && defined(__FMA__)
+// The D = 32 row kernels (interaction_rows32.inc) on 8 lanes (AVX2) and on 16 (AVX-512F, a target
+// pragma around its namespace: run only where cpu_has_avx512f()). Each namespace defines the vector
+// primitives the file is written in.
+namespace v8 {
+using vec = __m256;
+constexpr int kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+inline vec vhsum_bcast(vec v) { return hsum_bcast(v); }
+inline float vfirst(vec v) { return _mm256_cvtss_f32(v); }
+template <typename T>
+inline vec vload_as(const T* p) { return load8(p); }
+template <typename T>
+inline void vstore_as(T* p, vec v) { store8(p, v); }
+// 8 lanes with the same sum as v's.
+inline __m256 vfold(vec v) { return v; }
+// cross32's accumulator block: 4 x 2 of the 16 ymm registers.
+constexpr int kCrossA = 4, kCrossB = 2;
+#include "interaction_rows32.inc"
+}  // namespace v8
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+namespace v16 {
+using vec = __m512;
+constexpr int kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+inline vec vhsum_bcast(vec v) { return _mm512_set1_ps(_mm512_reduce_add_ps(v)); }
+inline float vfirst(vec v) { return _mm512_cvtss_f32(v); }
+// fp16 / bf16 rows go through load8 / store8's conversions, eight lanes at a time (AVX-512F has no
+// bf16 conversion of its own).
+template <typename T>
+inline vec vload_as(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m512d lo = _mm512_castps_pd(_mm512_castps256_ps512(load8(p)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(load8(p + 8)), 1));
+  }
+}
+template <typename T>
+inline void vstore_as(T* p, vec v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else {
+    store8(p, _mm512_castps512_ps256(v));
+    store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+}
+inline __m256 vfold(vec v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+// cross32's accumulator block: 4 x 4 of the 32 zmm registers.
+constexpr int kCrossA = 4, kCrossB = 4;
+#include "interaction_rows32.inc"
+}  // namespace v16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// cross32 on the lanes this CPU runs.
+inline void cross32(bool wide, const float* a, int64_t as, int64_t na, const float* b, int64_t bs, int64_t nb,
+                    int64_t n, float* out, int64_t ld) {
+  if (wide)
+    v16::cross32(a, as, na, b, bs, nb, n, out, ld);
+  else
+    v8::cross32(a, as, na, b, bs, nb, n, out, ld);
+}
+
+// The fp32 rows of X from sample `first` on, as cross32 reads them: fp32 X in place, other dtypes the
+// chunk's converted copy xsc.
+template <typename scalar_t>
+inline const float* chunk_rows32(const scalar_t* xp, int64_t first, int64_t F, const float* xsc) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return xp + first * F * kRow32;
+  } else {
+    return xsc;
   }
 }
 
-// The fm_compress backward of one sample at D = 32, k = 8, from x, At and grad_S (ds [F, 8]):
-// grad_At = grad_S^T X [8, 32] (into gat), grad_X = grad_S At + Y grad_At (y fp32 [F, 8]),
-// gyv[f * 8 + j] (8 floats each) += x[f] * grad_At[j] lane-wise (grad_Y's dot products, reduced once per chunk).
-template <typename out_t>
-inline void fm_backward_sample32(int64_t F, const float* x, const float* y, const float* at, const float* ds,
-                                 float* gat, float* gyv, out_t* dx) {
-  rows32_eight(ds, 1, 8, x, F, gat);
-  for_row_pairs(F, [&](auto rows, int64_t f0) {
-    constexpr int R = decltype(rows)::value;
-    __m256 acc[R][4];
-    rows32_product<R>(ds + f0 * 8, 8, 1, at, 8, acc);
-    rows32_fma<R>(y + f0 * 8, 8, 1, gat, 8, acc);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) store8(dx + (f0 + r) * kRow32 + 8 * v, acc[r][v]);
-  });
-  for (int64_t f = 0; f < F; ++f) {
-    const float* xf = x + f * kRow32;
-    const __m256 x0 = _mm256_loadu_ps(xf), x1 = _mm256_loadu_ps(xf + 8), x2 = _mm256_loadu_ps(xf + 16),
-                 x3 = _mm256_loadu_ps(xf + 24);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const float* a = gat + j * kRow32;
-      float* acc = gyv + (f * 8 + j) * 8;
-      __m256 t = _mm256_loadu_ps(acc);
-      t = _mm256_fmadd_ps(x0, _mm256_loadu_ps(a), t);
-      t = _mm256_fmadd_ps(x1, _mm256_loadu_ps(a + 8), t);
-      t = _mm256_fmadd_ps(x2, _mm256_loadu_ps(a + 16), t);
-      _mm256_storeu_ps(acc, _mm256_fmadd_ps(x3, _mm256_loadu_ps(a + 24), t));
-    }
+// Runs backward(out) for one sample's grad_X [F, 32]: out is its place in the output, or the dx
+// scratch when the output streams (then written out as whole rows by store_sample).
+template <typename scalar_t, typename Backward>
+inline void grad_x_rows32(bool stream, float* dx, int64_t F, int64_t ld, scalar_t* dst, const Backward& backward) {
+  if (stream) {
+    backward(dx);
+    store_sample(dx, F, kRow32, ld, dst, stream);
+  } else {
+    backward(dst);
   }
 }
 #endif
@@ -927,6 +948,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
     scalar_t* op = out.data_ptr<scalar_t>();
     float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
     float* pp = save_products ? products.data_ptr<float>() : nullptr;
+#if defined(__AVX2__) && defined(__FMA__)
+    const bool wide = cpu_has_avx512f();
+#endif
     parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 4 * d.F * d.D * d.k), [&](auto& claim) {
       FmScratch w(d, d.kp);
       for (int64_t begin, end; claim(begin, end);)
@@ -937,7 +961,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
           // At and S straight into the products row when the backward will read them.
           float* at = pp ? pp + b * products_row(d) : w.at.data();
           float* s = pp ? at + d.k * d.D : w.sf.data();
-          fm_sample32(d.F, rows32_of(xp + b * d.F * d.D, d.F, w.xs.data()), ytp, at, s);
+          const float* xr = rows32_of(xp + b * d.F * d.D, d.F, w.xs.data());
+          if (wide)
+            v16::fm_sample32(d.F, xr, ytp, at, s);
+          else
+            v8::fm_sample32(d.F, xr, ytp, at, s);
           std::tie(mp[b], rp[b]) = layer_norm_row(s, n, wp, bp, static_cast<float>(eps), op + b * n);
           continue;
         }
@@ -996,7 +1024,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
         for (int64_t f = 0; f < d.F; ++f)
           for (int64_t j = 0; j < d.k; ++j) dsy[f * 2 * d.kp + d.kp + j] = static_cast<float>(ytp[j * d.F + f]);
 #if defined(__AVX2__) && defined(__FMA__)
-        std::vector<float> gyv(fm_rows32(d) ? 8 * d.F * d.k : 0);
+        const bool wide = cpu_has_avx512f();
+        // A chunk's grad_At [8, 32] per sample, and its X as fp32 rows when X is not fp32 (cross32 reads both).
+        const int64_t most = (d.B + chunks - 1) / chunks;
+        std::vector<float> gatc(fm_rows32(d) ? most * 8 * kRow32 : 0);
+        std::vector<float> xsc(fm_rows32(d) && !std::is_same_v<scalar_t, float> ? most * d.F * kRow32 : 0);
 #endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
@@ -1005,31 +1037,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
           const int64_t last = (c + 1) * d.B / chunks;
 #if defined(__AVX2__) && defined(__FMA__)
           if (fm_rows32(d)) {
-            std::fill(gyv.begin(), gyv.end(), 0.f);
-            for (int64_t b = c * d.B / chunks; b < last; ++b) {
-              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, w.xs.data());
+            const int64_t first = c * d.B / chunks;
+            for (int64_t b = first; b < last; ++b) {
+              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xsc.data() + (b - first) * d.F * kRow32);
+              float* gat = gatc.data() + (b - first) * 8 * kRow32;
               const float *at = w.at.data(), *s = w.sf.data();
               if (saved) {
                 at = pp + b * products_row(d);
                 s = at + d.k * d.D;
+              } else if (wide) {
+                v16::fm_sample32(d.F, xr, ytp, w.at.data(), w.sf.data());
               } else {
-                fm_sample32(d.F, xr, ytp, w.at.data(), w.sf.data());
+                v8::fm_sample32(d.F, xr, ytp, w.at.data(), w.sf.data());
               }
               layer_norm_row_backward(s, gp + b * n, wp, mp[b], rp[b], n, xhat.data(), gh.data(), gw, gw + n,
                                       ds.data());
-              // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
-              if (stream) {
-                fm_backward_sample32(d.F, xr, y32p, at, ds.data(), dat, gyv.data(), dx.data());
-                store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
-              } else {
-                fm_backward_sample32(d.F, xr, y32p, at, ds.data(), dat, gyv.data(), dxp + b * d.F * d.D);
-              }
+              grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, [&](auto* out) {
+                if (wide)
+                  v16::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
+                else
+                  v8::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
+              });
             }
-            for (int64_t f = 0; f < d.F; ++f) {
-              __m256 dots[8];
-              for (int j = 0; j < 8; ++j) dots[j] = _mm256_loadu_ps(gyv.data() + (f * 8 + j) * 8);
-              _mm256_storeu_ps(gy + f * d.kq, hsum8x8(dots));
-            }
+            cross32(wide, chunk_rows32(xp, first, d.F, xsc.data()), d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8,
+                    last - first, gy, d.kq);
             continue;
           }
 #endif
@@ -1080,16 +1111,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
 // grad_M += grad_S X^T). Bytes: forward (B*F*D + B*O_fm*D + B*O*D)*s; backward twice the inputs'.
 // ------------------------------------------------------------------------------------------------
 
-struct MixDims {
-  int64_t B, F, D, O, Ofm, Op, Dp, Fp, Fq;
-};
-
-MixDims mix_dims(const at::Tensor& x, const at::Tensor& mix, const at::Tensor& fm) {
-  const int64_t B = x.size(0), F = x.size(1), D = x.size(2), O = mix.size(0);
-  return {B, F, D, O, fm.size(1), round_up(O, kRows), round_up(std::max<int64_t>(D, 1), kCols), round_up(F, kRows),
-          round_up(F, kCols)};
-}
-
 // S [Op, Dp] = M X_b plus fm_b on rows < O_fm; returns X_b as the fp32 [F, Dp] rows the products read
 // (fp32 X with D a multiple of 16 in place, else converted into xs). mp is M fp32 [Op, F].
 template <typename scalar_t>
@@ -1110,137 +1131,6 @@ const float* mix_sample(const MixDims& d, const scalar_t* xb, const scalar_t* fm
   return xr;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Rows o0..o0+R of S = M X + fm (fm on rows < O_fm) into acc.
-template <int R, typename scalar_t>
-inline void mix_s_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
-                         __m256 (&acc)[R][4]) {
-  rows32_product<R>(m + o0 * d.F, d.F, 1, x, d.F, acc);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    if (o0 + r < d.Ofm)
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_add_ps(acc[r][v], load8(fmb + (o0 + r) * kRow32 + 8 * v));
-}
-
-// Row o of S = M X + fm held in acc (four vectors) -> its LayerNorm statistics, with the
-// centred row kept in c [O, 32] for the output pass: two-pass mean and variance like
-// layer_norm_rows, each row's sums reduced in registers (hsum_bcast) instead of re-read from S.
-template <int R, typename scalar_t>
-inline void mix_center_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
-                              float* c, float* mean, float* var) {
-  __m256 acc[R][4];
-  mix_s_rows32<R>(d, o0, m, x, fmb, acc);
-  const __m256 inv_n = _mm256_set1_ps(1.f / kRow32);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int64_t o = o0 + r;
-    const __m256 mu = _mm256_mul_ps(hsum_bcast(sum4(acc[r])), inv_n);
-    __m256 q = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v) {
-      const __m256 cv = _mm256_sub_ps(acc[r][v], mu);
-      _mm256_storeu_ps(c + o * kRow32 + 8 * v, cv);
-      q = _mm256_fmadd_ps(cv, cv, q);
-    }
-    mean[o] = _mm256_cvtss_f32(mu);
-    var[o] = _mm256_cvtss_f32(hsum_bcast(q));
-  }
-}
-
-// feature_mix_norm forward of one sample at D = 32. c is [O, 32] scratch, var and rs [round_up(O, 8)]
-// (var's lanes past O stay 0: finite, unused).
-template <typename scalar_t>
-void mix_norm_sample32(const MixDims& d, const float* m, const float* x, const scalar_t* fmb, const float* w,
-                       const float* bias, float eps, float* c, float* var, float* rs, scalar_t* out, float* mean,
-                       float* rstd) {
-  for_row_pairs(d.O, [&](auto rows, int64_t o0) {
-    mix_center_rows32<decltype(rows)::value>(d, o0, m, x, fmb, c, mean, var);
-  });
-  const __m256 inv_n = _mm256_set1_ps(1.f / kRow32), veps = _mm256_set1_ps(eps);
-  for (int64_t o = 0; o < d.O; o += 8)
-    _mm256_storeu_ps(rs + o, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_sqrt_ps(_mm256_fmadd_ps(
-                                                                   _mm256_loadu_ps(var + o), inv_n, veps))));
-  std::copy(rs, rs + d.O, rstd);
-  __m256 wv[4], bv[4];
-#pragma GCC unroll 8
-  for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_ps(w + 8 * v), bv[v] = _mm256_loadu_ps(bias + 8 * v);
-  for (int64_t o = 0; o < d.O; ++o) {
-    const __m256 r = _mm256_broadcast_ss(rs + o);
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v)
-      store8(out + o * kRow32 + 8 * v,
-             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(c + o * kRow32 + 8 * v), r), wv[v], bv[v]));
-  }
-}
-
-// feature_mix_norm backward of rows o0..o0+R of one sample at D = 32: S again from M X + fm, then the
-// LayerNorm backward on the registers (as layer_norm_rows_backward: xhat = (s - mean) rstd, gh = g w,
-// grad_s = rstd (gh - mean(gh) - xhat mean(gh xhat))) into ds [O, 32] and grad_fm; gw/gb += g xhat, g.
-template <int R, typename scalar_t>
-inline void mix_backward_rows32(const MixDims& d, int64_t o0, const float* m, const float* x, const scalar_t* fmb,
-                                const scalar_t* g, const float* w, const float* mean, const float* rstd, float* gw,
-                                float* gb, float* ds, scalar_t* dfm) {
-  __m256 acc[R][4];
-  mix_s_rows32<R>(d, o0, m, x, fmb, acc);
-  const __m256 inv_n = _mm256_set1_ps(1.f / kRow32);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int64_t o = o0 + r;
-    const __m256 mu = _mm256_broadcast_ss(mean + o), rs = _mm256_broadcast_ss(rstd + o);
-    __m256 xh[4], gh[4], hx = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v) {
-      const __m256 gv = load8(g + o * kRow32 + 8 * v);
-      xh[v] = _mm256_mul_ps(_mm256_sub_ps(acc[r][v], mu), rs);
-      gh[v] = _mm256_mul_ps(gv, _mm256_loadu_ps(w + 8 * v));
-      _mm256_storeu_ps(gw + 8 * v, _mm256_fmadd_ps(gv, xh[v], _mm256_loadu_ps(gw + 8 * v)));
-      _mm256_storeu_ps(gb + 8 * v, _mm256_add_ps(_mm256_loadu_ps(gb + 8 * v), gv));
-      hx = _mm256_fmadd_ps(gh[v], xh[v], hx);
-    }
-    const __m256 c1 = _mm256_mul_ps(hsum_bcast(sum4(gh)), inv_n), c2 = _mm256_mul_ps(hsum_bcast(hx), inv_n);
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v) {
-      const __m256 dv = _mm256_mul_ps(rs, _mm256_fnmadd_ps(xh[v], c2, _mm256_sub_ps(gh[v], c1)));
-      _mm256_storeu_ps(ds + o * kRow32 + 8 * v, dv);
-      if (o < d.Ofm) store8(dfm + o * kRow32 + 8 * v, dv);
-    }
-  }
-}
-
-// gmv[o * F + f] (8 floats each) += ds[o] * x[f] lane-wise for rows o0..o0+R: grad_M's dot products as per-(o, f)
-// vector accumulators, reduced once per chunk of samples (no transpose of X, no padding of F).
-template <int R>
-inline void mix_grad_m_rows32(const MixDims& d, int64_t o0, const float* ds, const float* x, float* gmv) {
-  __m256 dr[R][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v) dr[r][v] = _mm256_loadu_ps(ds + (o0 + r) * kRow32 + 8 * v);
-  for (int64_t f = 0; f < d.F; ++f) {
-    const float* xf = x + f * kRow32;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      float* acc = gmv + ((o0 + r) * d.F + f) * 8;
-      __m256 t = _mm256_loadu_ps(acc);
-#pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) t = _mm256_fmadd_ps(dr[r][v], _mm256_loadu_ps(xf + 8 * v), t);
-      _mm256_storeu_ps(acc, t);
-    }
-  }
-}
-
-// Rows f0..f0+R of grad_X = M^T grad_S: m is M fp32 [O, F], read down its columns.
-template <int R, typename out_t>
-inline void mix_grad_x_rows32(const MixDims& d, int64_t f0, const float* m, const float* ds, out_t* dx) {
-  __m256 acc[R][4];
-  rows32_product<R>(m + f0, 1, d.F, ds, d.O, acc);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int v = 0; v < 4; ++v) store8(dx + (f0 + r) * kRow32 + 8 * v, acc[r][v]);
-}
-#endif
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Tensor& x, const at::Tensor& mix,
                                                                     const at::Tensor& fm, const at::Tensor& ln_weight,
@@ -1264,7 +1154,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
     parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 2 * d.O * d.F * d.D), [&](auto& claim) {
       std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp);
 #if defined(__AVX2__) && defined(__FMA__)
-      std::vector<float> var(round_up(d.O, 8), 0.f), rs(round_up(d.O, 8));
+      std::vector<float> ssq(round_up(d.O, 8), 0.f), rs(round_up(d.O, 8));
+      const bool wide = cpu_has_avx512f();
 #endif
       for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
@@ -1274,9 +1165,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
         }
 #if defined(__AVX2__) && defined(__FMA__)
         if (d.D == kRow32) {
-          mix_norm_sample32(d, mp, rows32_of(xp + b * d.F * d.D, d.F, xs.data()), fp ? fp + b * d.Ofm * d.D : fp,
-                            wp, bp, static_cast<float>(eps), s.data(), var.data(), rs.data(), op + b * d.O * d.D,
-                            meanp + b * d.O, rstdp + b * d.O);
+          const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xs.data());
+          const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
+          if (wide)
+            v16::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), s.data(), ssq.data(), rs.data(),
+                                   op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O);
+          else
+            v8::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), s.data(), ssq.data(), rs.data(),
+                                  op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O);
           continue;
         }
 #endif
@@ -1322,7 +1218,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
         std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp), ds(d.Op * d.Dp, 0.f), dx(d.Fp * d.Dp),
             xt(d.D * d.Fq, 0.f);
 #if defined(__AVX2__) && defined(__FMA__)
-        std::vector<float> gmv(d.D == kRow32 ? 8 * d.O * d.F : 0);
+        const bool wide = cpu_has_avx512f();
+        // A chunk's grad_S [O, 32] per sample, and its X as fp32 rows when X is not fp32 (cross32 reads both).
+        const int64_t most = (d.B + chunks - 1) / chunks;
+        std::vector<float> dsc(d.D == kRow32 ? most * d.O * kRow32 : 0);
+        std::vector<float> xsc(d.D == kRow32 && !std::is_same_v<scalar_t, float> ? most * d.F * kRow32 : 0);
 #endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
@@ -1331,29 +1231,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
           const int64_t last = (c + 1) * d.B / chunks;
 #if defined(__AVX2__) && defined(__FMA__)
           if (d.D == kRow32) {
-            std::fill(gmv.begin(), gmv.end(), 0.f);
-            for (int64_t b = c * d.B / chunks; b < last; ++b) {
-              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xs.data());
+            const int64_t first = c * d.B / chunks;
+            for (int64_t b = first; b < last; ++b) {
+              const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xsc.data() + (b - first) * d.F * kRow32);
+              float* dsb = dsc.data() + (b - first) * d.O * kRow32;
               const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
               scalar_t* dfm = dfp ? dfp + b * d.Ofm * d.D : dfp;
-              for_row_pairs(d.O, [&](auto rows, int64_t o0) {
-                constexpr int R = decltype(rows)::value;
-                mix_backward_rows32<R>(d, o0, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O, rstdp + b * d.O,
-                                       gw, gw + d.D, ds.data(), dfm);
-                mix_grad_m_rows32<R>(d, o0, ds.data(), xr, gmv.data());
-              });
-              // grad_X straight to its output, or through dx when it streams (whole rows via copy_bytes).
-              for_row_pairs(d.F, [&](auto rows, int64_t f0) {
-                constexpr int R = decltype(rows)::value;
-                if (stream)
-                  mix_grad_x_rows32<R>(d, f0, mp, ds.data(), dx.data());
+              grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, [&](auto* out) {
+                if (wide)
+                  v16::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
+                                             rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
                 else
-                  mix_grad_x_rows32<R>(d, f0, mp, ds.data(), dxp + b * d.F * d.D);
+                  v8::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
+                                            rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
               });
-              if (stream) store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
             }
-            for (int64_t o = 0; o < d.O; ++o)
-              for (int64_t f = 0; f < d.F; ++f) gm[o * d.Fq + f] = hsum8(_mm256_loadu_ps(gmv.data() + (o * d.F + f) * 8));
+            cross32(wide, dsc.data(), d.O * kRow32, d.O, chunk_rows32(xp, first, d.F, xsc.data()), d.F * kRow32,
+                    d.F, last - first, gm, d.Fq);
             continue;
           }
 #endif
