@@ -320,6 +320,133 @@ void bias_silu_grad_row(float scale, const float* pos, const float* time, const 
   }
 }
 
+// The forward's rows on 16 AVX-512F lanes, taken where the CPU has it (cpu_has_avx512f: a run-time check,
+// as the build targets x86-64-v3; GEM_KERNELS_NO_AVX512=1 keeps the 8-lane rows above). A row's blocks
+// [lo, hi) stay the 8-column ones of the layouts above and run 16 columns at a time, the last 8 or 16
+// wide. What it changes, measured at the model's shape (1 thread, scripts/attention_model_call.py
+// --native): the forward ~2.3 -> ~2.1 ms; tried and not kept, as no faster: the scores on 16 lanes
+// (dot_blocks stays), the backward's rows, dk/dv products on 16 lanes (a 16-lane divide is deeper
+// than an 8-lane one, and these rows are short: ~2 blocks of 16).
+inline __mmask16 block_mask(int64_t c, int64_t hi) {
+  return hi - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0x00FF);
+}
+
+// A block of 16 columns, or of 8 under m = 0x00FF, by a plain zmm or ymm load or store, not a masked
+// one: a masked store does not forward to a later load of the same row.
+GK_AVX512 inline __m512 load_block(const float* x, __mmask16 m) {
+  return m == 0xFFFF ? _mm512_loadu_ps(x) : _mm512_zextps256_ps512(_mm256_loadu_ps(x));
+}
+GK_AVX512 inline void store_block(float* x, __mmask16 m, __m512 v) {
+  if (m == 0xFFFF)
+    _mm512_storeu_ps(x, v);
+  else
+    _mm256_storeu_ps(x, _mm512_castps512_ps256(v));
+}
+
+// A head's time_bias row in registers, for a table of at most 64 entries (num_buckets + 1; the model's
+// 33): a pair's bias by vpermt2ps from two (entries 0..31) or four registers, not by 16 scalar loads
+// and inserts (gather8) per 16 pairs. regs = 0: a larger table, by gather8.
+struct TimeRegs {
+  __m512 t[4];
+  int regs = 0;
+};
+
+GK_AVX512 inline TimeRegs time_regs(const float* time, int64_t entries) {
+  TimeRegs r;
+  if (time == nullptr || entries > 64) return r;
+  r.regs = entries <= 32 ? 2 : 4;
+  for (int k = 0; k < r.regs; ++k) {
+    const int64_t n = std::clamp<int64_t>(entries - 16 * k, 0, 16);
+    r.t[k] = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), time + 16 * k);
+  }
+  return r;
+}
+
+// biased8 on the 16 (or, under m = 0x00FF, 8) columns at c.
+GK_AVX512 inline __m512 biased16(__m512 scale, const float* pos, const float* time, const TimeRegs& tr,
+                                 const int32_t* bucket, const float* row, int64_t c, __mmask16 m) {
+  __m512 s = _mm512_mul_ps(load_block(row + c, m), scale);
+  if (pos != nullptr) s = _mm512_add_ps(s, load_block(pos + c, m));
+  if (time == nullptr) return s;
+  if (tr.regs > 0) {
+    const __m512i idx = _mm512_castps_si512(load_block(reinterpret_cast<const float*>(bucket + c), m));
+    __m512 t = _mm512_permutex2var_ps(tr.t[0], idx, tr.t[1]);
+    if (tr.regs == 4)
+      t = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), t,
+                               _mm512_permutex2var_ps(tr.t[2], idx, tr.t[3]));
+    return _mm512_add_ps(s, t);
+  }
+  // The upper 8 buckets only where they are the row's (past hi they are not written).
+  const __m256 lo = gather8(time, bucket + c), hi = m == 0xFFFF ? gather8(time, bucket + c + 8) : _mm256_setzero_ps();
+  return _mm512_add_ps(s, _mm512_castpd_ps(_mm512_insertf64x4(_mm512_zextpd256_pd512(_mm256_castps_pd(lo)),
+                                                              _mm256_castps_pd(hi), 1)));
+}
+
+// gather_rows on 16 lanes, width a multiple of 16: four keys per step into separate accumulators.
+GK_AVX512 void gather_rows16(const float* w, const float* x, int64_t ldx, int64_t c0, int64_t c1, int64_t width,
+                             float* acc) {
+  for (int64_t d = 0; d < width; d += 16) {
+    __m512 a[4] = {_mm512_loadu_ps(acc + d), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4)
+      for (int k = 0; k < 4; ++k)
+        a[k] = _mm512_fmadd_ps(_mm512_set1_ps(w[c + k]), _mm512_loadu_ps(x + (c + k) * ldx + d), a[k]);
+    for (; c < c1; ++c) a[0] = _mm512_fmadd_ps(_mm512_set1_ps(w[c]), _mm512_loadu_ps(x + c * ldx + d), a[0]);
+    _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+  }
+}
+
+// What one head's rows read in forward_rows16: q and v rows at their [N, H, *] strides, the
+// transposed keys, the head's pos_bias window and time_bias row (nullptr when absent), the sequence's
+// bucket tile (row i at i * Lp).
+struct HeadRows {
+  const float *q0, *v0, *kt, *pos, *time;
+  const int32_t* bucket;
+  int64_t qs, vs, D, Dv, L, Lp, time_entries;
+  float scale, inv_m;
+};
+
+// The forward of rows [i0, i0 + n) (n <= 4) of one head: each phase (scores, weights, P V) over the
+// group's rows before the next, so that the rows' exp and divide chains overlap (a model row is ~2
+// blocks of 16: one row's chain alone is latency-bound). Row k's scores and weights in s + k * Lp;
+// dst[k] its out row, zeroed by the caller.
+GK_AVX512 void forward_rows16(const HeadRows& h, const RowSpan* spans, int64_t i0, int64_t n, float* s,
+                              float* const* dst) {
+  int64_t lo[4], hi[4];
+  for (int64_t k = 0; k < n; ++k) {
+    const RowSpan& span = spans[i0 + k];
+    const bool any = span.end > span.begin;
+    lo[k] = any ? span.begin & ~int64_t{7} : 0;
+    hi[k] = any ? round8(span.end) : 0;
+    dot_blocks(h.q0 + (i0 + k) * h.qs, h.D, h.kt, h.Lp, lo[k] / 8, hi[k] / 8, s + k * h.Lp);
+  }
+  const __m512 vscale = _mm512_set1_ps(h.scale), one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(h.inv_m);
+  const TimeRegs tr = time_regs(h.time, h.time_entries);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = i0 + k;
+    const float* pos = h.pos != nullptr ? h.pos + (h.L - 1 - i) : nullptr;
+    float* row = s + k * h.Lp;
+    for (int64_t c = lo[k]; c < hi[k]; c += 16) {
+      const __mmask16 m = block_mask(c, hi[k]);
+      const __m512 x = biased16(vscale, pos, h.time, tr, h.bucket + i * h.Lp, row, c, m);
+      const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      store_block(row + c, m, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), vm));
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    if (lo[k] >= hi[k]) continue;
+    const Runs r = runs_of(spans[i0 + k]);  // whole blocks: the columns outside the runs are never read
+    const float* w = s + k * h.Lp;
+    if (h.Dv % 16 == 0) {
+      gather_rows16(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
+      gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+    } else {
+      gather_rows(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
+      gather_rows(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+    }
+  }
+}
+
 // The forward of one sequence, every head: out rows written.
 void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, float* op) {
   const Params& p = in.p;
@@ -329,13 +456,28 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
   ShortSeq& sq = short_seq;
   sq.init(p, seq, ws);
   ws.k_rows.resize(D * Lp);
-  float* s = ws.s.data();  // one row's scores and weights
+  float* s = ws.s.data();  // one row's scores and weights (four rows' on 16 lanes)
+  const bool wide = cpu_has_avx512f();
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
     transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, D, ws.k_rows.data());
     const float* pos = sq.pos_of(p, L, h);
     const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * (p.num_buckets + 1) : nullptr;
+    if (wide) {
+      const HeadRows rows{q0, v0, ws.k_rows.data(), pos, time, ws.bucket.data(), qs, vs, D, Dv, L, Lp,
+                          p.num_buckets + 1, p.scale, inv_m};
+      for (int64_t i0 = 0; i0 < L; i0 += 4) {
+        const int64_t n = std::min<int64_t>(4, L - i0);
+        float* dst[4];
+        for (int64_t k = 0; k < n; ++k) {
+          dst[k] = op + ((seq.start + i0 + k) * H + h) * Dv;
+          zero_row8(dst[k], Dv);
+        }
+        forward_rows16(rows, sq.spans.data(), i0, n, s, dst);
+      }
+      continue;
+    }
     for (int64_t i = 0; i < L; ++i) {
       float* dst = op + ((seq.start + i) * H + h) * Dv;
       zero_row8(dst, Dv);
