@@ -188,6 +188,34 @@ inline Runs runs_of(const RowSpan& span) {
   return {span.begin, span.end, span.end, span.end};
 }
 
+// bucket[c] = table_bucket(ti - tk[c]) for c in [c0, c1) (multiples of 8), ShortSeq::table_bucket4's
+// steps on 8 lanes of AVX-512F (run where the CPU has it), the two table reads by gathers: here no
+// chain waits on them (see gather8 for where one does). A block with a lane out of the table's range
+// takes table_bucket lane by lane.
+GK_AVX512 void bucket_row8(const Params& p, int64_t ti, const int64_t* tk, int64_t c0, int64_t c1, int32_t* bucket) {
+  const __m512i vti = _mm512_set1_epi64(ti), one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
+  const __m512i limit = _mm512_set1_epi64((int64_t{1} << 52) - 1), two52 = _mm512_set1_epi64(int64_t{0x4330000000000000});
+  for (int64_t c = c0; c < c1; c += 8) {
+    // |INT64_MIN| stays negative: out of range too.
+    const __m512i x = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tk + c)));
+    bool ok = (_mm512_cmplt_epi64_mask(x, zero) | _mm512_cmpgt_epi64_mask(x, limit)) == 0;
+    if (ok) {
+      const __m512i x1 = _mm512_max_epi64(x, one);  // x = 0 shares cell 0 with 1
+      const __m512d xd = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_or_si512(x1, two52)), _mm512_castsi512_pd(two52));
+      const __m512i cell = _mm512_sub_epi64(_mm512_srli_epi64(_mm512_castpd_si512(xd), 48), _mm512_set1_epi64(0x3FF0));
+      const __m256i b = _mm512_i64gather_epi32(cell, p.cell_bucket.data(), 4);
+      ok = _mm256_movemask_ps(_mm256_castsi256_ps(b)) == 0;  // no cell that needs the search
+      if (ok) {
+        const __m512i next = _mm512_i64gather_epi64(cell, reinterpret_cast<const long long*>(p.cell_next.data()), 8);
+        const __m256i up = _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(_mm512_cmpgt_epi64_mask(x, next), one));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + c), _mm256_add_epi32(b, up));
+      }
+    }
+    if (!ok)
+      for (int64_t k = c; k < c + 8; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
+  }
+}
+
 // What a sequence's heads share, laid out for whole 8-column blocks (the columns past a row's span
 // included): every row's span, and every pair's time bucket (in the workspace's bucket tile, row i at
 // i * Lp: see backward_seq_short for why not kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
@@ -212,11 +240,16 @@ struct ShortSeq {
     // vzeroupper and spills) on every 4 keys to reread key_times.
     const int64_t* tk = key_times.data();
     const RowSpan* sp = spans.data();
+    const bool wide = cpu_has_avx512f();
     for (int64_t i = 0; i < L; ++i) {
       const RowSpan& span = sp[i];
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
       int32_t* bucket = ws.bucket.data() + i * Lp;
+      if (wide) {
+        bucket_row8(p, ti, tk, span.begin & ~int64_t{7}, round8(span.end), bucket);
+        continue;
+      }
       for (int64_t c = span.begin & ~int64_t{7}, c1 = round8(span.end); c < c1; c += 4) {
         if (!table_bucket4(p, ti, tk + c, bucket + c))
           for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
