@@ -8,7 +8,8 @@
 // call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here a sequence runs
 // row by row on AVX2 over exactly the row's visible keys:
 // - once per sequence, for every head: the mask, each row's span, and each pair's time bucket (they
-//   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time;
+//   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time
+//   (8 on AVX-512F, bucket_row8);
 // - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
 //   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
 // - scale, the head's position and time bias (by bucket), and the forward's SiLU, in one pass over
@@ -24,9 +25,12 @@
 //   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
 //   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
 //   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
+// Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the buckets take 8
+// pairs at a time and the forward's weights and P V 16 lanes, four rows a group (forward_rows16).
 // Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
 // before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
-// 2.4 ms at the model's shape, 1 thread).
+// 2.4 ms at the model's shape, 1 thread; on 8 lanes, phase by phase over four rows is what
+// forward_rows16 does on 16).
 // Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
 // its time-bias gradient in 4 interleaved histograms per head.
