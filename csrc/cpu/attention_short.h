@@ -361,9 +361,10 @@ void bias_silu_grad_row(float scale, const float* pos, const float* time, const 
 // as the build targets x86-64-v3; GEM_KERNELS_NO_AVX512=1 keeps the 8-lane rows above). A row's blocks
 // [lo, hi) stay the 8-column ones of the layouts above and run 16 columns at a time, the last 8 or 16
 // wide. What it changes, measured at the model's shape (1 thread, scripts/attention_model_call.py
-// --native): the forward ~2.3 -> ~2.1 ms; tried and not kept, as no faster: the scores on 16 lanes
-// (dot_blocks stays), the backward's rows, dk/dv products on 16 lanes (a 16-lane divide is deeper
-// than an 8-lane one, and these rows are short: ~2 blocks of 16).
+// --native): the forward ~2.3 -> ~2.05 ms (then bucket_row8: ~1.7). Tried and not kept, as no faster
+// there: the scores on 16 lanes (dot_blocks stays), also four rows at a time sharing each key block's
+// load (forward 1.7 -> 1.8 ms, backward +4 %); the backward's SiLU rows, dq and dk/dv products on 16
+// lanes (a 16-lane divide is deeper than an 8-lane one, and these rows are short: ~2 blocks of 16).
 inline __mmask16 block_mask(int64_t c, int64_t hi) {
   return hi - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0x00FF);
 }
