@@ -9,7 +9,7 @@
 // row by row on AVX2 over exactly the row's visible keys:
 // - once per sequence, for every head: the mask, each row's span, and each pair's time bucket (they
 //   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time
-//   (8 on AVX-512F, bucket_row8);
+//   (the forward's 8 at a time on AVX-512F, bucket_row8);
 // - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
 //   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
 // - scale, the head's position and time bias (by bucket), and the forward's SiLU, in one pass over
@@ -25,8 +25,8 @@
 //   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
 //   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
 //   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
-// Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the buckets take 8
-// pairs at a time and the forward's weights and P V 16 lanes, four rows a group (forward_rows16).
+// Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the forward's buckets
+// take 8 pairs at a time and its weights and P V 16 lanes, four rows a group (forward_rows16).
 // Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
 // before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
 // 2.4 ms at the model's shape, 1 thread; on 8 lanes, phase by phase over four rows is what
@@ -230,7 +230,10 @@ struct ShortSeq {
   std::vector<float> pos_window;  // one head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
   std::vector<float> hist;        // the backward's time-bias gradient of one head: 4 interleaved copies
 
-  void init(const Params& p, const SeqInfo& seq, Workspace& ws) {
+  // wide_buckets: bucket_row8 (AVX-512F), else table_bucket4. The forward takes bucket_row8 (with its
+  // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread); the backward, whose rows are all
+  // 8-lane, does not: there it measured ~3 % slower than table_bucket4 (4.30 against 4.18 ms).
+  void init(const Params& p, const SeqInfo& seq, Workspace& ws, bool wide_buckets) {
     const int64_t L = seq.len, Lp = round8(L);
     ws.mask.init(p, L, seq.targets);
     const int tile_kind = ws.mask.classify(0, L, 0, L);
@@ -244,13 +247,12 @@ struct ShortSeq {
     // vzeroupper and spills) on every 4 keys to reread key_times.
     const int64_t* tk = key_times.data();
     const RowSpan* sp = spans.data();
-    const bool wide = cpu_has_avx512f();
     for (int64_t i = 0; i < L; ++i) {
       const RowSpan& span = sp[i];
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
       int32_t* bucket = ws.bucket.data() + i * Lp;
-      if (wide) {
+      if (wide_buckets) {
         bucket_row8(p, ti, tk, span.begin & ~int64_t{7}, round8(span.end), bucket);
         continue;
       }
@@ -491,11 +493,11 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
   const int64_t L = seq.len, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
   if (L == 0) return;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  const bool wide = cpu_has_avx512f();
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws);
+  sq.init(p, seq, ws, wide);
   ws.k_rows.resize(D * Lp);
   float* s = ws.s.data();  // one row's scores and weights (four rows' on 16 lanes)
-  const bool wide = cpu_has_avx512f();
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
@@ -557,7 +559,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
   const int64_t nt = p.num_buckets + 1;
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws);
+  sq.init(p, seq, ws, /*wide_buckets=*/false);
   ws.k_rows.resize(D * Lp);
   ws.v_rows.resize(Dv * Lp);
   float* s = ws.s.data();
