@@ -494,6 +494,16 @@ from tests.test_attention import _check_against_reference, make_inputs
 inputs = make_inputs([300, 59, 27, 0, 130], pos_heads=2, time_heads=2, targets=[7, 3, 0, 0, 2])
 for kind in ("softmax", "hstu"):
     _check_against_reference(inputs, "cpu", torch.float32, kind=kind, contextual_len=1)
+# the short path's forward rows (16 lanes, four rows a group, where the CPU has AVX-512F): lengths around
+# 16-column blocks (8: one 8-wide block, 16, 17, 24: 16 + 8, 33, 74: the model's longest, 5: a group of
+# 4 + 1), D = Dv = 16 (one register a row) and Dv = 24 (the 8-lane P V), time tables of 9 and 41 entries
+# (two and four registers) and 151 (scalar loads), buckets up to the table's last
+for D, Dv, buckets in ((16, 16, 8), (8, 24, 40), (16, 16, 150)):
+    inputs = make_inputs([8, 16, 17, 24, 33, 74, 5], D=D, Dv=Dv, pos_heads=2, time_heads=2, targets=[1, 0, 3, 8, 2, 8, 1])
+    g = torch.Generator().manual_seed(buckets)
+    inputs["time_bias"] = (0.5 * torch.randn(2, buckets + 1, generator=g)).requires_grad_(True)
+    inputs["timestamps"] = torch.randint(0, 10**6, (inputs["q"].shape[0],), generator=g) ** 2
+    _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", contextual_len=2)
 print("row paths ok")
 """
 
@@ -502,9 +512,9 @@ print("row paths ok")
 @pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
 def test_cpu_rows_on_both_paths(avx512):
     """The cpu kernel's exp and SiLU rows (forward and backward) take 16 AVX-512F lanes for rows of
-    32+ keys where the CPU has it, 8 AVX2 lanes otherwise: both paths against the reference, forward
-    and every gradient, whatever CPU runs the tests (GEM_KERNELS_NO_AVX512=1 takes AVX2 on any). A
-    fresh process: the path is chosen once."""
+    32+ keys where the CPU has it, 8 AVX2 lanes otherwise, and so do the short path's forward rows:
+    both paths against the reference, forward and every gradient, whatever CPU runs the tests
+    (GEM_KERNELS_NO_AVX512=1 takes AVX2 on any). A fresh process: the path is chosen once."""
     import os
     import subprocess
     import sys

@@ -8,7 +8,8 @@
 // call's fixed cost and a tile's full-width row passes outweigh the arithmetic. Here a sequence runs
 // row by row on AVX2 over exactly the row's visible keys:
 // - once per sequence, for every head: the mask, each row's span, and each pair's time bucket (they
-//   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time;
+//   depend on positions and timestamps only), the buckets from bucket_cells' table 4 pairs at a time
+//   (the forward's 8 at a time on AVX-512F, bucket_row8);
 // - per head, scores s[i, c] = q_i . k_c for the 8-column blocks that cover the row's span, from a
 //   transposed copy of the head's keys (kt [D, Lp], Lp = L rounded up to 8): 4 blocks per pass;
 // - scale, the head's position and time bias (by bucket), and the forward's SiLU, in one pass over
@@ -24,9 +25,12 @@
 //   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
 //   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
 //   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
+// Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the forward's buckets
+// take 8 pairs at a time and its weights and P V 16 lanes, four rows a group (forward_rows16).
 // Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
 // before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
-// 2.4 ms at the model's shape, 1 thread).
+// 2.4 ms at the model's shape, 1 thread; on 8 lanes, phase by phase over four rows is what
+// forward_rows16 does on 16).
 // Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
 // its time-bias gradient in 4 interleaved histograms per head.
@@ -188,6 +192,34 @@ inline Runs runs_of(const RowSpan& span) {
   return {span.begin, span.end, span.end, span.end};
 }
 
+// bucket[c] = table_bucket(ti - tk[c]) for c in [c0, c1) (multiples of 8), ShortSeq::table_bucket4's
+// steps on 8 lanes of AVX-512F (run where the CPU has it), the two table reads by gathers: here no
+// chain waits on them (see gather8 for where one does). A block with a lane out of the table's range
+// takes table_bucket lane by lane.
+GK_AVX512 void bucket_row8(const Params& p, int64_t ti, const int64_t* tk, int64_t c0, int64_t c1, int32_t* bucket) {
+  const __m512i vti = _mm512_set1_epi64(ti), one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
+  const __m512i limit = _mm512_set1_epi64((int64_t{1} << 52) - 1), two52 = _mm512_set1_epi64(int64_t{0x4330000000000000});
+  for (int64_t c = c0; c < c1; c += 8) {
+    // |INT64_MIN| stays negative: out of range too.
+    const __m512i x = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tk + c)));
+    bool ok = (_mm512_cmplt_epi64_mask(x, zero) | _mm512_cmpgt_epi64_mask(x, limit)) == 0;
+    if (ok) {
+      const __m512i x1 = _mm512_max_epi64(x, one);  // x = 0 shares cell 0 with 1
+      const __m512d xd = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_or_si512(x1, two52)), _mm512_castsi512_pd(two52));
+      const __m512i cell = _mm512_sub_epi64(_mm512_srli_epi64(_mm512_castpd_si512(xd), 48), _mm512_set1_epi64(0x3FF0));
+      const __m256i b = _mm512_i64gather_epi32(cell, p.cell_bucket.data(), 4);
+      ok = _mm256_movemask_ps(_mm256_castsi256_ps(b)) == 0;  // no cell that needs the search
+      if (ok) {
+        const __m512i next = _mm512_i64gather_epi64(cell, reinterpret_cast<const long long*>(p.cell_next.data()), 8);
+        const __m256i up = _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(_mm512_cmpgt_epi64_mask(x, next), one));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + c), _mm256_add_epi32(b, up));
+      }
+    }
+    if (!ok)
+      for (int64_t k = c; k < c + 8; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
+  }
+}
+
 // What a sequence's heads share, laid out for whole 8-column blocks (the columns past a row's span
 // included): every row's span, and every pair's time bucket (in the workspace's bucket tile, row i at
 // i * Lp: see backward_seq_short for why not kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
@@ -198,7 +230,10 @@ struct ShortSeq {
   std::vector<float> pos_window;  // one head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
   std::vector<float> hist;        // the backward's time-bias gradient of one head: 4 interleaved copies
 
-  void init(const Params& p, const SeqInfo& seq, Workspace& ws) {
+  // wide_buckets: bucket_row8 (AVX-512F), else table_bucket4. The forward takes bucket_row8 (with its
+  // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread); the backward, whose rows are all
+  // 8-lane, does not: there it measured ~3 % slower than table_bucket4 (4.30 against 4.18 ms).
+  void init(const Params& p, const SeqInfo& seq, Workspace& ws, bool wide_buckets) {
     const int64_t L = seq.len, Lp = round8(L);
     ws.mask.init(p, L, seq.targets);
     const int tile_kind = ws.mask.classify(0, L, 0, L);
@@ -217,6 +252,10 @@ struct ShortSeq {
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
       int32_t* bucket = ws.bucket.data() + i * Lp;
+      if (wide_buckets) {
+        bucket_row8(p, ti, tk, span.begin & ~int64_t{7}, round8(span.end), bucket);
+        continue;
+      }
       for (int64_t c = span.begin & ~int64_t{7}, c1 = round8(span.end); c < c1; c += 4) {
         if (!table_bucket4(p, ti, tk + c, bucket + c))
           for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
@@ -320,22 +359,165 @@ void bias_silu_grad_row(float scale, const float* pos, const float* time, const 
   }
 }
 
+// The forward's rows on 16 AVX-512F lanes, taken where the CPU has it (cpu_has_avx512f: a run-time check,
+// as the build targets x86-64-v3; GEM_KERNELS_NO_AVX512=1 keeps the 8-lane rows above). A row's blocks
+// [lo, hi) stay the 8-column ones of the layouts above and run 16 columns at a time, the last 8 or 16
+// wide. What it changes, measured at the model's shape (1 thread, scripts/attention_model_call.py
+// --native): the forward ~2.3 -> ~2.05 ms (then bucket_row8: ~1.7). Tried and not kept, as no faster
+// there: the scores on 16 lanes (dot_blocks stays), also four rows at a time sharing each key block's
+// load (forward 1.7 -> 1.8 ms, backward +4 %); the backward's SiLU rows, dq and dk/dv products on 16
+// lanes (a 16-lane divide is deeper than an 8-lane one, and these rows are short: ~2 blocks of 16).
+inline __mmask16 block_mask(int64_t c, int64_t hi) {
+  return hi - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0x00FF);
+}
+
+// A block of 16 columns, or of 8 under m = 0x00FF, by a plain zmm or ymm load or store, not a masked
+// one: a masked store does not forward to a later load of the same row.
+GK_AVX512 inline __m512 load_block(const float* x, __mmask16 m) {
+  return m == 0xFFFF ? _mm512_loadu_ps(x) : _mm512_zextps256_ps512(_mm256_loadu_ps(x));
+}
+GK_AVX512 inline void store_block(float* x, __mmask16 m, __m512 v) {
+  if (m == 0xFFFF)
+    _mm512_storeu_ps(x, v);
+  else
+    _mm256_storeu_ps(x, _mm512_castps512_ps256(v));
+}
+
+// A head's time_bias row in registers, for a table of at most 64 entries (num_buckets + 1; the model's
+// 33): a pair's bias by vpermt2ps from two (entries 0..31) or four registers, not by 16 scalar loads
+// and inserts (gather8) per 16 pairs. regs = 0: a larger table, by gather8.
+struct TimeRegs {
+  __m512 t[4];
+  int regs = 0;
+};
+
+GK_AVX512 inline TimeRegs time_regs(const float* time, int64_t entries) {
+  TimeRegs r;
+  if (time == nullptr || entries > 64) return r;
+  r.regs = entries <= 32 ? 2 : 4;
+  for (int k = 0; k < r.regs; ++k) {
+    const int64_t n = std::clamp<int64_t>(entries - 16 * k, 0, 16);
+    r.t[k] = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), time + 16 * k);
+  }
+  return r;
+}
+
+// biased8 on the 16 (or, under m = 0x00FF, 8) columns at c.
+GK_AVX512 inline __m512 biased16(__m512 scale, const float* pos, const float* time, const TimeRegs& tr,
+                                 const int32_t* bucket, const float* row, int64_t c, __mmask16 m) {
+  __m512 s = _mm512_mul_ps(load_block(row + c, m), scale);
+  if (pos != nullptr) s = _mm512_add_ps(s, load_block(pos + c, m));
+  if (time == nullptr) return s;
+  if (tr.regs > 0) {
+    const __m512i idx = _mm512_castps_si512(load_block(reinterpret_cast<const float*>(bucket + c), m));
+    __m512 t = _mm512_permutex2var_ps(tr.t[0], idx, tr.t[1]);
+    if (tr.regs == 4)
+      t = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), t,
+                               _mm512_permutex2var_ps(tr.t[2], idx, tr.t[3]));
+    return _mm512_add_ps(s, t);
+  }
+  // The upper 8 buckets only where they are the row's (past hi they are not written).
+  const __m256 lo = gather8(time, bucket + c), hi = m == 0xFFFF ? gather8(time, bucket + c + 8) : _mm256_setzero_ps();
+  return _mm512_add_ps(s, _mm512_castpd_ps(_mm512_insertf64x4(_mm512_zextpd256_pd512(_mm256_castps_pd(lo)),
+                                                              _mm256_castps_pd(hi), 1)));
+}
+
+// gather_rows on 16 lanes, width a multiple of 16: four keys per step into separate accumulators.
+GK_AVX512 void gather_rows16(const float* w, const float* x, int64_t ldx, int64_t c0, int64_t c1, int64_t width,
+                             float* acc) {
+  for (int64_t d = 0; d < width; d += 16) {
+    __m512 a[4] = {_mm512_loadu_ps(acc + d), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4)
+      for (int k = 0; k < 4; ++k)
+        a[k] = _mm512_fmadd_ps(_mm512_set1_ps(w[c + k]), _mm512_loadu_ps(x + (c + k) * ldx + d), a[k]);
+    for (; c < c1; ++c) a[0] = _mm512_fmadd_ps(_mm512_set1_ps(w[c]), _mm512_loadu_ps(x + c * ldx + d), a[0]);
+    _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+  }
+}
+
+// What one head's rows read in forward_rows16: q and v rows at their [N, H, *] strides, the
+// transposed keys, the head's pos_bias window and time_bias row (nullptr when absent), the sequence's
+// bucket tile (row i at i * Lp).
+struct HeadRows {
+  const float *q0, *v0, *kt, *pos, *time;
+  const int32_t* bucket;
+  int64_t qs, vs, D, Dv, L, Lp, time_entries;
+  float scale, inv_m;
+};
+
+// The forward of rows [i0, i0 + n) (n <= 4) of one head: each phase (scores, weights, P V) over the
+// group's rows before the next, so that the rows' exp and divide chains overlap (a model row is ~2
+// blocks of 16: one row's chain alone is latency-bound). Row k's scores and weights in s + k * Lp;
+// dst[k] its out row, zeroed by the caller.
+GK_AVX512 void forward_rows16(const HeadRows& h, const RowSpan* spans, int64_t i0, int64_t n, float* s,
+                              float* const* dst) {
+  int64_t lo[4], hi[4];
+  for (int64_t k = 0; k < n; ++k) {
+    const RowSpan& span = spans[i0 + k];
+    const bool any = span.end > span.begin;
+    lo[k] = any ? span.begin & ~int64_t{7} : 0;
+    hi[k] = any ? round8(span.end) : 0;
+    dot_blocks(h.q0 + (i0 + k) * h.qs, h.D, h.kt, h.Lp, lo[k] / 8, hi[k] / 8, s + k * h.Lp);
+  }
+  const __m512 vscale = _mm512_set1_ps(h.scale), one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(h.inv_m);
+  const TimeRegs tr = time_regs(h.time, h.time_entries);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = i0 + k;
+    const float* pos = h.pos != nullptr ? h.pos + (h.L - 1 - i) : nullptr;
+    float* row = s + k * h.Lp;
+    for (int64_t c = lo[k]; c < hi[k]; c += 16) {
+      const __mmask16 m = block_mask(c, hi[k]);
+      const __m512 x = biased16(vscale, pos, h.time, tr, h.bucket + i * h.Lp, row, c, m);
+      const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      store_block(row + c, m, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), vm));
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    if (lo[k] >= hi[k]) continue;
+    const Runs r = runs_of(spans[i0 + k]);  // whole blocks: the columns outside the runs are never read
+    const float* w = s + k * h.Lp;
+    if (h.Dv % 16 == 0) {
+      gather_rows16(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
+      gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+    } else {
+      gather_rows(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
+      gather_rows(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+    }
+  }
+}
+
 // The forward of one sequence, every head: out rows written.
 void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, float* op) {
   const Params& p = in.p;
   const int64_t L = seq.len, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
   if (L == 0) return;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
+  const bool wide = cpu_has_avx512f();
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws);
+  sq.init(p, seq, ws, wide);
   ws.k_rows.resize(D * Lp);
-  float* s = ws.s.data();  // one row's scores and weights
+  float* s = ws.s.data();  // one row's scores and weights (four rows' on 16 lanes)
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
     transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, D, ws.k_rows.data());
     const float* pos = sq.pos_of(p, L, h);
     const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * (p.num_buckets + 1) : nullptr;
+    if (wide) {
+      const HeadRows rows{q0, v0, ws.k_rows.data(), pos, time, ws.bucket.data(), qs, vs, D, Dv, L, Lp,
+                          p.num_buckets + 1, p.scale, inv_m};
+      for (int64_t i0 = 0; i0 < L; i0 += 4) {
+        const int64_t n = std::min<int64_t>(4, L - i0);
+        float* dst[4];
+        for (int64_t k = 0; k < n; ++k) {
+          dst[k] = op + ((seq.start + i0 + k) * H + h) * Dv;
+          zero_row8(dst[k], Dv);
+        }
+        forward_rows16(rows, sq.spans.data(), i0, n, s, dst);
+      }
+      continue;
+    }
     for (int64_t i = 0; i < L; ++i) {
       float* dst = op + ((seq.start + i) * H + h) * Dv;
       zero_row8(dst, Dv);
@@ -377,7 +559,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
   const int64_t nt = p.num_buckets + 1;
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws);
+  sq.init(p, seq, ws, /*wide_buckets=*/false);
   ws.k_rows.resize(D * Lp);
   ws.v_rows.resize(Dv * Lp);
   float* s = ws.s.data();
