@@ -567,28 +567,38 @@ def test_fm_compress_cpu_batch_sums_accurate():
 
 
 @cpu_kernel_only
-def test_cpu_batch_sums_do_not_depend_on_the_schedule():
-    """The cpu kernels hand samples to threads dynamically (whichever thread is free), and the
-    batch sums (fm_compress grad_y and LayerNorm grads, cross_layer grad_bias) go to partials per
-    fixed chunk: every run, on one thread or on all of them, gives the same bits."""
-    B, F, D, k = 1000, 27, 64, 16
+@pytest.mark.parametrize("shape", [(1000, 27, 64, 16), (1152, 10, 32, 8)], ids=["F27_D64", "gem_small_rows32"])
+def test_cpu_batch_sums_do_not_depend_on_the_schedule(shape):
+    """The cpu kernels hand samples to threads dynamically (whichever thread is free, in claims sized
+    for the thread count), and the batch sums (fm_compress grad_y, feature_mix_norm grad_mix and
+    LayerNorm grads, cross_layer grad_bias) go to partials per fixed chunk: every run, on one thread
+    or on all of them, gives the same bits. The second shape is the GEM small model's Wukong layer
+    (D = 32 rows kernels, 1152 rows, which the forwards split over threads too)."""
+    B, F, D, k = shape
     x, y, lw, lb = (randn_nonzero(B, F, D), randn_nonzero(F, k), randn_nonzero(F * k), randn_nonzero(F * k))
     g = randn_nonzero(B, F * k)
+    mix, fm, mw, mb = randn_nonzero(16, F), randn_nonzero(B, 8, D), randn_nonzero(D), randn_nonzero(D)
+    gm = randn_nonzero(B, 16, D)
     x0, xl, w, bias, gc = randn_nonzero(B, 48), randn_nonzero(B, 48), randn_nonzero(48, 48), randn_nonzero(48), \
         randn_nonzero(B, 48)
 
     def grads():
         leaves = [t.clone().requires_grad_(True) for t in (x, y, lw, lb)]
-        fm = torch.autograd.grad(gk.fm_compress(*leaves, backend="cpu"), leaves, g)
+        out = gk.fm_compress(*leaves, backend="cpu")
+        fmc = [out, *torch.autograd.grad(out, leaves, g)]
+        leaves = [t.clone().requires_grad_(True) for t in (x, mix, fm, mw, mb)]
+        out = gk.feature_mix_norm(*leaves, backend="cpu")
+        mixn = [out, *torch.autograd.grad(out, leaves, gm)]
         leaves = [t.clone().requires_grad_(True) for t in (x0, xl, w, bias)]
         grad_x0, _grad_xl, _grad_w, grad_bias = torch.autograd.grad(gk.cross_layer(*leaves, backend="cpu"), leaves, gc)
-        return [*fm, grad_x0, grad_bias]  # grad_xl and grad_w come from MKL's sgemm: not ours to pin
+        return [*fmc, *mixn, grad_x0, grad_bias]  # grad_xl and grad_w come from MKL's sgemm: not ours to pin
 
     threads = torch.get_num_threads()
     try:
-        runs = [grads() for _ in range(3)]
-        torch.set_num_threads(1)
-        runs.append(grads())
+        runs = []
+        for n in (max(threads, 2), 1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(grads())
     finally:
         torch.set_num_threads(threads)
     for run in runs[1:]:

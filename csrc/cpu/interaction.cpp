@@ -276,25 +276,32 @@ inline int64_t sum_chunks(int64_t rows) {
   return std::clamp<int64_t>((rows + kSumChunk - 1) / kSumChunk, 1, kMaxSumChunks);
 }
 
-// Threads worth waking for `items` of `flops_per_item` each: one per 2^23 FLOPs, about 80 us of
+// Threads worth waking for `items` of `flops_per_item` each: one per 2^22 FLOPs, about 40 us of
 // these kernels on one core. A second thread saves at most half a call, and waking it costs tens of
 // us on a quiet host and up to a scheduler slice (ms) on a busy one, where the join waits for a
-// descheduled worker. Chosen on a busy host at B = 256; the GEM small model's calls are over ~1150
-// (user, candidate) rows, where this gives one thread and 2^16 gives two: alternated three times in
-// its 2-thread training step on a quiet host, 58.1-64.9 vs 59.0-59.9 ms a step, no difference beyond
-// the noise (bench/results/notes-interaction.md).
+// descheduled worker. At 2^23 the GEM small model's F = 10 Wukong forwards (1152 rows, ~12 MFLOP,
+// ~230 us) ran on one thread while its 2-thread training step had the second core idle
+// (issue 26's per-op profile: feature_mix_norm forward 1.50x from 1 to 2 threads); batches of
+// a few hundred rows still run on one.
 int64_t workers_for(int64_t items, int64_t flops_per_item) {
-  return std::max<int64_t>(1, items * std::max<int64_t>(1, flops_per_item) >> 23);
+  return std::max<int64_t>(1, items * std::max<int64_t>(1, flops_per_item) >> 22);
 }
 
-// Samples a worker claims at a time (parallel_ranges). Long runs of consecutive samples keep each
-// thread's reads sequential for the hardware prefetcher: claims of one 16-sample chunk made the
-// fm_compress backward 8% slower than a static split (B = 4096, F = 27, D = 64, k = 16, measured
-// interleaved in one process), claims of 128 samples ran within 1.5% of it.
-// Small batches claim less, so that every thread still gets a share.
+// Items a worker claims at a time (parallel_ranges) when `workers` threads share `items`: at most
+// `most` (long runs of consecutive samples keep each thread's reads sequential for the hardware
+// prefetcher: claims of one 16-sample chunk made the fm_compress backward 8% slower than a static
+// split at B = 4096, F = 27, D = 64, k = 16, measured interleaved in one process; claims of 128
+// samples ran within 1.5% of it), at least 4 per worker, and a multiple of `workers` of them,
+// all of one size but the last. An odd count leaves the other workers waiting at the join while
+// one runs the last claim: 9 claims of 128 of the model's 1152 rows made 2 threads at most 1.8x.
 constexpr int64_t kClaimSamples = 128;
-int64_t claim_size(int64_t items, int64_t most) {
-  return std::clamp<int64_t>(items / (4 * at::get_num_threads()), 1, most);
+int64_t claim_size(int64_t items, int64_t most, int64_t workers) {
+  workers = std::clamp<int64_t>(workers, 1, at::get_num_threads());
+  if (workers == 1 || items <= workers) return most;
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  int64_t ranges = round_up(std::max(ceil_div(items, most), 4 * workers), workers);
+  while (ranges < items && ceil_div(items, ceil_div(items, ranges)) % workers != 0) ranges += workers;
+  return ceil_div(items, std::min(ranges, items));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -315,7 +322,8 @@ at::Tensor dot_interaction_cpu(const at::Tensor& x, bool self_interaction) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dot_interaction_cpu", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    parallel_ranges(B, claim_size(B, kClaimSamples), workers_for(B, P * D), [&](auto& claim) {
+    const int64_t workers = workers_for(B, P * D);
+    parallel_ranges(B, claim_size(B, kClaimSamples, workers), workers, [&](auto& claim) {
       std::vector<float> xs(Fp * D, 0.f), xt(D * Fq, 0.f), gram(Fp * Fq);
       for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
@@ -351,7 +359,8 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = grad_out.data_ptr<scalar_t>();
     scalar_t* dxp = grad_x.data_ptr<scalar_t>();
-    parallel_ranges(B, claim_size(B, kClaimSamples), workers_for(B, 2 * P * D), [&](auto& claim) {
+    const int64_t workers = workers_for(B, 2 * P * D);
+    parallel_ranges(B, claim_size(B, kClaimSamples, workers), workers, [&](auto& claim) {
       std::vector<float> xs(Fp * Dp), acc(Fp * Dp);
       std::vector<float> sym(Fp * F, 0.f);  // sym(G) = G + G^T, rows padded to Fp with zeros
       for (int64_t begin, end; claim(begin, end);)
@@ -951,7 +960,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
 #if defined(__AVX2__) && defined(__FMA__)
     const bool wide = cpu_has_avx512f();
 #endif
-    parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 4 * d.F * d.D * d.k), [&](auto& claim) {
+    const int64_t workers = workers_for(d.B, 4 * d.F * d.D * d.k);
+    parallel_ranges(d.B, claim_size(d.B, kClaimSamples, workers), workers, [&](auto& claim) {
       FmScratch w(d, d.kp);
       for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
@@ -1016,7 +1026,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
       const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
       const float* pp = saved ? products.data_ptr<float>() : nullptr;
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
-      parallel_ranges(chunks, claim_size(chunks, kClaimSamples / kSumChunk), workers_for(d.B, 8 * d.F * d.D * d.k), [&](auto& claim) {
+      const int64_t workers = workers_for(d.B, 8 * d.F * d.D * d.k);
+      parallel_ranges(chunks, claim_size(chunks, kClaimSamples / kSumChunk, workers), workers, [&](auto& claim) {
         FmScratch w(d, 2 * d.kp);
         float* dat = w.at.data() + d.kp * d.Dp;  // grad_A^T [kp, Dp]
         // [grad_S | Y] [Fp, 2 kp]: the grad_S half is rewritten per sample, Y is fixed.
@@ -1151,7 +1162,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
     const float *mp = m32.data_ptr<float>(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
     float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
-    parallel_ranges(d.B, claim_size(d.B, kClaimSamples), workers_for(d.B, 2 * d.O * d.F * d.D), [&](auto& claim) {
+    const int64_t workers = workers_for(d.B, 2 * d.O * d.F * d.D);
+    parallel_ranges(d.B, claim_size(d.B, kClaimSamples, workers), workers, [&](auto& claim) {
       std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp);
 #if defined(__AVX2__) && defined(__FMA__)
       std::vector<float> ssq(round_up(d.O, 8), 0.f), rs(round_up(d.O, 8));
@@ -1212,8 +1224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
       const float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
       scalar_t* dfp = d.Ofm ? grad_fm.data_ptr<scalar_t>() : nullptr;
-      parallel_ranges(chunks, claim_size(chunks, kClaimSamples / kSumChunk),
-                      workers_for(d.B, 6 * d.O * d.F * d.D), [&](auto& claim) {
+      const int64_t workers = workers_for(d.B, 6 * d.O * d.F * d.D);
+      parallel_ranges(chunks, claim_size(chunks, kClaimSamples / kSumChunk, workers), workers, [&](auto& claim) {
         // grad_S [Op, Dp] and X^T [D, Fq] keep zero padding (rows past O, columns past F).
         std::vector<float> xs(d.F * d.Dp), s(d.Op * d.Dp), ds(d.Op * d.Dp, 0.f), dx(d.Fp * d.Dp),
             xt(d.D * d.Fq, 0.f);
