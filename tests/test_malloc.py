@@ -28,27 +28,30 @@ def test_zero_keeps_the_defaults():
 def test_freed_blocks_are_reused_without_faulting_again():
     # With PyTorch's THP allocation (as python -m bench sets it) every tensor of 2 MiB and more is a
     # 2 MiB-aligned request that glibc serves with a fresh map by default, faulting its pages in again
-    # on every step (measured: ~1030 minor faults per 4 MiB + 4 MiB round here). Kept, the blocks
-    # come back from the heap already mapped.
+    # on every step (measured: 520-1075 minor faults per 4 MiB + 16 MiB round here). Kept, the blocks
+    # come back from the heap already mapped: 0 faults a round, but an early round now and then still
+    # takes ~520 once (seen in rounds 2 and 3 of 6: the OpenMP workers' first allocations), so the
+    # test reads the median of the later rounds, not their sum.
     code = textwrap.dedent("""
         import resource, sys
         from gem_kernels.testing.malloc import keep_freed_cpu_memory
         assert keep_freed_cpu_memory(int(sys.argv[1]))
         import torch
         faults = []
-        for _ in range(6):
+        for _ in range(10):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             a = torch.empty(4 << 18).fill_(1.0)
             b = torch.empty(16 << 18).fill_(2.0)
             del a, b
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        print(sum(faults[2:]))
+        print(*faults)
     """)
     env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code, "1024"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    # 5 MiB of pages per round: 1280 faults if nothing were kept; allow stray small allocations.
-    assert int(out.stdout.split()[-1]) < 200
+    later = sorted(int(f) for f in out.stdout.split()[2:])
+    # Not kept, every round faults 500+ times; kept, most rounds fault not at all.
+    assert later[len(later) // 2] < 100, f"minor faults per round: {out.stdout.strip()}"
 
 
 def test_clis_default_to_the_same_setting():
