@@ -14,6 +14,7 @@ from gem_kernels.ops.attention import IMPLEMENTED, jagged_attention_bwd_op, jagg
 from gem_kernels.reference import attention as ref
 
 from .utils import (
+    run_on_vector_path,
     assert_close,
     assert_close_vs_eager,
     interpreter_rounding_factor,
@@ -515,18 +516,7 @@ def test_cpu_rows_on_both_paths(avx512):
     32+ keys where the CPU has it, 8 AVX2 lanes otherwise, and so do the short path's forward rows:
     both paths against the reference, forward and every gradient, whatever CPU runs the tests
     (GEM_KERNELS_NO_AVX512=1 takes AVX2 on any). A fresh process: the path is chosen once."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ)
-    env.pop("GEM_KERNELS_NO_AVX512", None)
-    if avx512 == "off":
-        env["GEM_KERNELS_NO_AVX512"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _ROW_PATHS_CHECK], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "row paths ok" in run.stdout, run.stderr[-2000:]
+    run_on_vector_path(_ROW_PATHS_CHECK, avx512, "row paths ok")
 
 
 @cpu_kernel_only

@@ -26,7 +26,7 @@ from gem_kernels.ops import hstu_layer as ops
 from gem_kernels.reference import float64_ground_truth
 from gem_kernels.reference import hstu_layer as ref
 
-from .utils import (assert_close_vs_eager, cpu_kernel_only, device_backend_params, interpreter_rounding_factor,
+from .utils import (run_on_vector_path, assert_close_vs_eager, cpu_kernel_only, device_backend_params, interpreter_rounding_factor,
                     offsets_from_lengths, rounding_atol)
 
 # The backends of the tests on CPU tensors (triton: the interpreter, where there is no GPU); the
@@ -319,16 +319,7 @@ def test_cpu_ops_silu_rows_on_both_paths(avx512):
     any CPU). A fresh process: the path is chosen once."""
     if "cpu" not in gk.available_backends():
         pytest.skip("cpu not built")
-    import subprocess
-
-    env = dict(os.environ)
-    env.pop("GEM_KERNELS_NO_AVX512", None)
-    if avx512 == "off":
-        env["GEM_KERNELS_NO_AVX512"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _SILU_ROWS_CHECK], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "silu rows ok" in run.stdout, run.stderr[-2000:]
+    run_on_vector_path(_SILU_ROWS_CHECK, avx512, "silu rows ok")
 
 
 # Token counts against the cpu ops' chunking (csrc/cpu/hstu_layer.cpp chunking()) at uvqk width

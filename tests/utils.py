@@ -175,3 +175,21 @@ def assert_close_vs_eager(actual: torch.Tensor, expected: torch.Tensor, eager: t
     bound = rounding_factor * (2 * eager_err + atol)
     assert err <= bound, (f"{msg}: max error {err} > {rounding_factor} x (2 x eager's {eager_err} + rounding "
                           f"atol {atol})")
+
+
+def run_on_vector_path(code: str, avx512: str, marker: str) -> None:
+    """Run `code` with `python -c` in a fresh process from the repository root, on one cpu vector path:
+    avx512 == "off" sets GEM_KERNELS_NO_AVX512=1 (the 8-lane AVX2 rows on any CPU), anything else
+    leaves the CPU's own choice (16-lane AVX-512F where it has it). A fresh process because the kernels
+    choose their path once. Asserts it exits 0 and prints `marker`."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("GEM_KERNELS_NO_AVX512", None)
+    if avx512 == "off":
+        env["GEM_KERNELS_NO_AVX512"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and marker in run.stdout, run.stderr[-2000:]
