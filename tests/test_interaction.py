@@ -202,8 +202,10 @@ def test_dot_interaction_triton_tiles(monkeypatch, device, backend, num_features
     _check_dot_interaction(2, num_features, 37, dtype, self_interaction, device, backend)
 
 
-# B = 3000: the cpu's batch sum for grad_bias runs over many fixed chunks.
-CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16), (3000, 16, None)]
+# B = 3000: the cpu's batch sum for grad_bias runs over many fixed chunks (12 of its fp32 blocks of
+# 256 rows, the last partial); B = 200, N = 700, rank 8: low rank over 92-row blocks (3, the last partial).
+CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16), (3000, 16, None),
+                (200, 700, 8)]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)

@@ -8,9 +8,10 @@
 // [B, F, F]- or [B, D, k]-sized is ever written.
 // Sample-independent sums (grad_y, LayerNorm grad_weight/grad_bias, cross layer grad_bias) go to
 // per-chunk fp32 partials over fixed chunks of kSumChunk samples, summed at the end: accurate, and
-// deterministic whatever the thread count. cross_layer: its matmuls are one at::addmm/at::mm each (MKL / oneDNN);
-// the bias rides in addmm, and the product-plus-residual epilogue (and its backward) is one
-// vectorised pass over [B, N] instead of eager's separate mul/add/sum kernels.
+// deterministic whatever the thread count. cross_layer in fp32: per block of rows, single-threaded
+// sgemm then the bias-product-residual epilogue (and in the backward grad_z, grad_x0 and grad_xl's
+// product) on the block while it is in cache (cross_layer_fp32 below); in fp16/bf16 its matmuls are one
+// at::addmm/at::mm each and the epilogue one vectorised pass over [B, N].
 //
 // Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
 // (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
@@ -51,6 +52,7 @@
 #include <vector>
 
 #include "gem_kernels/checks.h"
+#include "gem_kernels/cpu_blas.h"
 #include "gem_kernels/cpu_exp.h"
 #include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/interaction_checks.h"
@@ -415,12 +417,100 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
 // Elements per epilogue task: enough to amortise scheduling.
 constexpr int64_t kEpilogueGrain = 16384;
 
+// fp32: the matmuls run per block of rows on single-threaded sgemm inside the parallel region, and
+// each block's epilogue runs right after its product, while the block's z (and p) and the xl rows
+// the product just read are still in L2: the unfused form wrote z out and read it back (and, in the
+// backward, grad_z and grad_out) once more from memory. Blocks are a fixed number of rows for a
+// given N (not per thread count), so grad_bias's per-block partials give the same bits on any
+// number of threads; 256 KB per [rows, N] operand (128 rows at N = 512).
+// grad_u (= grad_z^T @ xl or p, K = B) stays one MKL matmul over all rows: per-block updates of an
+// [N, N] accumulator would stream it through the cache once per block.
+inline int64_t cross_block_rows(int64_t N) { return std::clamp<int64_t>(65536 / std::max<int64_t>(N, 1), 4, 256) / 4 * 4; }
+
+void cross_layer_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u, const at::Tensor& v,
+                      const at::Tensor& bias, bool low_rank, at::Tensor& out, at::Tensor& z, at::Tensor& p) {
+  const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
+  const int64_t rows = cross_block_rows(N), blocks = (B + rows - 1) / rows;
+  const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *uw = u.data_ptr<float>(),
+              *b = bias.data_ptr<float>();
+  const float* vw = low_rank ? v.data_ptr<float>() : nullptr;
+  float *o = out.data_ptr<float>(), *zz = z.data_ptr<float>(), *pp = low_rank ? p.data_ptr<float>() : nullptr;
+  parallel_ranges(blocks, 1, workers_for(B, 2 * N * K), [&](auto& claim) {
+    SingleThreadBlas single;
+    for (int64_t blk, end; claim(blk, end);) {
+      const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
+      const float* src = r + r0 * N;
+      if (low_rank) {
+        mm(false, true, m, K, N, 1.f, src, N, vw, N, 0.f, pp + r0 * K, K);  // p = xl V^T
+        src = pp + r0 * K;
+      }
+      float* zb = zz + r0 * N;
+      mm(false, true, m, N, K, 1.f, src, K, uw, K, 0.f, zb, N);  // z = src U^T (+ bias below)
+      for (int64_t i = 0; i < m; ++i) {
+        float* zr = zb + i * N;
+        const float *ar = a + (r0 + i) * N, *rr = r + (r0 + i) * N;
+        float* orow = o + (r0 + i) * N;
+        _Pragma("omp simd")
+        for (int64_t n = 0; n < N; ++n) {
+          const float zv = zr[n] + b[n];
+          zr[n] = zv;
+          orow[n] = ar[n] * zv + rr[n];
+        }
+      }
+    }
+  });
+}
+
+// grad_z = g * x0 and grad_x0 = g * z per block, then grad_xl's block = g + grad_z @ U (through grad_p
+// = grad_z @ U, [rows, r], and grad_p @ V when low rank) while grad_z is in cache.
+void cross_layer_backward_fp32(const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& u,
+                               const at::Tensor& v, const at::Tensor& z, bool low_rank, at::Tensor& grad_z,
+                               at::Tensor& grad_p, at::Tensor& grad_x0, at::Tensor& grad_xl, at::Tensor& partial) {
+  const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
+  const int64_t rows = cross_block_rows(N), blocks = (B + rows - 1) / rows;
+  const float *g = grad_out.data_ptr<float>(), *a = x0.data_ptr<float>(), *zz = z.data_ptr<float>(),
+              *uw = u.data_ptr<float>();
+  const float* vw = low_rank ? v.data_ptr<float>() : nullptr;
+  float *gz = grad_z.data_ptr<float>(), *ga = grad_x0.data_ptr<float>(), *gx = grad_xl.data_ptr<float>(),
+        *part = partial.data_ptr<float>(), *gp = low_rank ? grad_p.data_ptr<float>() : nullptr;
+  parallel_ranges(blocks, 1, workers_for(B, 2 * N * K), [&](auto& claim) {
+    SingleThreadBlas single;
+    for (int64_t blk, end; claim(blk, end);) {
+      const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
+      float* colsum = part + blk * N;
+      for (int64_t i = r0; i < r0 + m; ++i) {
+        const int64_t base = i * N;
+        _Pragma("omp simd")
+        for (int64_t n = 0; n < N; ++n) {
+          const float gv = g[base + n], dz = gv * a[base + n];
+          gz[base + n] = dz;
+          ga[base + n] = gv * zz[base + n];
+          gx[base + n] = gv;
+          colsum[n] += dz;
+        }
+      }
+      if (low_rank) {
+        mm(false, false, m, K, N, 1.f, gz + r0 * N, N, uw, K, 0.f, gp + r0 * K, K);
+        mm(false, false, m, N, K, 1.f, gp + r0 * K, K, vw, N, 1.f, gx + r0 * N, N);
+      } else {
+        mm(false, false, m, N, N, 1.f, gz + r0 * N, N, uw, N, 1.f, gx + r0 * N, N);
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor& x0, const at::Tensor& xl,
                                                                const at::Tensor& u, const at::Tensor& v,
                                                                const at::Tensor& bias) {
   GK_CHECK_CPU(x0);
   const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const int64_t B = x0.size(0), N = x0.size(1);
+  if (x0.scalar_type() == at::kFloat) {
+    auto out = at::empty_like(xl), z = at::empty_like(xl);
+    auto p = low_rank ? at::empty({B, u.size(1)}, xl.options()) : at::empty({0}, xl.options());
+    if (B > 0) cross_layer_fp32(x0, xl, u, v, bias, low_rank, out, z, p);
+    return {out, z, p};
+  }
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
   auto out = at::empty_like(xl);
@@ -447,6 +537,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   const int64_t B = x0.size(0), N = x0.size(1);
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
+  if (x0.scalar_type() == at::kFloat) {
+    const int64_t blocks = std::max<int64_t>(1, (B + cross_block_rows(N) - 1) / cross_block_rows(N));
+    auto partial = at::zeros({blocks, 1, N}, x0.options());
+    auto grad_xl = at::empty_like(x0);
+    auto grad_p = low_rank ? at::empty({B, u.size(1)}, x0.options()) : at::empty({0}, x0.options());
+    if (B > 0) cross_layer_backward_fp32(grad_out, x0, u, v, z, low_rank, grad_z, grad_p, grad_x0, grad_xl, partial);
+    auto grad_bias = sum_chunk_partials(partial, 0, 1, N, /*flat=*/true, at::kFloat);
+    auto grad_u = at::mm(grad_z.t(), low_rank ? p : xl);
+    auto grad_v = low_rank ? at::mm(grad_p.t(), xl) : at::empty({0}, x0.options());
+    return {grad_x0, grad_xl, grad_u, grad_v, grad_bias};
+  }
   // Column sums of grad_z over fixed row chunks (deterministic), in fp32.
   const int64_t chunks = sum_chunks(B);
   auto partial = at::zeros({chunks, N}, x0.options().dtype(at::kFloat));
