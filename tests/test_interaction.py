@@ -203,7 +203,7 @@ def test_dot_interaction_triton_tiles(monkeypatch, device, backend, num_features
 
 
 # B = 3000: the cpu's batch sum for grad_bias runs over many fixed chunks (12 of its fp32 blocks of
-# 256 rows, the last partial); B = 200, N = 700, rank 8: low rank over 92-row blocks (3, the last partial).
+# 256 rows, the last partial); B = 200, N = 700, rank 8: low rank over 24-row blocks (9, the last partial).
 CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16), (3000, 16, None),
                 (200, 700, 8)]
 

@@ -421,16 +421,20 @@ constexpr int64_t kEpilogueGrain = 16384;
 // each block's epilogue runs right after its product, while the block's z (and p) and the xl rows
 // the product just read are still in L2: the unfused form wrote z out and read it back (and, in the
 // backward, grad_z and grad_out) once more from memory. Blocks are a fixed number of rows for a
-// given N (not per thread count), so grad_bias's per-block partials give the same bits on any
+// given B and N (not per thread count), so grad_bias's per-block partials give the same bits on any
 // number of threads; 256 KB per [rows, N] operand (128 rows at N = 512).
 // grad_u (= grad_z^T @ xl or p, K = B) stays one MKL matmul over all rows: per-block updates of an
 // [N, N] accumulator would stream it through the cache once per block.
-inline int64_t cross_block_rows(int64_t N) { return std::clamp<int64_t>(65536 / std::max<int64_t>(N, 1), 4, 256) / 4 * 4; }
+// At least 8 blocks once B >= 32, so that a batch of few rows still spreads over the threads (their
+// sgemm calls are single-threaded): B = 8 at N = 4096 would otherwise be one block on one core.
+inline int64_t cross_block_rows(int64_t B, int64_t N) {
+  return std::clamp<int64_t>(std::min<int64_t>(65536 / std::max<int64_t>(N, 1), (B + 7) / 8), 4, 256) / 4 * 4;
+}
 
 void cross_layer_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u, const at::Tensor& v,
                       const at::Tensor& bias, bool low_rank, at::Tensor& out, at::Tensor& z, at::Tensor& p) {
   const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
-  const int64_t rows = cross_block_rows(N), blocks = (B + rows - 1) / rows;
+  const int64_t rows = cross_block_rows(B, N), blocks = (B + rows - 1) / rows;
   const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *uw = u.data_ptr<float>(),
               *b = bias.data_ptr<float>();
   const float* vw = low_rank ? v.data_ptr<float>() : nullptr;
@@ -467,7 +471,7 @@ void cross_layer_backward_fp32(const at::Tensor& grad_out, const at::Tensor& x0,
                                const at::Tensor& v, const at::Tensor& z, bool low_rank, at::Tensor& grad_z,
                                at::Tensor& grad_p, at::Tensor& grad_x0, at::Tensor& grad_xl, at::Tensor& partial) {
   const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
-  const int64_t rows = cross_block_rows(N), blocks = (B + rows - 1) / rows;
+  const int64_t rows = cross_block_rows(B, N), blocks = (B + rows - 1) / rows;
   const float *g = grad_out.data_ptr<float>(), *a = x0.data_ptr<float>(), *zz = z.data_ptr<float>(),
               *uw = u.data_ptr<float>();
   const float* vw = low_rank ? v.data_ptr<float>() : nullptr;
@@ -538,7 +542,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
   if (x0.scalar_type() == at::kFloat) {
-    const int64_t blocks = std::max<int64_t>(1, (B + cross_block_rows(N) - 1) / cross_block_rows(N));
+    const int64_t rows = cross_block_rows(B, N), blocks = std::max<int64_t>(1, (B + rows - 1) / rows);
     auto partial = at::zeros({blocks, 1, N}, x0.options());
     auto grad_xl = at::empty_like(x0);
     auto grad_p = low_rank ? at::empty({B, u.size(1)}, x0.options()) : at::empty({0}, x0.options());
