@@ -464,6 +464,19 @@ def test_cpu_backward_is_independent_of_thread_count(kind):
         assert torch.equal(a, b)
 
 
+@cpu_kernel_only
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_cpu_long_path_streams_rows_of_large_outputs(kind):
+    """The tile loops write out, dq, dk and dv a row at a time from the workspace, with streaming stores
+    once a call's outputs reach 4 MiB (kStreamRowsMinBytes): 1100 rows x 8 heads x 128 is 4.5 MB each,
+    so both the forward and the backward take the streaming writes (the other cases are smaller). No
+    biases: their gradients sum ~10^6 terms here, past the bias rule's 4e-5 (the kernel's sums are not
+    what this test is about, and test_backend_matches_reference checks them)."""
+    inputs = make_inputs([400, 700], H=8, D=128)
+    assert inputs["v"].numel() * 4 >= 4 << 20
+    _check_against_reference(inputs, "cpu", torch.float32, kind=kind)
+
+
 # The cpu kernel's short-sequence HSTU path (csrc/cpu/attention_short.h) takes items of at most 128
 # rows with D and Dv multiples of 8 and a banded or prefix mask; the others take the tile loops.
 SHORT_PATH_CASES = [

@@ -22,9 +22,20 @@
 // The Inf/NaN flags of the q, k, v and dO rows (the masked products' guard) and the softmax
 // backward's delta = rowsum(dO * O) come from one contiguous sweep per tensor before the items.
 // The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
-// dq, dk and dv rows (each owned by one item) are accumulated in place in the zeroed outputs, bias
-// gradients go to per-item partial buffers that are reduced in a fixed order: the backward is
-// bit-identical run to run whatever the thread count or schedule.
+// an item's dq rows (each owned by one item) accumulate in its workspace over the key tiles, a key
+// tile's dk and dv rows over the query tiles, and each row is written to the output once, whole
+// (streamed for large outputs, kStreamRowsMinBytes; so is the forward's out), so no output is zero
+// filled; bias gradients go to per-item partial buffers that are reduced in a fixed order: the
+// backward is bit-identical run to run whatever the thread count or schedule.
+//
+// Where the time goes (bench's history 1024 case, softmax, 1 thread, perf): the sgemm products are
+// ~75 % of the backward and ~60 % of the forward, and each runs at 90-100 % of MKL's 1-thread rate
+// for its shape (256 x 256 x 128 full tiles 101-112 us, ~150-165 GFLOP/s); the rest is the exp and
+// SiLU rows, the Inf/NaN sweeps, the K/V row copies and the output writes, none above ~4 %.
+// Measured and not kept (1 thread, interleaved A/B against the build before, 3 rounds): P^T dO and
+// dS^T Q on transposed copies of P and dS (NN instead of transposed-A products: softmax backward
+// 44.9 -> 47.7 ms; at the tiles' 1 KiB pitch MKL's transposed-A product is only ~10 % slower, 112
+// vs 101 us, less than the two 256 x 256 transposes cost); kStrip = 128 (backward +3 %).
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
@@ -59,6 +70,7 @@
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_blas.h"
 #include "gem_kernels/cpu_exp.h"  // fast_exp, fast_exp8
+#include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -74,6 +86,13 @@ constexpr int64_t kBlockN = 128;
 // GFLOP/s, 256 x 256 with 64-row strips 85.2 / 74.9, 128 x 512 85.1 / 74.3.
 constexpr int64_t kTileM = 256;
 constexpr int64_t kTileN = 256;
+
+// The long path writes each row of its outputs (forward: out; backward: dq, dk, dv) once, from the
+// workspace, with streaming stores when the call's outputs total this much: larger than this machine's
+// L2 (2 MiB a core), where a normal store's read-for-ownership of the line mostly misses anyway.
+// Measured at the bench's history 1024 (1 thread, interleaved, 3 rounds; outputs 4.75 MB each):
+// backward 44.4 -> 42.0 ms softmax, 51.0 -> 48.1 ms HSTU.
+constexpr size_t kStreamRowsMinBytes = size_t(4) << 20;
 
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
 inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
@@ -896,7 +915,7 @@ bool covers_rows(const Prepared& in) {
 // The forward of one item for its query rows [q_lo, L): every row in the full forward, the last
 // delta rows in the cached one. A query row keeps its position i in the sequence (the mask, pos_bias
 // and timestamps see i); it reads q row and writes out (and lse) row q_row0 + i - q_lo.
-void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, float* lp) {
+void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, float* lp, bool stream) {
   const Params& p = in.p;
   const int64_t q_lo = it.q_lo, out_row0 = it.q_row0;
   const float* q_rows = it.q0;
@@ -978,19 +997,18 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
     }
     for (int64_t r = 0; r < bm; ++r) {
       const int64_t row_out = out_row0 + i0 - q_lo + r;
-      float* dst = op + (row_out * H + h) * Dv;
-      const float* a = acc + r * Dv;
+      float* a = acc + r * Dv;
       if (p.softmax) {
         // l == 0: every visible score is -inf (or none is visible): out 0, lse -inf. A NaN l stays NaN.
         const float l = ws.row_sum[r];
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-        for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+        for (int64_t d = 0; d < Dv; ++d) a[d] *= inv;
         lp[row_out * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
-      } else {
-        std::copy(a, a + Dv, dst);
       }
+      copy_bytes(op + (row_out * H + h) * Dv, a, Dv * sizeof(float), stream);
     }
   }
+  streaming_store_fence();
 }
 
 // out [rows, H, Dv] in `dtype` and fp32 lse [rows, H] (softmax; [0] for hstu), rows = q's rows.
@@ -1002,6 +1020,7 @@ std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
   auto lse = p.softmax ? at::empty({rows, H}, in.q.options()) : at::empty({0}, in.q.options());
   float* op = out.data_ptr<float>();
   float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
+  const bool stream = out.nbytes() >= kStreamRowsMinBytes;
   for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
     // A short sequence is one item of all its heads (they share its mask and time buckets): its item
     // of head 0 runs it, the others have nothing to do.
@@ -1011,7 +1030,7 @@ std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
       return;
     }
     Item it;
-    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp);
+    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp, stream);
   }, in.delta);
   return {dtype == at::kFloat ? out : out.to(dtype), lse};
 }
@@ -1096,7 +1115,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   const auto options = in.q.options();
   // Both paths write every row of their items' dq, dk and dv whole (accumulated in the workspace),
   // so when the sequences cover every row the zero fill is skipped: ~8 % of the short path's backward
-  // at the model's shape, ~3 % of the long path's at history 1024 (1 thread, perf).
+  // at the model's shape. On the long path (history 1024, 1 thread) perf put the fill at ~3 %, but
+  // skipping it alone measured within noise (the first writes of the rows then paid the misses); it
+  // paid with the rows streamed (kStreamRowsMinBytes).
   const bool short_only = all_short(in);
   const auto alloc = [&](int64_t width) {
     return covers_rows(in) ? at::empty({N, H, width}, options) : at::zeros({N, H, width}, options);
@@ -1127,6 +1148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     bad_do = nonfinite_rows(dout);
   }
   const std::vector<float> delta = p.softmax ? softmax_delta(dout, out) : std::vector<float>();
+  const bool stream = dq.nbytes() + dk.nbytes() + dv.nbytes() >= kStreamRowsMinBytes;
 
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
     const SeqInfo& seq = seqs[item / H];
@@ -1251,12 +1273,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
       float* dk_dst = dkp + ((it.start + j0) * H + h) * D;
       float* dv_dst = dvp + ((it.start + j0) * H + h) * Dv;
       for (int64_t c = 0; c < bn; ++c) {
-        std::copy(dk_acc + c * D, dk_acc + (c + 1) * D, dk_dst + c * qs);
-        std::copy(dv_acc + c * Dv, dv_acc + (c + 1) * Dv, dv_dst + c * vs);
+        copy_bytes(dk_dst + c * qs, dk_acc + c * D, D * sizeof(float), stream);
+        copy_bytes(dv_dst + c * vs, dv_acc + c * Dv, Dv * sizeof(float), stream);
       }
     }
     float* dq_dst = dqp + (it.start * H + h) * D;
-    for (int64_t i = 0; i < L; ++i) std::copy(dq_item + i * D, dq_item + (i + 1) * D, dq_dst + i * qs);
+    for (int64_t i = 0; i < L; ++i) copy_bytes(dq_dst + i * qs, dq_item + i * D, D * sizeof(float), stream);
+    streaming_store_fence();
   });
 
   // Fixed-order reduction of the bias partials (item order b * H + h).
