@@ -905,6 +905,24 @@ def test_infinite_value_of_an_invisible_key_adds_nothing(device, backend, kind):
 
 
 @pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_infinite_grad_out_of_a_row_reaches_only_the_keys_it_sees(device, backend, kind):
+    """grad_out[0, 1, 0] = inf: row 0 of head 1 sees key 0 only (causal), so dv of keys 1 and 2 of head
+    1 stays finite (P^T dO over the whole mixed tile would add 0 * inf = NaN there) and key 0's does
+    not. The cpu kernel takes the masked product from its Inf/NaN flags of the dO rows (for softmax
+    made in the delta's sweep over dO)."""
+    inputs = _issue19_inputs(device)
+    leaves = [inputs[n].clone().requires_grad_(True) for n in ("q", "k", "v")]
+    out = gk.jagged_attention(leaves[0], leaves[1], leaves[2], inputs["seq_offsets"], inputs["max_seq_len"],
+                              kind=kind, backend=backend)
+    grad_out = torch.ones_like(out)
+    grad_out[0, 1, 0] = math.inf
+    dv = torch.autograd.grad(out, leaves, grad_out)[2].cpu()
+    assert bool(dv[1:, 1].isfinite().all()) and bool(dv[:, 0].isfinite().all()), dv
+    assert not bool(dv[0, 1].isfinite().all()), dv
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
 def test_huge_scale_beats_masked_entries(device, backend):
     """scale=1e30 with scores of -2e30: every visible key still wins over the invisible ones (the
     reference's -1e30 fill gave [0, 0, 2])."""

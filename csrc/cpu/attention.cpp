@@ -19,8 +19,9 @@
 // the small model's layer, 1 thread: HSTU fwd+bwd with both biases 26.3 -> 17.8 ms). The biases are
 // added over a row's run only, and the products of such a mixed tile run in 32-row / 32-key strips
 // bounded by the rows' runs (TileExtents), so a causal diagonal tile's products skip 3/8 of it.
-// The Inf/NaN flags of the q, k, v and dO rows (the masked products' guard) and the softmax
-// backward's delta = rowsum(dO * O) come from one contiguous sweep per tensor before the items.
+// The Inf/NaN flags of the q, v and dO rows (the masked products' guard) and the softmax
+// backward's delta = rowsum(dO * O) come from one contiguous sweep per tensor before the items (dO's
+// flags and delta from the same one); the backward's k flags from each item's copy of its key rows.
 // The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
 // an item's dq rows (each owned by one item) accumulate in its workspace over the key tiles, a key
 // tile's dk and dv rows over the query tiles, and each row is written to the output once, whole
@@ -353,19 +354,21 @@ void masked_mm_t(int64_t bm, int64_t bn, int64_t width, float alpha, const float
 // one contiguous sweep of every head at once. The backward's per-item check of one head's rows (at the
 // H * width stride, inside the item) ran at memory latency: perf put its three backward passes at ~4 %
 // of softmax fwd+bwd at 1024.
+// Whether row[0, width) holds an Inf or NaN.
+inline bool nonfinite_row(const float* row, int64_t width) {
+  // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
+  // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
+  uint32_t b = 0;
+  for (int64_t d = 0; d < width; ++d) b |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
+  return b != 0;
+}
+
 std::vector<uint8_t> nonfinite_rows(const at::Tensor& x) {
   const int64_t n = x.size(0) * x.size(1), width = x.size(2);
   std::vector<uint8_t> bad(n);
   const float* base = x.const_data_ptr<float>();
   at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* row = base + i * width;
-      // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
-      // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
-      uint32_t b = 0;
-      for (int64_t d = 0; d < width; ++d) b |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
-      bad[i] = b != 0;
-    }
+    for (int64_t i = i0; i < i1; ++i) bad[i] = nonfinite_row(base + i * width, width);
   });
   return bad;
 }
@@ -379,8 +382,9 @@ void tile_flags(const uint8_t* bad, int64_t L, int64_t H, int64_t block, std::ve
 
 // delta[n * H + h] = sum_d dO[n, h, d] * O[n, h, d] (the softmax backward's row term), one contiguous
 // sweep like nonfinite_rows; 8 lanes of partial sums (the scalar loop's 128 dependent adds per row
-// were ~2 % of the backward).
-std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out) {
+// were ~2 % of the backward). With bad_dout, also nonfinite_rows(dout) in the same sweep.
+std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out, std::vector<uint8_t>* bad_dout) {
+  if (bad_dout != nullptr) bad_dout->resize(dout.size(0) * dout.size(1));
   const int64_t n = dout.size(0) * dout.size(1), width = dout.size(2);
   std::vector<float> delta(n);
   const float* a = dout.const_data_ptr<float>();
@@ -400,6 +404,7 @@ std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out) 
 #endif
       for (; d < width; ++d) acc += x[d] * y[d];
       delta[i] = acc;
+      if (bad_dout != nullptr) (*bad_dout)[i] = nonfinite_row(x, width);
     }
   });
   return delta;
@@ -1141,13 +1146,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
-  std::vector<uint8_t> bad_q, bad_k, bad_do;  // the tile loops' masked-product guards
+  // The tile loops' masked-product guards: q's and dO's rows here (dO's in the softmax delta's sweep),
+  // k's in each item's copy of its key rows (one sweep of k less: ~1 % of the backward each).
+  std::vector<uint8_t> bad_q, bad_do;
   if (!short_only) {
     bad_q = nonfinite_rows(in.q);
-    bad_k = nonfinite_rows(in.k);
-    bad_do = nonfinite_rows(dout);
+    if (!p.softmax) bad_do = nonfinite_rows(dout);
   }
-  const std::vector<float> delta = p.softmax ? softmax_delta(dout, out) : std::vector<float>();
+  const std::vector<float> delta = p.softmax ? softmax_delta(dout, out, short_only ? nullptr : &bad_do)
+                                             : std::vector<float>();
   const bool stream = dq.nbytes() + dk.nbytes() + dv.nbytes() >= kStreamRowsMinBytes;
 
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
@@ -1167,9 +1174,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     // their [N, H, D] row stride, torch.mm (MKL) ran ~9% slower (1 thread, 128^3) than on contiguous rows.
     ws.k_rows.resize(L * D);
     ws.v_rows.resize(L * Dv);
+    ws.bad_k.assign((L + kTileN - 1) / kTileN, 0);
     for (int64_t i = 0; i < L; ++i) {
       std::copy(it.k0 + i * qs, it.k0 + i * qs + D, ws.k_rows.data() + i * D);
       std::copy(it.v0 + i * vs, it.v0 + i * vs + Dv, ws.v_rows.data() + i * Dv);
+      ws.bad_k[i / kTileN] |= nonfinite_row(ws.k_rows.data() + i * D, D);
     }
     const float *k0 = ws.k_rows.data(), *v0 = ws.v_rows.data();
     const float* do0 = dop + (it.start * H + h) * Dv;
@@ -1182,7 +1191,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     float* dv_acc = ws.acc2.data();
     const float* delta0 = p.softmax ? delta.data() + it.start * H + h : nullptr;  // rows at stride H
     tile_flags(bad_q.data() + it.start * H + h, L, H, kTileM, ws.bad_q);
-    tile_flags(bad_k.data() + it.start * H + h, L, H, kTileN, ws.bad_k);
     tile_flags(bad_do.data() + it.start * H + h, L, H, kTileM, ws.bad_do);
     float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
     float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
