@@ -301,11 +301,22 @@ inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float 
 
 // part[bucket[c]] += ds[c] over c in [0, n). Buckets come in runs (sorted timestamps move |t_i - t_j|
 // monotonically along a row): each run is summed in registers and added once, instead of a scalar
-// read-modify-write per element whose store-to-load chain on one address serialised the loop.
+// read-modify-write per element whose store-to-load chain on one address serialised the loop. The
+// run's end is found 8 buckets a compare (the scalar scan was ~2 % of HSTU's backward at history
+// 1024, 1 thread, perf).
 inline void add_by_bucket(const int32_t* bucket, const float* ds, int64_t n, float* part) {
   for (int64_t c = 0; c < n;) {
     const int32_t b = bucket[c];
     int64_t e = c + 1;
+#if GK_ATTENTION_AVX2
+    const __m256i vb = _mm256_set1_epi32(b);
+    for (bool ended = false; !ended && e + 8 <= n;) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bucket + e));
+      const unsigned same = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, vb))));
+      ended = same != 0xFFu;
+      e += ended ? __builtin_ctz(~same) : 8;
+    }
+#endif
     while (e < n && bucket[e] == b) ++e;
     float sum = 0.0f;
     int64_t k = c;
