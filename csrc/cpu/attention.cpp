@@ -32,7 +32,10 @@
 // Where the time goes (bench's history 1024 case, softmax, 1 thread, perf): the sgemm products are
 // ~75 % of the backward and ~60 % of the forward, and each runs at 90-100 % of MKL's 1-thread rate
 // for its shape (256 x 256 x 128 full tiles 101-112 us, ~150-165 GFLOP/s); the rest is the exp and
-// SiLU rows, the Inf/NaN sweeps, the K/V row copies and the output writes, none above ~4 %.
+// SiLU rows, the biases (HSTU), the Inf/NaN sweeps, the K/V row copies and the output writes, none
+// above ~5 %. That case at 1 thread (2026-12-06, busy 2-core Xeon, medians of 5 interleaved rounds):
+// softmax fwd 17.6 + bwd 40.0 ms = 100 GFLOP/s, 61 % of the 1-thread matmul peak (0.165 TFLOP/s);
+// HSTU 19.7 + 47.7 ms = 86 GFLOP/s, 52 % (before the streamed rows and the merged sweeps: 57 % and 50 %).
 // Measured and not kept (1 thread, interleaved A/B against the build before, 3 rounds): P^T dO and
 // dS^T Q on transposed copies of P and dS (NN instead of transposed-A products: softmax backward
 // 44.9 -> 47.7 ms; at the tiles' 1 KiB pitch MKL's transposed-A product is only ~10 % slower, 112
