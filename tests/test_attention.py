@@ -464,6 +464,19 @@ def test_cpu_backward_is_independent_of_thread_count(kind):
         assert torch.equal(a, b)
 
 
+@cpu_kernel_only
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_cpu_long_path_streams_rows_of_large_outputs(kind):
+    """The tile loops write out, dq, dk and dv a row at a time from the workspace, with streaming stores
+    once a call's outputs reach 4 MiB (kStreamRowsMinBytes): 1100 rows x 8 heads x 128 is 4.5 MB each,
+    so both the forward and the backward take the streaming writes (the other cases are smaller). No
+    biases: their gradients sum ~10^6 terms here, past the bias rule's 4e-5 (the kernel's sums are not
+    what this test is about, and test_backend_matches_reference checks them)."""
+    inputs = make_inputs([400, 700], H=8, D=128)
+    assert inputs["v"].numel() * 4 >= 4 << 20
+    _check_against_reference(inputs, "cpu", torch.float32, kind=kind)
+
+
 # The cpu kernel's short-sequence HSTU path (csrc/cpu/attention_short.h) takes items of at most 128
 # rows with D and Dv multiples of 8 and a banded or prefix mask; the others take the tile loops.
 SHORT_PATH_CASES = [
@@ -889,6 +902,24 @@ def test_infinite_value_of_an_invisible_key_adds_nothing(device, backend, kind):
     inputs["k"][4, 1, 0] = math.inf
     _, grads = _agree_with_reference(inputs, backend, kind=kind)
     assert bool(grads["k"][1:3, 1].isfinite().all()) and bool(grads["q"][3, 1].isfinite().all())
+
+
+@pytest.mark.parametrize("device,backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["softmax", "hstu"])
+def test_infinite_grad_out_of_a_row_reaches_only_the_keys_it_sees(device, backend, kind):
+    """grad_out[0, 1, 0] = inf: row 0 of head 1 sees key 0 only (causal), so dv of keys 1 and 2 of head
+    1 stays finite (P^T dO over the whole mixed tile would add 0 * inf = NaN there) and key 0's does
+    not. The cpu kernel takes the masked product from its Inf/NaN flags of the dO rows (for softmax
+    made in the delta's sweep over dO)."""
+    inputs = _issue19_inputs(device)
+    leaves = [inputs[n].clone().requires_grad_(True) for n in ("q", "k", "v")]
+    out = gk.jagged_attention(leaves[0], leaves[1], leaves[2], inputs["seq_offsets"], inputs["max_seq_len"],
+                              kind=kind, backend=backend)
+    grad_out = torch.ones_like(out)
+    grad_out[0, 1, 0] = math.inf
+    dv = torch.autograd.grad(out, leaves, grad_out)[2].cpu()
+    assert bool(dv[1:, 1].isfinite().all()) and bool(dv[:, 0].isfinite().all()), dv
+    assert not bool(dv[0, 1].isfinite().all()), dv
 
 
 @pytest.mark.parametrize("device,backend", ALL_BACKENDS)

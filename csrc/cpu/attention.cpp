@@ -19,12 +19,27 @@
 // the small model's layer, 1 thread: HSTU fwd+bwd with both biases 26.3 -> 17.8 ms). The biases are
 // added over a row's run only, and the products of such a mixed tile run in 32-row / 32-key strips
 // bounded by the rows' runs (TileExtents), so a causal diagonal tile's products skip 3/8 of it.
-// The Inf/NaN flags of the q, k, v and dO rows (the masked products' guard) and the softmax
-// backward's delta = rowsum(dO * O) come from one contiguous sweep per tensor before the items.
+// The Inf/NaN flags of the q, v and dO rows (the masked products' guard) and the softmax
+// backward's delta = rowsum(dO * O) come from one contiguous sweep per tensor before the items (dO's
+// flags and delta from the same one); the backward's k flags from each item's copy of its key rows.
 // The backward walks key tiles outer, query tiles inner (FlashAttention-2), recomputing scores;
-// dq, dk and dv rows (each owned by one item) are accumulated in place in the zeroed outputs, bias
-// gradients go to per-item partial buffers that are reduced in a fixed order: the backward is
-// bit-identical run to run whatever the thread count or schedule.
+// an item's dq rows (each owned by one item) accumulate in its workspace over the key tiles, a key
+// tile's dk and dv rows over the query tiles, and each row is written to the output once, whole
+// (streamed for large outputs, kStreamRowsMinBytes; so is the forward's out), so no output is zero
+// filled; bias gradients go to per-item partial buffers that are reduced in a fixed order: the
+// backward is bit-identical run to run whatever the thread count or schedule.
+//
+// Where the time goes (bench's history 1024 case, softmax, 1 thread, perf): the sgemm products are
+// ~75 % of the backward and ~60 % of the forward, and each runs at 90-100 % of MKL's 1-thread rate
+// for its shape (256 x 256 x 128 full tiles 101-112 us, ~150-165 GFLOP/s); the rest is the exp and
+// SiLU rows, the biases (HSTU), the Inf/NaN sweeps, the K/V row copies and the output writes, none
+// above ~5 %. That case at 1 thread (2026-12-06, busy 2-core Xeon, medians of 5 interleaved rounds):
+// softmax fwd 17.6 + bwd 40.0 ms = 100 GFLOP/s, 61 % of the 1-thread matmul peak (0.165 TFLOP/s);
+// HSTU 19.7 + 47.7 ms = 86 GFLOP/s, 52 % (before the streamed rows and the merged sweeps: 57 % and 50 %).
+// Measured and not kept (1 thread, interleaved A/B against the build before, 3 rounds): P^T dO and
+// dS^T Q on transposed copies of P and dS (NN instead of transposed-A products: softmax backward
+// 44.9 -> 47.7 ms; at the tiles' 1 KiB pitch MKL's transposed-A product is only ~10 % slower, 112
+// vs 101 us, less than the two 256 x 256 transposes cost); kStrip = 128 (backward +3 %).
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
@@ -59,6 +74,7 @@
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_blas.h"
 #include "gem_kernels/cpu_exp.h"  // fast_exp, fast_exp8
+#include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/parallel.h"
 
 namespace gem_kernels {
@@ -74,6 +90,13 @@ constexpr int64_t kBlockN = 128;
 // GFLOP/s, 256 x 256 with 64-row strips 85.2 / 74.9, 128 x 512 85.1 / 74.3.
 constexpr int64_t kTileM = 256;
 constexpr int64_t kTileN = 256;
+
+// The long path writes each row of its outputs (forward: out; backward: dq, dk, dv) once, from the
+// workspace, with streaming stores when the call's outputs total this much: larger than this machine's
+// L2 (2 MiB a core), where a normal store's read-for-ownership of the line mostly misses anyway.
+// Measured at the bench's history 1024 (1 thread, interleaved, 3 rounds; outputs 4.75 MB each):
+// backward 44.4 -> 42.0 ms softmax, 51.0 -> 48.1 ms HSTU.
+constexpr size_t kStreamRowsMinBytes = size_t(4) << 20;
 
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
 inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
@@ -281,11 +304,22 @@ inline void silu_grad_row(const float* s, float* p, float* ds, int64_t n, float 
 
 // part[bucket[c]] += ds[c] over c in [0, n). Buckets come in runs (sorted timestamps move |t_i - t_j|
 // monotonically along a row): each run is summed in registers and added once, instead of a scalar
-// read-modify-write per element whose store-to-load chain on one address serialised the loop.
+// read-modify-write per element whose store-to-load chain on one address serialised the loop. The
+// run's end is found 8 buckets a compare (the scalar scan was ~2 % of HSTU's backward at history
+// 1024, 1 thread, perf).
 inline void add_by_bucket(const int32_t* bucket, const float* ds, int64_t n, float* part) {
   for (int64_t c = 0; c < n;) {
     const int32_t b = bucket[c];
     int64_t e = c + 1;
+#if GK_ATTENTION_AVX2
+    const __m256i vb = _mm256_set1_epi32(b);
+    for (bool ended = false; !ended && e + 8 <= n;) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bucket + e));
+      const unsigned same = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, vb))));
+      ended = same != 0xFFu;
+      e += ended ? __builtin_ctz(~same) : 8;
+    }
+#endif
     while (e < n && bucket[e] == b) ++e;
     float sum = 0.0f;
     int64_t k = c;
@@ -334,19 +368,21 @@ void masked_mm_t(int64_t bm, int64_t bn, int64_t width, float alpha, const float
 // one contiguous sweep of every head at once. The backward's per-item check of one head's rows (at the
 // H * width stride, inside the item) ran at memory latency: perf put its three backward passes at ~4 %
 // of softmax fwd+bwd at 1024.
+// Whether row[0, width) holds an Inf or NaN.
+inline bool nonfinite_row(const float* row, int64_t width) {
+  // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
+  // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
+  uint32_t b = 0;
+  for (int64_t d = 0; d < width; ++d) b |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
+  return b != 0;
+}
+
 std::vector<uint8_t> nonfinite_rows(const at::Tensor& x) {
   const int64_t n = x.size(0) * x.size(1), width = x.size(2);
   std::vector<uint8_t> bad(n);
   const float* base = x.const_data_ptr<float>();
   at::parallel_for(0, n, 1024, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* row = base + i * width;
-      // |x| <= FLT_MAX is false exactly for inf and NaN; an integer OR reduction, so the loop
-      // vectorises (std::isfinite's did not: ~4 % of the small model's attention time in perf).
-      uint32_t b = 0;
-      for (int64_t d = 0; d < width; ++d) b |= !(std::fabs(row[d]) <= std::numeric_limits<float>::max());
-      bad[i] = b != 0;
-    }
+    for (int64_t i = i0; i < i1; ++i) bad[i] = nonfinite_row(base + i * width, width);
   });
   return bad;
 }
@@ -360,8 +396,9 @@ void tile_flags(const uint8_t* bad, int64_t L, int64_t H, int64_t block, std::ve
 
 // delta[n * H + h] = sum_d dO[n, h, d] * O[n, h, d] (the softmax backward's row term), one contiguous
 // sweep like nonfinite_rows; 8 lanes of partial sums (the scalar loop's 128 dependent adds per row
-// were ~2 % of the backward).
-std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out) {
+// were ~2 % of the backward). With bad_dout, also nonfinite_rows(dout) in the same sweep.
+std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out, std::vector<uint8_t>* bad_dout) {
+  if (bad_dout != nullptr) bad_dout->resize(dout.size(0) * dout.size(1));
   const int64_t n = dout.size(0) * dout.size(1), width = dout.size(2);
   std::vector<float> delta(n);
   const float* a = dout.const_data_ptr<float>();
@@ -381,6 +418,7 @@ std::vector<float> softmax_delta(const at::Tensor& dout, const at::Tensor& out) 
 #endif
       for (; d < width; ++d) acc += x[d] * y[d];
       delta[i] = acc;
+      if (bad_dout != nullptr) (*bad_dout)[i] = nonfinite_row(x, width);
     }
   });
   return delta;
@@ -629,6 +667,7 @@ inline int32_t table_bucket(const Params& p, int64_t dt) {
 struct Workspace {
   std::vector<float> s, pr, dp, acc, acc2, row_max, row_sum;
   std::vector<float> k_rows, v_rows;  // the backward's item keys and values, contiguous
+  std::vector<float> dq_rows;         // the backward's item dq, contiguous (see there)
   std::vector<uint8_t> vis;
   std::vector<uint8_t> bad_q, bad_k, bad_v, bad_do;  // per tile of the item: rows with an Inf or NaN
   std::vector<int32_t> bucket;  // time bucket of every pair of the tile (when time_bias is given)
@@ -895,7 +934,7 @@ bool covers_rows(const Prepared& in) {
 // The forward of one item for its query rows [q_lo, L): every row in the full forward, the last
 // delta rows in the cached one. A query row keeps its position i in the sequence (the mask, pos_bias
 // and timestamps see i); it reads q row and writes out (and lse) row q_row0 + i - q_lo.
-void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, float* lp) {
+void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, float* lp, bool stream) {
   const Params& p = in.p;
   const int64_t q_lo = it.q_lo, out_row0 = it.q_row0;
   const float* q_rows = it.q0;
@@ -977,19 +1016,18 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
     }
     for (int64_t r = 0; r < bm; ++r) {
       const int64_t row_out = out_row0 + i0 - q_lo + r;
-      float* dst = op + (row_out * H + h) * Dv;
-      const float* a = acc + r * Dv;
+      float* a = acc + r * Dv;
       if (p.softmax) {
         // l == 0: every visible score is -inf (or none is visible): out 0, lse -inf. A NaN l stays NaN.
         const float l = ws.row_sum[r];
         const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-        for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+        for (int64_t d = 0; d < Dv; ++d) a[d] *= inv;
         lp[row_out * H + h] = l == 0.0f ? neg_inf : ws.row_max[r] + std::log(l);
-      } else {
-        std::copy(a, a + Dv, dst);
       }
+      copy_bytes(op + (row_out * H + h) * Dv, a, Dv * sizeof(float), stream);
     }
   }
+  streaming_store_fence();
 }
 
 // out [rows, H, Dv] in `dtype` and fp32 lse [rows, H] (softmax; [0] for hstu), rows = q's rows.
@@ -1001,6 +1039,7 @@ std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
   auto lse = p.softmax ? at::empty({rows, H}, in.q.options()) : at::empty({0}, in.q.options());
   float* op = out.data_ptr<float>();
   float* lp = p.softmax ? lse.data_ptr<float>() : nullptr;
+  const bool stream = out.nbytes() >= kStreamRowsMinBytes;
   for_each_item(in.seqs, p, [&](int64_t item, Workspace& ws) {
     // A short sequence is one item of all its heads (they share its mask and time buckets): its item
     // of head 0 runs it, the others have nothing to do.
@@ -1010,7 +1049,7 @@ std::tuple<at::Tensor, at::Tensor> forward(Prepared& in, at::ScalarType dtype) {
       return;
     }
     Item it;
-    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp);
+    if (begin_item(in, item, ws, it)) forward_item(in, it, ws, op, lp, stream);
   }, in.delta);
   return {dtype == at::kFloat ? out : out.to(dtype), lse};
 }
@@ -1093,12 +1132,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
                 "softmax backward needs out [N, H, Dv] and fp32 lse [N, H]");
   }
   const auto options = in.q.options();
-  // dq, dk and dv accumulate in place: a key with no visible query keeps its 0. The short path
-  // writes each of its rows whole, so when it takes every row the zero fill (~8 % of its backward at
-  // the model's shape) is skipped.
+  // Both paths write every row of their items' dq, dk and dv whole (accumulated in the workspace),
+  // so when the sequences cover every row the zero fill is skipped: ~8 % of the short path's backward
+  // at the model's shape. On the long path (history 1024, 1 thread) perf put the fill at ~3 %, but
+  // skipping it alone measured within noise (the first writes of the rows then paid the misses); it
+  // paid with the rows streamed (kStreamRowsMinBytes).
   const bool short_only = all_short(in);
   const auto alloc = [&](int64_t width) {
-    return short_only && covers_rows(in) ? at::empty({N, H, width}, options) : at::zeros({N, H, width}, options);
+    return covers_rows(in) ? at::empty({N, H, width}, options) : at::zeros({N, H, width}, options);
   };
   auto dq = alloc(D);
   auto dk = alloc(D);
@@ -1119,13 +1160,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
   float* dkp = dk.data_ptr<float>();
   float* dvp = dv.data_ptr<float>();
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
-  std::vector<uint8_t> bad_q, bad_k, bad_do;  // the tile loops' masked-product guards
+  // The tile loops' masked-product guards: q's and dO's rows here (dO's in the softmax delta's sweep),
+  // k's in each item's copy of its key rows (one sweep of k less: ~1 % of the backward each).
+  std::vector<uint8_t> bad_q, bad_do;
   if (!short_only) {
     bad_q = nonfinite_rows(in.q);
-    bad_k = nonfinite_rows(in.k);
-    bad_do = nonfinite_rows(dout);
+    if (!p.softmax) bad_do = nonfinite_rows(dout);
   }
-  const std::vector<float> delta = p.softmax ? softmax_delta(dout, out) : std::vector<float>();
+  const std::vector<float> delta = p.softmax ? softmax_delta(dout, out, short_only ? nullptr : &bad_do)
+                                             : std::vector<float>();
+  const bool stream = dq.nbytes() + dk.nbytes() + dv.nbytes() >= kStreamRowsMinBytes;
 
   for_each_item(seqs, p, [&](int64_t item, Workspace& ws) {
     const SeqInfo& seq = seqs[item / H];
@@ -1144,18 +1188,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     // their [N, H, D] row stride, torch.mm (MKL) ran ~9% slower (1 thread, 128^3) than on contiguous rows.
     ws.k_rows.resize(L * D);
     ws.v_rows.resize(L * Dv);
+    ws.bad_k.assign((L + kTileN - 1) / kTileN, 0);
     for (int64_t i = 0; i < L; ++i) {
       std::copy(it.k0 + i * qs, it.k0 + i * qs + D, ws.k_rows.data() + i * D);
       std::copy(it.v0 + i * vs, it.v0 + i * vs + Dv, ws.v_rows.data() + i * Dv);
+      ws.bad_k[i / kTileN] |= nonfinite_row(ws.k_rows.data() + i * D, D);
     }
     const float *k0 = ws.k_rows.data(), *v0 = ws.v_rows.data();
     const float* do0 = dop + (it.start * H + h) * Dv;
-    float* dq0 = dqp + (it.start * H + h) * D;
-    float* dk0 = dkp + (it.start * H + h) * D;
-    float* dv0 = dvp + (it.start * H + h) * Dv;
+    // dq accumulates over the key tiles in a contiguous [L, D] buffer, dk and dv over the query tiles
+    // in [kTileN, D] / [kTileN, Dv] ones; each is written to its rows once, whole (zeros for a row that
+    // sees nothing), so the outputs need no zero fill.
+    ws.dq_rows.assign(L * D, 0.0f);
+    float* dq_item = ws.dq_rows.data();
+    float* dk_acc = ws.acc.data();
+    float* dv_acc = ws.acc2.data();
     const float* delta0 = p.softmax ? delta.data() + it.start * H + h : nullptr;  // rows at stride H
     tile_flags(bad_q.data() + it.start * H + h, L, H, kTileM, ws.bad_q);
-    tile_flags(bad_k.data() + it.start * H + h, L, H, kTileN, ws.bad_k);
     tile_flags(bad_do.data() + it.start * H + h, L, H, kTileM, ws.bad_do);
     float* pos_part_item = p.pos_bias ? pos_part.data() + pos_part_offset[item] : nullptr;
     float* time_part_item = p.time_bias ? time_part.data() + item * time_width : nullptr;
@@ -1164,8 +1213,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     float* dpt = ws.dp.data();
     for (int64_t j0 = 0; j0 < L; j0 += kTileN) {
       const int64_t bn = std::min(kTileN, L - j0);
-      float* dk_acc = dk0 + j0 * qs;
-      float* dv_acc = dv0 + j0 * vs;
+      std::fill(dk_acc, dk_acc + bn * D, 0.0f);
+      std::fill(dv_acc, dv_acc + bn * Dv, 0.0f);
       for (int64_t i0 = 0; i0 < L; i0 += kTileM) {
         const int64_t bm = std::min(kTileM, L - i0);
         const int tile_kind = ws.mask.classify(i0, i0 + bm, j0, j0 + bn);
@@ -1222,28 +1271,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
         const bool mixed = tile_kind == 1;
         const uint8_t* vis = ws.vis.data();
         if (mixed && ws.bad_do[i0 / kTileM])
-          masked_mm_t(bm, bn, Dv, 1.0f, pr, vis, do0 + i0 * vs, vs, dv_acc, vs);
+          masked_mm_t(bm, bn, Dv, 1.0f, pr, vis, do0 + i0 * vs, vs, dv_acc, Dv);
         else
           ext.key_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
             mm(true, false, c1 - c0, Dv, r1 - r0, 1.0f, pr + r0 * kTileN + c0, kTileN, do0 + (i0 + r0) * vs, vs,
-               1.0f, dv_acc + c0 * vs, vs);
+               1.0f, dv_acc + c0 * Dv, Dv);
           });
         if (mixed && ws.bad_q[i0 / kTileM])
-          masked_mm_t(bm, bn, D, p.scale, dpt, vis, q0 + i0 * qs, qs, dk_acc, qs);
+          masked_mm_t(bm, bn, D, p.scale, dpt, vis, q0 + i0 * qs, qs, dk_acc, D);
         else
           ext.key_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
             mm(true, false, c1 - c0, D, r1 - r0, p.scale, dpt + r0 * kTileN + c0, kTileN, q0 + (i0 + r0) * qs, qs,
-               1.0f, dk_acc + c0 * qs, qs);
+               1.0f, dk_acc + c0 * D, D);
           });
         if (mixed && ws.bad_k[j0 / kTileN])
-          masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * D, D, dq0 + i0 * qs, qs);
+          masked_mm(bm, bn, D, p.scale, dpt, vis, k0 + j0 * D, D, dq_item + i0 * D, D);
         else
           ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
             mm(false, false, r1 - r0, D, c1 - c0, p.scale, dpt + r0 * kTileN + c0, kTileN, k0 + (j0 + c0) * D, D,
-               1.0f, dq0 + (i0 + r0) * qs, qs);
+               1.0f, dq_item + (i0 + r0) * D, D);
           });
       }
+      float* dk_dst = dkp + ((it.start + j0) * H + h) * D;
+      float* dv_dst = dvp + ((it.start + j0) * H + h) * Dv;
+      for (int64_t c = 0; c < bn; ++c) {
+        copy_bytes(dk_dst + c * qs, dk_acc + c * D, D * sizeof(float), stream);
+        copy_bytes(dv_dst + c * vs, dv_acc + c * Dv, Dv * sizeof(float), stream);
+      }
     }
+    float* dq_dst = dqp + (it.start * H + h) * D;
+    for (int64_t i = 0; i < L; ++i) copy_bytes(dq_dst + i * qs, dq_item + i * D, D * sizeof(float), stream);
+    streaming_store_fence();
   });
 
   // Fixed-order reduction of the bias partials (item order b * H + h).
