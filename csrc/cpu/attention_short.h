@@ -35,7 +35,22 @@
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
 // its time-bias gradient in 4 interleaved histograms per head (two heads: one histogram of bucket
 // pairs, filled after both heads' rows from their dS tiles, add_by_bucket4_pair).
-// FLOPs and minimum bytes: the general path's (attention.cpp's header).
+// FLOPs and minimum bytes: the general path's (attention.cpp's header). At the model's call (B = 256,
+// ~225k visible pairs a head, H = 2, D = Dv = 16) the backward is ~72 MFLOP and ~8 MB (q, k, v, dO
+// read, dq, dk, dv written): ~4.1 ms on 1 thread is ~17 GFLOP/s, far from either roof.
+// Where the backward's time goes at the model's call (1 thread, scripts/attention_model_call.py --native,
+// 4.14 ms; perf samples of the kernel's functions, 2026-12-06): the row pass (bias and SiLU gradient,
+// pos-bias gradient, the single-row dk/dv scatters, dk/dv write-out; inlined) ~1.95 ms, of which the
+// SiLU gradient's exp and divide chain is the largest part; scores and dP (dot_blocks) 0.6; dk/dv
+// four-row products (scatter_rows4) 0.5; buckets and spans (ShortSeq::init) 0.45; key and value
+// transposes 0.27 (their samples sit on the first loads of the k and v rows); dq (gather_rows) 0.25;
+// the time-bias histogram ~0.2 (0.43 before add_by_bucket4_pair: skipping it measured -10 %).
+// Measured and not kept (in-process A/B, 1 thread, at the model's call): the SiLU-gradient rows reading
+// the time bias from registers on AVX-512F (TimeRegs, vpermt2ps; bias_silu_grad_row_tr per row) was
+// 9-13 % slower, with or without the forward run in between; the histogram in 8 copies, not 4, no
+// change (0.997x: the loop is bound by its instructions, not a copy's store-to-load chain); prefetching
+// the next sequence's q, k, v, dO, dq, dk and dv rows (for_each_item looking one sequence ahead) 1.4 %
+// slower.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
