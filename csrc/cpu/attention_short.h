@@ -50,7 +50,8 @@
 // 9-13 % slower, with or without the forward run in between; the histogram in 8 copies, not 4, no
 // change (0.997x: the loop is bound by its instructions, not a copy's store-to-load chain); prefetching
 // the next sequence's q, k, v, dO, dq, dk and dv rows (for_each_item looking one sequence ahead) 1.4 %
-// slower.
+// slower; the scores and dP of a row in one pass (two rows against kt and vt, four FMA chains a block)
+// 1.1 % slower.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
