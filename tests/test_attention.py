@@ -498,6 +498,20 @@ def test_cpu_short_path_matches_reference(D, Dv, lengths, input_options, options
     _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", **options)
 
 
+@cpu_kernel_only
+@pytest.mark.parametrize("H", [1, 2, 3])
+@pytest.mark.parametrize("time_heads", [1, "H"])
+def test_cpu_short_path_time_bias_gradient_of_every_head(H, time_heads):
+    """The short backward's time-bias gradient: two heads (the model's) take it in one pass over both
+    heads' dS after their rows, bucket pairs side by side; other head counts one pass per head. Each
+    head's gradient lands in its own row (time_heads = H) or in the shared one (1), as the reference's."""
+    time_heads = H if time_heads == "H" else time_heads
+    inputs = make_inputs([74, 36, 9, 1, 20], H=H, D=16, pos_heads=H, time_heads=time_heads, targets=[8, 3, 1, 0, 2])
+    g = torch.Generator().manual_seed(H)
+    inputs["timestamps"] = torch.randint(0, 10**6, (inputs["q"].shape[0],), generator=g) ** 2
+    _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", contextual_len=2)
+
+
 _ROW_PATHS_CHECK = """
 import os
 os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -33,8 +33,25 @@
 // forward_rows16 does on 16).
 // Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
-// its time-bias gradient in 4 interleaved histograms per head.
-// FLOPs and minimum bytes: the general path's (attention.cpp's header).
+// its time-bias gradient in 4 interleaved histograms per head (two heads: one histogram of bucket
+// pairs, filled after both heads' rows from their dS tiles, add_by_bucket4_pair).
+// FLOPs and minimum bytes: the general path's (attention.cpp's header). At the model's call (B = 256,
+// ~225k visible pairs a head, H = 2, D = Dv = 16) the backward is ~72 MFLOP and ~8 MB (q, k, v, dO
+// read, dq, dk, dv written): ~4.1 ms on 1 thread is ~17 GFLOP/s, far from either roof.
+// Where the backward's time goes at the model's call (1 thread, scripts/attention_model_call.py --native,
+// 4.14 ms; perf samples of the kernel's functions, 2026-12-06): the row pass (bias and SiLU gradient,
+// pos-bias gradient, the single-row dk/dv scatters, dk/dv write-out; inlined) ~1.95 ms, of which the
+// SiLU gradient's exp and divide chain is the largest part; scores and dP (dot_blocks) 0.6; dk/dv
+// four-row products (scatter_rows4) 0.5; buckets and spans (ShortSeq::init) 0.45; key and value
+// transposes 0.27 (their samples sit on the first loads of the k and v rows); dq (gather_rows) 0.25;
+// the time-bias histogram ~0.2 (0.43 before add_by_bucket4_pair: skipping it measured -10 %).
+// Measured and not kept (in-process A/B, 1 thread, at the model's call): the SiLU-gradient rows reading
+// the time bias from registers on AVX-512F (TimeRegs, vpermt2ps; bias_silu_grad_row_tr per row) was
+// 9-13 % slower, with or without the forward run in between; the histogram in 8 copies, not 4, no
+// change (0.997x: the loop is bound by its instructions, not a copy's store-to-load chain); prefetching
+// the next sequence's q, k, v, dO, dq, dk and dv rows (for_each_item looking one sequence ahead) 1.4 %
+// slower; the scores and dP of a row in one pass (two rows against kt and vt, four FMA chains a block)
+// 1.1 % slower.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
@@ -228,7 +245,7 @@ struct ShortSeq {
   std::vector<RowSpan> spans;
   std::vector<int64_t> key_times;
   std::vector<float> pos_window;  // one head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
-  std::vector<float> hist;        // the backward's time-bias gradient of one head: 4 interleaved copies
+  std::vector<float> hist;        // the backward's time-bias gradient: 4 interleaved copies (of pairs, H = 2)
 
   // wide_buckets: bucket_row8 (AVX-512F), else table_bucket4. The forward takes bucket_row8 (with its
   // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread); the backward, whose rows are all
@@ -548,6 +565,19 @@ inline void add_by_bucket4(const int32_t* bucket, const float* ds, int64_t c0, i
   for (int64_t c = c0; c < c1; ++c) hist[(c & 3) * n + bucket[c]] += ds[c];
 }
 
+// add_by_bucket4 for two heads at once (H = 2), a bucket's two sums side by side: hist[2 * (k * n +
+// bucket[c]) + h] += ds_h[c], one 64-bit load, add and store for both. The loop is bound by its
+// instructions (~10 a key: with 8 copies, not 4, it ran no faster), not by a copy's store-to-load
+// chain; per head the same additions in the same order as add_by_bucket4.
+inline void add_by_bucket4_pair(const int32_t* bucket, const float* ds0, const float* ds1, int64_t c0, int64_t c1,
+                                int64_t n, float* hist) {
+  for (int64_t c = c0; c < c1; ++c) {
+    double* x = reinterpret_cast<double*>(hist) + (c & 3) * n + bucket[c];
+    const __m128 v = _mm_unpacklo_ps(_mm_load_ss(ds0 + c), _mm_load_ss(ds1 + c));
+    _mm_store_sd(x, _mm_castps_pd(_mm_add_ps(_mm_castpd_ps(_mm_load_sd(x)), v)));
+  }
+}
+
 // The backward of one sequence, every head: dq rows written, dk and dv rows
 // accumulated in the workspace and written, bias gradients added to the partials of its items
 // (head h: pos_part + h * (2L - 1), time_part + h * (num_buckets + 1)).
@@ -564,10 +594,17 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
   ws.v_rows.resize(Dv * Lp);
   float* s = ws.s.data();
   float* pr = ws.pr.data();
-  float* ds = ws.dp.data();  // dP in, dS out
+  // Two heads with a time bias take their time-bias gradient in one pass after both heads' rows
+  // (add_by_bucket4_pair): head h's dS tile at h * L * Lp, and one histogram of bucket pairs.
+  const bool pair_hist = H == 2 && p.time_bias != nullptr;
+  if (pair_hist) {
+    if (ws.dp.size() < static_cast<size_t>(2 * L * Lp)) ws.dp.resize(2 * L * Lp);
+    sq.hist.assign(8 * nt, 0.0f);
+  }
   float* dk_acc = ws.acc.data();
   float* dv_acc = ws.acc2.data();
   for (int64_t h = 0; h < H; ++h) {
+    float* ds = ws.dp.data() + (pair_hist ? h * L * Lp : 0);  // dP in, dS out
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* k0 = in.k.const_data_ptr<float>() + (seq.start * H + h) * D;
     transpose_rows(k0, qs, L, D, ws.k_rows.data());
@@ -575,7 +612,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     const float* pos = sq.pos_of(p, L, h);
     const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * nt : nullptr;
     float* pos_part_h = pos != nullptr ? pos_part + h * (2 * L - 1) : nullptr;
-    if (time != nullptr) sq.hist.assign(4 * nt, 0.0f);
+    if (time != nullptr && !pair_hist) sq.hist.assign(4 * nt, 0.0f);
     const float* do0 = dout + (seq.start * H + h) * Dv;
     float* dq0 = dq + (seq.start * H + h) * D;
     std::fill(dk_acc, dk_acc + L * D, 0.0f);
@@ -603,7 +640,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
         add_range(ds_i, r.a0, r.a1, dst);
         add_range(ds_i, r.b0, r.b1, dst);
       }
-      if (time != nullptr) {
+      if (time != nullptr && !pair_hist) {
         add_by_bucket4(bucket, ds_i, r.a0, r.a1, nt, sq.hist.data());
         add_by_bucket4(bucket, ds_i, r.b0, r.b1, nt, sq.hist.data());
       }
@@ -647,11 +684,29 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
       copy_row8(dk_acc + c * D, D, dk0 + c * qs);
       copy_row8(dv_acc + c * Dv, Dv, dv0 + c * vs);
     }
-    if (time != nullptr) {
+    if (time != nullptr && !pair_hist) {
       float* dst = time_part + h * nt;
       const float* hs = sq.hist.data();
       for (int64_t b = 0; b < nt; ++b) dst[b] += (hs[b] + hs[nt + b]) + (hs[2 * nt + b] + hs[3 * nt + b]);
     }
+  }
+  if (pair_hist) {
+    const float* ds0 = ws.dp.data();
+    const float* ds1 = ds0 + L * Lp;
+    for (int64_t i = 0; i < L; ++i) {
+      const RowSpan& span = sq.spans[i];
+      if (span.end <= span.begin) continue;
+      const Runs r = runs_of(span);
+      const int64_t o = i * Lp;
+      add_by_bucket4_pair(ws.bucket.data() + o, ds0 + o, ds1 + o, r.a0, r.a1, nt, sq.hist.data());
+      add_by_bucket4_pair(ws.bucket.data() + o, ds0 + o, ds1 + o, r.b0, r.b1, nt, sq.hist.data());
+    }
+    const float* hs = sq.hist.data();
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t b = 0; b < nt; ++b) {
+        const float* x = hs + 2 * b + h;
+        time_part[h * nt + b] += (x[0] + x[2 * nt]) + (x[4 * nt] + x[6 * nt]);
+      }
   }
 }
 
