@@ -17,6 +17,8 @@ import gem_kernels as gk
 from gem_kernels.nn.embedding_bag import TableSpec
 from gem_kernels.reference.zch import STATE_FIELDS, fresh_row
 
+from .utils import run_on_vector_path
+
 BACKENDS = [b for b in ("reference", "cpu") if b in gk.available_backends()]
 STATE_BUFFERS = ("slot_meta", "heap", "index", "pending", "table_state")
 
@@ -341,18 +343,7 @@ def test_cpu_fresh_rows_equal_the_reference_on_both_clones(avx512):
     """The C++ fresh rows are a vectorised loop with an AVX-512DQ clone taken where the CPU has it:
     both clones (GEM_KERNELS_NO_AVX512=1 forces the default one) write the reference's bits, at a dim
     with a vector tail (13) and a whole one (64). A fresh process: the clone is chosen once."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ)
-    env.pop("GEM_KERNELS_NO_AVX512", None)
-    if avx512 == "off":
-        env["GEM_KERNELS_NO_AVX512"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _FRESH_ROWS_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and "fresh rows ok" in run.stdout, run.stderr[-2000:]
+    run_on_vector_path(_FRESH_ROWS_CHECK, avx512, "fresh rows ok")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
