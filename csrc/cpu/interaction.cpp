@@ -11,8 +11,8 @@
 // deterministic whatever the thread count. cross_layer in fp32 (the backward, and the low-rank
 // forward): per block of rows, single-threaded sgemm then the epilogue (bias, product, residual; in
 // the backward grad_z, grad_x0 and grad_xl's product) on the block while it is in cache
-// (cross_layer_low_rank_fp32, cross_layer_backward_fp32 below); otherwise its matmuls are one at::addmm/at::mm each and the epilogue one
-// vectorised pass over [B, N].
+// (cross_layer_low_rank_fp32, cross_layer_backward_fp32 below); otherwise its matmuls are one
+// at::addmm/at::mm each and the epilogue one vectorised pass over [B, N].
 //
 // Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
 // (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
@@ -418,10 +418,10 @@ at::Tensor dot_interaction_backward_cpu(const at::Tensor& grad_out, const at::Te
 // Elements per epilogue task: enough to amortise scheduling.
 constexpr int64_t kEpilogueGrain = 16384;
 
-// fp32: the matmuls run per block of rows on single-threaded sgemm inside the parallel region, and
-// each block's epilogue runs right after its product, while the block's z (and p) and the xl rows
-// the product just read are still in L2: the unfused form wrote z out and read it back (and, in the
-// backward, grad_z and grad_out) once more from memory. Blocks are a fixed number of rows for a
+// fp32 backward and low-rank forward: the matmuls run per block of rows on single-threaded sgemm
+// inside the parallel region, and each block's epilogue runs right after its product, while the
+// block's rows are still in L2: the unfused form wrote z and p (in the backward grad_z and grad_p)
+// out and read them back once more from memory. Blocks are a fixed number of rows for a
 // given B and N (not per thread count), so grad_bias's per-block partials give the same bits on any
 // number of threads; 256 KB per [rows, N] operand (128 rows at N = 512).
 // grad_u (= grad_z^T @ xl or p, K = B) stays one MKL matmul over all rows: per-block updates of an
