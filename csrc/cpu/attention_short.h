@@ -69,6 +69,13 @@
 // TimeRegs, 1.048x (16 scalar loads and inserts a block against one vpermt2ps pair; per row on 8 lanes,
 // above, TimeRegs was the slower); the dk / dv products on 8 lanes 1.037x; dq by 8-lane gather_rows
 // 1.03x; the buckets by table_bucket4, not bucket_row8, 1.05-1.07x.
+// Where the 16-lane backward's time goes now (perf samples of the kernel's functions, 1 thread, the
+// same call, 2026-12-06 17:40 UTC; shares of the backward's samples): backward_rows16 21 % (P and dS,
+// pos-bias gradient, inlined); the scores and dP (dot_blocks) 20 %; backward_seq_short 16 % (of it
+// ~40 % the pair histogram, ~25 % the dk / dv write-out); the four-row dk / dv products
+// (scatter_rows4_16) 9.5 %; the transposes 7.7 %; dq (gather_rows16) 6.5 %; the single-row products
+// (scatter_rows16) 5.3 %; the buckets (bucket_row8) 4.9 %; masks and spans (SeqMask::init,
+// ShortSeq::init) 4.2 %; memset (the dk / dv accumulators' fill) 2 %.
 // Measured and not kept, in the same in-process A/B against the kept backward (the divide and the
 // masked-block variants partly before its bucket_row8): the sigmoid's divide as rcp14 plus one Newton
 // step (a blend keeps 1 / Inf = 0): 1.006x and 1.011x, no gain, as predicted from the counts: a 16-lane
