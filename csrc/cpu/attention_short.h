@@ -25,8 +25,10 @@
 //   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
 //   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
 //   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
-// Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the forward's buckets
-// take 8 pairs at a time and its weights and P V 16 lanes, four rows a group (forward_rows16).
+// Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the buckets take 8
+// pairs at a time (bucket_row8), the forward's weights and P V 16 lanes, four rows a group
+// (forward_rows16), and so do the backward's P and dS (time bias from registers), dq and the dk / dv
+// products (backward_rows16, scatter_rows16, scatter_rows4_16); the scores and dP stay dot_blocks.
 // Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
 // before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
 // 2.4 ms at the model's shape, 1 thread; on 8 lanes, phase by phase over four rows is what
@@ -52,6 +54,42 @@
 // the next sequence's q, k, v, dO, dq, dk and dv rows (for_each_item looking one sequence ahead) 1.4 %
 // slower; the scores and dP of a row in one pass (two rows against kt and vt, four FMA chains a block)
 // 1.1 % slower.
+// The backward on 16 lanes (backward_rows16 and the rest listed above), measured at the model's call (1
+// thread, CPU time, 2026-12-06 ~17:25-17:30 UTC, the 2-core Xeon shared: load average ~3): against the
+// build before (901c8aa: its backward rows 8-lane), 10 rounds of alternating processes
+// (keep_freed_cpu_memory, 3 s each), the backward 4.04 -> 3.49 ms (median; per-round ratio median
+// 0.861, range 0.80-0.99; min of mins 3.50 -> 3.14); scripts/attention_model_call.py --native, 3
+// alternating rounds: bwd-op 4.02 / 4.00 / 4.17 -> 3.50 / 3.32 / 3.70 ms. The forward is unchanged
+// (1.66 / 1.68 ms), and so is the GEM_KERNELS_NO_AVX512=1 backward (ratio 1.02 over 4 rounds: noise;
+// its code is unchanged). Each piece by an in-process A/B of one build, variants by environment
+// switches alternated per round (30-40 rounds x 20 calls; the switches are gone): the same backward
+// with its rows on 8 lanes (bias_silu_grad_row's loop, gather_rows dq) was 1.117x the time (predicted
+// ~8 % from the SiLU pass's instructions halved: ~3 -> ~2 blocks a row, 45 uops a block; the four-row
+// group also overlaps the rows' exp / divide chains); in those rows the time bias by gather8, not
+// TimeRegs, 1.048x (16 scalar loads and inserts a block against one vpermt2ps pair; per row on 8 lanes,
+// above, TimeRegs was the slower); the dk / dv products on 8 lanes 1.037x; dq by 8-lane gather_rows
+// 1.03x; the buckets by table_bucket4, not bucket_row8, 1.05-1.07x.
+// Where the 16-lane backward's time goes now (perf samples of the kernel's functions, 1 thread, the
+// same call, 2026-12-06 17:40 UTC; shares of the backward's samples): backward_rows16 21 % (P and dS,
+// pos-bias gradient, inlined); the scores and dP (dot_blocks) 20 %; backward_seq_short 16 % (of it
+// ~40 % the pair histogram, ~25 % the dk / dv write-out); the four-row dk / dv products
+// (scatter_rows4_16) 9.5 %; the transposes 7.7 %; dq (gather_rows16) 6.5 %; the single-row products
+// (scatter_rows16) 5.3 %; the buckets (bucket_row8) 4.9 %; masks and spans (SeqMask::init,
+// ShortSeq::init) 4.2 %; memset (the dk / dv accumulators' fill) 2 %.
+// Measured and not kept, in the same in-process A/B against the kept backward (the divide and the
+// masked-block variants partly before its bucket_row8): the sigmoid's divide as rcp14 plus one Newton
+// step (a blend keeps 1 / Inf = 0): 1.006x and 1.011x, no gain, as predicted from the counts: a 16-lane
+// block is ~45 vector uops on 3 ports (~15 cycles), more than the zmm divide's ~10 cycles of divider a
+// block; the same on the 8-lane rows (rcpps) no faster either (1.123x against 1.117x of the kept build
+// without it); masked loads and stores for every block (no branch on a block's 8 or 16 width)
+// 1.012-1.045x slower; the scores and dP on 16 lanes (dot16: zmm rows of kt and vt at stride Lp, masked
+// for a last 8) 1.07-1.08x slower, as in the forward (a guess, not measured: zmm loads of rows at an Lp
+// stride mostly split a cache line); every block 16 wide where the tile row has room (garbage past the
+// span, never read) 1.03-1.07x slower; each group's dk / dv products right after its rows (interleaving
+// the store-bound products with the rows' latency-bound chains) 0.993-0.998x: noise, not kept. Fewer
+// wasted lanes (idea: exact spans, not 8-column blocks): with the last 16-lane block 8 or 16 wide,
+// ceil(n / 16) = ceil(round8(n) / 16) blocks either way, so exact spans save no instruction in the P /
+// dS pass, and dq and the products already run over the exact runs: not tried.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
@@ -248,8 +286,9 @@ struct ShortSeq {
   std::vector<float> hist;        // the backward's time-bias gradient: 4 interleaved copies (of pairs, H = 2)
 
   // wide_buckets: bucket_row8 (AVX-512F), else table_bucket4. The forward takes bucket_row8 (with its
-  // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread); the backward, whose rows are all
-  // 8-lane, does not: there it measured ~3 % slower than table_bucket4 (4.30 against 4.18 ms).
+  // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread), and so does the backward with its
+  // 16-lane rows (backward_rows16: 5-7 % faster than table_bucket4, in-process A/B, 40 rounds); with
+  // its 8-lane rows it measured ~3 % slower than table_bucket4 (4.30 against 4.18 ms).
   void init(const Params& p, const SeqInfo& seq, Workspace& ws, bool wide_buckets) {
     const int64_t L = seq.len, Lp = round8(L);
     ws.mask.init(p, L, seq.targets);
@@ -383,7 +422,8 @@ void bias_silu_grad_row(float scale, const float* pos, const float* time, const 
 // --native): the forward ~2.3 -> ~2.05 ms (then bucket_row8: ~1.7). Tried and not kept, as no faster
 // there: the scores on 16 lanes (dot_blocks stays), also four rows at a time sharing each key block's
 // load (forward 1.7 -> 1.8 ms, backward +4 %); the backward's SiLU rows, dq and dk/dv products on 16
-// lanes (a 16-lane divide is deeper than an 8-lane one, and these rows are short: ~2 blocks of 16).
+// lanes one row at a time (a 16-lane divide is deeper than an 8-lane one, and these rows are short: ~2
+// blocks of 16). Four rows a group, phase by phase, they pay: backward_rows16 (see the header).
 inline __mmask16 block_mask(int64_t c, int64_t hi) {
   return hi - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>(0x00FF);
 }
@@ -578,6 +618,108 @@ inline void add_by_bucket4_pair(const int32_t* bucket, const float* ds0, const f
   }
 }
 
+// What one head's rows read and write in backward_rows16: q, k (for dq) and dO rows at their [N, H, *]
+// strides, the transposed keys and values, the pos_bias window and time_bias row (nullptr when absent),
+// the bucket tile, the s, P and dS tiles (row i at i * Lp), the dq rows, the head's pos-bias partial
+// (nullptr when absent) and add_by_bucket4's histogram (nullptr: no time bias, or the pair histogram
+// that backward_seq_short fills after both heads).
+struct BackRows {
+  const float *q0, *k0, *do0, *kt, *vt, *pos, *time;
+  const int32_t* bucket;
+  float *s, *pr, *ds, *dq0, *pos_part, *hist;  // hist: add_by_bucket4's (nullptr: the pair histogram)
+  int64_t qs, vs, D, Dv, L, Lp, time_entries;
+  float scale, inv_m;
+};
+
+// scatter_rows and scatter_rows4 on 16 lanes (width a multiple of 16), the same sums in the same order.
+GK_AVX512 void scatter_rows16(const float* w, float alpha, const float* x, int64_t c0, int64_t c1, int64_t width,
+                              float* out) {
+  for (int64_t d = 0; d < width; d += 16) {
+    const __m512 xd = _mm512_mul_ps(_mm512_set1_ps(alpha), _mm512_loadu_ps(x + d));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* o = out + c * width + d;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(w[c]), xd, _mm512_loadu_ps(o)));
+    }
+  }
+}
+GK_AVX512 void scatter_rows4_16(const float* w, int64_t ldw, float alpha, const float* x, int64_t ldx, int64_t c0,
+                                int64_t c1, int64_t width, float* out) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t d = 0; d < width; d += 16) {
+    const __m512 x0 = _mm512_mul_ps(va, _mm512_loadu_ps(x + d)), x1 = _mm512_mul_ps(va, _mm512_loadu_ps(x + ldx + d));
+    const __m512 x2 = _mm512_mul_ps(va, _mm512_loadu_ps(x + 2 * ldx + d));
+    const __m512 x3 = _mm512_mul_ps(va, _mm512_loadu_ps(x + 3 * ldx + d));
+    for (int64_t c = c0; c < c1; ++c) {
+      float* o = out + c * width + d;
+      const __m512 a = _mm512_fmadd_ps(_mm512_set1_ps(w[ldw + c]), x1,
+                                       _mm512_fmadd_ps(_mm512_set1_ps(w[c]), x0, _mm512_loadu_ps(o)));
+      const __m512 b = _mm512_fmadd_ps(_mm512_set1_ps(w[3 * ldw + c]), x3, _mm512_mul_ps(_mm512_set1_ps(w[2 * ldw + c]), x2));
+      _mm512_storeu_ps(o, _mm512_add_ps(a, b));
+    }
+  }
+}
+
+// The backward row pass of rows [i0, i0 + n) (n <= 4) of one head on 16 lanes, each phase over the
+// group's rows before the next, as in forward_rows16: scores and dP (dot_blocks, 8 lanes), then P and
+// dS (bias_silu_grad_row's steps, lane for lane, the time bias from registers: TimeRegs), then the
+// bias gradients and dq (gather_rows16 where D is a multiple of 16). Row i's tiles at i * Lp, as in
+// backward_seq_short's 8-lane loop.
+GK_AVX512 void backward_rows16(const BackRows& h, const RowSpan* spans, int64_t i0, int64_t n) {
+  int64_t lo[4], hi[4];
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = i0 + k, o = i * h.Lp;
+    const RowSpan& span = spans[i];
+    const bool any = span.end > span.begin;
+    lo[k] = any ? span.begin & ~int64_t{7} : 0;
+    hi[k] = any ? round8(span.end) : 0;
+    dot_blocks(h.q0 + i * h.qs, h.D, h.kt, h.Lp, lo[k] / 8, hi[k] / 8, h.s + o);
+    dot_blocks(h.do0 + i * h.vs, h.Dv, h.vt, h.Lp, lo[k] / 8, hi[k] / 8, h.ds + o);
+  }
+  const __m512 vscale = _mm512_set1_ps(h.scale), one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(h.inv_m);
+  const TimeRegs tr = time_regs(h.time, h.time_entries);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = i0 + k, o = i * h.Lp;
+    const float* pos = h.pos != nullptr ? h.pos + (h.L - 1 - i) : nullptr;
+    for (int64_t c = lo[k]; c < hi[k]; c += 16) {
+      const __mmask16 m = block_mask(c, hi[k]);
+      const __m512 x = biased16(vscale, pos, h.time, tr, h.bucket + o, h.s + o, c, m);
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      store_block(h.pr + o + c, m, _mm512_mul_ps(_mm512_mul_ps(x, sig), vm));
+      const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
+      store_block(h.ds + o + c, m, _mm512_mul_ps(_mm512_mul_ps(load_block(h.ds + o + c, m), g), vm));
+    }
+  }
+  const __m512 vscale_dq = _mm512_set1_ps(h.scale);
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = i0 + k, o = i * h.Lp;
+    float* dq_i = h.dq0 + i * h.qs;
+    zero_row8(dq_i, h.D);
+    if (lo[k] >= hi[k]) continue;
+    const Runs r = runs_of(spans[i]);
+    const float* ds_i = h.ds + o;
+    if (h.pos_part != nullptr) {
+      float* dst = h.pos_part + (h.L - 1 - i);  // slot j - i + L - 1
+      add_range(ds_i, r.a0, r.a1, dst);
+      add_range(ds_i, r.b0, r.b1, dst);
+    }
+    if (h.hist != nullptr) {
+      add_by_bucket4(h.bucket + o, ds_i, r.a0, r.a1, h.time_entries, h.hist);
+      add_by_bucket4(h.bucket + o, ds_i, r.b0, r.b1, h.time_entries, h.hist);
+    }
+    // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
+    if (h.D % 16 == 0) {
+      gather_rows16(ds_i, h.k0, h.qs, r.a0, r.a1, h.D, dq_i);
+      gather_rows16(ds_i, h.k0, h.qs, r.b0, r.b1, h.D, dq_i);
+      for (int64_t d = 0; d < h.D; d += 16)
+        _mm512_storeu_ps(dq_i + d, _mm512_mul_ps(_mm512_loadu_ps(dq_i + d), vscale_dq));
+    } else {
+      gather_rows(ds_i, h.k0, h.qs, r.a0, r.a1, h.D, dq_i);
+      gather_rows(ds_i, h.k0, h.qs, r.b0, r.b1, h.D, dq_i);
+      for (int64_t d = 0; d < h.D; ++d) dq_i[d] *= h.scale;
+    }
+  }
+}
+
 // The backward of one sequence, every head: dq rows written, dk and dv rows
 // accumulated in the workspace and written, bias gradients added to the partials of its items
 // (head h: pos_part + h * (2L - 1), time_part + h * (num_buckets + 1)).
@@ -588,8 +730,9 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
   if (L == 0) return;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
   const int64_t nt = p.num_buckets + 1;
+  const bool wide = cpu_has_avx512f();
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws, /*wide_buckets=*/false);
+  sq.init(p, seq, ws, wide);
   ws.k_rows.resize(D * Lp);
   ws.v_rows.resize(Dv * Lp);
   float* s = ws.s.data();
@@ -621,7 +764,13 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     // bias gradients and dq. The tiles' rows (and the buckets') at stride Lp, not kBlockN: at 512 bytes
     // the rows of s, P, dS and the buckets 8 apart share their L1 sets, ~20 lines a set for a 36-row
     // sequence against 12 ways.
-    for (int64_t i = 0; i < L; ++i) {
+    if (wide) {
+      const BackRows rows{q0, k0, do0, ws.k_rows.data(), ws.v_rows.data(), pos, time, ws.bucket.data(), s, pr, ds,
+                          dq0, pos_part_h, time != nullptr && !pair_hist ? sq.hist.data() : nullptr, qs, vs, D, Dv, L,
+                          Lp, nt, p.scale, inv_m};
+      for (int64_t i0 = 0; i0 < L; i0 += 4) backward_rows16(rows, sq.spans.data(), i0, std::min<int64_t>(4, L - i0));
+    }
+    for (int64_t i = 0; i < (wide ? 0 : L); ++i) {
       float* dq_i = dq0 + i * qs;
       zero_row8(dq_i, D);
       const RowSpan& span = sq.spans[i];
@@ -663,8 +812,14 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
       }
       if (n < 4 || c0 >= c1) c0 = c1 = 0;
       if (c0 < c1) {
-        scatter_rows4(ds + i0 * Lp, Lp, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
-        scatter_rows4(pr + i0 * Lp, Lp, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
+        if (wide && D % 16 == 0)
+          scatter_rows4_16(ds + i0 * Lp, Lp, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
+        else
+          scatter_rows4(ds + i0 * Lp, Lp, p.scale, q0 + i0 * qs, qs, c0, c1, D, dk_acc);
+        if (wide && Dv % 16 == 0)
+          scatter_rows4_16(pr + i0 * Lp, Lp, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
+        else
+          scatter_rows4(pr + i0 * Lp, Lp, 1.0f, do0 + i0 * vs, vs, c0, c1, Dv, dv_acc);
       }
       for (int64_t k = 0; k < n; ++k) {
         const int64_t i = i0 + k, o = i * Lp;
@@ -673,8 +828,14 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
         const int64_t parts[3][2] = {{rk.a0, c0 < c1 ? c0 : rk.a1}, {c0 < c1 ? c1 : rk.a1, rk.a1}, {rk.b0, rk.b1}};
         for (const auto& part : parts) {
           if (part[0] >= part[1]) continue;
-          scatter_rows(ds + o, p.scale, q0 + i * qs, part[0], part[1], D, dk_acc);
-          scatter_rows(pr + o, 1.0f, do0 + i * vs, part[0], part[1], Dv, dv_acc);
+          if (wide && D % 16 == 0)
+            scatter_rows16(ds + o, p.scale, q0 + i * qs, part[0], part[1], D, dk_acc);
+          else
+            scatter_rows(ds + o, p.scale, q0 + i * qs, part[0], part[1], D, dk_acc);
+          if (wide && Dv % 16 == 0)
+            scatter_rows16(pr + o, 1.0f, do0 + i * vs, part[0], part[1], Dv, dv_acc);
+          else
+            scatter_rows(pr + o, 1.0f, do0 + i * vs, part[0], part[1], Dv, dv_acc);
         }
       }
     }
