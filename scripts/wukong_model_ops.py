@@ -10,7 +10,9 @@ inflate. Run each build in its own process, alternating, and compare medians:
     for i in 1 2 3; do for pkg in /path/to/main_pkg /path/to/new_pkg; do
         PYTHONPATH=$pkg python scripts/wukong_model_ops.py; done; done
 
-(a package dir holds a `gem_kernels/` with that build's `_C*.so`). On a host where another process
+(a package dir holds a `gem_kernels/` with that build's `_C*.so`). Like `python -m model.train` and
+`python -m bench`, it keeps freed heap mapped (keep_freed_cpu_memory, --malloc-keep-mib), so that a
+call's outputs reuse pages instead of faulting fresh ones in. On a host where another process
 holds a core, a 2-thread round waits for a descheduled thread (ms per call) and its median says
 nothing; `--single-calls` then prints [10th, 50th percentile] wall us of 400 single calls at 2
 threads instead: the calls that ran with both cores. The bench rows at the same shape
@@ -19,13 +21,14 @@ threads instead: the calls that ran with both cores. The bench rows at the same 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 
 import torch
 
 import gem_kernels  # noqa: F401  (registers torch.ops.gem_kernels)
+from gem_kernels.testing.malloc import DEFAULT_KEEP_MIB, keep_freed_cpu_memory
 
 B, D, K, O, O_FM = 1152, 32, 8, 16, 8
 
@@ -57,7 +60,15 @@ def _single_call_us(fn, calls: int = 400) -> list[float]:
 
 
 def main() -> None:
-    single_calls = "--single-calls" in sys.argv[1:]
+    parser = argparse.ArgumentParser(prog="python scripts/wukong_model_ops.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--single-calls", action="store_true",
+                        help="print [10th, 50th percentile] wall us of 400 single calls at 2 threads instead")
+    parser.add_argument("--malloc-keep-mib", type=int, default=DEFAULT_KEEP_MIB, metavar="MIB",
+                        help=f"keep up to MIB of freed heap mapped (default {DEFAULT_KEEP_MIB}; 0: glibc's defaults)")
+    args = parser.parse_args()
+    single_calls = args.single_calls
+    keep_freed_cpu_memory(args.malloc_keep_mib)
     ops = torch.ops.gem_kernels
     results = {}
     for F in (10, 16):

@@ -37,6 +37,49 @@
 //   feature_mix_norm fwd: 2*B*O*F*D (+ ~8*B*O*D LayerNorm) FLOPs, bytes (B*F*D + B*O_fm*D + B*O*D + O*F + 2*D)*s;
 //   bwd 4*B*O*F*D FLOPs (+ the recomputed S, 2*B*O*F*D), bytes about twice the forward's
 //   (gem_kernels/flops.py feature_mix_norm; details at the feature_mix_norm section below).
+//
+// Wukong at the GEM model's shape (issue 26, branch wukong6, 2026-12-06 16:40-17:40 UTC; B = 1152,
+// D = 32, k = 8, O = 16, O_fm = 8, fp32, one thread, CPU time; the 2-vCPU Xeon, AVX-512 path, host
+// load 1-5). Roofs of one core: 7.4-7.6 zmm FMAs/ns = ~240 GFLOP/s (a register-only loop of 16
+// independent FMA chains; the bench's matmul peak is 167 per core at 2 threads); copy 25.4 GB/s
+// (bench). flops.py's FLOPs and minimum bytes against the quietest run (16:39 UTC, load 1.2):
+//   op (F = 10 / 16)       us            % of 240 GFLOP/s   % of 167   % of 25.4 GB/s
+//   fm_compress fwd        210 / 310     25 / 27            36 / 39    35 / 38
+//   fm_compress bwd        312 / 439     33 / 37            47 / 54    42 / 48
+//   feature_mix_norm fwd   277 / 382     25 / 26            36 / 37    71 / 61
+//   feature_mix_norm bwd   542 / 684     24 / 27            34 / 39    56 / 54
+// (the mix backward runs 33 / 39 % of 240 counting the S it recomputes). The mix backward is the
+// largest gap: the most time, the lowest share of the FMA roof. Where its time goes (F = 16, each
+// part measured by removing it from a build, interleaved, load 3-4): grad_M's sum over the chunk
+// (cross32) ~25 %; the LayerNorm backward on the registers ~20 %, of which the two horizontal sums
+// per row are nothing measurable (c1, c2 taken without them: the same time); the rest, S again and
+// grad_X = M^T grad_S (1024 FMAs a sample) with the loads and stores around them, ~2.5 FMAs/ns,
+// where the same rows32_product loop alone, L1-resident, runs 5.3 (4-row blocks) to 5.9 (8-row).
+// Per sample, the increment from B = 32 to 128 rows (everything in L2) is ~450 ns, from 128 to
+// 1152 (L3) ~580 ns; a call's fixed cost was 12-13 us (B = 1).
+// Measured and not kept (1-thread CPU time, alternating processes, 3-6 rounds; on this host one
+// build against itself reads 0.87-1.15):
+// - grad_M / grad_Y fed to cross32's register blocks 4 samples at a time while their rows are in L1
+//   (partials kept in memory between groups: the same bits), against once per 16-sample chunk at
+//   its end, whose 2 KB sample stride puts a block's rows in a quarter of the L1 sets: predicted
+//   8-12 % on the mix backward, measured 0.95-1.03x (mix bwd), 0.99-1.01x (fm bwd). Alone, the
+//   cross loop at that stride runs 4.0-4.4 FMAs/ns over 16 samples and 4.7 with every sample at one
+//   address: the stride is not what it loses (6.0 over 256 samples at one address: its per-call
+//   end, 16 horizontal sums per block pair, is).
+// - 8-row register blocks on 16 lanes (16 accumulators): everywhere, fm bwd F = 16 0.81-0.89x; in
+//   the mix backward only, 0.98-0.99x at F = 10 and 1.04-1.11x at F = 16 (8 zmm spills in its
+//   LayerNorm part). Within the noise.
+// - software prefetch in the mix backward: the sample 2 ahead's X, grad_out and fm (prefetcht0
+//   1.00-1.26x slower, prefetcht1 1.07-1.36x slower); 2 or 8 lines a page ahead in each input stream
+//   (1.00-1.10x slower); the output rows a page ahead (0.9-1.05x): the L3 cost above is not a first
+//   touch that a prefetch hides.
+// - the mix backward's grad_w / grad_b summed in registers over a sample (one read-modify-write of
+//   the chunk partial per sample, not per row): 1.03x (F = 10), 0.97-1.02x (F = 16).
+// Kept: the four Wukong ops' per-call setup without ATen calls (fp32_padded, as_fp32, plain
+// partial buffers: below). B = 1, one thread, 3 alternating runs: mix bwd 12.4-13.2 -> 6.9-7.1 us,
+// fm bwd 9.4-10.0 -> 5.8-5.9, mix fwd 6.2-6.4 -> 3.9-4.1, fm fwd 7.3-7.7 -> 4.4-4.5 (predicted ~5 us
+// on the mix backward): ~19 us less serial time in a step's Wukong backward (~1.7 % of its ~1.1 ms
+// at 2 threads, p10 of `scripts/wukong_model_ops.py --single-calls`), ~11 us in its forward.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -283,11 +326,9 @@ inline int64_t sum_chunks(int64_t rows) {
 // in chunk order, as `dtype` ([rows, cols], or [cols] when `flat`). One pass in place of ATen's
 // sum + narrow + contiguous per gradient: those ran after the parallel part of each backward,
 // ~10 us of serial time per call (B = 1 cost 17-22 us against the forwards' 7).
-at::Tensor sum_chunk_partials(const at::Tensor& part, int64_t row, int64_t rows, int64_t cols, bool flat,
-                              at::ScalarType dtype) {
-  const int64_t chunks = part.size(0), R = part.size(1), L = part.size(2);
-  auto out = flat ? at::zeros({cols}, part.options()) : at::zeros({rows, cols}, part.options());
-  const float* p = part.data_ptr<float>();
+at::Tensor sum_chunk_partials(const float* p, int64_t chunks, int64_t R, int64_t L, int64_t row, int64_t rows,
+                              int64_t cols, bool flat, at::ScalarType dtype) {
+  auto out = flat ? at::zeros({cols}, at::kFloat) : at::zeros({rows, cols}, at::kFloat);
   float* o = out.data_ptr<float>();
   for (int64_t c = 0; c < chunks; ++c)
     for (int64_t r = 0; r < rows; ++r) {
@@ -296,7 +337,32 @@ at::Tensor sum_chunk_partials(const at::Tensor& part, int64_t row, int64_t rows,
 #pragma omp simd
       for (int64_t j = 0; j < cols; ++j) dst[j] += src[j];
     }
-  return out.to(dtype);
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+at::Tensor sum_chunk_partials(const at::Tensor& part, int64_t row, int64_t rows, int64_t cols, bool flat,
+                              at::ScalarType dtype) {
+  return sum_chunk_partials(part.data_ptr<float>(), part.size(0), part.size(1), part.size(2), row, rows, cols, flat,
+                            dtype);
+}
+
+// The Wukong ops' per-call setup (issue 26): fp32 copies of their small parameters and the backwards'
+// per-chunk partials as plain buffers, not ATen tensors. Each at::zeros / narrow / copy_ / t / to
+// was a dispatcher call, ~0.5 us of serial time, a dozen per backward call (B = 1: mix backward
+// 12.4-13.2 -> 6.9-7.1 us, header).
+// t (contiguous, interaction_checks) as fp32: t itself when it is, else one conversion.
+at::Tensor as_fp32(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+
+// The fp32 [rows_p, cols] matrix of t [r, c] (cols = c), or of t^T (cols = r) when `transposed`,
+// with zero rows past t's.
+std::vector<float> fp32_padded(const at::Tensor& t, int64_t rows_p, bool transposed) {
+  const at::Tensor tf = as_fp32(t);
+  const int64_t r = tf.size(0), c = tf.size(1), cols = transposed ? r : c;
+  const float* src = tf.data_ptr<float>();
+  std::vector<float> out(rows_p * cols, 0.f);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < c; ++j) out[transposed ? j * cols + i : i * cols + j] = src[i * c + j];
+  return out;
 }
 
 // Threads worth waking for `items` of `flops_per_item` each: one per 2^22 FLOPs, about 40 us of
@@ -1074,12 +1140,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
   auto rstd = at::empty({d.B}, x.options().dtype(at::kFloat));
   auto products = at::empty({save_products ? d.B : 0, products_row(d)}, x.options().dtype(at::kFloat));
   if (d.B == 0) return {out, mean, rstd, products};
-  auto yt = at::zeros({d.kp, d.F}, x.options().dtype(at::kFloat));
-  yt.narrow(0, 0, d.k).copy_(y.t());
-  auto w32 = ln_weight.to(at::kFloat), b32 = ln_bias.to(at::kFloat);
+  const std::vector<float> yt = fp32_padded(y, d.kp, /*transposed=*/true);
+  const at::Tensor w32 = as_fp32(ln_weight), b32 = as_fp32(ln_bias);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_cpu", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
+    const float *ytp = yt.data(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
     float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
     float* pp = save_products ? products.data_ptr<float>() : nullptr;
@@ -1136,19 +1201,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   const bool stream = use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + products.nbytes());
   const int64_t chunks = sum_chunks(d.B);
   // Per-chunk fp32 partials of grad_y [Fp, kq], grad_w [n], grad_b [n].
-  auto part_y = at::zeros({chunks, d.Fp, d.kq}, x.options().dtype(at::kFloat));
-  auto part_wb = at::zeros({chunks, 2, n}, x.options().dtype(at::kFloat));
+  std::vector<float> part_y(chunks * d.Fp * d.kq, 0.f), part_wb(chunks * 2 * n, 0.f);
   if (d.B > 0) {
-    auto yt = at::zeros({d.kp, d.F}, x.options().dtype(at::kFloat));
-    yt.narrow(0, 0, d.k).copy_(y.t());
-
-    auto w32 = ln_weight.to(at::kFloat);
-    auto y32 = y.to(at::kFloat).contiguous();
+    const std::vector<float> yt = fp32_padded(y, d.kp, /*transposed=*/true);
+    const at::Tensor w32 = as_fp32(ln_weight), y32 = as_fp32(y);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fm_compress_backward_cpu", [&] {
       const float* y32p = y32.data_ptr<float>();
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const scalar_t* gp = grad_out.data_ptr<scalar_t>();
-      const float *ytp = yt.data_ptr<float>(), *wp = w32.data_ptr<float>();
+      const float *ytp = yt.data(), *wp = w32.data_ptr<float>();
       const float *mp = mean.data_ptr<float>(), *rp = rstd.data_ptr<float>();
       const float* pp = saved ? products.data_ptr<float>() : nullptr;
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
@@ -1169,8 +1230,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
 #endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
-          float* gy = part_y.data_ptr<float>() + c * d.Fp * d.kq;
-          float* gw = part_wb.data_ptr<float>() + c * 2 * n;
+          float* gy = part_y.data() + c * d.Fp * d.kq;
+          float* gw = part_wb.data() + c * 2 * n;
           const int64_t last = (c + 1) * d.B / chunks;
 #if defined(__AVX2__) && defined(__FMA__)
           if (fm_rows32(d)) {
@@ -1233,9 +1294,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
       });
     });
   }
-  auto grad_y = sum_chunk_partials(part_y, 0, d.F, d.k, false, x.scalar_type());
-  auto grad_w = sum_chunk_partials(part_wb, 0, 1, n, true, x.scalar_type());
-  auto grad_b = sum_chunk_partials(part_wb, 1, 1, n, true, x.scalar_type());
+  auto grad_y = sum_chunk_partials(part_y.data(), chunks, d.Fp, d.kq, 0, d.F, d.k, false, x.scalar_type());
+  auto grad_w = sum_chunk_partials(part_wb.data(), chunks, 2, n, 0, 1, n, true, x.scalar_type());
+  auto grad_b = sum_chunk_partials(part_wb.data(), chunks, 2, n, 1, 1, n, true, x.scalar_type());
   return {grad_x, grad_y, grad_w, grad_b};
 }
 
@@ -1279,13 +1340,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
   auto mean = at::empty({d.B, d.O}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({d.B, d.O}, x.options().dtype(at::kFloat));
   if (d.B == 0) return {out, mean, rstd};
-  auto m32 = at::zeros({d.Op, d.F}, x.options().dtype(at::kFloat));
-  m32.narrow(0, 0, d.O).copy_(mix);
-  auto w32 = ln_weight.to(at::kFloat), b32 = ln_bias.to(at::kFloat);
+  const std::vector<float> m32 = fp32_padded(mix, d.Op, /*transposed=*/false);
+  const at::Tensor w32 = as_fp32(ln_weight), b32 = as_fp32(ln_bias);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "feature_mix_norm_cpu", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* fp = d.Ofm ? fm.data_ptr<scalar_t>() : nullptr;
-    const float *mp = m32.data_ptr<float>(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
+    const float *mp = m32.data(), *wp = w32.data_ptr<float>(), *bp = b32.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
     float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
     const int64_t workers = workers_for(d.B, 2 * d.O * d.F * d.D);
@@ -1334,19 +1394,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
   const bool stream = use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + fm.nbytes());
   const int64_t chunks = sum_chunks(d.B);
   // Per-chunk fp32 partials of grad_M [Op, Fq], grad_w [D] and grad_b [D].
-  auto part_m = at::zeros({chunks, d.Op, d.Fq}, x.options().dtype(at::kFloat));
-  auto part_wb = at::zeros({chunks, 2, d.D}, x.options().dtype(at::kFloat));
+  std::vector<float> part_m(chunks * d.Op * d.Fq, 0.f), part_wb(chunks * 2 * d.D, 0.f);
   if (d.B > 0) {
-    auto m32 = at::zeros({d.Op, d.F}, x.options().dtype(at::kFloat));
-    m32.narrow(0, 0, d.O).copy_(mix);
-    auto mt32 = at::zeros({d.Fp, d.O}, x.options().dtype(at::kFloat));  // M^T, zero rows past F
-    mt32.narrow(0, 0, d.F).copy_(mix.t());
-    auto w32 = ln_weight.to(at::kFloat);
+    const std::vector<float> m32 = fp32_padded(mix, d.Op, /*transposed=*/false);
+    const std::vector<float> mt32 = fp32_padded(mix, d.Fp, /*transposed=*/true);  // M^T, zero rows past F
+    const at::Tensor w32 = as_fp32(ln_weight);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "feature_mix_norm_backward_cpu", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const scalar_t* fp = d.Ofm ? fm.data_ptr<scalar_t>() : nullptr;
       const scalar_t* gp = grad_out.data_ptr<scalar_t>();
-      const float *mp = m32.data_ptr<float>(), *mtp = mt32.data_ptr<float>(), *wp = w32.data_ptr<float>();
+      const float *mp = m32.data(), *mtp = mt32.data(), *wp = w32.data_ptr<float>();
       const float *meanp = mean.data_ptr<float>(), *rstdp = rstd.data_ptr<float>();
       scalar_t* dxp = grad_x.data_ptr<scalar_t>();
       scalar_t* dfp = d.Ofm ? grad_fm.data_ptr<scalar_t>() : nullptr;
@@ -1364,8 +1421,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
 #endif
         for (int64_t cb, ce; claim(cb, ce);)
         for (int64_t c = cb; c < ce; ++c) {
-          float* gm = part_m.data_ptr<float>() + c * d.Op * d.Fq;
-          float* gw = part_wb.data_ptr<float>() + c * 2 * d.D;
+          float* gm = part_m.data() + c * d.Op * d.Fq;
+          float* gw = part_wb.data() + c * 2 * d.D;
           const int64_t last = (c + 1) * d.B / chunks;
 #if defined(__AVX2__) && defined(__FMA__)
           if (d.D == kRow32) {
@@ -1411,9 +1468,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
       });
     });
   }
-  auto grad_mix = sum_chunk_partials(part_m, 0, d.O, d.F, false, x.scalar_type());
-  auto grad_w = sum_chunk_partials(part_wb, 0, 1, d.D, true, x.scalar_type());
-  auto grad_b = sum_chunk_partials(part_wb, 1, 1, d.D, true, x.scalar_type());
+  auto grad_mix = sum_chunk_partials(part_m.data(), chunks, d.Op, d.Fq, 0, d.O, d.F, false, x.scalar_type());
+  auto grad_w = sum_chunk_partials(part_wb.data(), chunks, 2, d.D, 0, 1, d.D, true, x.scalar_type());
+  auto grad_b = sum_chunk_partials(part_wb.data(), chunks, 2, d.D, 1, 1, d.D, true, x.scalar_type());
   return {grad_x, grad_mix, grad_fm, grad_w, grad_b};
 }
 
