@@ -27,12 +27,14 @@
 // Output half without concat at widths 16 and 32 (the small model's): one pass per row with the row in
 // registers (OutputRows, hstu_layer_rows.inc, on AVX-512F or AVX2), in place of silu_block +
 // output_prologue_row + norm_backward_row with their at::vec loops, calls and scratch round trips; on
-// AVX-512F the forward's [rows, 32] x [32, 32] GEMM in registers too (gemm_rows32). Measured at the small
-// model's shape, 1 thread, thread CPU time, new / old build in alternating processes on this Xeon
-// (busy shared host, load ~3; medians of 8 pairs, 2026-12-06): LayerNorm forward 0.60x (0.54 -> 0.33 ms),
-// backward 0.75x (0.91 -> 0.67 ms) on AVX-512; 0.66x and 0.81x on AVX2 (GEM_KERNELS_NO_AVX512=1);
-// group norm 0.63x / 0.69x (AVX-512), 0.69x / 0.79x (AVX2). Against the eager half in one process
-// (scripts/hstu_layer_pieces.py): forward 0.61 -> 0.38x, backward 0.70 -> 0.57x.
+// AVX-512F the [rows, 32] x [32, 32] GEMMs out = x + c @ W (forward) and dc = dout @ W^T (backward) in
+// registers too (gemm_rows32). Measured at the small model's shape, 1 thread, thread CPU time, new / old
+// build in alternating processes on this Xeon (busy shared host, load ~3; medians of 8 pairs,
+// 2026-12-06 17:35 UTC): LayerNorm forward 0.60x (0.60 -> 0.35 ms), backward 0.72x (1.01 -> 0.73 ms)
+// on AVX-512; 0.71x and 0.83x on AVX2 (GEM_KERNELS_NO_AVX512=1); group norm 0.59x / 0.67x (AVX-512),
+// 0.71x / 0.79x (AVX2). Against the eager half in one process (scripts/hstu_layer_pieces.py, two runs
+// each): forward 0.56-0.61x -> 0.37-0.40x, backward 0.65-0.75x -> 0.51-0.67x; the whole layer's
+// fwd+bwd median 11.0-11.7 -> 9.7-10.1 ms (noisy: the output halves' own saving is ~0.5 ms of it).
 // Predicted and measured along the way (AVX-512, same method unless said):
 //   - the fused row pass alone (5 pairs): forward 0.72x, backward 0.75x (predicted -0.15 ms forward,
 //     its row work from ~65 to ~25 cycles, and -0.3 ms backward, ~150 to ~50 cycles per row; got
@@ -40,8 +42,9 @@
 //   - x (+ bias) copied into out in the rows' pass, not by a memmove of each block after it (13 % of
 //     the forward's samples; 5 pairs): forward 0.72x -> 0.65x;
 //   - dnormed = dy * silu(u) in fp32 before widening (one fp64 conversion set fewer per row, ~11
-//     operations of ~150; 5 pairs): backward 0.75x -> 0.70x (predicted ~4 %);
-//   - the GEMM in registers: see rows512::kGemmRows (AVX-512 kept, AVX2 not).
+//     operations of ~150; 5 pairs): backward 0.75x -> 0.70x (predicted ~4 %; the pairs' spread is as
+//     large);
+//   - the GEMMs in registers: see rows512::kGemmRows and dc_gemm (AVX-512 kept, AVX2 not).
 // Measured and not kept:
 //   - the norm stats 16 groups at a time (a transposing tree of shuffles for the 16 sums, one vector
 //     sqrt and division), predicted to cut the per-row reductions' ~16 operations and the scalar
@@ -395,7 +398,9 @@ struct OutputRows {
   const float* we;     // [width]: the norm's weight per element
   const float* be;     // [width]: its bias per element
   float* c;            // [rows, width]: silu(u) * Norm(a) (times the mask)
-  const float* dc;     // backward: [rows, width], dout @ W^T
+  float* dc;           // backward: [rows, width], dout @ W^T (written by the rows where wt)
+  const float* g;      // backward: [rows, 32], dout, where wt
+  const float* wt;     // backward: [32, 32] or null: W^T where the rows run the dc GEMM
   float* da;           // backward: [rows, width]
   float* du;           // backward: [rows, width]
   double* dnw;         // backward: [width], the chunk's fp64 norm-weight partials
@@ -950,6 +955,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const float* wep = w_elem.data_ptr<float>();
   const float* bep = b_elem.data_ptr<float>();
   const int rows_kind = output_rows_kind(width, gs, concat_u, concat_x);
+  // dc = g @ W^T in registers by the rows (AVX-512, width and dim 32), 8 rows before their row work:
+  // the output backward took 0.96x the time of the same rows after sgemm's dc (median of 8 interleaved
+  // pairs of processes, 0.89-1.02, 1 thread).
+  const bool dc_gemm = width == 32 && output_rows_run_gemm(rows_kind, dim);
+  const Tensor wt = dc_gemm ? w.t().contiguous() : Tensor();
   parallel_ranges(chunks, 1, workers_for(n * k * dim * 4), [&](auto& claim) {
     const SingleThreadBlas single_thread;
     std::vector<float> silu_buf(2 * ch.block * width), c(ch.block * k), dc(ch.block * k);
@@ -963,7 +973,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
         const int64_t rows = std::min(ch.block, r1 - r0);
         // dc = g @ W^T; then per row c recomputed (the forward's prologue with its saved stats) for
         // the weight gradient, and the gating / norm backward.
-        mm(false, true, rows, k, dim, 1.0f, gp + r0 * dim, dim, wp, dim, 0.0f, dc.data(), k);
+        if (!dc_gemm) mm(false, true, rows, k, dim, 1.0f, gp + r0 * dim, dim, wp, dim, 0.0f, dc.data(), k);
         float* s_block = silu_buf.data();
         float* sgrad_block = s_block + rows * width;
         if (rows_kind == 0)
@@ -983,6 +993,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
           rp.du = dup + r0 * width;
           rp.dnw = dnw;
           rp.dnb = dnb;
+          rp.g = gp + r0 * dim;
+          rp.wt = dc_gemm ? wt.data_ptr<float>() : nullptr;
           output_bwd_rows(rows_kind, rp, rows);
         }
         for (int64_t i = 0; i < rows && rows_kind == 0; ++i) {
