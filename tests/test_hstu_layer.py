@@ -323,11 +323,11 @@ def test_cpu_ops_silu_rows_on_both_paths(avx512):
 
 
 def _check_output_rows(n, dim, heads, lin, group_norm, *, masked, seed):
-    """The cpu output ops without concat (the small model's layer: csrc/cpu/hstu_layer.cpp's
-    output_*_rows16 on AVX-512F at widths 16 and 32 with norm groups of 16 or 32, else
-    output_prologue_row) against the reference op run in float64, by FlashAttention's rule against it
-    in fp32, with the output bias and, when `masked`, a dropout mask; and the same bits on 1 and 2
-    threads."""
+    """The cpu output ops without concat (the small model's layer: at widths 16 and 32 with norm groups
+    of 16 or 32 the fused row pass of csrc/cpu/hstu_layer_rows.inc, and at dim 32 on AVX-512F its
+    GEMMs in registers; else output_prologue_row) against the reference op run in float64, by
+    FlashAttention's rule against it in fp32, with the output bias and, when `masked`, a dropout mask;
+    and the same bits on 1 and 2 threads."""
     cpu = torch.ops.gem_kernels
     width = heads * lin
     g = torch.Generator().manual_seed(seed)
@@ -387,10 +387,11 @@ print("output rows ok")
 
 @pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
 def test_cpu_output_ops_without_concat_on_both_paths(avx512):
-    """The cpu output ops at the small model's layer (no concat, width 32 = two heads of 16: on
-    AVX-512F one pass per row with the row in registers) and beside it (width 16, the group norm,
-    a dropout mask, 0 rows), on the AVX-512 path and with GEM_KERNELS_NO_AVX512=1, each output by
-    FlashAttention's rule (_check_output_rows). A fresh process: the path is chosen once."""
+    """The cpu output ops at the small model's layer (no concat, width 32 = two heads of 16: one pass
+    per row with the row in registers, 16-lane AVX-512F or 8-lane AVX2 vectors) and beside it (width
+    16, the group norm, a dropout mask, dim 24 and 17, 0 rows), on the AVX-512 path and with
+    GEM_KERNELS_NO_AVX512=1, each output by FlashAttention's rule (_check_output_rows). A fresh
+    process: the path is chosen once."""
     if "cpu" not in gk.available_backends():
         pytest.skip("cpu not built")
     run_on_vector_path(_OUTPUT_ROWS_CHECK, avx512, "output rows ok")
