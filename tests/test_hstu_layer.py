@@ -378,6 +378,7 @@ for seed, (n, dim, heads, lin, group_norm, masked) in enumerate([
         (1100, 32, 2, 16, False, True),
         (513, 24, 2, 16, True, True),     # group norm over two heads of 16; the residual's masked tail
         (97, 17, 1, 16, False, False),    # width 16
+        (45, 32, 1, 16, True, True),      # width 16 at dim 32 (the forward's GEMM in registers, K = 16)
         (70, 24, 2, 8, True, True),       # groups of 8: output_prologue_row on both paths
         (0, 32, 2, 16, False, True)]):
     _check_output_rows(n, dim, heads, lin, group_norm, masked=masked, seed=seed)
