@@ -322,6 +322,82 @@ def test_cpu_ops_silu_rows_on_both_paths(avx512):
     run_on_vector_path(_SILU_ROWS_CHECK, avx512, "silu rows ok")
 
 
+def _check_output_rows(n, dim, heads, lin, group_norm, *, masked, seed):
+    """The cpu output ops without concat (the small model's layer: at widths 16 and 32 with norm groups
+    of 16 or 32 the fused row pass of csrc/cpu/hstu_layer_rows.inc, and at dim 32 on AVX-512F its
+    GEMMs in registers; else output_prologue_row) against the reference op run in float64, by
+    FlashAttention's rule against it in fp32, with the output bias and, when `masked`, a dropout mask;
+    and the same bits on 1 and 2 threads."""
+    cpu = torch.ops.gem_kernels
+    width = heads * lin
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return shift + scale * torch.randn(*shape, generator=g)
+
+    attn, u_pre, x, grad_out = rnd(n, width), rnd(n, width, scale=2.0), rnd(n, dim), rnd(n, dim)
+    norm_size = heads if group_norm else width
+    onw, onb = rnd(norm_size, scale=0.2, shift=1.0), rnd(norm_size, scale=0.2)
+    ow, obias = rnd(width, dim, scale=width ** -0.5), rnd(dim, scale=0.2)
+    mask = (torch.rand(n, width, generator=g) > 0.3).float() / 0.7 if masked else None
+    head = (heads, group_norm, False, False)
+
+    def run(fwd, bwd, dtype):
+        t = [v.to(dtype) if v is not None else None for v in (attn, u_pre, x, onw, onb, ow, obias, mask, grad_out)]
+        out, stats = fwd(*t[:5], 1e-6, t[5], t[6], t[7], *head)
+        grads = bwd(t[8], t[0], t[1], t[3], t[4], 1e-6, t[5], True, t[7], stats, *head)
+        return [out, stats.float(), *grads]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        actual = run(cpu.hstu_output_fwd_native, cpu.hstu_output_bwd_native, torch.float32)
+        torch.set_num_threads(2)
+        two = run(cpu.hstu_output_fwd_native, cpu.hstu_output_bwd_native, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    eager = run(ref.hstu_output_fwd, ref.hstu_output_bwd, torch.float32)
+    truth = run(ref.hstu_output_fwd, ref.hstu_output_bwd, torch.float64)
+    what = f"n={n} dim={dim} heads={heads} lin={lin} group_norm={group_norm} masked={masked}"
+    for i, (one, other) in enumerate(zip(actual, two)):
+        assert torch.equal(one, other), f"{what}: output {i} differs on 2 threads"
+    names = ("out", "stats", "da", "du", "dnw", "dnb", "dw", "dob")
+    for name, a, e, t in zip(names, actual, eager, truth):
+        if name in ("dnw", "dnb", "dw", "dob"):
+            _assert_fa_rule([a], [e], [t], ["weight"], what)
+        else:
+            assert_close_vs_eager(a, t, e, torch.float32, msg=f"{what}: {name}")
+
+
+_OUTPUT_ROWS_CHECK = """
+import os
+os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.test_hstu_layer import _check_output_rows
+for seed, (n, dim, heads, lin, group_norm, masked) in enumerate([
+        (1100, 32, 2, 16, False, False),  # the small model's layer, 4 chunks of 275
+        (1100, 32, 2, 16, False, True),
+        (513, 24, 2, 16, True, True),     # group norm over two heads of 16; the residual's masked tail
+        (97, 17, 1, 16, False, False),    # width 16
+        (45, 32, 1, 16, True, True),      # width 16 at dim 32 (the forward's GEMM in registers, K = 16)
+        (70, 24, 2, 8, True, True),       # groups of 8: output_prologue_row on both paths
+        (0, 32, 2, 16, False, True)]):
+    _check_output_rows(n, dim, heads, lin, group_norm, masked=masked, seed=seed)
+print("output rows ok")
+"""
+
+
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_output_ops_without_concat_on_both_paths(avx512):
+    """The cpu output ops at the small model's layer (no concat, width 32 = two heads of 16: one pass
+    per row with the row in registers, 16-lane AVX-512F or 8-lane AVX2 vectors) and beside it (width
+    16, the group norm, a dropout mask, dim 24 and 17, 0 rows), on the AVX-512 path and with
+    GEM_KERNELS_NO_AVX512=1, each output by FlashAttention's rule (_check_output_rows). A fresh
+    process: the path is chosen once."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu not built")
+    run_on_vector_path(_OUTPUT_ROWS_CHECK, avx512, "output rows ok")
+
+
 # Token counts against the cpu ops' chunking (csrc/cpu/hstu_layer.cpp chunking()) at uvqk width
 # O = 576 and output K = 576, where blocks are at most 256 rows: 255 (one chunk, one block), 512 (one
 # chunk of two blocks), 513 (two 512-row chunks' worth, rounded up to 4 chunks of 129 rows), 1100

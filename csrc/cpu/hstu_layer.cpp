@@ -21,8 +21,41 @@
 // At the small model's shape (N = 8704, D = 32, H = 2, dims 16, silu_qkv, no concat; one thread, sgemm
 // peak 0.14-0.16 TFLOP/s): the uvqk forward (73.5 MFLOP, 0.84 M SiLU) takes ~1.03 ms and its backward
 // (200 MFLOP with the recomputed pre-activations, 0.84 M silu') ~2.2 ms, of which the GEMMs are 0.57
-// and 1.8 ms at MKL's rate on these skinny shapes; the output halves (17.8 and 35.7 MFLOP) take ~0.57
-// and ~0.93 ms, mostly the per-row norm work, not their GEMMs.
+// and 1.8 ms at MKL's rate on these skinny shapes; the output halves (17.8 and 35.7 MFLOP) took ~0.57
+// and ~0.93 ms, mostly the per-row norm work, not their GEMMs (a profile: forward per-row prologue 43 %,
+// GEMM 24 %; backward per-row work 49 %).
+// Output half without concat at widths 16 and 32 (the small model's): one pass per row with the row in
+// registers (OutputRows, hstu_layer_rows.inc, on AVX-512F or AVX2), in place of silu_block +
+// output_prologue_row + norm_backward_row with their at::vec loops, calls and scratch round trips; on
+// AVX-512F the [rows, 32] x [32, 32] GEMMs out = x + c @ W (forward) and dc = dout @ W^T (backward) in
+// registers too (gemm_rows32). Measured at the small model's shape, 1 thread, thread CPU time, new / old
+// build in alternating processes on this Xeon (busy shared host, load ~3; medians of 8 pairs,
+// 2026-12-06 17:35 UTC): LayerNorm forward 0.60x (0.60 -> 0.35 ms), backward 0.72x (1.01 -> 0.73 ms)
+// on AVX-512; 0.71x and 0.83x on AVX2 (GEM_KERNELS_NO_AVX512=1); group norm 0.59x / 0.67x (AVX-512),
+// 0.71x / 0.79x (AVX2). Against the eager half in one process (scripts/hstu_layer_pieces.py, two runs
+// each): forward 0.56-0.61x -> 0.37-0.40x, backward 0.65-0.75x -> 0.51-0.67x; the whole layer's
+// fwd+bwd median 11.0-11.7 -> 9.7-10.1 ms (noisy: the output halves' own saving is ~0.5 ms of it).
+// Predicted and measured along the way (AVX-512, same method unless said):
+//   - the fused row pass alone (5 pairs): forward 0.72x, backward 0.75x (predicted -0.15 ms forward,
+//     its row work from ~65 to ~25 cycles, and -0.3 ms backward, ~150 to ~50 cycles per row; got
+//     -0.15 and -0.22 ms);
+//   - x (+ bias) copied into out in the rows' pass, not by a memmove of each block after it (13 % of
+//     the forward's samples; 5 pairs): forward 0.72x -> 0.65x;
+//   - dnormed = dy * silu(u) in fp32 before widening (one fp64 conversion set fewer per row, ~11
+//     operations of ~150; 5 pairs): backward 0.75x -> 0.70x (predicted ~4 %; the pairs' spread is as
+//     large);
+//   - the GEMMs in registers: see rows512::kGemmRows and dc_gemm (AVX-512 kept, AVX2 not).
+// Measured and not kept:
+//   - the norm stats 16 groups at a time (a transposing tree of shuffles for the 16 sums, one vector
+//     sqrt and division), predicted to cut the per-row reductions' ~16 operations and the scalar
+//     sqrt/division chain to ~4: the forward's row pass against the unchanged sgemm in the same profile
+//     stayed 1.66 : 1 (1.657 before, 1.658 after): a miss, those reductions and that chain do not set
+//     the row's time;
+//   - rcp14 and a Newton step for the sigmoid's division (predicted: none, the divider is not the
+//     limit): row pass : sgemm 1.74 against 1.66 forward, 2.51 against 2.55 backward.
+//   The per-row time does not depend on N (forward 37-41 ns, backward ~76 ns per row from 2048 to 34816
+//   rows: not memory-bound); PMU counters are not available on this VM, so the limit (likely the two
+//   512-bit vector ports) is inferred, not counted.
 //
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
@@ -80,7 +113,8 @@ int64_t workers_for(int64_t work) { return work < kMinParallelWork ? 1 : at::get
 
 // (mean, 1 / sqrt(var + eps)) of n floats, biased variance in two passes (like torch's norms).
 // AVX2 only: a 16-lane AVX-512 form (masked tail, _mm512_reduce_add_ps) made the small model's output
-// forward 7 % slower: on 32-float rows the reductions, not the lanes, set the time.
+// forward 7 % slower: on 32-float rows the reductions, not the lanes, set the time. (That layer now
+// takes OutputRows' fused pass, whose stats use _mm512_reduce_add_ps with the row in registers.)
 inline std::pair<float, float> moments(const float* x, int64_t n, float eps) {
   auto add = [](Vec a, Vec b) { return a + b; };
   const float mean = at::vec::reduce_all<float>(add, x, n) / static_cast<float>(n);
@@ -255,7 +289,8 @@ inline void store_narrow(const VecD& v, float* p) {
 // (FlashAttention's rule). Vectorised over fp64 lanes, the last n % kLanesD elements one by one.
 // The first pass keeps xhat and dxh in scratch (2 * n doubles) for the second: widening the row's
 // floats to fp64 again there took 13 % more time (the conversions share one port). AVX2 only: an
-// 8-lane fp64 AVX-512 form took 1.15x the time of this one on the small model's 32-float rows.
+// 8-lane fp64 AVX-512 form took 1.15x the time of this one on the small model's 32-float rows (that
+// layer now takes OutputRows' fused pass, the whole row in registers).
 void norm_backward_row(const float* g, const float* scale, const float* x, float mean, float rstd, const float* w,
                        double* dnw, double* dnb, float* dx, const float* dx_add, int64_t n, double* scratch) {
   const int64_t nv = n - n % kLanesD;
@@ -346,6 +381,202 @@ void output_prologue_row(const float* a, const float* s, const NormSpec& ns, flo
     const int64_t k = width + (y - c_row);
     at::vec::map2([](Vec c, Vec m) { return c * m; }, c_row, c_row, mask, k);
   }
+}
+
+// The output half's per-row work without concat_u / concat_x (the small model's layer), at widths 16
+// and 32 in norm groups of 16 or 32 (the LayerNorm, or the group norm at head dims 16): one pass per row
+// with the row's u, a and (backward) dc loaded once and held in registers through SiLU, the norm's stats,
+// the gating and the norm backward; the norm weight and bias (per element) and the block's fp64
+// norm-weight partials too. The code is hstu_layer_rows.inc, built twice: on 16-lane AVX-512F vectors
+// (rows512, where the CPU has it: cpu_has_avx512f) and on 8-lane AVX2 ones (rows256). Other layers run
+// output_prologue_row and norm_backward_row.
+struct OutputRows {
+  const float* a;      // [rows, width]
+  const float* u;      // [rows, width]: u before its SiLU
+  const float* mask;   // [rows, width] or null
+  float* stats;        // [rows, 2 * groups]: written by the forward, read by the backward
+  const float* we;     // [width]: the norm's weight per element
+  const float* be;     // [width]: its bias per element
+  float* c;            // [rows, width]: silu(u) * Norm(a) (times the mask)
+  float* dc;           // backward: [rows, width], dout @ W^T (written by the rows where wt)
+  const float* g;      // backward: [rows, 32], dout, where wt
+  const float* wt;     // backward: [32, 32] or null: W^T where the rows run the dc GEMM
+  float* da;           // backward: [rows, width]
+  float* du;           // backward: [rows, width]
+  double* dnw;         // backward: [width], the chunk's fp64 norm-weight partials
+  double* dnb;         // backward: [width], its norm-bias partials
+  const float* x;      // forward: [rows, dim], the residual
+  const float* bias;   // forward: [dim] or null, the output bias
+  float* out;          // forward: [rows, dim]
+  int64_t dim;
+  const float* w;      // forward: [width, 32] or null: the output weight where the rows run the GEMM
+};
+
+#if defined(CPU_CAPABILITY_AVX2)
+namespace rows256 {
+using V = __m256;
+using VD = __m256d;
+constexpr int kL = 8;
+// The forward's GEMM stays sgemm's: in registers (2 rows at a time: 8 accumulators and 4 weight vectors
+// of the 16 ymm) the output forward took 1.07x the time (6 interleaved pairs of processes, 1 thread).
+constexpr int kGemmRows = 0;
+inline V load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline float hsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline V sigmoid(V z) { return sigmoid8(z); }
+inline VD widen(V v, int half) { return _mm256_cvtps_pd(half == 0 ? _mm256_castps256_ps128(v) : _mm256_extractf128_ps(v, 1)); }
+inline VD widen_load(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+inline V narrow(VD lo, VD hi) { return _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo)); }
+inline VD dload(const double* p) { return _mm256_loadu_pd(p); }
+inline void dstore(double* p, VD v) { _mm256_storeu_pd(p, v); }
+inline VD dset1(double x) { return _mm256_set1_pd(x); }
+inline VD dadd(VD a, VD b) { return _mm256_add_pd(a, b); }
+inline VD dsub(VD a, VD b) { return _mm256_sub_pd(a, b); }
+inline VD dmul(VD a, VD b) { return _mm256_mul_pd(a, b); }
+inline VD dfmadd(VD a, VD b, VD c) { return _mm256_fmadd_pd(a, b, c); }
+inline VD dfnmadd(VD a, VD b, VD c) { return _mm256_fnmadd_pd(a, b, c); }
+inline double dhsum(VD v) {
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+// out[0, dim) = x (+ bias): the GEMM's accumulator, row by row in the rows' pass.
+inline void residual_row(const float* x, const float* bias, float* out, int64_t dim) {
+  if (bias != nullptr) {
+    at::vec::map2([](Vec p, Vec q) { return p + q; }, out, x, bias, dim);
+  } else {
+    copy_row(x, out, dim);
+  }
+}
+#include "hstu_layer_rows.inc"
+}  // namespace rows256
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace rows512 {
+using V = __m512;
+using VD = __m512d;
+constexpr int kL = 16;
+// The forward's GEMM in registers, 8 rows at a time (16 accumulators, 2 weight vectors): the output
+// forward took 0.89-0.96x the time of the same rows with sgemm after them (medians of 6 and 8
+// interleaved pairs of processes, 1 thread, busy shared host): no copy of x into out, no read of c
+// and out back from L2.
+constexpr int kGemmRows = 8;
+inline V load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
+inline V sigmoid(V z) { return sigmoid16(z); }
+inline VD widen(V v, int half) {
+  return _mm512_cvtps_pd(half == 0 ? _mm512_castps512_ps256(v)
+                                   : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+inline VD widen_load(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+inline V narrow(VD lo, VD hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo))),
+                                             _mm256_castps_pd(_mm512_cvtpd_ps(hi)), 1));
+}
+inline VD dload(const double* p) { return _mm512_loadu_pd(p); }
+inline void dstore(double* p, VD v) { _mm512_storeu_pd(p, v); }
+inline VD dset1(double x) { return _mm512_set1_pd(x); }
+inline VD dadd(VD a, VD b) { return _mm512_add_pd(a, b); }
+inline VD dsub(VD a, VD b) { return _mm512_sub_pd(a, b); }
+inline VD dmul(VD a, VD b) { return _mm512_mul_pd(a, b); }
+inline VD dfmadd(VD a, VD b, VD c) { return _mm512_fmadd_pd(a, b, c); }
+inline VD dfnmadd(VD a, VD b, VD c) { return _mm512_fnmadd_pd(a, b, c); }
+inline double dhsum(VD v) { return _mm512_reduce_add_pd(v); }
+
+// out[0, dim) = x (+ bias): the GEMM's accumulator, one row at a time in the rows' pass (a copy of the
+// block after it, the memmove of 64 KiB from x not in cache, took 13 % of the output forward's samples).
+inline void residual_row(const float* x, const float* bias, float* out, int64_t dim) {
+  int64_t j = 0;
+  for (; j + 16 <= dim; j += 16) {
+    V v = load(x + j);
+    if (bias != nullptr) v = add(v, load(bias + j));
+    store(out + j, v);
+  }
+  if (j < dim) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (dim - j)) - 1u);
+    V v = _mm512_maskz_loadu_ps(m, x + j);
+    if (bias != nullptr) v = add(v, _mm512_maskz_loadu_ps(m, bias + j));
+    _mm512_mask_storeu_ps(out + j, m, v);
+  }
+}
+
+#include "hstu_layer_rows.inc"
+}  // namespace rows512
+#pragma GCC pop_options
+#endif
+
+// Which rows kernel serves a layer: (width / 16) * 10 + group size / 16 (22: width 32 in one LayerNorm
+// group; 21: its group norm over two heads of 16), or 0 where none does (a concat, other widths or
+// group sizes, a build without AVX2).
+int output_rows_kind(int64_t width, int64_t group_size, bool concat_u, bool concat_x) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (concat_u || concat_x || (width != 16 && width != 32) || group_size % 16 != 0) return 0;
+  return static_cast<int>(width / 16 * 10 + group_size / 16);
+#else
+  return 0;
+#endif
+}
+
+// Whether the forward's rows run its GEMM too (rows512, at dim 32), or leave it to sgemm.
+bool output_rows_run_gemm(int kind, int64_t dim) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return kind != 0 && dim == 32 && cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
+void output_fwd_rows(int kind, const OutputRows& p, float eps, int64_t rows) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) {
+    switch (kind) {
+      case 11: return rows512::output_fwd_rows<1, 1>(p, eps, rows);
+      case 21: return rows512::output_fwd_rows<2, 1>(p, eps, rows);
+      case 22: return rows512::output_fwd_rows<2, 2>(p, eps, rows);
+    }
+  } else {
+    switch (kind) {
+      case 11: return rows256::output_fwd_rows<2, 2>(p, eps, rows);
+      case 21: return rows256::output_fwd_rows<4, 2>(p, eps, rows);
+      case 22: return rows256::output_fwd_rows<4, 4>(p, eps, rows);
+    }
+  }
+#endif
+  TORCH_CHECK(false, "output_fwd_rows: no kernel of kind ", kind);
+}
+
+void output_bwd_rows(int kind, const OutputRows& p, int64_t rows) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) {
+    switch (kind) {
+      case 11: return rows512::output_bwd_rows<1, 1>(p, rows);
+      case 21: return rows512::output_bwd_rows<2, 1>(p, rows);
+      case 22: return rows512::output_bwd_rows<2, 2>(p, rows);
+    }
+  } else {
+    switch (kind) {
+      case 11: return rows256::output_bwd_rows<2, 2>(p, rows);
+      case 21: return rows256::output_bwd_rows<4, 2>(p, rows);
+      case 22: return rows256::output_bwd_rows<4, 4>(p, rows);
+    }
+  }
+#endif
+  TORCH_CHECK(false, "output_bwd_rows: no kernel of kind ", kind);
 }
 
 void check_cpu_2d(const Tensor& t, const char* name) {
@@ -629,6 +860,10 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
   Tensor out = at::empty({n, dim}, opts);
   float* op = out.data_ptr<float>();
   const int64_t y_off = width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
+  const int rows_kind = output_rows_kind(width, ns.group_size, concat_u, concat_x);
+  const bool fused_gemm = output_rows_run_gemm(rows_kind, dim);
+  const Tensor w_elem = rows_kind && group_norm ? nw.repeat_interleave(ns.group_size) : nw;
+  const Tensor b_elem = rows_kind && group_norm ? nb.repeat_interleave(ns.group_size) : nb;
   const Chunking ch = chunking(n, k);
   parallel_ranges(ch.count, 1, workers_for(n * k * dim * 2), [&](auto& claim) {
     const SingleThreadBlas single_thread;
@@ -636,7 +871,24 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
     for (int64_t c0, c1; claim(c0, c1);) {
       for (int64_t r0 = ch.begin(c0), r1 = ch.end(c0, n); r0 < r1; r0 += ch.block) {
         const int64_t rows = std::min(ch.block, r1 - r0);
-        for (int64_t i = 0; i < rows; ++i) {
+        if (rows_kind != 0) {
+          OutputRows rp{};
+          rp.a = ap + r0 * width;
+          rp.u = up + r0 * width;
+          rp.mask = mp ? mp + r0 * k : nullptr;
+          rp.stats = sp + r0 * 2 * shape.groups;
+          rp.we = w_elem.data_ptr<float>();
+          rp.be = b_elem.data_ptr<float>();
+          rp.c = c.data();
+          rp.x = xp + r0 * dim;
+          rp.bias = bp;
+          rp.out = op + r0 * dim;
+          rp.dim = dim;
+          rp.w = fused_gemm ? wp : nullptr;
+          output_fwd_rows(rows_kind, rp, static_cast<float>(eps), rows);
+          if (fused_gemm) continue;
+        }
+        for (int64_t i = 0; i < rows && rows_kind == 0; ++i) {
           const int64_t row = r0 + i;
           // silu(u) into c's u slot (concat_u) or y slot (scaled in place by the prologue), row by row
           // (the row stays in L1 for the prologue: one silu_block over the block's rows first was 3 %
@@ -646,13 +898,14 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
           output_prologue_row(ap + row * width, s_row, ns, static_cast<float>(eps), concat_u, concat_x,
                               mp ? mp + row * k : nullptr, sp + row * 2 * shape.groups, true, c.data() + i * k);
         }
-        // The residual (and the bias) as the GEMM's accumulator: the block's rows are contiguous in x
-        // and out, one copy for all of them (a copy per row was a memmove call per 32 floats).
+        // The residual (and the bias) as the GEMM's accumulator (output_fwd_rows writes it row by row):
+        // the block's rows are contiguous in x and out, one copy for all of them (a copy per row was a
+        // memmove call per 32 floats).
         float* oblock = op + r0 * dim;
-        if (bp != nullptr) {
+        if (rows_kind == 0 && bp != nullptr) {
           for (int64_t i = 0; i < rows; ++i)
             at::vec::map2([](Vec p, Vec q) { return p + q; }, oblock + i * dim, xp + (r0 + i) * dim, bp, dim);
-        } else {
+        } else if (rows_kind == 0) {
           std::copy(xp + r0 * dim, xp + (r0 + rows) * dim, oblock);
         }
         mm(false, false, rows, dim, k, 1.0f, c.data(), k, wp, dim, 1.0f, op + r0 * dim, dim);
@@ -701,6 +954,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const Tensor w_elem = group_norm ? nw.repeat_interleave(gs) : nw, b_elem = group_norm ? nb.repeat_interleave(gs) : nb;
   const float* wep = w_elem.data_ptr<float>();
   const float* bep = b_elem.data_ptr<float>();
+  const int rows_kind = output_rows_kind(width, gs, concat_u, concat_x);
+  // dc = g @ W^T in registers by the rows (AVX-512, width and dim 32), 8 rows before their row work:
+  // the output backward took 0.96x the time of the same rows after sgemm's dc (median of 8 interleaved
+  // pairs of processes, 0.89-1.02, 1 thread).
+  const bool dc_gemm = width == 32 && output_rows_run_gemm(rows_kind, dim);
+  const Tensor wt = dc_gemm ? w.t().contiguous() : Tensor();
   parallel_ranges(chunks, 1, workers_for(n * k * dim * 4), [&](auto& claim) {
     const SingleThreadBlas single_thread;
     std::vector<float> silu_buf(2 * ch.block * width), c(ch.block * k), dc(ch.block * k);
@@ -714,12 +973,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
         const int64_t rows = std::min(ch.block, r1 - r0);
         // dc = g @ W^T; then per row c recomputed (the forward's prologue with its saved stats) for
         // the weight gradient, and the gating / norm backward.
-        mm(false, true, rows, k, dim, 1.0f, gp + r0 * dim, dim, wp, dim, 0.0f, dc.data(), k);
+        if (!dc_gemm) mm(false, true, rows, k, dim, 1.0f, gp + r0 * dim, dim, wp, dim, 0.0f, dc.data(), k);
         float* s_block = silu_buf.data();
         float* sgrad_block = s_block + rows * width;
-        silu_block<SiluRow::kGrad>({up + r0 * width, width, nullptr, 0, s_block, width, sgrad_block, width}, rows,
-                                   width);
-        for (int64_t i = 0; i < rows; ++i) {
+        if (rows_kind == 0)
+          silu_block<SiluRow::kGrad>({up + r0 * width, width, nullptr, 0, s_block, width, sgrad_block, width}, rows,
+                                     width);
+        if (rows_kind != 0) {
+          OutputRows rp{};
+          rp.a = ap + r0 * width;
+          rp.u = up + r0 * width;
+          rp.mask = mp ? mp + r0 * k : nullptr;
+          rp.stats = sp + r0 * 2 * groups;
+          rp.we = wep;
+          rp.be = bep;
+          rp.c = c.data();
+          rp.dc = dc.data();
+          rp.da = dap + r0 * width;
+          rp.du = dup + r0 * width;
+          rp.dnw = dnw;
+          rp.dnb = dnb;
+          rp.g = gp + r0 * dim;
+          rp.wt = dc_gemm ? wt.data_ptr<float>() : nullptr;
+          output_bwd_rows(rows_kind, rp, rows);
+        }
+        for (int64_t i = 0; i < rows && rows_kind == 0; ++i) {
           const int64_t row = r0 + i;
           const float* ar = ap + row * width;
           const float* s = s_block + i * width;
