@@ -35,8 +35,8 @@
 // forward_rows16 does on 16).
 // Work decomposition: one item = one sequence (its head-0 item of for_each_item; the other heads'
 // items are empty); the backward's dk and dv rows accumulate in the workspace and are written once,
-// its time-bias gradient in 4 interleaved histograms per head (two heads: one histogram of bucket
-// pairs, filled after both heads' rows from their dS tiles, add_by_bucket4_pair).
+// its time-bias gradient in 4 interleaved histograms per head (two heads: 8 histograms of bucket
+// pairs, filled after both heads' rows from their dS tiles, add_by_bucket8_pair).
 // FLOPs and minimum bytes: the general path's (attention.cpp's header). At the model's call (B = 256,
 // ~225k visible pairs a head, H = 2, D = Dv = 16) the backward is ~72 MFLOP and ~8 MB (q, k, v, dO
 // read, dq, dk, dv written): ~4.1 ms on 1 thread is ~17 GFLOP/s, far from either roof.
@@ -46,7 +46,7 @@
 // SiLU gradient's exp and divide chain is the largest part; scores and dP (dot_blocks) 0.6; dk/dv
 // four-row products (scatter_rows4) 0.5; buckets and spans (ShortSeq::init) 0.45; key and value
 // transposes 0.27 (their samples sit on the first loads of the k and v rows); dq (gather_rows) 0.25;
-// the time-bias histogram ~0.2 (0.43 before add_by_bucket4_pair: skipping it measured -10 %).
+// the time-bias histogram ~0.2 (0.43 before the pair histogram: skipping it measured -10 %).
 // Measured and not kept (in-process A/B, 1 thread, at the model's call): the SiLU-gradient rows reading
 // the time bias from registers on AVX-512F (TimeRegs, vpermt2ps; bias_silu_grad_row_tr per row) was
 // 9-13 % slower, with or without the forward run in between; the histogram in 8 copies, not 4, no
@@ -90,6 +90,23 @@
 // wasted lanes (idea: exact spans, not 8-column blocks): with the last 16-lane block 8 or 16 wide,
 // ceil(n / 16) = ceil(round8(n) / 16) blocks either way, so exact spans save no instruction in the P /
 // dS pass, and dq and the products already run over the exact runs: not tried.
+// Kept (2026-12-06 ~17:58-18:10 UTC, 1 thread, CPU time, scripts/attention_model_call.py --native in
+// alternating processes against the build before (2c6b00a), 22 rounds, load average 2-3): the pair
+// histogram in 8 copies at fixed pointers (add_by_bucket8_pair, ~6 instructions a key against ~10):
+// the backward 3.31 -> 3.23 ms (medians; per-round ratio median 0.985, range 0.74-1.08, 14 of 22 rounds
+// below 1; min of mins 3.03 -> 3.04), the forward unchanged (ratio 1.008). Predicted ~3 % (the
+// histogram ~6 % of the backward, its instructions ~0.6x); measured ~1.5 %, near a round's noise.
+// Measured and not kept (same method): the scores and dP on 16 lanes from a paired layout
+// (transpose_rows storing rows d and d + 1 interleaved by 8-column blocks in a 64-byte-aligned buffer,
+// one aligned zmm load a block for two d, against x[d] in lanes 0..7 and x[d + 1] in 8..15 by vpermps:
+// half of dot_blocks' FMAs, no split loads), forward and backward: 14 rounds, backward ratio median
+// 1.003, forward 0.993, no gain, though a zmm FMA measured 1.2x a ymm one's time in a standalone loop
+// (0.53 against 0.44 ns: 1.6x the lanes a ns). So dot_blocks is not bound by its FMAs (a guess, not
+// measured: the vpermps, 8 a row against ~2.75 blocks, share port 5 with the second FMA unit; or the
+// latency of its short calls). The dk and dv rows accumulated in their output rows (stride qs, vs,
+// zeroed there first), not in workspace rows copied out after each head: 6 rounds, backward ratio
+// median 0.989 (0.72-1.03), noise, not kept. Not memory-bound: the backward per row at B = 8 (the
+// inputs in L2) took 368 ns against 330 ns at the model's B = 256.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
@@ -283,7 +300,7 @@ struct ShortSeq {
   std::vector<RowSpan> spans;
   std::vector<int64_t> key_times;
   std::vector<float> pos_window;  // one head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
-  std::vector<float> hist;        // the backward's time-bias gradient: 4 interleaved copies (of pairs, H = 2)
+  std::vector<float> hist;        // the backward's time-bias gradient: 4 copies (H = 2: 8 copies of pairs)
 
   // wide_buckets: bucket_row8 (AVX-512F), else table_bucket4. The forward takes bucket_row8 (with its
   // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread), and so does the backward with its
@@ -606,16 +623,22 @@ inline void add_by_bucket4(const int32_t* bucket, const float* ds, int64_t c0, i
 }
 
 // add_by_bucket4 for two heads at once (H = 2), a bucket's two sums side by side: hist[2 * (k * n +
-// bucket[c]) + h] += ds_h[c], one 64-bit load, add and store for both. The loop is bound by its
-// instructions (~10 a key: with 8 copies, not 4, it ran no faster), not by a copy's store-to-load
-// chain; per head the same additions in the same order as add_by_bucket4.
-inline void add_by_bucket4_pair(const int32_t* bucket, const float* ds0, const float* ds1, int64_t c0, int64_t c1,
+// bucket[c]) + h] += ds_h[c], one 64-bit load, add and store for both; 8 copies, 8 keys a step, key
+// c0 + 8j + k into copy k (a run's last c1 - c0 mod 8 keys into copies 0, 1, ...), each copy at a
+// fixed pointer: a key costs its bucket's load, the two dS loads (one inserted) and the pair's load,
+// add and store (~6 instructions; 4 copies indexed by c % 4 took ~10, and 8 copies of that loop ran no
+// faster: it was bound by its instructions, not by a copy's store-to-load chain).
+inline void add_by_bucket8_pair(const int32_t* bucket, const float* ds0, const float* ds1, int64_t c0, int64_t c1,
                                 int64_t n, float* hist) {
-  for (int64_t c = c0; c < c1; ++c) {
-    double* x = reinterpret_cast<double*>(hist) + (c & 3) * n + bucket[c];
-    const __m128 v = _mm_unpacklo_ps(_mm_load_ss(ds0 + c), _mm_load_ss(ds1 + c));
+  double* h = reinterpret_cast<double*>(hist);
+  auto add = [ds0, ds1](double* x, int64_t c) {
+    const __m128 v = _mm_insert_ps(_mm_load_ss(ds0 + c), _mm_load_ss(ds1 + c), 0x10);
     _mm_store_sd(x, _mm_castps_pd(_mm_add_ps(_mm_castpd_ps(_mm_load_sd(x)), v)));
-  }
+  };
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8)
+    for (int64_t k = 0; k < 8; ++k) add(h + k * n + bucket[c + k], c + k);
+  for (int64_t k = 0; c < c1; ++c, ++k) add(h + k * n + bucket[c], c);
 }
 
 // What one head's rows read and write in backward_rows16: q, k (for dq) and dO rows at their [N, H, *]
@@ -738,11 +761,11 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
   float* s = ws.s.data();
   float* pr = ws.pr.data();
   // Two heads with a time bias take their time-bias gradient in one pass after both heads' rows
-  // (add_by_bucket4_pair): head h's dS tile at h * L * Lp, and one histogram of bucket pairs.
+  // (add_by_bucket8_pair): head h's dS tile at h * L * Lp, and one histogram of bucket pairs.
   const bool pair_hist = H == 2 && p.time_bias != nullptr;
   if (pair_hist) {
     if (ws.dp.size() < static_cast<size_t>(2 * L * Lp)) ws.dp.resize(2 * L * Lp);
-    sq.hist.assign(8 * nt, 0.0f);
+    sq.hist.assign(16 * nt, 0.0f);
   }
   float* dk_acc = ws.acc.data();
   float* dv_acc = ws.acc2.data();
@@ -859,14 +882,15 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
       if (span.end <= span.begin) continue;
       const Runs r = runs_of(span);
       const int64_t o = i * Lp;
-      add_by_bucket4_pair(ws.bucket.data() + o, ds0 + o, ds1 + o, r.a0, r.a1, nt, sq.hist.data());
-      add_by_bucket4_pair(ws.bucket.data() + o, ds0 + o, ds1 + o, r.b0, r.b1, nt, sq.hist.data());
+      add_by_bucket8_pair(ws.bucket.data() + o, ds0 + o, ds1 + o, r.a0, r.a1, nt, sq.hist.data());
+      add_by_bucket8_pair(ws.bucket.data() + o, ds0 + o, ds1 + o, r.b0, r.b1, nt, sq.hist.data());
     }
     const float* hs = sq.hist.data();
     for (int64_t h = 0; h < 2; ++h)
       for (int64_t b = 0; b < nt; ++b) {
         const float* x = hs + 2 * b + h;
-        time_part[h * nt + b] += (x[0] + x[2 * nt]) + (x[4 * nt] + x[6 * nt]);
+        time_part[h * nt + b] += ((x[0] + x[2 * nt]) + (x[4 * nt] + x[6 * nt])) +
+                                 ((x[8 * nt] + x[10 * nt]) + (x[12 * nt] + x[14 * nt]));
       }
   }
 }
