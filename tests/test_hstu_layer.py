@@ -398,6 +398,58 @@ def test_cpu_output_ops_without_concat_on_both_paths(avx512):
     run_on_vector_path(_OUTPUT_ROWS_CHECK, avx512, "output rows ok")
 
 
+def _check_uvqk_threads(n, dim, heads, lin, att, silu_qkv, seed):
+    """The cpu uvqk ops' outputs and gradients: the same bits on 1 and 2 threads."""
+    cpu = torch.ops.gem_kernels
+    g = torch.Generator().manual_seed(seed)
+    o = 2 * heads * (lin + att)
+    x, nw, nb = torch.randn(n, dim, generator=g), 1 + 0.2 * torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    w, b = torch.randn(dim, o, generator=g) * dim ** -0.5, torch.randn(o, generator=g)
+    grads = (torch.randn(n, heads * lin, generator=g), torch.randn(n, heads, lin, generator=g),
+             torch.randn(n, heads, att, generator=g), torch.randn(n, heads, att, generator=g))
+
+    def run():
+        outs = cpu.hstu_uvqk_fwd_native(x, nw, nb, 1e-6, w, b, heads, lin, att, silu_qkv)
+        return [*outs, *cpu.hstu_uvqk_bwd_native(*grads, x, nw, nb, 1e-6, w, b, outs[4], heads, lin, att, silu_qkv)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for i, (a, c) in enumerate(zip(one, two)):
+        assert torch.equal(a, c), f"uvqk n={n} output {i} differs on 2 threads"
+
+
+_UVQK_ROWS_CHECK = """
+import os
+os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.test_hstu_layer import _check_cpu_ops, _check_uvqk_threads
+for seed, (n, heads, lin, att, silu_qkv) in enumerate([
+        (1100, 2, 16, 16, True),   # the small model's layer, 4 chunks of 275
+        (97, 2, 16, 16, False),
+        (45, 1, 16, 32, True)]):   # u, v 16 wide, q, k 32
+    _check_cpu_ops(n, 32, heads, lin, att, False, silu_qkv=silu_qkv, seeds=[seed])
+    _check_uvqk_threads(n, 32, heads, lin, att, silu_qkv, seed)
+print("uvqk rows ok")
+"""
+
+
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_uvqk_ops_at_dim_32_on_both_paths(avx512):
+    """The cpu uvqk ops at D = 32 with u, v, q, k in whole 16-lane vectors (the small model's layer: the
+    LayerNorm, split / SiLU and norm backward rows of csrc/cpu/hstu_layer_rows.inc, 16-lane AVX-512F or
+    8-lane AVX2 vectors), with and without silu_qkv, each output by FlashAttention's rule against the
+    reference op in float64 (_check_cpu_ops), and the same bits on 1 and 2 threads, on the AVX-512 path
+    and with GEM_KERNELS_NO_AVX512=1. A fresh process: the path is chosen once."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu not built")
+    run_on_vector_path(_UVQK_ROWS_CHECK, avx512, "uvqk rows ok")
+
+
 # Token counts against the cpu ops' chunking (csrc/cpu/hstu_layer.cpp chunking()) at uvqk width
 # O = 576 and output K = 576, where blocks are at most 256 rows: 255 (one chunk, one block), 512 (one
 # chunk of two blocks), 513 (two 512-row chunks' worth, rounded up to 4 chunks of 129 rows), 1100

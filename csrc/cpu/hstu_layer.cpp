@@ -57,6 +57,21 @@
 //   rows: not memory-bound); PMU counters are not available on this VM, so the limit (likely the two
 //   512-bit vector ports) is inferred, not counted.
 //
+// uvqk half at D = 32 with u, v, q, k in whole 16-lane vectors (the small model's layer): the forward's
+// LayerNorm rows (uvqk_norm_rows: the row in 2 zmm / 4 ymm, stats and xa in one pass) and its split /
+// SiLU rows (uvqk_split_rows: each z row read once, no silu_block / copy_row call per part) from
+// hstu_layer_rows.inc on AVX-512F or AVX2; on AVX-512F the backward's xa recompute (the same rows, saved
+// stats) and its norm backward (uvqk_norm_bwd_rows: norm_backward_row's fp64 formula with the row in
+// registers, no scratch). Predicted: the forward's row work from ~160 to ~80 cycles per row (-0.2 ms of
+// ~1.05), the backward's norm backward ~150 to ~50 (-0.3 ms of ~2.3). Measured (new / old build in
+// alternating processes, 1 thread, thread CPU time, median of 40 calls each, busy shared host, load
+// ~2-2.5, 2026-12-06 18:00-18:11 UTC; scripts like hstu_layer_pieces' uvqk pieces, caches flushed between
+// calls): AVX-512 forward 0.88x (1.10 -> 0.94 ms; 11 pairs, 0.84-0.90x), backward 0.96x (2.28 -> 2.20 ms;
+// 0.91-1.01x): both under the prediction, the GEMMs (sgemm at ~85 % of this core's fp32 peak) are most
+// of what is left. AVX2 (GEM_KERNELS_NO_AVX512=1, 5 pairs): forward 0.98x (0.97-0.99x, kept);
+// backward 1.02x (0.94-1.05x): measured and not kept, the AVX2 backward runs layer_norm_augmented and
+// norm_backward_row as before.
+//
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
 //     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
@@ -579,6 +594,52 @@ void output_bwd_rows(int kind, const OutputRows& p, int64_t rows) {
   TORCH_CHECK(false, "output_bwd_rows: no kernel of kind ", kind);
 }
 
+// Whether the uvqk forward's rows (uvqk_norm_rows, uvqk_split_rows of hstu_layer_rows.inc) serve a layer:
+// D = 32 (the small model's) and u, v, q, k widths in whole 16-lane vectors; else layer_norm_augmented
+// and silu_block / copy_row.
+bool uvqk_rows_fit(int64_t d, int64_t hl, int64_t ha) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return d == 32 && hl % 16 == 0 && ha % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+bool uvqk_bwd_rows_fit(int64_t d, int64_t hl, int64_t ha) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return uvqk_rows_fit(d, hl, ha) && cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
+void uvqk_norm_rows(const float* x, const float* nw, const float* nb, float eps, float* stats, bool compute_stats,
+                    int64_t rows, float* xa) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) return rows512::uvqk_norm_rows<2>(x, nw, nb, eps, stats, compute_stats, rows, xa);
+  return rows256::uvqk_norm_rows<4>(x, nw, nb, eps, stats, compute_stats, rows, xa);
+#endif
+  TORCH_CHECK(false, "uvqk_norm_rows: not in this build");
+}
+
+void uvqk_split_rows(const float* z, int64_t rows, int64_t hl, int64_t ha, bool silu_qkv, float* u, float* v, float* q,
+                     float* k) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) return rows512::uvqk_split_rows(z, rows, hl, ha, silu_qkv, u, v, q, k);
+  return rows256::uvqk_split_rows(z, rows, hl, ha, silu_qkv, u, v, q, k);
+#endif
+  TORCH_CHECK(false, "uvqk_split_rows: not in this build");
+}
+
+void uvqk_norm_bwd_rows(const float* dxn, const float* x, const float* stats, const float* nw, double* dnw, double* dnb,
+                        float* dx, int64_t rows) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) return rows512::uvqk_norm_bwd_rows<2>(dxn, x, stats, nw, dnw, dnb, dx, rows);
+  return rows256::uvqk_norm_bwd_rows<4>(dxn, x, stats, nw, dnw, dnb, dx, rows);
+#endif
+  TORCH_CHECK(false, "uvqk_norm_bwd_rows: not in this build");
+}
+
 void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
@@ -670,14 +731,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
   const float* wap = wa.data_ptr<float>();
   float* sp = stats.data_ptr<float>();
   const Chunking ch = chunking(n, o);
+  const bool rows_fit = uvqk_rows_fit(d, hl, ha);
   parallel_ranges(ch.count, 1, workers_for(n * d * o * 2), [&](auto& claim) {
     const SingleThreadBlas single_thread;
     std::vector<float> xa(ch.block * (d + 1)), z(ch.block * o);
     for (int64_t c0, c1; claim(c0, c1);) {
       for (int64_t r0 = ch.begin(c0), r1 = ch.end(c0, n); r0 < r1; r0 += ch.block) {
         const int64_t rows = std::min(ch.block, r1 - r0);
-        layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), sp, true, r0, rows, d, xa.data());
+        if (rows_fit) {
+          uvqk_norm_rows(xp + r0 * d, nwp, nbp, static_cast<float>(eps), sp + 2 * r0, true, rows, xa.data());
+        } else {
+          layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), sp, true, r0, rows, d, xa.data());
+        }
         mm(false, false, rows, o, d + 1, 1.0f, xa.data(), d + 1, wap, o, 0.0f, z.data(), o);
+        if (rows_fit) {
+          uvqk_split_rows(z.data(), rows, hl, ha, silu_qkv, out_ptrs[0] + r0 * hl, out_ptrs[1] + r0 * hl,
+                          out_ptrs[2] + r0 * ha, out_ptrs[3] + r0 * ha);
+          continue;
+        }
         // Epilogue: the block's [rows, O] product split into the four outputs, SiLU on v, q, k when
         // silu_qkv (u's SiLU is applied by the output half's prologue: the forward keeps no activation
         // for its backward).
@@ -764,6 +835,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   // weight / bias gradients in fp64: a norm weight's gradient sums N terms; in fp32, summed row
   // after row, it came out several ulps off where torch's pairwise sum is within one
   // (FlashAttention's rule failed).
+  // The backward's rows on AVX-512F only: on AVX2 they measured 1.02x (0.94-1.05x, 5 pairs) of
+  // layer_norm_augmented + norm_backward_row (see the header).
+  const bool rows_fit = uvqk_bwd_rows_fit(d, hl, ha);
   Tensor dwa_partials = at::empty({chunks, d + 1, o}, opts);
   Tensor norm_partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * d}, opts.dtype(at::kDouble));
   float* dwp = dwa_partials.data_ptr<float>();
@@ -781,8 +855,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
         const int64_t rows = std::min(ch.block, r1 - r0);
         // xa = [xn | 1] recomputed from the saved stats; with silu_qkv the pre-activations of v, q, k
         // too (one GEMM), then dz = grad * silu'(z) in place.
-        layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp), false, r0, rows, d,
-                             xa.data());
+        if (rows_fit) {
+          uvqk_norm_rows(xp + r0 * d, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp) + 2 * r0, false,
+                         rows, xa.data());
+        } else {
+          layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp), false, r0, rows, d,
+                               xa.data());
+        }
         if (silu_qkv) mm(false, false, rows, o - hl, d + 1, 1.0f, xa.data(), d + 1, wap + hl, o, 0.0f, dz.data() + hl, o);
         for (int s = 0; s < 4; ++s) {
           const float* g = grad_ptrs[s] + r0 * widths[s];
@@ -797,6 +876,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
         mm(false, false, rows, d, o, 1.0f, dz.data(), o, wtp, d, 0.0f, dxn.data(), d);
         mm(true, false, d + 1, o, rows, 1.0f, xa.data(), d + 1, dz.data(), o, r0 == chunk_begin ? 0.0f : 1.0f,
            dw_chunk, o);
+        if (rows_fit) {
+          uvqk_norm_bwd_rows(dxn.data(), xp + r0 * d, sp + 2 * r0, nwp, dnw, dnb, dxp + r0 * d, rows);
+          continue;
+        }
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t r = r0 + i;
           norm_backward_row(dxn.data() + i * d, nullptr, xp + r * d, sp[2 * r], sp[2 * r + 1], nwp, dnw, dnb,
