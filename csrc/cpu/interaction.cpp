@@ -574,8 +574,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
   const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const int64_t B = x0.size(0), N = x0.size(1);
   // Full rank, the forward keeps one multi-threaded addmm and the epilogue pass: per block it measured
-  // 5-6 % slower (B = 4096, N = 512, 1 and 2 threads, quiet: every block's sgemm packs the whole
-  // [N, N] weight again); low rank, per block is faster (p's product is the small one).
+  // 5-6 % slower (B = 4096, N = 512, 1 and 2 threads, quiet); low rank, per block is faster (p's
+  // product is the small one). Not the weight's repacking by every block's sgemm, as once thought:
+  // packed once with MKL's packed-GEMM API (cblas_sgemm_pack / cblas_sgemm_compute, which libtorch_cpu
+  // exports) and multiplied per block, the forward measured no faster (2 threads, quiet, one process,
+  // 7 alternating rounds, 2026-12-06: fwd 8.99 ms packed per block, 9.06 unpacked per block, 8.51
+  // addmm; fwd+bwd 26.94 / 26.76 / 26.43 ms; low rank r = 64, N = 1024: fwd 8.07 / 8.77 / 8.70 ms,
+  // fwd+bwd 25.84 / 25.23 / 25.46 ms), nor at 1 thread. The packed API also gave the backward's per-block
+  // grad_z U nothing measurable. Not kept.
   if (x0.scalar_type() == at::kFloat && low_rank) {
     auto out = at::empty_like(xl), z = at::empty_like(xl);
     auto p = at::empty({B, u.size(1)}, xl.options());
