@@ -491,9 +491,9 @@ def test_cpu_long_path_streams_rows_of_large_outputs(kind):
     """The tile loops write out, dq, dk and dv a row at a time from the workspace, with streaming stores
     once a call's outputs reach 4 MiB (kStreamRowsMinBytes): 1100 rows x 8 heads x 128 is 4.5 MB each,
     so both the forward and the backward take the streaming writes (the other cases are smaller). With
-    both biases shared by the 8 heads: their gradients sum ~10^7 terms here, a size at which the fp32
-    reference is itself off (softmax's time-bias gradient by 1.1e-3 against float64, the kernel's by
-    3e-5; _assert_bias_grad_close judges them against float64)."""
+    both biases shared by the 8 heads: their gradients sum ~2.6 * 10^6 terms here (the causal pairs of
+    8 heads), a size at which the fp32 reference is itself off (softmax's time-bias gradient by 1.1e-3
+    against float64, the kernel's by 3e-5; _assert_bias_grad_close judges them against float64)."""
     inputs = make_inputs([400, 700], H=8, D=128, pos_heads=1, time_heads=1)
     assert inputs["v"].numel() * 4 >= 4 << 20
     _check_against_reference(inputs, "cpu", torch.float32, kind=kind)
