@@ -730,6 +730,20 @@ def test_phase_timer_marks_every_component():
     assert list(times) == list(PHASES) and all(ms > 0 for ms in times.values())
 
 
+def test_train_step_puts_an_eval_model_in_training_mode_and_keeps_a_frozen_submodule():
+    """train_step trains a model left in eval mode (after evaluate), every submodule included; a model
+    already in training mode is left as it is, so a submodule the user put in eval mode stays so."""
+    model = GemModel(TINY, kernels="fused")
+    optimizers = model.make_optimizers()
+    batch = SyntheticBatches(TINY, 16)[0]
+    model.eval()
+    train_step(model, batch, optimizers)
+    assert all(m.training for m in model.modules())
+    model.task_heads.eval()
+    train_step(model, batch, optimizers)
+    assert model.training and not any(m.training for m in model.task_heads.modules())
+
+
 def test_json_fields(tmp_path):
     path = tmp_path / "run.json"
     result = main(["--config", "tiny", "--steps", "6", "--warmup", "2", "--batch-size", "32", "--no-progress",
