@@ -46,6 +46,8 @@ from gem_kernels.testing.timing import (RecompileError, Settings, Timing, compil
 PEAK_KINDS = ("bandwidth", "matmul")
 # The name under which a case's gather roof (Case.gather_roof) is timed among its impls.
 GATHER_ROOF = "(gather roof)"
+# The name under which a case's GEMM roof (Case.gemm_roof) is timed among its impls.
+GEMM_ROOF = "(GEMM roof)"
 
 
 class SkipFamily(Exception):
@@ -116,6 +118,12 @@ class Case:
     # the pre-measured peak in the notes. A roof measured minutes apart on a shared machine is not
     # the same-access-pattern roof (measured: 54 % against it, 74-77 % interleaved, same build).
     gather_roof: Callable[[], Any] | None = None
+    # CPU: the case's matrix products alone, as a zero-arg call (the same GEMMs at the same shapes and
+    # layouts, on the same rotating input sets, nothing else: no elementwise work, no extra bytes).
+    # Timed interleaved with the impls like the gather roof (GEMM_ROOF); rows get gemm_roof_ms and
+    # pct_gemm_roof = 100 x its median over the impl's: how close an op built around BLAS calls comes
+    # to the BLAS library's own rate at its shapes, beside pct_peak (the square-GEMM peak).
+    gemm_roof: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.peak not in PEAK_KINDS:
@@ -135,6 +143,8 @@ class Case:
             raise ValueError(f"case {self.op!r}: state readers for {sorted(self.state)}, impls {sorted(self.impls)}")
         if GATHER_ROOF in self.impls:
             raise ValueError(f"case {self.op!r}: {GATHER_ROOF!r} is the name of the interleaved gather roof, not an impl")
+        if GEMM_ROOF in self.impls:
+            raise ValueError(f"case {self.op!r}: {GEMM_ROOF!r} is the name of the interleaved GEMM roof, not an impl")
         self.compiled = tuple(self.compiled)
         unknown = [name for name in self.compiled if name not in self.impls]
         if unknown:
@@ -466,6 +476,8 @@ def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha:
         "pct_peak": None,
         "pct_gather_peak": None,
         "gather_roof_ms": None,
+        "pct_gemm_roof": None,
+        "gemm_roof_ms": None,
         "speedup_vs_baseline": None,
         "baseline": case.baseline,
         "git_sha": git_sha,
@@ -474,12 +486,14 @@ def _base_row(family: str, case: Case, impl: str, device: torch.device, git_sha:
 
 
 def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.device, peaks: dict,
-             git_sha: str, timestamp: str, compile_s: float | None = None, roof: Timing | None = None) -> dict:
+             git_sha: str, timestamp: str, compile_s: float | None = None, roof: Timing | None = None,
+             gemm_roof: Timing | None = None) -> dict:
     """A result row. TFLOP/s and GB/s are None for a case with no flops / no byte count; pct_peak is
     None when the machine has no measured peak of that kind (e.g. a dtype without a matmul peak).
     ``gbps`` divides the floor bytes, ``gbps_formula`` the case's formula bytes (None without them).
     ``roof``: the case's gather roof timed in the same interleaved run (Case.gather_roof): then
-    pct_gather_peak is its median time over the impl's; without it, GB/s by formula over gather_gbps."""
+    pct_gather_peak is its median time over the impl's; without it, GB/s by formula over gather_gbps.
+    ``gemm_roof``: the case's GEMMs alone timed in the same run (Case.gemm_roof): pct_gemm_roof."""
     seconds = timing.median_ms / 1e3
     row = _base_row(family, case, impl, device, git_sha, timestamp)
     row.update({
@@ -502,6 +516,9 @@ def make_row(family: str, case: Case, impl: str, timing: Timing, device: torch.d
         row["pct_gather_peak"] = 100 * roof.median_ms / timing.median_ms
     elif case.gather_gbps and row["gbps_formula"] is not None:
         row["pct_gather_peak"] = 100 * row["gbps_formula"] / case.gather_gbps
+    if gemm_roof is not None and timing.median_ms > 0:
+        row["gemm_roof_ms"] = gemm_roof.median_ms
+        row["pct_gemm_roof"] = 100 * gemm_roof.median_ms / timing.median_ms
     return row
 
 
@@ -790,9 +807,11 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
                  if n in case.compiled or (case.compiled and n == case.baseline)}
 
     roof: Timing | None = None
+    gemm_roof: Timing | None = None
 
     def add_row(i: int, impl: str, timing: Timing) -> None:
-        row = make_row(family, case, impl, timing, device, peaks, git_sha, timestamp, compile_s.get(impl), roof)
+        row = make_row(family, case, impl, timing, device, peaks, git_sha, timestamp, compile_s.get(impl), roof,
+                       gemm_roof)
         rows.append(row)
         extra = f" {row['gbps']:.1f} GB/s" if row["gbps"] is not None else ""
         extra += f" {row['tflops']:.3g} TFLOP/s" if row["tflops"] is not None else ""
@@ -816,6 +835,8 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         fns = {n: impls[n] for n in names}
         if case.gather_roof is not None:
             fns[GATHER_ROOF] = case.gather_roof
+        if case.gemm_roof is not None:
+            fns[GEMM_ROOF] = case.gemm_roof
         cap = max(1e-3, min(settings.max_time, max(budget.left(), 0.0) / (2 * len(fns))))
         log(f"{tag} timing {case.op} {dtype_name(case.dtype)} [{case.shape}]: {', '.join(fns)} (interleaved)")
         with _no_recompiles():
@@ -834,6 +855,20 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
                     f"{roof.page_faults or 0:.0f} faults/call); '% of gather' = its median / the impl's")
                 log(f"{tag} gather roof (interleaved): {roof.median_ms:.3f} ms (p10 {roof.p10_ms:.3f}, "
                     f"p90 {roof.p90_ms:.3f}, n={roof.repeats})")
+        if case.gemm_roof is not None:
+            gemm_roof = timings.pop(GEMM_ROOF, None)
+            if gemm_roof is None:
+                exc = errors.pop(GEMM_ROOF)
+                why = f"the GEMM roof raised while timed: {type(exc).__name__}: {_first_line(exc)}"
+                result.errors.append(f"{case.op} [{case.shape}]: {why}")
+                log(f"{tag} ERROR {why}")
+            else:
+                result.notes.append(
+                    f"{case.op} [{case.shape}]: GEMM roof (its matrix products alone, same shapes and layouts) timed "
+                    f"interleaved with the impls: {gemm_roof.median_ms:.3f} ms (p10-p90 {gemm_roof.p10_ms:.3f}-"
+                    f"{gemm_roof.p90_ms:.3f}, n={gemm_roof.repeats}); '% of its GEMMs' = its median / the impl's")
+                log(f"{tag} GEMM roof (interleaved): {gemm_roof.median_ms:.3f} ms (p10 {gemm_roof.p10_ms:.3f}, "
+                    f"p90 {gemm_roof.p90_ms:.3f}, n={gemm_roof.repeats})")
         for i, impl in enumerate(names):
             if impl in errors:
                 timing_error(i, impl, errors[impl])

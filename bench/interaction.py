@@ -65,25 +65,37 @@ def _fp64(t: torch.Tensor) -> torch.Tensor:
 
 def _cases_of(op: str, shape: str, dtype: torch.dtype, fwd: tuple[int, int], fwd_bwd: tuple[int, int],
               device: torch.device, quick: bool, fused: Callable[..., Callable], eager_of: Callable[..., Callable],
-              input_sets: list[tuple], grad_sets: list[torch.Tensor], params: tuple = ()) -> Iterator[Case]:
+              input_sets: list[tuple], grad_sets: list[torch.Tensor], params: tuple = (),
+              gemms: tuple[Callable, Callable] | None = None) -> Iterator[Case]:
     """The forward and the forward+backward case of an op. ``eager_of(*params)`` gives the eager
     function of the inputs with those parameters: the eager impl (the case's parameters) and its
     float64 run (float64 copies of the parameters and of the first input set, which the
-    verification call uses)."""
+    verification call uses). ``gemms``: (forward, forward+backward) functions of (inputs, grad) that
+    run the op's matrix products alone (Case.gemm_roof, CPU only), on the same rotating sets."""
     impls = _impls(device, fused, eager_of(*params), quick)
     inputs64 = [_fp64(t) for t in input_sets[0]]
     params64 = [_fp64(p) for p in params]
     eager64 = eager_of(*params64)
     compiled = [n for n in impls if n == "compile"]
+    sets = [(inputs, grad) for inputs, grad in zip(input_sets, grad_sets)]
+    roofs = [None, None]
+    if gemms is not None and device.type == "cpu":
+        detached = [(tuple(t.detach() for t in inputs), grad) for inputs, grad in sets]
+        roofs = [rotate(detached, lambda inputs, grad, f=f: _no_grad_call(f, inputs, grad)) for f in gemms]
     yield Case(op=op, shape=shape, dtype=dtype, flops=fwd[0], bytes=fwd[1],
                impls={name: rotate(input_sets, fn) for name, fn in impls.items()}, baseline="eager", peak="matmul",
-               reference="eager", fp64=lambda: eager64(*inputs64).detach(), compiled=compiled)
-    sets = [(inputs, grad) for inputs, grad in zip(input_sets, grad_sets)]
+               reference="eager", fp64=lambda: eager64(*inputs64).detach(), compiled=compiled, gemm_roof=roofs[0])
     yield Case(op=f"{op} fwd+bwd", shape=shape, dtype=dtype, flops=fwd_bwd[0], bytes=fwd_bwd[1],
                impls={name: rotate(sets, lambda inputs, grad, fn=fn: _fwd_bwd(fn, inputs, grad, params))
                       for name, fn in impls.items()},
                baseline="eager", peak="matmul", reference="eager",
-               fp64=lambda: _fwd_bwd(eager64, inputs64, grad_sets[0].double(), params64), compiled=compiled)
+               fp64=lambda: _fwd_bwd(eager64, inputs64, grad_sets[0].double(), params64), compiled=compiled,
+               gemm_roof=roofs[1])
+
+
+def _no_grad_call(fn: Callable, inputs: tuple, grad: torch.Tensor):
+    with torch.no_grad():
+        return fn(inputs, grad)
 
 
 def _eager_wukong(layer: gk.nn.WukongLayer) -> Callable:
@@ -141,10 +153,34 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                 for _ in range(num_sets)]
         grads = [randn(B, N, dtype=dtype) for _ in range(num_sets)]
         shape = f"B={B} N={N}" + (f" rank={rank}" if rank else "")
+        # The GEMM roof: the layer's matrix products alone at its shapes (grad standing in for
+        # dz = grad * x0). Full rank z = xl W^T; backward dxl += dz W, dW = dz^T xl. Low rank
+        # t = xl v^T, z = t u^T; backward dt = dz u, du = dz^T t, dv = dt^T xl, dxl += dt v.
+        if rank is None:
+            w = weight.detach()
+
+            def gemms_fwd(inputs, grad):
+                return torch.mm(inputs[1], w.t())
+
+            def gemms_fwd_bwd(inputs, grad):
+                xl = inputs[1]
+                return torch.mm(xl, w.t()), torch.mm(grad, w), torch.mm(grad.t(), xl)
+        else:
+            u, v = (t.detach() for t in weight)
+
+            def gemms_fwd(inputs, grad):
+                return torch.mm(torch.mm(inputs[1], v.t()), u.t())
+
+            def gemms_fwd_bwd(inputs, grad):
+                xl = inputs[1]
+                t = torch.mm(xl, v.t())
+                z = torch.mm(t, u.t())
+                dt = torch.mm(grad, u)
+                return z, torch.mm(grad.t(), t), torch.mm(dt.t(), xl), torch.mm(dt, v)
         yield from _cases_of("cross_layer", shape, dtype, flops.cross_layer(B, N, rank, elem),
                              flops.cross_layer(B, N, rank, elem, backward=True), device, quick,
                              lambda b: (lambda x0, xl: gk.cross_layer(x0, xl, weight, bias, backend=b)),
-                             eager_of, sets, grads, params)
+                             eager_of, sets, grads, params, gemms=(gemms_fwd, gemms_fwd_bwd))
 
     def fm(B, F, D, k, dtype, elem):
         y = randn(F, k, dtype=dtype, scale=F ** -0.5).requires_grad_(True)

@@ -121,6 +121,9 @@ def table_lines(rows: list[dict]) -> list[str]:
         if r.get("pct_gather_peak") is not None:
             # "interleaved": against the roof timed round-robin with the impls (Case.gather_roof)
             pct += f"; {r['pct_gather_peak']:.1f} of gather{' (interleaved)' if r.get('gather_roof_ms') else ''}"
+        if r.get("pct_gemm_roof") is not None:
+            # against the case's GEMMs alone, timed round-robin with the impls (Case.gemm_roof)
+            pct += f"; {r['pct_gemm_roof']:.1f} of its GEMMs (interleaved)"
         cells = common + [f"{r['ms']:.3f}", f"{r['ms_p10']:.3f}-{r['ms_p90']:.3f}",
                           f"{r['repeats']}{'*' if r['capped'] else ''}{' (few)' if r.get('few_repeats') else ''}",
                           compile_s, _fmt(r["tflops"], ".3g"), _fmt(r["gbps"], ".1f"), _fmt(r.get("gbps_formula"), ".1f"),
@@ -169,6 +172,8 @@ LEGEND = (
     "GB/s (FBGEMM formula) = embedding bags only: FBGEMM's benchmark bytes (every lookup reads its row, "
     "B x sum(D) x L), comparable with FBGEMM's published numbers but not a floor; "
     "% peak of the measured copy bandwidth (bw, against the floor bytes) or the dtype's matmul peak (mm); "
+    "'of gather' / 'of its GEMMs (interleaved)': the case's own roof (the same rows read; the same matrix products "
+    "alone, at the op's shapes) timed round-robin with the impls, over the impl's time; "
     "speedup = baseline ms / impl ms; faults/call = minor page faults per call (CPU: first touches of fresh output "
     "pages, which glibc maps anew for every block over 32 MiB); verified = the impl whose output (and gradients, "
     "updated tables and optimizer state where the case has them) this impl matched before it was timed, "

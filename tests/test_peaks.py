@@ -225,3 +225,75 @@ def test_embedding_bag_case_interleaves_a_roof_reading_each_input_sets_rows(monk
     for _ in range(3):
         fwd.gather_roof()
     assert read == [0, 1, 0]
+
+
+def test_the_gemm_roof_is_timed_interleaved_with_the_impls():
+    """A case's GEMM roof (Case.gemm_roof) is called round-robin between the impls' timed calls, gets no
+    row of its own, and every row's % of its GEMMs is its median over the impl's (the real harness'
+    timings: only the bookkeeping is checked, no speed)."""
+    order = []
+
+    def impl(name, seconds):
+        return lambda: (order.append(name), time.sleep(seconds))
+
+    case = harness.Case(op="cross_layer", shape="s", dtype=torch.float32, flops=10, bytes=10,
+                        impls={"slow": impl("slow", 0.004), "fast": impl("fast", 0.001)}, baseline="slow",
+                        peak="matmul", unverified="test", gemm_roof=impl("gemms", 0.002))
+    settings = harness.Settings(min_repeats=4, min_time=0.0, max_time=1.0, warmup_time=0.0)
+    result = harness.run_family("fake", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
+                                {"copy_gbps": 10.0}, "sha", "ts")
+    assert {row["impl"] for row in result.rows} == {"slow", "fast"} and not result.errors
+    timed = order[order.index("gemms") - 2:]
+    assert timed[:6] == ["slow", "fast", "gemms"] * 2
+    notes = [n for n in result.notes if "GEMM roof" in n]
+    assert len(notes) == 1
+    for row in result.rows:
+        assert row["gemm_roof_ms"] > 0 and row["gather_roof_ms"] is None
+        assert row["pct_gemm_roof"] == pytest.approx(100 * row["gemm_roof_ms"] / row["ms"])
+        assert f"{row['gemm_roof_ms']:.3f} ms" in notes[0]
+    from bench.report import table_lines
+
+    assert "of its GEMMs (interleaved)" in "\n".join(table_lines(result.rows))
+
+
+def test_a_gemm_roof_that_raises_is_an_error_and_rows_have_no_pct_of_it():
+    def roof():
+        raise RuntimeError("mm broke")
+
+    case = harness.Case(op="cross_layer", shape="s", dtype=torch.float32, flops=10, bytes=10,
+                        impls={"slow": lambda: None}, baseline="slow", peak="matmul", unverified="test", gemm_roof=roof)
+    settings = harness.Settings(min_repeats=2, min_time=0.0, max_time=0.1, warmup_time=0.0)
+    result = harness.run_family("fake", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
+                                {"copy_gbps": 10.0}, "sha", "ts")
+    assert any("GEMM roof raised" in e and "mm broke" in e for e in result.errors), result.errors
+    (row,) = result.rows
+    assert row["gemm_roof_ms"] is None and row["pct_gemm_roof"] is None
+    with pytest.raises(ValueError, match="GEMM roof"):
+        harness.Case(op="x", shape="s", dtype=torch.float32, flops=1, bytes=1, baseline="a", unverified="t",
+                     impls={"a": lambda: None, harness.GEMM_ROOF: lambda: None})
+
+
+@pytest.mark.parametrize("rank", [None, 4])
+def test_cross_layer_gemm_roof_runs_the_layers_matrix_products(monkeypatch, rank):
+    """The cross layer cases' GEMM roofs run exactly the layer's products: the forward's matmul FLOPs
+    (2 B N^2, or 4 B N r at low rank) and three times that for forward + backward (flops.cross_layer
+    less its elementwise 3 B N per pass), on the case's own input sets."""
+    from bench import interaction
+
+    mm_flops = []
+    real_mm = torch.mm
+
+    def counting_mm(a, b):
+        mm_flops.append(2 * a.shape[0] * a.shape[1] * b.shape[1])
+        return real_mm(a, b)
+
+    cases = [c for c in interaction.cases(True, torch.device("cpu")) if c.op.startswith("cross_layer")
+             and (("rank=" in c.shape) == (rank is not None))]
+    assert len(cases) == 2 and all(c.gemm_roof is not None for c in cases)
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    for case in cases:
+        B, N = (int(part.split("=")[1]) for part in case.shape.split()[:2])
+        mm_flops.clear()
+        case.gemm_roof()
+        elementwise = 3 * B * N * (2 if "fwd+bwd" in case.op else 1)
+        assert sum(mm_flops) == case.flops - elementwise, (case.op, case.shape, mm_flops)
