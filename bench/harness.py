@@ -841,34 +841,28 @@ def _run_case(family: str, case_no: int, case: Case, device: torch.device, setti
         log(f"{tag} timing {case.op} {dtype_name(case.dtype)} [{case.shape}]: {', '.join(fns)} (interleaved)")
         with _no_recompiles():
             timings, errors = measure_interleaved(fns, settings, {n: cap for n in fns}, warmed, min_calls)
+        def take_roof(name: str, label: str, what: str) -> Timing | None:
+            # The roof's timing out of the interleaved run, with a note; an error of the run if it raised.
+            timing = timings.pop(name, None)
+            if timing is None:
+                exc = errors.pop(name)
+                why = f"the {label} raised while timed: {type(exc).__name__}: {_first_line(exc)}"
+                result.errors.append(f"{case.op} [{case.shape}]: {why}")
+                log(f"{tag} ERROR {why}")
+                return None
+            result.notes.append(
+                f"{case.op} [{case.shape}]: {label}{what} timed interleaved with the impls: {timing.median_ms:.3f} ms "
+                f"(p10-p90 {timing.p10_ms:.3f}-{timing.p90_ms:.3f}, n={timing.repeats}, "
+                f"{timing.page_faults or 0:.0f} faults/call); '% of {'gather' if name == GATHER_ROOF else 'its GEMMs'}' "
+                f"= its median / the impl's")
+            log(f"{tag} {label} (interleaved): {timing.median_ms:.3f} ms (p10 {timing.p10_ms:.3f}, "
+                f"p90 {timing.p90_ms:.3f}, n={timing.repeats})")
+            return timing
+
         if case.gather_roof is not None:
-            roof = timings.pop(GATHER_ROOF, None)
-            if roof is None:
-                exc = errors.pop(GATHER_ROOF)
-                why = f"the gather roof raised while timed: {type(exc).__name__}: {_first_line(exc)}"
-                result.errors.append(f"{case.op} [{case.shape}]: {why}")
-                log(f"{tag} ERROR {why}")
-            else:
-                result.notes.append(
-                    f"{case.op} [{case.shape}]: gather roof timed interleaved with the impls: {roof.median_ms:.3f} ms "
-                    f"(p10-p90 {roof.p10_ms:.3f}-{roof.p90_ms:.3f}, n={roof.repeats}, "
-                    f"{roof.page_faults or 0:.0f} faults/call); '% of gather' = its median / the impl's")
-                log(f"{tag} gather roof (interleaved): {roof.median_ms:.3f} ms (p10 {roof.p10_ms:.3f}, "
-                    f"p90 {roof.p90_ms:.3f}, n={roof.repeats})")
+            roof = take_roof(GATHER_ROOF, "gather roof", "")
         if case.gemm_roof is not None:
-            gemm_roof = timings.pop(GEMM_ROOF, None)
-            if gemm_roof is None:
-                exc = errors.pop(GEMM_ROOF)
-                why = f"the GEMM roof raised while timed: {type(exc).__name__}: {_first_line(exc)}"
-                result.errors.append(f"{case.op} [{case.shape}]: {why}")
-                log(f"{tag} ERROR {why}")
-            else:
-                result.notes.append(
-                    f"{case.op} [{case.shape}]: GEMM roof (its matrix products alone, same shapes and layouts) timed "
-                    f"interleaved with the impls: {gemm_roof.median_ms:.3f} ms (p10-p90 {gemm_roof.p10_ms:.3f}-"
-                    f"{gemm_roof.p90_ms:.3f}, n={gemm_roof.repeats}); '% of its GEMMs' = its median / the impl's")
-                log(f"{tag} GEMM roof (interleaved): {gemm_roof.median_ms:.3f} ms (p10 {gemm_roof.p10_ms:.3f}, "
-                    f"p90 {gemm_roof.p90_ms:.3f}, n={gemm_roof.repeats})")
+            gemm_roof = take_roof(GEMM_ROOF, "GEMM roof", " (its matrix products alone, same shapes and layouts)")
         for i, impl in enumerate(names):
             if impl in errors:
                 timing_error(i, impl, errors[impl])
