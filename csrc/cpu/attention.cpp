@@ -40,6 +40,16 @@
 // dS^T Q on transposed copies of P and dS (NN instead of transposed-A products: softmax backward
 // 44.9 -> 47.7 ms; at the tiles' 1 KiB pitch MKL's transposed-A product is only ~10 % slower, 112
 // vs 101 us, less than the two 256 x 256 transposes cost); kStrip = 128 (backward +3 %).
+// Measured and not kept (2026-12-06 evening, 1 thread, CPU time, in-process on/off switch, 15 rounds,
+// the 2-core Xeon shared with two helper sessions): a register-tiled AVX-512F softmax forward for
+// unbiased causal/full items (8 query rows x 48 keys of scores in 24 zmm from Q K^T through the mask,
+// the online softmax's max and exp to P; P V into the rows' output 32 columns at a time; K^T packed
+// per item; query rows in 64-row super blocks sharing each key block; no sgemm call, no stored score
+// tile). Softmax fwd, H = 4, D = 128, causal: L = 1024 75.6 vs 77.0 GFLOP/s (tile path), the bench's
+// lengths [1024, 420, 435, 443] 70.4 vs 70.4. Its Q K^T loop alone runs at ~138 GFLOP/s (86 % of
+// the core's FMA peak) from L1, but the whole kernel at ~87-94 standalone: the row softmax (two
+// horizontal reductions and a scalar exp per row and key block), the output rows' reload and rescale
+// per key block and the strided V rows take what MKL's packed products plus the row passes take here.
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
