@@ -29,7 +29,27 @@ rm -f "$DEST"/*.whl
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$DEST" "${PINS[@]}"
 ls -l "$DEST"/*.whl | awk '{printf "%10d  %s\n", $5, $NF}'
+# generative-recommenders' Python package, for scripts/gr_stu_vs.py (gpu_check's step grstu: its Triton
+# STULayer against ours): its common.py, modules/ and ops/ without their tests, from a checkout at
+# $GENERATIVE_RECOMMENDERS_PATH (default /tmp/gr, e.g. a clone of the fetched
+# github:meta-recsys/generative-recommenders). Pure Python and Triton, ~2 MB. Without it step grstu
+# times gem_kernels' layers alone and says why.
+GR_SRC="${GENERATIVE_RECOMMENDERS_PATH:-/tmp/gr}"
+rm -rf "$DEST/generative-recommenders"
+if [ -d "$GR_SRC/generative_recommenders" ]; then
+  (cd "$GR_SRC" && find generative_recommenders -maxdepth 1 -name '*.py' \
+     && find generative_recommenders/modules generative_recommenders/ops -name '*.py' -not -path '*/tests/*') |
+    while read -r f; do
+      mkdir -p "$DEST/generative-recommenders/$(dirname "$f")"
+      cp "$GR_SRC/$f" "$DEST/generative-recommenders/$f"
+    done
+  git -C "$GR_SRC" rev-parse HEAD > "$DEST/generative-recommenders/COMMIT" 2> /dev/null || true
+  echo "generative-recommenders: $(find "$DEST/generative-recommenders" -name '*.py' | wc -l) files from $GR_SRC"
+else
+  echo "gpu_carry: no generative-recommenders checkout at $GR_SRC (step grstu will time gem_kernels alone)" >&2
+fi
 carry=$(cat "$DEST"/*.whl | wc -c)
+[ -d "$DEST/generative-recommenders" ] && carry=$(( carry + $(find "$DEST/generative-recommenders" -type f -exec cat {} + | wc -c) ))
 tree=$(git -C "$ROOT" ls-files -z --cached --others --exclude-standard | (cd "$ROOT" && xargs -0 cat 2>/dev/null) | wc -c)
 echo "carry ${carry} bytes + working tree ${tree} bytes = $((carry + tree)) of ${LIMIT_BYTES}"
 if (( carry + tree > LIMIT_BYTES )); then

@@ -2,7 +2,8 @@
 # The GPU check: everything a lent GPU machine should verify, in one call of the device tool, ordered
 # by value so that a run cut short still brings back the most useful results (issue 25):
 #   facts, build, raise (C++ checks raise, not crash), tests (CUDA + Triton correctness, stopping at
-#   40 % of the budget), one bench row per kernel family, the model `large` bf16 MFU run, swap and
+#   38 % of the budget), one bench row per kernel family, the model `large` bf16 MFU run, the fused HSTU
+#   layers against generative-recommenders' Triton STULayer at dlrm_v3's shape (issue 26), swap and
 #   DMP on TorchRec, and the bad-input fuzz last with whatever time is left.
 # Each step runs under its own time box (SIGINT first, so pytest and the bench still report what they
 # did, then SIGKILL), and its result line is appended to $OUT/summary.txt before the next step starts;
@@ -34,7 +35,7 @@ while (( $# )); do
     --budget) BUDGET="${2:?--budget needs seconds}"; shift ;;
     --only) ONLY="${2:?--only needs step names}"; shift ;;
     --skip) SKIP="${2:?--skip needs step names}"; shift ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -47,7 +48,7 @@ fi
 # The bench families to time, headline kernels first. The bench runs each family's headline shapes
 # first (fwd, then fwd+bwd), so a family's short budget measures exactly those rows.
 BENCH_FAMILIES=(attention jagged embedding_bag interaction hstu_layer inference ranking hashed)
-BENCH_WINDOW=$(( BUDGET * 26 / 100 ))   # shared evenly by the bench families that exist
+BENCH_WINDOW=$(( BUDGET * 25 / 100 ))   # shared evenly by the bench families that exist
 RESERVE=8      # seconds kept at the end to pack the results
 MIN_BOX=10     # a step offered less than this is recorded as skipped (no time left)
 
@@ -58,7 +59,7 @@ PLAN=(
   "facts     25    -         GPU, driver, torch/triton/CUDA/Python versions, compilers"
   "build     170   -         gem_kernels._C with CUDA for sm_90a (GEM_KERNELS_CUDA_ARCHS), nproc jobs"
   "raise     25    -         a C++ TORCH_CHECK raises a Python exception (tests/test_build_toolchain.py)"
-  "tests     40%   -         CUDA and Triton correctness: pytest -m 'gpu or triton' (xdist when there)"
+  "tests     38%   -         CUDA and Triton correctness: pytest -m 'gpu or triton' (xdist when there)"
 )
 for fam in "${BENCH_FAMILIES[@]}"; do
   PLAN+=("bench:$fam bench -     python -m bench $fam --device cuda (headline rows, fwd and fwd+bwd)")
@@ -66,8 +67,9 @@ done
 PLAN+=(
   "torchrec  20    -         install .gpu_carry wheels (pip --no-index) and probe the fbgemm ops on CUDA"
   "model     55    torchrec  model.train --config large --amp bf16 --kernels fused: MFU"
-  "swap      35    torchrec  python -m bench swap --device cuda --quick"
-  "dmp       40    torchrec  model.train --distributed on NCCL, 1 process (torchrun)"
+  "grstu     40    -         scripts/gr_stu_vs.py: fused HSTU layers vs GR's Triton STULayer, dlrm_v3 shape, bf16"
+  "swap      25    torchrec  python -m bench swap --device cuda --quick"
+  "dmp       30    torchrec  model.train --distributed on NCCL, 1 process (torchrun)"
   "fuzz      rest  -         the bad-input fuzz (tests/test_fuzz.py: cuda, triton, host)"
 )
 
@@ -188,6 +190,11 @@ step_torchrec() {
 step_model() {
   torchrec_env "$PY" -m model.train --config large --steps 30 --kernels fused --amp bf16 --device cuda \
     --no-progress --json "$WORK/model-large.json"
+}
+
+step_grstu() {  # GR's package carried by scripts/gpu_carry.sh (pure Python + Triton: no TorchRec needed)
+  "$PY" scripts/gr_stu_vs.py --device cuda --repeats 10 --gr-path "$ROOT/.gpu_carry/generative-recommenders" \
+    --out "$WORK/bench/gr-stu"
 }
 
 step_swap() {
