@@ -640,6 +640,27 @@ void uvqk_norm_bwd_rows(const float* dxn, const float* x, const float* stats, co
   TORCH_CHECK(false, "uvqk_norm_bwd_rows: not in this build");
 }
 
+// Whether the uvqk backward's dz rows (uvqk_dz_rows, hstu_layer_rows.inc) serve a layer: the small
+// model's (D = 32, u, v, q, k 32 wide each, silu_qkv), on AVX-512F. Else sgemm recomputes the
+// pre-activations and silu_block / copy_row build dz. On AVX2 (8-lane vectors: 12 accumulators for one
+// row, no room for more rows) the backward took 1.33x the time of sgemm + silu_block (3.3-3.6 against
+// 2.5-2.8 ms, 3 runs of 40 interleaved calls, 1 thread): not kept.
+bool uvqk_dz_rows_fit(int64_t d, int64_t hl, int64_t ha, bool silu_qkv) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return silu_qkv && d == 32 && hl == 32 && ha == 32 && cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
+void uvqk_dz_rows(const float* xa, const float* wa, int64_t hl, int64_t ha, const float* gu, const float* gv,
+                  const float* gq, const float* gk, int64_t rows, float* dz) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) return rows512::uvqk_dz_rows<6, 4>(xa, wa, hl, ha, gu, gv, gq, gk, rows, dz);
+#endif
+  TORCH_CHECK(false, "uvqk_dz_rows: not in this build");
+}
+
 void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
@@ -838,6 +859,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   // The backward's rows on AVX-512F only: on AVX2 they measured 1.02x (0.94-1.05x, 5 pairs) of
   // layer_norm_augmented + norm_backward_row (see the header).
   const bool rows_fit = uvqk_bwd_rows_fit(d, hl, ha);
+  const bool dz_rows = uvqk_dz_rows_fit(d, hl, ha, silu_qkv);
   Tensor dwa_partials = at::empty({chunks, d + 1, o}, opts);
   Tensor norm_partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * d}, opts.dtype(at::kDouble));
   float* dwp = dwa_partials.data_ptr<float>();
@@ -862,8 +884,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
           layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp), false, r0, rows, d,
                                xa.data());
         }
-        if (silu_qkv) mm(false, false, rows, o - hl, d + 1, 1.0f, xa.data(), d + 1, wap + hl, o, 0.0f, dz.data() + hl, o);
-        for (int s = 0; s < 4; ++s) {
+        if (dz_rows) {
+          uvqk_dz_rows(xa.data(), wap, hl, ha, grad_ptrs[0] + r0 * hl, grad_ptrs[1] + r0 * hl, grad_ptrs[2] + r0 * ha,
+                       grad_ptrs[3] + r0 * ha, rows, dz.data());
+        } else if (silu_qkv) {
+          mm(false, false, rows, o - hl, d + 1, 1.0f, xa.data(), d + 1, wap + hl, o, 0.0f, dz.data() + hl, o);
+        }
+        for (int s = 0; s < 4 && !dz_rows; ++s) {
           const float* g = grad_ptrs[s] + r0 * widths[s];
           float* dzs = dz.data() + starts[s];
           if (silu_qkv && s > 0) {
