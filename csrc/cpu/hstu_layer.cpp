@@ -72,6 +72,36 @@
 // backward 1.02x (0.94-1.05x): measured and not kept, the AVX2 backward runs layer_norm_augmented and
 // norm_backward_row as before.
 //
+// uvqk backward's dz at the small model's shape on AVX-512F (uvqk_dz_rows, hstu_layer_rows.inc): per
+// 4-row tile the v, q, k pre-activations z = xa @ [W; b][:, H*Lh:] in 24 zmm accumulators (each weight
+// vector loaded once for the 4 rows), then silu'(z) times the incoming gradient in the same registers,
+// one store of dz per vector; u's gradient copied into dz in the same pass. It replaces the recompute's
+// sgemm, silu_block's pass over the [rows, 96] block it wrote and the copy loop. Profile before
+// (perf -e cpu-clock, 1 thread, L2 flushed between calls): sgemm NN (the recompute and dxn) 37 % of the
+// op's samples, sgemm NT (dW) 26 %, silu_block 20 %, the norm backward rows 7 %, the xa rows 4 %, the
+// copy of u's gradient 4 %. Predicted: the recompute at the FMA ports' rate (198 FMAs per row, ~100
+// cycles) and silu' (6 vectors, ~130 vector operations, ~65 cycles): ~0.6 ms against ~1.0 ms for sgemm +
+// silu_block + copy. The tile took 0.7-0.85 ms in the profiles, but the op gained less: 0.92-0.94x
+// (old / new in one process, 8 runs of 60 interleaved calls, 1 thread, thread CPU time, L2 flushed
+// between calls, busy shared host, load ~2, 2026-12-06 20:05 UTC: medians 2.56-2.82 -> 2.41-2.60 ms).
+// Now (same profile): dz rows 34 %, sgemm NT (dW) 30 %, sgemm NN (dxn) 23 %, norm backward 8 %, xa 5 %.
+// Per row the op issues ~940 operations to the two 512-bit ports (dz 198 FMAs + ~130 for silu', dxn 256,
+// dW 264, norm backward ~75, xa ~15): ~470 cycles against ~550 measured (~2.2 ms at ~2.4 GHz), so what is
+// left needs fewer operations (storing silu'(z): see below; the fp32 GEMMs as bf16x3 on AMX, untried),
+// not better scheduling. Measured and not kept (same method, dz rows on):
+//   - dW as rank-4 updates of the chunk's [33, 128] partial in L1 after each tile, no sgemm: the piece
+//     took 0.85x of sgemm NT's samples in one interleaved profile, the op 0.98-1.04x (16 runs, median
+//     1.01x): no gain;
+//   - dxn = dz @ W^T in registers per tile (two sets of 8 accumulators) and the norm backward on it in
+//     registers (no dxn block, no sgemm call): 0.98-1.00x (3 runs), no gain beyond the noise;
+//   - software prefetch of the four gradients' and x's rows 16 or 64 rows ahead: 1.00-1.02x (3 runs each);
+//   - 2 or 3 rows per tile (no accumulator spill before the silu'): the op 0.97-1.00x (3 runs), the tile's
+//     own samples 1.14x those of 4 rows in one interleaved profile: kept 4;
+//   - the same on AVX2 (one row of 12 ymm accumulators): 1.31-1.34x (3 runs), sgemm + silu_block kept;
+//   - the forward's GEMM and split in registers (2 rows of 8 zmm accumulators, SiLU and the four stores
+//     from them, no z block): 0.97-1.01x of sgemm + uvqk_split_rows (3 runs), its tile's samples 1.05x
+//     theirs in one profile.
+//
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
 //     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
@@ -84,8 +114,8 @@
 //     - the concat c (4*K bytes, K = 3*H*Lh for STULayer) and Norm(a) from attn, u_pre and the
 //       attention norm's stats (8*G bytes, G = 1, or H with group_norm), in the same pass as the
 //       norm's backward (one read of attn and u_pre);
-//     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh)):
-//       not stored (4*(O - H*Lh) bytes). Measured against storing silu'(z) from the forward (384 B per token
+//     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh), in
+//       registers at the small model's shape on AVX-512F: uvqk_dz_rows): not stored (4*(O - H*Lh) bytes). Measured against storing silu'(z) from the forward (384 B per token
 //       at the small model's shape, 3.3 MB per layer; a prototype, 2026-12-06, 1 thread, interleaved in one
 //       process, caches flushed between ops as in the training step, busy shared host): the backward took
 //       0.93x (-0.23 ms: no GEMM, no exp) but the forward 1.20x (+0.34 ms: the extra write), a net loss of
