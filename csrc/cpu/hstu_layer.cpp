@@ -95,6 +95,7 @@
 //   - dxn = dz @ W^T in registers per tile (two sets of 8 accumulators) and the norm backward on it in
 //     registers (no dxn block, no sgemm call): 0.98-1.00x (3 runs), no gain beyond the noise;
 //   - software prefetch of the four gradients' and x's rows 16 or 64 rows ahead: 1.00-1.02x (3 runs each);
+//   - db summed from the tile's dz rows (sgemm's dW then M = 32, not 33): 0.98-1.01x (4 runs);
 //   - 2 or 3 rows per tile (no accumulator spill before the silu'): the op 0.97-1.00x (3 runs), the tile's
 //     own samples 1.14x those of 4 rows in one interleaved profile: kept 4;
 //   - the same on AVX2 (one row of 12 ymm accumulators): 1.31-1.34x (3 runs), sgemm + silu_block kept;
