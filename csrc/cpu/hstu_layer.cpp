@@ -98,7 +98,7 @@
 //   - db summed from the tile's dz rows (sgemm's dW then M = 32, not 33): 0.98-1.01x (4 runs);
 //   - 2 or 3 rows per tile (no accumulator spill before the silu'): the op 0.97-1.00x (3 runs), the tile's
 //     own samples 1.14x those of 4 rows in one interleaved profile: kept 4;
-//   - the same on AVX2 (one row of 12 ymm accumulators): 1.31-1.34x (3 runs), sgemm + silu_block kept;
+//   - the same on AVX2: see uvqk_dz_rows_fit;
 //   - the forward's GEMM and split in registers (2 rows of 8 zmm accumulators, SiLU and the four stores
 //     from them, no z block): 0.97-1.01x of sgemm + uvqk_split_rows (3 runs), its tile's samples 1.05x
 //     theirs in one profile.
@@ -673,9 +673,10 @@ void uvqk_norm_bwd_rows(const float* dxn, const float* x, const float* stats, co
 
 // Whether the uvqk backward's dz rows (uvqk_dz_rows, hstu_layer_rows.inc) serve a layer: the small
 // model's (D = 32, u, v, q, k 32 wide each, silu_qkv), on AVX-512F. Else sgemm recomputes the
-// pre-activations and silu_block / copy_row build dz. On AVX2 (8-lane vectors: 12 accumulators for one
-// row, no room for more rows) the backward took 1.33x the time of sgemm + silu_block (3.3-3.6 against
-// 2.5-2.8 ms, 3 runs of 40 interleaved calls, 1 thread): not kept.
+// pre-activations and silu_block / copy_row build dz. On AVX2 (GEM_KERNELS_NO_AVX512=1 on this Xeon,
+// where MKL's sgemm still runs its AVX-512 kernels) the backward took 1.31-1.34x the time of sgemm +
+// silu_block with one row of 12 ymm accumulators, 1.07-1.13x with 2 rows of 4 in three column passes
+// (3 runs of 40 interleaved calls each, 1 thread): not kept; untried on a CPU without AVX-512.
 bool uvqk_dz_rows_fit(int64_t d, int64_t hl, int64_t ha, bool silu_qkv) {
 #if defined(CPU_CAPABILITY_AVX2)
   return silu_qkv && d == 32 && hl == 32 && ha == 32 && cpu_has_avx512f();
