@@ -86,9 +86,10 @@
 // between calls, busy shared host, load ~2, 2026-12-06 20:05 UTC: medians 2.56-2.82 -> 2.41-2.60 ms).
 // Now (same profile): dz rows 34 %, sgemm NT (dW) 30 %, sgemm NN (dxn) 23 %, norm backward 8 %, xa 5 %.
 // Per row the op issues ~940 operations to the two 512-bit ports (dz 198 FMAs + ~130 for silu', dxn 256,
-// dW 264, norm backward ~75, xa ~15): ~470 cycles against ~550 measured (~2.2 ms at ~2.4 GHz), so what is
-// left needs fewer operations (storing silu'(z): see below; the fp32 GEMMs as bf16x3 on AMX, untried),
-// not better scheduling. Measured and not kept (same method, dz rows on):
+// dW 264, norm backward ~75, xa ~15): ~470 cycles against ~600 measured (2.2 ms over 8704 rows at the
+// ~2.3 GHz that sgemm's 0.14-0.16 TFLOP/s at 64 FLOP per cycle implies): ~75-80 %, so what is left needs
+// fewer operations (storing silu'(z): see below; the fp32 GEMMs split into bf16 parts on this CPU's AMX
+// tiles, untried), not better scheduling. Measured and not kept (same method, dz rows on):
 //   - dW as rank-4 updates of the chunk's [33, 128] partial in L1 after each tile, no sgemm: the piece
 //     took 0.85x of sgemm NT's samples in one interleaved profile, the op 0.98-1.04x (16 runs, median
 //     1.01x): no gain;
