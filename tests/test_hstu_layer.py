@@ -429,7 +429,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 from tests.test_hstu_layer import _check_cpu_ops, _check_uvqk_threads
 for seed, (n, heads, lin, att, silu_qkv) in enumerate([
-        (1100, 2, 16, 16, True),   # the small model's layer, 4 chunks of 275
+        (1100, 2, 16, 16, True),   # the small model's layer, 4 chunks of 275 (dz rows: 68 tiles of 4, 3 single)
+        (7, 2, 16, 16, True),      # dz rows: one tile of 4, 3 single rows
+        (8, 2, 16, 16, True),      # dz rows: two tiles of 4, no single row
         (97, 2, 16, 16, False),
         (45, 1, 16, 32, True)]):   # u, v 16 wide, q, k 32
     _check_cpu_ops(n, 32, heads, lin, att, False, silu_qkv=silu_qkv, seeds=[seed])
@@ -442,7 +444,8 @@ print("uvqk rows ok")
 def test_cpu_uvqk_ops_at_dim_32_on_both_paths(avx512):
     """The cpu uvqk ops at D = 32 with u, v, q, k in whole 16-lane vectors (the small model's layer: the
     LayerNorm, split / SiLU and norm backward rows of csrc/cpu/hstu_layer_rows.inc, 16-lane AVX-512F or
-    8-lane AVX2 vectors), with and without silu_qkv, each output by FlashAttention's rule against the
+    8-lane AVX2 vectors; on AVX-512F the backward's dz rows, 4 rows at a time and single ones), with and
+    without silu_qkv, each output by FlashAttention's rule against the
     reference op in float64 (_check_cpu_ops), and the same bits on 1 and 2 threads, on the AVX-512 path
     and with GEM_KERNELS_NO_AVX512=1. A fresh process: the path is chosen once."""
     if "cpu" not in gk.available_backends():

@@ -72,6 +72,38 @@
 // backward 1.02x (0.94-1.05x): measured and not kept, the AVX2 backward runs layer_norm_augmented and
 // norm_backward_row as before.
 //
+// uvqk backward's dz at the small model's shape on AVX-512F (uvqk_dz_rows, hstu_layer_rows.inc): per
+// 4-row tile the v, q, k pre-activations z = xa @ [W; b][:, H*Lh:] in 24 zmm accumulators (each weight
+// vector loaded once for the 4 rows), then silu'(z) times the incoming gradient in the same registers,
+// one store of dz per vector; u's gradient copied into dz in the same pass. It replaces the recompute's
+// sgemm, silu_block's pass over the [rows, 96] block it wrote and the copy loop. Profile before
+// (perf -e cpu-clock, 1 thread, L2 flushed between calls): sgemm NN (the recompute and dxn) 37 % of the
+// op's samples, sgemm NT (dW) 26 %, silu_block 20 %, the norm backward rows 7 %, the xa rows 4 %, the
+// copy of u's gradient 4 %. Predicted: the recompute at the FMA ports' rate (198 FMAs per row, ~100
+// cycles) and silu' (6 vectors, ~130 vector operations, ~65 cycles): ~0.6 ms against ~1.0 ms for sgemm +
+// silu_block + copy. The tile took 0.7-0.85 ms in the profiles, but the op gained less: 0.92-0.94x
+// (old / new in one process, 8 runs of 60 interleaved calls, 1 thread, thread CPU time, L2 flushed
+// between calls, busy shared host, load ~2, 2026-12-06 20:05 UTC: medians 2.56-2.82 -> 2.41-2.60 ms).
+// Now (same profile): dz rows 34 %, sgemm NT (dW) 30 %, sgemm NN (dxn) 23 %, norm backward 8 %, xa 5 %.
+// Per row the op issues ~940 operations to the two 512-bit ports (dz 198 FMAs + ~130 for silu', dxn 256,
+// dW 264, norm backward ~75, xa ~15): ~470 cycles against ~600 measured (2.2 ms over 8704 rows at the
+// ~2.3 GHz that sgemm's 0.14-0.16 TFLOP/s at 64 FLOP per cycle implies): ~75-80 %, so what is left needs
+// fewer operations (storing silu'(z): see below; the fp32 GEMMs split into bf16 parts on this CPU's AMX
+// tiles, untried), not better scheduling. Measured and not kept (same method, dz rows on):
+//   - dW as rank-4 updates of the chunk's [33, 128] partial in L1 after each tile, no sgemm: the piece
+//     took 0.85x of sgemm NT's samples in one interleaved profile, the op 0.98-1.04x (16 runs, median
+//     1.01x): no gain;
+//   - dxn = dz @ W^T in registers per tile (two sets of 8 accumulators) and the norm backward on it in
+//     registers (no dxn block, no sgemm call): 0.98-1.00x (3 runs), no gain beyond the noise;
+//   - software prefetch of the four gradients' and x's rows 16 or 64 rows ahead: 1.00-1.02x (3 runs each);
+//   - db summed from the tile's dz rows (sgemm's dW then M = 32, not 33): 0.98-1.01x (4 runs);
+//   - 2 or 3 rows per tile (no accumulator spill before the silu'): the op 0.97-1.00x (3 runs), the tile's
+//     own samples 1.14x those of 4 rows in one interleaved profile: kept 4;
+//   - the same on AVX2: see uvqk_dz_rows_fit;
+//   - the forward's GEMM and split in registers (2 rows of 8 zmm accumulators, SiLU and the four stores
+//     from them, no z block): 0.97-1.01x of sgemm + uvqk_split_rows (3 runs), its tile's samples 1.05x
+//     theirs in one profile.
+//
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
 //     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
@@ -84,8 +116,8 @@
 //     - the concat c (4*K bytes, K = 3*H*Lh for STULayer) and Norm(a) from attn, u_pre and the
 //       attention norm's stats (8*G bytes, G = 1, or H with group_norm), in the same pass as the
 //       norm's backward (one read of attn and u_pre);
-//     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh)):
-//       not stored (4*(O - H*Lh) bytes). Measured against storing silu'(z) from the forward (384 B per token
+//     - silu(u) from u_pre; with silu_qkv, the pre-activations of v, q, k (one GEMM of N*D*(O-H*Lh), in
+//       registers at the small model's shape on AVX-512F: uvqk_dz_rows): not stored (4*(O - H*Lh) bytes). Measured against storing silu'(z) from the forward (384 B per token
 //       at the small model's shape, 3.3 MB per layer; a prototype, 2026-12-06, 1 thread, interleaved in one
 //       process, caches flushed between ops as in the training step, busy shared host): the backward took
 //       0.93x (-0.23 ms: no GEMM, no exp) but the forward 1.20x (+0.34 ms: the extra write), a net loss of
@@ -640,6 +672,28 @@ void uvqk_norm_bwd_rows(const float* dxn, const float* x, const float* stats, co
   TORCH_CHECK(false, "uvqk_norm_bwd_rows: not in this build");
 }
 
+// Whether the uvqk backward's dz rows (uvqk_dz_rows, hstu_layer_rows.inc) serve a layer: the small
+// model's (D = 32, u, v, q, k 32 wide each, silu_qkv), on AVX-512F. Else sgemm recomputes the
+// pre-activations and silu_block / copy_row build dz. On AVX2 (GEM_KERNELS_NO_AVX512=1 on this Xeon,
+// where MKL's sgemm still runs its AVX-512 kernels) the backward took 1.31-1.34x the time of sgemm +
+// silu_block with one row of 12 ymm accumulators, 1.07-1.13x with 2 rows of 4 in three column passes
+// (3 runs of 40 interleaved calls each, 1 thread): not kept; untried on a CPU without AVX-512.
+bool uvqk_dz_rows_fit(int64_t d, int64_t hl, int64_t ha, bool silu_qkv) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return silu_qkv && d == 32 && hl == 32 && ha == 32 && cpu_has_avx512f();
+#else
+  return false;
+#endif
+}
+
+void uvqk_dz_rows(const float* xa, const float* wa, int64_t hl, int64_t ha, const float* gu, const float* gv,
+                  const float* gq, const float* gk, int64_t rows, float* dz) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (cpu_has_avx512f()) return rows512::uvqk_dz_rows<6, 4>(xa, wa, hl, ha, gu, gv, gq, gk, rows, dz);
+#endif
+  TORCH_CHECK(false, "uvqk_dz_rows: not in this build");
+}
+
 void check_cpu_2d(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.dim() == 2, name, " must have 2 dims, got ", t.dim());
@@ -838,6 +892,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   // The backward's rows on AVX-512F only: on AVX2 they measured 1.02x (0.94-1.05x, 5 pairs) of
   // layer_norm_augmented + norm_backward_row (see the header).
   const bool rows_fit = uvqk_bwd_rows_fit(d, hl, ha);
+  const bool dz_rows = uvqk_dz_rows_fit(d, hl, ha, silu_qkv);
   Tensor dwa_partials = at::empty({chunks, d + 1, o}, opts);
   Tensor norm_partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * d}, opts.dtype(at::kDouble));
   float* dwp = dwa_partials.data_ptr<float>();
@@ -862,8 +917,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
           layer_norm_augmented(xp, nwp, nbp, static_cast<float>(eps), const_cast<float*>(sp), false, r0, rows, d,
                                xa.data());
         }
-        if (silu_qkv) mm(false, false, rows, o - hl, d + 1, 1.0f, xa.data(), d + 1, wap + hl, o, 0.0f, dz.data() + hl, o);
-        for (int s = 0; s < 4; ++s) {
+        if (dz_rows) {
+          uvqk_dz_rows(xa.data(), wap, hl, ha, grad_ptrs[0] + r0 * hl, grad_ptrs[1] + r0 * hl, grad_ptrs[2] + r0 * ha,
+                       grad_ptrs[3] + r0 * ha, rows, dz.data());
+        } else if (silu_qkv) {
+          mm(false, false, rows, o - hl, d + 1, 1.0f, xa.data(), d + 1, wap + hl, o, 0.0f, dz.data() + hl, o);
+        }
+        for (int s = 0; s < 4 && !dz_rows; ++s) {
           const float* g = grad_ptrs[s] + r0 * widths[s];
           float* dzs = dz.data() + starts[s];
           if (silu_qkv && s > 0) {
