@@ -153,31 +153,45 @@ def _roof_case(impls, roof, **kw):
                         gather_roof=roof, **kw)
 
 
-def test_the_gather_roof_is_timed_interleaved_with_the_impls():
-    """A case's gather roof (Case.gather_roof) is called round-robin between the impls' timed calls,
-    gets no row of its own, and every row's % of gather is its median over the impl's (timings of
-    the real harness: only the bookkeeping is checked, no speed)."""
+# (Case field, row keys, the note's words, the table's words) of the two interleaved roofs.
+ROOFS = {"gather": ("gather_roof", "gather_roof_ms", "pct_gather_peak", "gather roof timed interleaved",
+                    "of gather (interleaved)"),
+         "gemm": ("gemm_roof", "gemm_roof_ms", "pct_gemm_roof", "GEMM roof", "of its GEMMs (interleaved)")}
+
+
+@pytest.mark.parametrize("kind", list(ROOFS))
+def test_a_roof_is_timed_interleaved_with_the_impls(kind):
+    """A case's gather roof (Case.gather_roof) or GEMM roof (Case.gemm_roof) is called round-robin
+    between the impls' timed calls, gets no row of its own, and every row's % of it is its median over
+    the impl's (timings of the real harness: only the bookkeeping is checked, no speed)."""
+    field, ms_key, pct_key, note_words, table_words = ROOFS[kind]
     order = []
 
     def impl(name, seconds):
         return lambda: (order.append(name), time.sleep(seconds))
 
-    case = _roof_case({"slow": impl("slow", 0.004), "fast": impl("fast", 0.001)}, impl("roof", 0.002))
+    impls = {"slow": impl("slow", 0.004), "fast": impl("fast", 0.001)}
+    if kind == "gather":
+        case = _roof_case(impls, impl("roof", 0.002))
+    else:
+        case = harness.Case(op="cross_layer", shape="s", dtype=torch.float32, flops=10, bytes=10, impls=impls,
+                            baseline="slow", peak="matmul", unverified="test", gemm_roof=impl("roof", 0.002))
     settings = harness.Settings(min_repeats=4, min_time=0.0, max_time=1.0, warmup_time=0.0)
     result = harness.run_family("fake", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
                                 {"copy_gbps": 10.0}, "sha", "ts")
     assert {row["impl"] for row in result.rows} == {"slow", "fast"} and not result.errors
     timed = order[order.index("roof") - 2:]  # from the first timed round: slow, fast, roof, slow, ...
     assert timed[:6] == ["slow", "fast", "roof"] * 2
-    notes = [n for n in result.notes if "gather roof timed interleaved" in n]
+    notes = [n for n in result.notes if note_words in n]
     assert len(notes) == 1
+    other = ROOFS["gemm" if kind == "gather" else "gather"][1]
     for row in result.rows:
-        assert row["gather_roof_ms"] > 0
-        assert row["pct_gather_peak"] == pytest.approx(100 * row["gather_roof_ms"] / row["ms"])
-        assert f"{row['gather_roof_ms']:.3f} ms" in notes[0]
+        assert row[ms_key] > 0 and row[other] is None
+        assert row[pct_key] == pytest.approx(100 * row[ms_key] / row["ms"])
+        assert f"{row[ms_key]:.3f} ms" in notes[0]
     from bench.report import table_lines
 
-    assert "of gather (interleaved)" in "\n".join(table_lines(result.rows))
+    assert table_words in "\n".join(table_lines(result.rows))
 
 
 def test_a_gather_roof_that_raises_is_an_error_and_rows_fall_back_to_the_premeasured_peak():
@@ -225,35 +239,6 @@ def test_embedding_bag_case_interleaves_a_roof_reading_each_input_sets_rows(monk
     for _ in range(3):
         fwd.gather_roof()
     assert read == [0, 1, 0]
-
-
-def test_the_gemm_roof_is_timed_interleaved_with_the_impls():
-    """A case's GEMM roof (Case.gemm_roof) is called round-robin between the impls' timed calls, gets no
-    row of its own, and every row's % of its GEMMs is its median over the impl's (the real harness'
-    timings: only the bookkeeping is checked, no speed)."""
-    order = []
-
-    def impl(name, seconds):
-        return lambda: (order.append(name), time.sleep(seconds))
-
-    case = harness.Case(op="cross_layer", shape="s", dtype=torch.float32, flops=10, bytes=10,
-                        impls={"slow": impl("slow", 0.004), "fast": impl("fast", 0.001)}, baseline="slow",
-                        peak="matmul", unverified="test", gemm_roof=impl("gemms", 0.002))
-    settings = harness.Settings(min_repeats=4, min_time=0.0, max_time=1.0, warmup_time=0.0)
-    result = harness.run_family("fake", iter([case]), torch.device("cpu"), settings, harness.Budget(30.0),
-                                {"copy_gbps": 10.0}, "sha", "ts")
-    assert {row["impl"] for row in result.rows} == {"slow", "fast"} and not result.errors
-    timed = order[order.index("gemms") - 2:]
-    assert timed[:6] == ["slow", "fast", "gemms"] * 2
-    notes = [n for n in result.notes if "GEMM roof" in n]
-    assert len(notes) == 1
-    for row in result.rows:
-        assert row["gemm_roof_ms"] > 0 and row["gather_roof_ms"] is None
-        assert row["pct_gemm_roof"] == pytest.approx(100 * row["gemm_roof_ms"] / row["ms"])
-        assert f"{row['gemm_roof_ms']:.3f} ms" in notes[0]
-    from bench.report import table_lines
-
-    assert "of its GEMMs (interleaved)" in "\n".join(table_lines(result.rows))
 
 
 def test_a_gemm_roof_that_raises_is_an_error_and_rows_have_no_pct_of_it():
