@@ -826,18 +826,14 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn, int
   parallel_ranges(num_items, 1, by_work, [&](auto& claim) {
     const SingleThreadBlas single_thread;
     // The workspace outlives the call on its thread while it holds short-path tiles only (a call of
-    // short sequences otherwise zero-fills and frees ~300 KB of tiles each time: ~3 % of the model's
-    // short forward); the general path's larger tiles are freed at the end of the call, as before. Its
-    // contents are stale either way: every item already starts from the previous item's.
+    // short sequences otherwise zero-fills and frees ~300 KB of tiles each time); the general path's
+    // larger tiles are freed at the end of the call, as before. Its contents are stale either way
+    // (every item already starts from the previous item's), and each path sizes the buffers whose
+    // size depends on D and Dv before it uses them (for_tiles; the short backward's dk and dv rows).
     thread_local std::unique_ptr<Workspace> kept;
-    thread_local int64_t kept_width = 0;
-    std::unique_ptr<Workspace> ws = std::move(kept);
-    if (ws == nullptr || kept_width != std::max(p.D, p.Dv)) ws = std::make_unique<Workspace>(p.D, p.Dv);
+    std::unique_ptr<Workspace> ws = kept != nullptr ? std::move(kept) : std::make_unique<Workspace>(p.D, p.Dv);
     for (int64_t idx, end; claim(idx, end);) fn(order[idx], *ws);
-    if (ws->s.size() <= static_cast<size_t>(kBlockN * kBlockN)) {
-      kept = std::move(ws);
-      kept_width = std::max(p.D, p.Dv);
-    }
+    if (ws->s.size() <= static_cast<size_t>(kBlockN * kBlockN)) kept = std::move(ws);
   });
 }
 

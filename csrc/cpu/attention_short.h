@@ -376,9 +376,13 @@ struct ShortSeq {
     return true;
   }
 
-  // Head h's pos_bias window, or nullptr without pos_bias.
+  // Head h's pos_bias window, or nullptr without pos_bias. Read in place where a row's whole blocks stay
+  // inside pos_bias's row (Lp <= M: the furthest read, row 0's column Lp - 1, is at M - L + (L - 1) +
+  // (Lp - 1) <= 2M - 2; the columns past a row's span then read other pairs' biases, never used);
+  // else from a copy padded with zeros. The copy's fill and memmove per head were ~2 % of the forward.
   const float* pos_of(const Params& p, int64_t L, int64_t h) {
     if (p.pos_bias == nullptr) return nullptr;
+    if (round8(L) <= p.M) return p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
     if (h == 0 || p.pos_heads > 1) {
       pos_window.assign(round8(L) + L, 0.0f);
       const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
@@ -777,6 +781,9 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     if (ws.dp.size() < static_cast<size_t>(2 * L * Lp)) ws.dp.resize(2 * L * Lp);
     sq.hist.assign(16 * nt, 0.0f);
   }
+  // At least L rows of D and of Dv: a workspace kept from a call of smaller head dims is smaller.
+  if (ws.acc.size() < static_cast<size_t>(L * D)) ws.acc.resize(L * D);
+  if (ws.acc2.size() < static_cast<size_t>(L * Dv)) ws.acc2.resize(L * Dv);
   float* dk_acc = ws.acc.data();
   float* dv_acc = ws.acc2.data();
   for (int64_t h = 0; h < H; ++h) {
