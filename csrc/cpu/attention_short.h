@@ -169,7 +169,8 @@ inline void dot_nb(const float* x, int64_t width, const float* t, int64_t ld, fl
 }
 
 // out[c] = sum_d x[d] * t[d * ld + c] for c in the 8-column blocks [b0, b1).
-void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld, int64_t b0, int64_t b1, float* out) {
+__attribute__((always_inline)) inline void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld,
+                                                     int64_t b0, int64_t b1, float* out) {
   int64_t b = b0;
   for (; b + 4 <= b1; b += 4) dot_nb<4>(x, width, t + 8 * b, ld, out + 8 * b);
   switch (b1 - b) {
@@ -511,8 +512,8 @@ GK_AVX512 inline __m512 biased16(__m512 scale, const float* pos, const float* ti
 }
 
 // gather_rows on 16 lanes, width a multiple of 16: four keys per step into separate accumulators.
-GK_AVX512 void gather_rows16(const float* w, const float* x, int64_t ldx, int64_t c0, int64_t c1, int64_t width,
-                             float* acc) {
+GK_AVX512 __attribute__((always_inline)) inline void gather_rows16(const float* w, const float* x, int64_t ldx,
+                                                                   int64_t c0, int64_t c1, int64_t width, float* acc) {
   for (int64_t d = 0; d < width; d += 16) {
     __m512 a[4] = {_mm512_loadu_ps(acc + d), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t c = c0;
@@ -567,7 +568,7 @@ GK_AVX512 void forward_rows16(const HeadRows& h, const RowSpan* spans, int64_t i
     const float* w = s + k * h.Lp;
     if (h.Dv % 16 == 0) {
       gather_rows16(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
-      gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+      if (r.b0 < r.b1) gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
     } else {
       gather_rows(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
       gather_rows(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
