@@ -107,6 +107,28 @@
 // zeroed there first), not in workspace rows copied out after each head: 6 rounds, backward ratio
 // median 0.989 (0.72-1.03), noise, not kept. Not memory-bound: the backward per row at B = 8 (the
 // inputs in L2) took 368 ns against 330 ns at the model's B = 256.
+// Where the forward's time went (perf samples of the kernel's functions, 1 thread, the native forward
+// at the model's call, 2026-12-06 19:50 UTC, build 3fcfb4a; shares of the forward's samples): the
+// weights pass (forward_rows16's own: biases, exp, divide) 30 %; scores (dot_blocks) 20 %; P V
+// (gather_rows16) 17 %; buckets (bucket_row8) 11 %; transposes 6 %; and ~17 % of per-sequence setup:
+// ShortSeq::init 4.5 % (most of it at the return of its call to row_span per row), SeqMask::init 4.2 %
+// (prefix_rows' binary search per row), the workspace's zero-fill ~3 % (for_each_item built ~300 KB of
+// tiles per call), the pos-bias window's fill and copy per head (memset and memmove calls) and
+// for_each_item's stable_sort of the 512 items ~2 % each. Kept (the setup, predicted ~11 % from those
+// shares): prefix_rows by a forward-moving pointer, the prefix spans in one loop, the counting sort,
+// the workspace kept per thread, pos_bias read in place (ShortSeq::pos_of); then dot_blocks and
+// gather_rows16 inlined into the row loops (their prologues were ~1/5 of gather_rows16's samples;
+// predicted ~4 %). Measured (1 thread, CPU time, native ops, keep_freed_cpu_memory, alternating
+// processes, 2026-12-06 20:00-20:45 UTC, the 2-core Xeon shared, load average 1.5-3): the setup
+// against 3fcfb4a, 6 rounds: forward 1.98 -> 1.84 ms (medians; per-round ratio median 0.934, range
+// 0.84-0.96), backward ratio median 0.94 (0.89-1.00; it shares the setup); the inlining against that,
+// 13 rounds: forward ratio median ~0.97, backward 0.98 (0.86-1.14: noise). scripts/attention_model_call.py
+// (the autograd call), 3 alternating rounds against 3fcfb4a: fwd 2.58 / 2.50 / 2.32 -> 2.16 / 2.13 /
+// 2.08 ms, fwd+bwd 8.60 / 7.66 / 7.13 -> 7.16 / 6.92 / 7.00 ms.
+// Measured and not kept: the forward's SiLU divide x / (1 + e) as x * rcp14(1 + e) with one Newton step
+// (a blend keeps 1 / Inf = 0), though ~27 % of forward_rows16's samples sat on the instruction after
+// the divide: 5 alternating rounds, forward ratio median 1.07 (1.02-1.13) slower. So the divide is not
+// what the pass waits on (the samples' skid lands on its consumer); as in the backward above.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
@@ -313,7 +335,7 @@ struct ShortSeq {
     const int tile_kind = ws.mask.classify(0, L, 0, L);
     spans.resize(L);
     if (ws.mask.prefix && tile_kind != 2) {
-      // row_span's prefix case at j0 = 0, bn = L, in one loop: a call per row was ~3 % of the forward.
+      // row_span's prefix case at j0 = 0, bn = L, in one loop, not a call per row (see the header).
       const int64_t* pe = ws.mask.prefix_end.data();
       RowSpan* out = spans.data();
       for (int64_t i = 0; i < L; ++i) {
@@ -380,7 +402,7 @@ struct ShortSeq {
   // Head h's pos_bias window, or nullptr without pos_bias. Read in place where a row's whole blocks stay
   // inside pos_bias's row (Lp <= M: the furthest read, row 0's column Lp - 1, is at M - L + (L - 1) +
   // (Lp - 1) <= 2M - 2; the columns past a row's span then read other pairs' biases, never used);
-  // else from a copy padded with zeros. The copy's fill and memmove per head were ~2 % of the forward.
+  // else from a copy padded with zeros (its fill and memmove per head: see the header).
   const float* pos_of(const Params& p, int64_t L, int64_t h) {
     if (p.pos_bias == nullptr) return nullptr;
     if (round8(L) <= p.M) return p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
