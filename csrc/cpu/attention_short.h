@@ -124,7 +124,13 @@
 // 0.84-0.96), backward ratio median 0.94 (0.89-1.00; it shares the setup); the inlining against that,
 // 13 rounds: forward ratio median ~0.97, backward 0.98 (0.86-1.14: noise). scripts/attention_model_call.py
 // (the autograd call), 3 alternating rounds against 3fcfb4a: fwd 2.58 / 2.50 / 2.32 -> 2.16 / 2.13 /
-// 2.08 ms, fwd+bwd 8.60 / 7.66 / 7.13 -> 7.16 / 6.92 / 7.00 ms.
+// 2.08 ms, fwd+bwd 8.60 / 7.66 / 7.13 -> 7.16 / 6.92 / 7.00 ms. All of it against 3fcfb4a (20:52-20:55
+// UTC, 8 alternating rounds, load average ~3): forward 1.90 -> 1.71 ms (medians; per-round ratio median
+// 0.91, range 0.80-0.97), backward 3.97 -> 3.75 ms (0.92, 0.90-1.00); GEM_KERNELS_NO_AVX512=1, 4 rounds:
+// forward ratio median 0.96 (0.94-1.00), backward 0.96 (0.91-0.98). Where the forward's time goes now
+// (perf, 20:57 UTC): forward_rows16 with the inlined scores and P V 63 %, dot_nb<2> and <3> (not
+// inlined by gcc) 9 %, buckets 12 %, transposes 6 %, the setup left (for_each_item, ShortSeq::init,
+// SeqMask::init, key_times' copy, prepare) ~10 %.
 // Measured and not kept: the forward's SiLU divide x / (1 + e) as x * rcp14(1 + e) with one Newton step
 // (a blend keeps 1 / Inf = 0), though ~27 % of forward_rows16's samples sat on the instruction after
 // the divide: 5 alternating rounds, forward ratio median 1.07 (1.02-1.13) slower. So the divide is not
