@@ -583,11 +583,12 @@ print("kept workspace ok")
 
 
 @cpu_kernel_only
-def test_cpu_short_path_after_a_call_of_smaller_head_dims():
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_short_path_after_a_call_of_smaller_head_dims(avx512):
     """The cpu kernel keeps its short-path workspace on each thread from one call to the next
     (for_each_item); a call of wider heads must grow what depends on D and Dv (the short backward's dk
     and dv rows) before using it. A fresh process, so that the first call is the one of D = 8."""
-    run_on_vector_path(_KEPT_WORKSPACE_CHECK, "as the CPU has it", "kept workspace ok")
+    run_on_vector_path(_KEPT_WORKSPACE_CHECK, avx512, "kept workspace ok")
 
 
 @cpu_kernel_only
