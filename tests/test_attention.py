@@ -509,6 +509,9 @@ SHORT_PATH_CASES = [
     ([128, 129, 17, 64], dict(pos_heads=2), dict(max_attn_len=11, causal=False)),
     ([128, 129, 17, 64], dict(time_heads=1), dict(causal=False)),  # every pair visible
     ([128, 129, 17, 64], dict(targets=[4, 0, 3, 2], time_heads=2), dict(max_attn_len=5)),  # per-pair mask: tiles
+    # contextual rows that see every key, the last one's pos bias at 2L - 2: read in place where round8(L)
+    # <= max_seq_len (17, 3), from a padded copy where not (75)
+    ([75, 17, 3], dict(pos_heads=2, time_heads=1), dict(contextual_len=2)),
 ]
 
 
@@ -566,6 +569,26 @@ def test_cpu_rows_on_both_paths(avx512):
     both paths against the reference, forward and every gradient, whatever CPU runs the tests
     (GEM_KERNELS_NO_AVX512=1 takes AVX2 on any). A fresh process: the path is chosen once."""
     run_on_vector_path(_ROW_PATHS_CHECK, avx512, "row paths ok")
+
+
+_KEPT_WORKSPACE_CHECK = """
+import torch
+from tests.test_attention import _check_against_reference, make_inputs
+torch.set_num_threads(1)  # one thread: every call below runs on the workspace the first one left
+for D in (8, 32):  # then 128 rows of 32: 4x the dk and dv rows of the workspace that D = 8 sized
+    inputs = make_inputs([128, 100, 7], D=D, Dv=D, pos_heads=2, time_heads=2, targets=[3, 0, 1])
+    _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", contextual_len=2)
+print("kept workspace ok")
+"""
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_short_path_after_a_call_of_smaller_head_dims(avx512):
+    """The cpu kernel keeps its short-path workspace on each thread from one call to the next
+    (for_each_item); a call of wider heads must grow what depends on D and Dv (the short backward's dk
+    and dv rows) before using it. A fresh process, so that the first call is the one of D = 8."""
+    run_on_vector_path(_KEPT_WORKSPACE_CHECK, avx512, "kept workspace ok")
 
 
 @cpu_kernel_only

@@ -65,6 +65,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -485,13 +486,22 @@ struct SeqMask {
 
   // visible(i, j) for j != i, causal, no window: ids[j] < ids[i] (a prefix of the keys, as ids are
   // nondecreasing), or, for a contextual query (ids[i] == 0), ids[j] < max_id (a prefix too).
+  // The first key of id >= ids[i] by a pointer that only moves forward (ids[i] is nondecreasing in i),
+  // not a binary search per row (SeqMask::init was ~4 % of the short path's forward, attention_short.h).
   void prefix_rows() {
     prefix_end.resize(len);
-    const auto first_at_least = [&](int64_t id) {
-      return static_cast<int64_t>(std::lower_bound(ids.begin(), ids.end(), id) - ids.begin());
-    };
-    const int64_t context_end = p->contextual_len > 0 ? first_at_least(max_id) : 0;
-    for (int64_t i = 0; i < len; ++i) prefix_end[i] = ids[i] > 0 ? first_at_least(ids[i]) : context_end;
+    const int64_t* id = ids.data();
+    int64_t context_end = 0;  // first key of id >= max_id
+    if (p->contextual_len > 0)
+      while (context_end < len && id[context_end] < max_id) ++context_end;
+    for (int64_t i = 0, j = 0; i < len; ++i) {
+      if (id[i] <= 0) {
+        prefix_end[i] = context_end;
+        continue;
+      }
+      while (id[j] < id[i]) ++j;  // stops at j <= i
+      prefix_end[i] = j;
+    }
   }
 
   bool visible(int64_t i, int64_t j) const {
@@ -803,9 +813,20 @@ template <typename Fn>
 void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn, int64_t queries = 0) {
   const int64_t num_items = static_cast<int64_t>(seqs.size()) * p.H;
   std::vector<int64_t> order(num_items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return seqs[x / p.H].len > seqs[y / p.H].len; });
+  int64_t max_len = 0;
+  for (const auto& s : seqs) max_len = std::max(max_len, s.len);
+  if (max_len <= 4 * num_items + 1024) {
+    // A counting sort by length: the same order as the stable_sort below, in O(items + max_len)
+    // (the merge sort of the model's 512 items was ~2 % of its short forward, attention_short.h).
+    std::vector<int64_t> next(max_len + 2, 0);  // next[max_len - len]: where the items of len go
+    for (const auto& s : seqs) next[max_len - s.len + 1] += p.H;
+    for (int64_t k = 1; k <= max_len + 1; ++k) next[k] += next[k - 1];
+    for (int64_t item = 0; item < num_items; ++item) order[next[max_len - seqs[item / p.H].len]++] = item;
+  } else {
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return seqs[x / p.H].len > seqs[y / p.H].len; });
+  }
   // Small batches run on fewer threads: a parallel region costs a wake-up of every thread (and, on a
   // loaded machine, waiting for a descheduled one), worth it only past ~2^24 FLOPs per thread.
   double flops = 0.0;
@@ -814,8 +835,15 @@ void for_each_item(const std::vector<SeqInfo>& seqs, const Params& p, Fn fn, int
   const int64_t by_work = static_cast<int64_t>(flops / static_cast<double>(1 << 24)) + 1;
   parallel_ranges(num_items, 1, by_work, [&](auto& claim) {
     const SingleThreadBlas single_thread;
-    Workspace ws(p.D, p.Dv);
-    for (int64_t idx, end; claim(idx, end);) fn(order[idx], ws);
+    // The workspace outlives the call on its thread while it holds short-path tiles only (a call of
+    // short sequences otherwise zero-fills and frees ~300 KB of tiles each time); the general path's
+    // larger tiles are freed at the end of the call, as before. Its contents are stale either way
+    // (every item already starts from the previous item's), and each path sizes the buffers whose
+    // size depends on D and Dv before it uses them (for_tiles; the short backward's dk and dv rows).
+    thread_local std::unique_ptr<Workspace> kept;
+    std::unique_ptr<Workspace> ws = kept != nullptr ? std::move(kept) : std::make_unique<Workspace>(p.D, p.Dv);
+    for (int64_t idx, end; claim(idx, end);) fn(order[idx], *ws);
+    if (ws->s.size() <= static_cast<size_t>(kBlockN * kBlockN)) kept = std::move(ws);
   });
 }
 

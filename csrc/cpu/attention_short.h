@@ -107,6 +107,34 @@
 // zeroed there first), not in workspace rows copied out after each head: 6 rounds, backward ratio
 // median 0.989 (0.72-1.03), noise, not kept. Not memory-bound: the backward per row at B = 8 (the
 // inputs in L2) took 368 ns against 330 ns at the model's B = 256.
+// Where the forward's time went (perf samples of the kernel's functions, 1 thread, the native forward
+// at the model's call, 2026-12-06 19:50 UTC, build 3fcfb4a; shares of the forward's samples): the
+// weights pass (forward_rows16's own: biases, exp, divide) 30 %; scores (dot_blocks) 20 %; P V
+// (gather_rows16) 17 %; buckets (bucket_row8) 11 %; transposes 6 %; and ~17 % of per-sequence setup:
+// ShortSeq::init 4.5 % (most of it at the return of its call to row_span per row), SeqMask::init 4.2 %
+// (prefix_rows' binary search per row), the workspace's zero-fill ~3 % (for_each_item built ~300 KB of
+// tiles per call), the pos-bias window's fill and copy per head (memset and memmove calls) and
+// for_each_item's stable_sort of the 512 items ~2 % each. Kept (the setup, predicted ~11 % from those
+// shares): prefix_rows by a forward-moving pointer, the prefix spans in one loop, the counting sort,
+// the workspace kept per thread, pos_bias read in place (ShortSeq::pos_of); then dot_blocks and
+// gather_rows16 inlined into the row loops (their prologues were ~1/5 of gather_rows16's samples;
+// predicted ~4 %). Measured (1 thread, CPU time, native ops, keep_freed_cpu_memory, alternating
+// processes, 2026-12-06 20:00-20:45 UTC, the 2-core Xeon shared, load average 1.5-3): the setup
+// against 3fcfb4a, 6 rounds: forward 1.98 -> 1.84 ms (medians; per-round ratio median 0.934, range
+// 0.84-0.96), backward ratio median 0.94 (0.89-1.00; it shares the setup); the inlining against that,
+// 13 rounds: forward ratio median ~0.97, backward 0.98 (0.86-1.14: noise). scripts/attention_model_call.py
+// (the autograd call), 3 alternating rounds against 3fcfb4a: fwd 2.58 / 2.50 / 2.32 -> 2.16 / 2.13 /
+// 2.08 ms, fwd+bwd 8.60 / 7.66 / 7.13 -> 7.16 / 6.92 / 7.00 ms. All of it against 3fcfb4a (20:52-20:55
+// UTC, 8 alternating rounds, load average ~3): forward 1.90 -> 1.71 ms (medians; per-round ratio median
+// 0.91, range 0.80-0.97), backward 3.97 -> 3.75 ms (0.92, 0.90-1.00); GEM_KERNELS_NO_AVX512=1, 4 rounds:
+// forward ratio median 0.96 (0.94-1.00), backward 0.96 (0.91-0.98). Where the forward's time goes now
+// (perf, 20:57 UTC): forward_rows16 with the inlined scores and P V 63 %, dot_nb<2> and <3> (not
+// inlined by gcc) 9 %, buckets 12 %, transposes 6 %, the setup left (for_each_item, ShortSeq::init,
+// SeqMask::init, key_times' copy, prepare) ~10 %.
+// Measured and not kept: the forward's SiLU divide x / (1 + e) as x * rcp14(1 + e) with one Newton step
+// (a blend keeps 1 / Inf = 0), though ~27 % of forward_rows16's samples sat on the instruction after
+// the divide: 5 alternating rounds, forward ratio median 1.07 (1.02-1.13) slower. So the divide is not
+// what the pass waits on (the samples' skid lands on its consumer); as in the backward above.
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
@@ -169,7 +197,8 @@ inline void dot_nb(const float* x, int64_t width, const float* t, int64_t ld, fl
 }
 
 // out[c] = sum_d x[d] * t[d * ld + c] for c in the 8-column blocks [b0, b1).
-void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld, int64_t b0, int64_t b1, float* out) {
+__attribute__((always_inline)) inline void dot_blocks(const float* x, int64_t width, const float* t, int64_t ld,
+                                                     int64_t b0, int64_t b1, float* out) {
   int64_t b = b0;
   for (; b + 4 <= b1; b += 4) dot_nb<4>(x, width, t + 8 * b, ld, out + 8 * b);
   switch (b1 - b) {
@@ -311,7 +340,17 @@ struct ShortSeq {
     ws.mask.init(p, L, seq.targets);
     const int tile_kind = ws.mask.classify(0, L, 0, L);
     spans.resize(L);
-    for (int64_t i = 0; i < L; ++i) spans[i] = row_span(ws.mask, tile_kind, i, 0, L);
+    if (ws.mask.prefix && tile_kind != 2) {
+      // row_span's prefix case at j0 = 0, bn = L, in one loop, not a call per row (see the header).
+      const int64_t* pe = ws.mask.prefix_end.data();
+      RowSpan* out = spans.data();
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t hi = pe[i];
+        out[i] = {0, i >= hi ? i + 1 : hi, hi, i > hi ? i : hi, false};
+      }
+    } else {
+      for (int64_t i = 0; i < L; ++i) spans[i] = row_span(ws.mask, tile_kind, i, 0, L);
+    }
     if (p.time_bias == nullptr) return;
     const int64_t* t = p.timestamps + seq.start;
     key_times.assign(t, t + L);
@@ -366,9 +405,13 @@ struct ShortSeq {
     return true;
   }
 
-  // Head h's pos_bias window, or nullptr without pos_bias.
+  // Head h's pos_bias window, or nullptr without pos_bias. Read in place where a row's whole blocks stay
+  // inside pos_bias's row (Lp <= M: the furthest read, row 0's column Lp - 1, is at M - L + (L - 1) +
+  // (Lp - 1) <= 2M - 2; the columns past a row's span then read other pairs' biases, never used);
+  // else from a copy padded with zeros (its fill and memmove per head: see the header).
   const float* pos_of(const Params& p, int64_t L, int64_t h) {
     if (p.pos_bias == nullptr) return nullptr;
+    if (round8(L) <= p.M) return p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
     if (h == 0 || p.pos_heads > 1) {
       pos_window.assign(round8(L) + L, 0.0f);
       const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
@@ -497,8 +540,8 @@ GK_AVX512 inline __m512 biased16(__m512 scale, const float* pos, const float* ti
 }
 
 // gather_rows on 16 lanes, width a multiple of 16: four keys per step into separate accumulators.
-GK_AVX512 void gather_rows16(const float* w, const float* x, int64_t ldx, int64_t c0, int64_t c1, int64_t width,
-                             float* acc) {
+GK_AVX512 __attribute__((always_inline)) inline void gather_rows16(const float* w, const float* x, int64_t ldx,
+                                                                   int64_t c0, int64_t c1, int64_t width, float* acc) {
   for (int64_t d = 0; d < width; d += 16) {
     __m512 a[4] = {_mm512_loadu_ps(acc + d), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t c = c0;
@@ -553,7 +596,7 @@ GK_AVX512 void forward_rows16(const HeadRows& h, const RowSpan* spans, int64_t i
     const float* w = s + k * h.Lp;
     if (h.Dv % 16 == 0) {
       gather_rows16(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
-      gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+      if (r.b0 < r.b1) gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
     } else {
       gather_rows(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
       gather_rows(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
@@ -767,6 +810,9 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     if (ws.dp.size() < static_cast<size_t>(2 * L * Lp)) ws.dp.resize(2 * L * Lp);
     sq.hist.assign(16 * nt, 0.0f);
   }
+  // At least L rows of D and of Dv: a workspace kept from a call of smaller head dims is smaller.
+  if (ws.acc.size() < static_cast<size_t>(L * D)) ws.acc.resize(L * D);
+  if (ws.acc2.size() < static_cast<size_t>(L * Dv)) ws.acc2.resize(L * Dv);
   float* dk_acc = ws.acc.data();
   float* dv_acc = ws.acc2.data();
   for (int64_t h = 0; h < H; ++h) {
