@@ -128,6 +128,10 @@ class DistributedGem:
     def __init__(self, dmp, model):
         self.dmp, self.inner, self.cfg, self.kernels = dmp, model, model.cfg, model.kernels
 
+    @property
+    def training(self) -> bool:
+        return self.dmp.training
+
     def train(self, mode: bool = True):
         self.dmp.train(mode)
         return self
