@@ -155,10 +155,10 @@ def gk_layers(master: list, backend: str, device: torch.device, dtype) -> list:
     return layers
 
 
-def timed_rounds(fns: dict, rounds: int, device: torch.device) -> dict[str, list[float]]:
-    """Each fn once a round, round-robin; ms per call (CUDA events on a GPU)."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up (Triton compiles here)
+def timed_rounds(fns: dict, rounds: int, device: torch.device, times: dict[str, list[float]]) -> None:
+    """Each fn once a round, round-robin; appends ms per call (CUDA events on a GPU) to times[name], so
+    the rounds done so far survive an interrupt."""
+    for fn in fns.values():  # warm-up (Triton compiles and autotunes here)
         fn()
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -174,7 +174,6 @@ def timed_rounds(fns: dict, rounds: int, device: torch.device) -> dict[str, list
                 t0 = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def main(argv=None) -> int:
@@ -239,6 +238,9 @@ def main(argv=None) -> int:
         if entry.get("failed") is None:
             impls[f"gem_kernels {backend}"] = layers
 
+    if args.out is not None:  # the verification so far, in case the timing is killed
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gr-stu.json").write_text(json.dumps({**result, "status": "verified; timing"}, indent=1))
     x, offsets, max_seq_len, num_targets = batch(args.batch, args.history, args.candidates, args.embedding_dim, dtype,
                                                  device, gen)
     result["tokens"] = int(offsets[-1])
@@ -249,11 +251,18 @@ def main(argv=None) -> int:
         result["impls"]["generative-recommenders"] = {"kernel": "PYTORCH" if device.type == "cpu" else "TRITON"}
     for name, layers in impls.items():
         fns[name] = lambda layers=layers: run_gk(layers, x, offsets, max_seq_len, num_targets)
-    with torch.no_grad():
-        times = timed_rounds(fns, args.repeats, device) if fns else {}
+    times = {name: [] for name in fns}
+    try:
+        with torch.no_grad():
+            timed_rounds(fns, args.repeats, device, times)
+    except KeyboardInterrupt:  # gpu_check's time box (SIGINT): keep and report the rounds done so far
+        result["interrupted"] = f"after {min((len(v) for v in times.values()), default=0)} full rounds"
     for name, ms in times.items():
+        if not ms:
+            continue
         result["impls"][name].update(ms=statistics.median(ms), ms_p10=sorted(ms)[len(ms) // 10],
                                      ms_p90=sorted(ms)[(9 * len(ms)) // 10], rounds=len(ms))
+    result["status"] = "timing interrupted" if result.get("interrupted") else "done"
     gr_ms = result["impls"].get("generative-recommenders", {}).get("ms")
     for name, entry in result["impls"].items():
         if gr_ms and entry.get("ms"):
@@ -263,7 +272,8 @@ def main(argv=None) -> int:
              "",
              f"- shape: {result['shape']}, {result['tokens']} tokens, max_seq_len {max_seq_len}; forward, no_grad, "
              f"eval; {args.repeats} interleaved rounds",
-             f"- GR: {'not run: ' + result['gr_error'] if result['gr_error'] else 'run'}",
+             f"- GR: {'not run: ' + result['gr_error'] if result['gr_error'] else 'run'}"
+             + (f"; timing interrupted {result['interrupted']}" if result.get("interrupted") else ""),
              "", "| impl | ms (median) | p10-p90 | speedup vs GR | max err vs float64 (verify batch) | verified |",
              "|---|---|---|---|---|---|"]
     for name, e in result["impls"].items():

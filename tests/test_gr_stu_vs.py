@@ -33,6 +33,7 @@ def test_without_gr_the_layers_are_still_verified_and_timed(tmp_path, monkeypatc
     rc, result, table = _run(tmp_path)
     assert rc == 0
     assert result["gr_error"].startswith("import/build: ImportError") and "GR: not run" in table
+    assert result["status"] == "done"
     assert result["rule_eager_side"] == "gem_kernels reference"
     (entry,) = result["impls"].values()
     assert entry["verified"] is True and entry["ms"] > 0 and entry["rounds"] == 3
@@ -76,3 +77,20 @@ def test_against_generative_recommenders_own_layers(tmp_path):
     assert result["impls"]["gem_kernels cpu"]["verified"] is True
     assert result["impls"]["generative-recommenders"]["ms"] > 0
     assert result["impls"]["gem_kernels cpu"]["speedup_vs_gr"] > 0
+
+
+def test_an_interrupted_timing_keeps_the_rounds_done(tmp_path, monkeypatch):
+    """gpu_check stops a step with SIGINT at its time box: the rounds timed so far are reported, with why."""
+    monkeypatch.setattr(gr_stu_vs, "import_gr", lambda path: (_ for _ in ()).throw(ImportError("none")))
+    real = gr_stu_vs.timed_rounds
+
+    def two_rounds_then_interrupt(fns, rounds, device, times):
+        real(fns, 2, device, times)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gr_stu_vs, "timed_rounds", two_rounds_then_interrupt)
+    rc, result, table = _run(tmp_path)
+    assert rc == 0 and result["interrupted"] == "after 2 full rounds" and "timing interrupted" in table
+    assert result["status"] == "timing interrupted"
+    (entry,) = result["impls"].values()
+    assert entry["rounds"] == 2 and entry["ms"] > 0
