@@ -14,8 +14,8 @@ gem_kernels' reference layers run in the same dtype); then the impls' forwards
 (under no_grad) are timed interleaved, round-robin, --repeats rounds, on the full batch. Writes a JSON
 and a Markdown table (--out) and prints them.
 
-On a GPU GR runs its Triton kernels (HammerKernel.TRITON); on the CPU (`--smoke`: a small shape, for the
-tests and for trying the script here) its PyTorch path, which needs fbgemm_gpu's CPU ops. GR is imported
+On a GPU GR runs its Triton kernels (HammerKernel.TRITON); on the CPU (by default `--smoke`'s small shape,
+for the tests and for trying the script here; `--dlrm-v3` for the full one) its PyTorch path, which needs fbgemm_gpu's CPU ops. GR is imported
 from --gr-path (default: $GENERATIVE_RECOMMENDERS_PATH, as for the tests, else .gpu_carry/generative-recommenders, where scripts/gpu_carry.sh puts
 it, else an installed package). If GR cannot be imported or raises, the run says why in the JSON
 ("gr_error") and still verifies and times gem_kernels' layers (exit 0); a gem_kernels impl that fails
@@ -55,7 +55,8 @@ SMOKE = dict(embedding_dim=32, num_heads=2, hidden_dim=8, attention_dim=8, layer
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--smoke", action="store_true", help="a small shape (the CPU's), not dlrm_v3's")
+    p.add_argument("--smoke", action="store_true", help="a small shape, not dlrm_v3's (the default on the CPU)")
+    p.add_argument("--dlrm-v3", action="store_true", help="dlrm_v3's shape on the CPU too")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="default bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--layers", type=int, default=None)
@@ -69,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="directory for gr-stu.json and gr-stu.md")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    # On the CPU the small shape unless --dlrm-v3: GR's PyTorch path pads dlrm_v3's batch to
+    # [32, 4, ~4020, ~4020] scores per layer (~8 GB in fp32) and would run for a very long time.
+    args.smoke = args.smoke or (args.device == "cpu" and not args.dlrm_v3)
     shape = SMOKE if args.smoke else DLRM_V3
     for key, value in shape.items():
         if getattr(args, key, None) is None:

@@ -59,6 +59,13 @@ def test_a_layer_computing_something_else_fails_and_is_not_timed(tmp_path, monke
     assert "FlashAttention's rule" in table
 
 
+def test_the_cpu_defaults_to_the_small_shape():
+    assert gr_stu_vs.parse_args(["--device", "cpu"]).embedding_dim == gr_stu_vs.SMOKE["embedding_dim"]
+    full = gr_stu_vs.parse_args(["--device", "cpu", "--dlrm-v3"])
+    assert (full.embedding_dim, full.layers, full.batch) == (512, 5, 32)
+    assert gr_stu_vs.parse_args(["--device", "cuda"]).batch == gr_stu_vs.DLRM_V3["batch"]
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         gr_stu_vs.parse_args(["--smoke", "--layers", "0"])
