@@ -162,7 +162,9 @@
 // 1.47 -> 1.46 ms (0.995: unchanged code); GEM_KERNELS_NO_AVX512=1, 4 rounds: backward 1.002, forward
 // 0.996 (unchanged code). Where the backward's time goes now (perf samples of the kernel's functions,
 // shares): backward_rows16 (P and dS, bias gradients, dq) 37 %, dot_key_block16 22 %, key_block16 16 %,
-// backward_seq_short (pair histogram, KeyBlockRows) 13 %, bucket_row8 7 %, mask and span setup 2 %.
+// backward_seq_short 13 % (of it ~1/2 the pair histogram, ~1/3 KeyBlockRows::init: its clamps and
+// shifts per row and block; a cheaper build of the lists is a next small step), bucket_row8 7 %, mask
+// and span setup 2 %.
 // Measured and not kept (same in-process A/B, 20 rounds x 60 calls): the forward's scores by
 // dot_key_block16 (a head's whole score tile before its rows, then forward_rows16 without dot_blocks
 // and the key transpose): 1.007x the forward, no gain (a guess, not measured: the forward's groups of
