@@ -516,7 +516,9 @@ SHORT_PATH_CASES = [
 
 
 @cpu_kernel_only
-@pytest.mark.parametrize("D,Dv", [(8, 16), (16, 8), (12, 16)])  # (12, 16): D not a multiple of 8, tile loops
+# (12, 16): D not a multiple of 8, tile loops; where the CPU has AVX-512F, (16, 16) takes the backward's
+# 16-key blocks for the scores, dP, dk and dv (dot_key_block16, key_block16), (32, 16) for dk and dv only
+@pytest.mark.parametrize("D,Dv", [(8, 16), (16, 8), (12, 16), (16, 16), (32, 16)])
 @pytest.mark.parametrize("lengths,input_options,options", SHORT_PATH_CASES)
 def test_cpu_short_path_matches_reference(D, Dv, lengths, input_options, options):
     inputs = make_inputs(lengths, D=D, Dv=Dv, **input_options)
@@ -592,13 +594,14 @@ def test_cpu_short_path_after_a_call_of_smaller_head_dims(avx512):
 
 
 @cpu_kernel_only
-def test_cpu_short_path_skips_the_targets_hole():
+@pytest.mark.parametrize("D", [8, 16])  # 16: the backward's 16-key blocks where the CPU has AVX-512F
+def test_cpu_short_path_skips_the_targets_hole(D):
     """The model's mask on the short path: target 10 of sequence 0 (targets 9..11, context 2) is seen by
     itself only, so an infinite v, k or q there reaches row 10 alone (and the other targets, which skip
     it as the hole between their prefix and themselves, stay finite), as the reference says."""
     g = torch.Generator().manual_seed(0)
     lengths = [12, 40]
-    inputs = dict(q=torch.randn(52, 2, 8, generator=g), k=torch.randn(52, 2, 8, generator=g),
+    inputs = dict(q=torch.randn(52, 2, D, generator=g), k=torch.randn(52, 2, D, generator=g),
                   v=torch.randn(52, 2, 16, generator=g), seq_offsets=offsets_from_lengths(lengths), max_seq_len=40,
                   num_targets=torch.tensor([3, 4]))
     inputs["pos_bias"] = 0.5 * torch.randn(2, 79, generator=g)

@@ -24,11 +24,13 @@
 // - the backward's dk and dv (dk_c += ds[i, c] q_i, dv_c += p[i, c] dO_i) run after a head's rows, four
 //   query rows at a time over the keys all four see, each row alone over the rest (a causal group's
 //   last 1..3 keys, a target's own key): a row at a time they cost a load and a store of the dk and dv
-//   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one.
+//   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one. On
+//   AVX-512F with D and Dv multiples of 16 they run by 16-key blocks instead (key_block16, below).
 // Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the buckets take 8
 // pairs at a time (bucket_row8), the forward's weights and P V 16 lanes, four rows a group
 // (forward_rows16), and so do the backward's P and dS (time bias from registers), dq and the dk / dv
-// products (backward_rows16, scatter_rows16, scatter_rows4_16); the scores and dP stay dot_blocks.
+// products (backward_rows16, scatter_rows16, scatter_rows4_16); the scores and dP stay dot_blocks
+// (at D = Dv = 16, 16-key blocks: dot_key_block16, and dk / dv by key_block16; see below).
 // Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
 // before the next, so that the rows' exp chains overlap: slower than one pass per row (forward 2.8 vs
 // 2.4 ms at the model's shape, 1 thread; on 8 lanes, phase by phase over four rows is what
@@ -135,6 +137,39 @@
 // (a blend keeps 1 / Inf = 0), though ~27 % of forward_rows16's samples sat on the instruction after
 // the divide: 5 alternating rounds, forward ratio median 1.07 (1.02-1.13) slower. So the divide is not
 // what the pass waits on (the samples' skid lands on its consumer); as in the backward above.
+//
+// The backward by 16-key blocks where the CPU has AVX-512F (2026-12-06 night, helper attn8): at D and
+// Dv multiples of 16, dk and dv (key_block16: a block's 16 keys in lanes, its 16 x 16 sums in 16
+// registers over the rows that see it, one masked FMA a row and d, one in-register transpose and a
+// direct write of the output rows), and at D = Dv = 16 the scores and dP too (dot_key_block16: the
+// block's 16 key or value rows transposed into registers, 16 FMAs a row; no transposed copies of k
+// and v). The rows of each block and the lanes each sees are listed once per sequence (KeyBlockRows),
+// so neither loop branches on a row. The P / dS pass, the bias gradients and dq stay the row pass
+// (backward_rows16); the 8-lane path (GEM_KERNELS_NO_AVX512=1) is unchanged. What a block costs: at
+// the model's shape the blocks' rows hold ~1.32 lanes per visible pair (dot_blocks' 8-column blocks
+// ~1.15), and here a zmm FMA took ~1.55x a ymm one's time (0.59-0.62 against 0.38-0.39 ns, 16
+// independent chains in a standalone loop, the 2-core VM shared): the scores' FMA time is then only
+// ~0.9x dot_blocks'; the rest of the gain is fewer loads, stores and loop ends (a guess, not measured:
+// this VM has no PMU counters). Predicted from the perf shares before (dk / dv products, their fill and
+// write-out ~22 % of the kernel; scores and dP ~22 %, transposes ~7 %): 6-12 % for dk / dv, ~8 % for
+// the scores and dP.
+// Measured (1 thread, CPU time, keep_freed_cpu_memory, native ops at the model's call, load average
+// 1.3-3): in one process, variants by a temporary switch alternated per round (25 rounds x 30 calls):
+// dk / dv by key blocks 0.928x the backward before (median of per-round ratios), with the scores and
+// dP by key blocks too 0.828x (range 0.67-0.87); against the build before (12f4054) in alternating
+// processes (scripts/attention_model_call.py --native, 6 rounds, 23:39-23:42 UTC, load average
+// 2.0-2.6): backward 3.13 -> 2.62 ms (medians; per-round ratio median 0.844, range 0.82-0.89), forward
+// 1.47 -> 1.46 ms (0.995: unchanged code); GEM_KERNELS_NO_AVX512=1, 4 rounds: backward 1.002, forward
+// 0.996 (unchanged code). Where the backward's time goes now (perf samples of the kernel's functions,
+// shares): backward_rows16 (P and dS, bias gradients, dq) 37 %, dot_key_block16 22 %, key_block16 16 %,
+// backward_seq_short 13 % (of it ~1/2 the pair histogram, ~1/3 KeyBlockRows::init: its clamps and
+// shifts per row and block; a cheaper build of the lists is a next small step), bucket_row8 7 %, mask
+// and span setup 2 %.
+// Measured and not kept (same in-process A/B, 20 rounds x 60 calls): the forward's scores by
+// dot_key_block16 (a head's whole score tile before its rows, then forward_rows16 without dot_blocks
+// and the key transpose): 1.007x the forward, no gain (a guess, not measured: the forward's groups of
+// four rows overlap their scores with the previous rows' exp / divide chains, which a separate pass
+// over the tile gives up, and the forward builds KeyBlockRows for one use per head).
 //
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
@@ -695,6 +730,7 @@ struct BackRows {
   float *s, *pr, *ds, *dq0, *pos_part, *hist;  // hist: add_by_bucket4's (nullptr: the pair histogram)
   int64_t qs, vs, D, Dv, L, Lp, time_entries;
   float scale, inv_m;
+  bool scores_done;  // the scores and dP tiles filled before the rows (dot_key_block16)
 };
 
 // scatter_rows and scatter_rows4 on 16 lanes (width a multiple of 16), the same sums in the same order.
@@ -725,8 +761,147 @@ GK_AVX512 void scatter_rows4_16(const float* w, int64_t ldw, float alpha, const 
   }
 }
 
+// The lanes [lo, hi) - c0 of a 16-key block at c0 (clamped to the block).
+inline uint32_t run_bits(int64_t lo, int64_t hi, int64_t c0) {
+  const int64_t a = std::clamp<int64_t>(lo - c0, 0, 16), b = std::clamp<int64_t>(hi - c0, 0, 16);
+  return ((1u << b) - 1u) & ~((1u << a) - 1u);
+}
+
+// r[j][k] <- r[k][j] for a 16 x 16 block in registers (64 shuffles: unpack, 128-bit-lane shuffles, two
+// rounds of 128-bit-block shuffles).
+GK_AVX512 inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  // u[4k + j], 128-bit block l: r[4k .. 4k + 3][4l + j].
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+  }
+}
+
+// Which rows see which keys of each 16-key block (the rows of dot_key_block16 and key_block16): block
+// b's rows are entries [start[b], start[b + 1]) of row (ascending) and mask (the lanes the row sees,
+// never 0). Once per sequence, for every head; a row that sees none of a block's keys is not listed,
+// so the blocks' row loops have no branch on it.
+struct KeyBlockRows {
+  std::vector<int32_t> row, start;
+  std::vector<uint16_t> mask;
+
+  void init(const RowSpan* spans, int64_t L) {
+    const int64_t nb = (L + 15) / 16;
+    row.resize(nb * L);
+    mask.resize(nb * L);
+    start.resize(nb + 1);
+    int64_t n = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      start[b] = static_cast<int32_t>(n);
+      for (int64_t i = 0; i < L; ++i) {
+        const Runs r = runs_of(spans[i]);
+        const uint32_t m = run_bits(r.a0, r.a1, 16 * b) | run_bits(r.b0, r.b1, 16 * b);
+        row[n] = static_cast<int32_t>(i);  // written always, kept where m != 0: no branch
+        mask[n] = static_cast<uint16_t>(m);
+        n += m != 0;
+      }
+    }
+    start[nb] = static_cast<int32_t>(n);
+  }
+};
+thread_local KeyBlockRows key_block_rows;
+
+// out[i * Lp + c] = sum_d x[i * ldx + d] * y[c * ldy + d] for the keys c of the 16-key block b (8
+// where the block is the tile's last 8 columns) and the rows i that see any of them (kb): the
+// backward's scores (x = q, y = k) or dP (x = dO, y = v) of one head at D = 16, the block's 16 key
+// rows transposed in registers (transpose16; zeros past L) and held there over its rows (a row: 16
+// FMAs, x[i, d] broadcast from memory, in 4 chains, one store). dot_blocks, per row, loads a
+// transposed copy of the keys (transpose_rows) for every row and 8-column block, and does twice the
+// FMAs on 8 lanes. The row pass then reads a row's 8-column blocks [lo, hi) as before: where a hole
+// leaves a whole 16-key block of them unlisted, those columns keep what the tile held, and like the
+// columns outside the runs they are never read past the P / dS pass.
+GK_AVX512 void dot_key_block16(const float* y, int64_t ldy, int64_t L, int64_t Lp, const float* x, int64_t ldx,
+                               const KeyBlockRows& kb, int64_t b, float* out) {
+  const int64_t c0 = 16 * b, e0 = kb.start[b], e1 = kb.start[b + 1];
+  const bool half = c0 + 16 > Lp;
+  __m512 t[16];  // the block's key rows (zeros past L), transposed: t[d] = y[c0 .. c0 + 15, d]
+  if (c0 + 16 <= L)
+    for (int j = 0; j < 16; ++j) t[j] = _mm512_loadu_ps(y + (c0 + j) * ldy);
+  else
+    for (int j = 0; j < 16; ++j) t[j] = c0 + j < L ? _mm512_loadu_ps(y + (c0 + j) * ldy) : _mm512_setzero_ps();
+  transpose16(t);
+  const int32_t* rows = kb.row.data();
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t i = rows[e];
+    const float* xi = x + i * ldx;
+    __m512 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_mul_ps(t[k], _mm512_set1_ps(xi[k]));
+    for (int d = 4; d < 16; d += 4)
+      for (int k = 0; k < 4; ++k) a[k] = _mm512_fmadd_ps(t[d + k], _mm512_set1_ps(xi[d + k]), a[k]);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+    store_block(out + i * Lp + c0, half ? 0x00FF : 0xFFFF, sum);
+  }
+}
+
+// out[c * ldo + d] = alpha * sum_i w[i * Lp + c] * x[i * ldx + d] over the rows i that see key c
+// (kb: the rows of block b and the lanes each sees), for the keys c of the 16-key block b below L and d <
+// width (a multiple of 16): the backward's dk (w = dS, x = q) or dv (w = P, x = dO) rows of one key
+// block with the keys in lanes. A block's 16 x 16 sums stay in 16 registers over all its rows (one
+// FMA a row and d, each with its x[i, d] broadcast from memory, under the row's mask: an invisible
+// pair is never multiplied, so an Inf or NaN row adds nothing to the keys it does not see), are
+// transposed once and written over their output rows: no accumulator rows, no fill, no copy-out,
+// and no per-row loop over a run of keys (scatter_rows4_16 / scatter_rows16 load and store a dk row
+// per key and four rows, and their runs' lengths change from row to row).
+GK_AVX512 void key_block16(const float* w, int64_t Lp, const float* x, int64_t ldx, int64_t width, float alpha,
+                           const KeyBlockRows& kb, int64_t b, int64_t L, float* out, int64_t ldo) {
+  const int64_t c0 = 16 * b, e0 = kb.start[b], e1 = kb.start[b + 1];
+  const int32_t* rows = kb.row.data();
+  const uint16_t* masks = kb.mask.data();
+  for (int64_t d0 = 0; d0 < width; d0 += 16) {
+    __m512 a[16];
+    for (int k = 0; k < 16; ++k) a[k] = _mm512_setzero_ps();
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t i = rows[e];
+      const __mmask16 m = masks[e];
+      const __m512 wi = _mm512_maskz_loadu_ps(m, w + i * Lp + c0);
+      const float* xi = x + i * ldx + d0;
+      for (int k = 0; k < 16; ++k) a[k] = _mm512_mask3_fmadd_ps(wi, _mm512_set1_ps(xi[k]), a[k], m);
+    }
+    // a[d] holds the block's keys in lanes: transposed to key rows.
+    transpose16(a);
+    const __m512 va = _mm512_set1_ps(alpha);
+    const int64_t n = std::min<int64_t>(16, L - c0);
+    for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(out + (c0 + j) * ldo + d0, _mm512_mul_ps(a[j], va));
+  }
+}
+
+// dk and dv of one head (D and Dv multiples of 16) by key_block16, from the head's dS and P tiles.
+GK_AVX512 void key_blocks16(const KeyBlockRows& kb, int64_t L, int64_t Lp, const float* ds, const float* pr,
+                            const float* q0, int64_t qs, int64_t D, const float* do0, int64_t vs, int64_t Dv,
+                            float scale, float* dk0, float* dv0) {
+  for (int64_t b = 0; b * 16 < L; ++b) {
+    key_block16(ds, Lp, q0, qs, D, scale, kb, b, L, dk0, qs);
+    key_block16(pr, Lp, do0, vs, Dv, 1.0f, kb, b, L, dv0, vs);
+  }
+}
+
 // The backward row pass of rows [i0, i0 + n) (n <= 4) of one head on 16 lanes, each phase over the
-// group's rows before the next, as in forward_rows16: scores and dP (dot_blocks, 8 lanes), then P and
+// group's rows before the next, as in forward_rows16: scores and dP (dot_blocks, 8 lanes; or, at D =
+// Dv = 16, filled before the rows by dot_key_block16: scores_done), then P and
 // dS (bias_silu_grad_row's steps, lane for lane, the time bias from registers: TimeRegs), then the
 // bias gradients and dq (gather_rows16 where D is a multiple of 16). Row i's tiles at i * Lp, as in
 // backward_seq_short's 8-lane loop.
@@ -738,6 +913,7 @@ GK_AVX512 void backward_rows16(const BackRows& h, const RowSpan* spans, int64_t 
     const bool any = span.end > span.begin;
     lo[k] = any ? span.begin & ~int64_t{7} : 0;
     hi[k] = any ? round8(span.end) : 0;
+    if (h.scores_done) continue;
     dot_blocks(h.q0 + i * h.qs, h.D, h.kt, h.Lp, lo[k] / 8, hi[k] / 8, h.s + o);
     dot_blocks(h.do0 + i * h.vs, h.Dv, h.vt, h.Lp, lo[k] / 8, hi[k] / 8, h.ds + o);
   }
@@ -810,6 +986,12 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     if (ws.dp.size() < static_cast<size_t>(2 * L * Lp)) ws.dp.resize(2 * L * Lp);
     sq.hist.assign(16 * nt, 0.0f);
   }
+  // dk and dv by 16-key blocks (key_blocks16) where D and Dv allow, else by the four-row products
+  // (scatter_rows4) into accumulator rows; the scores and dP by key blocks too where D = Dv = 16
+  // (dot_key_block16), else per row (dot_blocks, from transposed copies of k and v).
+  const bool key_blocks = wide && D % 16 == 0 && Dv % 16 == 0;
+  const bool key_scores = key_blocks && D == 16 && Dv == 16;
+  if (key_blocks) key_block_rows.init(sq.spans.data(), L);
   // At least L rows of D and of Dv: a workspace kept from a call of smaller head dims is smaller.
   if (ws.acc.size() < static_cast<size_t>(L * D)) ws.acc.resize(L * D);
   if (ws.acc2.size() < static_cast<size_t>(L * Dv)) ws.acc2.resize(L * Dv);
@@ -819,24 +1001,34 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
     float* ds = ws.dp.data() + (pair_hist ? h * L * Lp : 0);  // dP in, dS out
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* k0 = in.k.const_data_ptr<float>() + (seq.start * H + h) * D;
-    transpose_rows(k0, qs, L, D, ws.k_rows.data());
-    transpose_rows(in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv, vs, L, Dv, ws.v_rows.data());
+    const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
+    if (!key_scores) {
+      transpose_rows(k0, qs, L, D, ws.k_rows.data());
+      transpose_rows(v0, vs, L, Dv, ws.v_rows.data());
+    }
     const float* pos = sq.pos_of(p, L, h);
     const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * nt : nullptr;
     float* pos_part_h = pos != nullptr ? pos_part + h * (2 * L - 1) : nullptr;
     if (time != nullptr && !pair_hist) sq.hist.assign(4 * nt, 0.0f);
     const float* do0 = dout + (seq.start * H + h) * Dv;
     float* dq0 = dq + (seq.start * H + h) * D;
-    std::fill(dk_acc, dk_acc + L * D, 0.0f);
-    std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
+    if (!key_blocks) {
+      std::fill(dk_acc, dk_acc + L * D, 0.0f);
+      std::fill(dv_acc, dv_acc + L * Dv, 0.0f);
+    }
     // Row by row: scores, dP, P and dS (kept in row i of the tiles for the dk and dv pass below), the
     // bias gradients and dq. The tiles' rows (and the buckets') at stride Lp, not kBlockN: at 512 bytes
     // the rows of s, P, dS and the buckets 8 apart share their L1 sets, ~20 lines a set for a 36-row
     // sequence against 12 ways.
     if (wide) {
+      if (key_scores)
+        for (int64_t b = 0; 16 * b < L; ++b) {
+          dot_key_block16(k0, qs, L, Lp, q0, qs, key_block_rows, b, s);
+          dot_key_block16(v0, vs, L, Lp, do0, vs, key_block_rows, b, ds);
+        }
       const BackRows rows{q0, k0, do0, ws.k_rows.data(), ws.v_rows.data(), pos, time, ws.bucket.data(), s, pr, ds,
                           dq0, pos_part_h, time != nullptr && !pair_hist ? sq.hist.data() : nullptr, qs, vs, D, Dv, L,
-                          Lp, nt, p.scale, inv_m};
+                          Lp, nt, p.scale, inv_m, key_scores};
       for (int64_t i0 = 0; i0 < L; i0 += 4) backward_rows16(rows, sq.spans.data(), i0, std::min<int64_t>(4, L - i0));
     }
     for (int64_t i = 0; i < (wide ? 0 : L); ++i) {
@@ -867,8 +1059,11 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
       gather_rows(ds_i, k0, qs, r.b0, r.b1, D, dq_i);
       for (int64_t d = 0; d < D; ++d) dq_i[d] *= p.scale;
     }
+    float* dk0 = dk + (seq.start * H + h) * D;
+    float* dv0 = dv + (seq.start * H + h) * Dv;
+    if (key_blocks) key_blocks16(key_block_rows, L, Lp, ds, pr, q0, qs, D, do0, vs, Dv, p.scale, dk0, dv0);
     // dk_c += scale * ds[i, c] q_i, dv_c += p[i, c] do_i.
-    for (int64_t i0 = 0; i0 < L; i0 += 4) {
+    for (int64_t i0 = 0; i0 < (key_blocks ? 0 : L); i0 += 4) {
       const int64_t n = std::min<int64_t>(4, L - i0);
       Runs r[4];
       for (int64_t k = 0; k < n; ++k) r[k] = runs_of(sq.spans[i0 + k]);
@@ -908,9 +1103,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
         }
       }
     }
-    float* dk0 = dk + (seq.start * H + h) * D;
-    float* dv0 = dv + (seq.start * H + h) * Dv;
-    for (int64_t c = 0; c < L; ++c) {
+    for (int64_t c = 0; c < (key_blocks ? 0 : L); ++c) {
       copy_row8(dk_acc + c * D, D, dk0 + c * qs);
       copy_row8(dv_acc + c * Dv, Dv, dv0 + c * vs);
     }
