@@ -89,8 +89,9 @@
 // mix fwd ~0.80 (0.58), fm fwd ~0.59 (0.43); a 1-thread torch.profiler of the step itself (wall time
 // per op, with two other sessions on the host) read ~1.3x more still. At F = 16 the mix backward's
 // bytes alone (a kernel that only reads X, grad_out and fm and writes grad_x and grad_fm, per sample
-// in the same order) take 578 us cold and 350 warm; the kernel 900-950 cold and 690 warm; its arithmetic alone (inputs touched first)
-// ~520: memory and arithmetic mostly add up instead of overlapping. Removing one part at a time from
+// in the same order) take 578 us cold and 350 warm; the kernel 900-950 cold and 690 warm; its
+// arithmetic alone (inputs touched first) ~520: memory and arithmetic mostly add up instead of
+// overlapping. Removing one part at a time from
 // that arithmetic (warm, F = 16 / 10): grad_M's cross32 190 / 180 us, grad_X = M^T grad_S 190 / 170,
 // the LayerNorm backward 140 / 140, S again 140 / 120.
 // Kept: the fm_compress backward asks for the next sample's rows (kFmBackwardAhead). Against the
@@ -102,7 +103,8 @@
 //   prefetcht0, t1 or t2; with or without prefetchw of its grad_x and grad_fm rows), issued at the
 //   sample's start or one line per k-step of its S and grad_X products: 0.93-1.26x, most settings
 //   slower (one, a line per k-step 2 samples ahead, read 0.85-0.93x at F = 10 but 0.97-1.04x at
-//   F = 16 in a single run; not confirmed). In the fm_compress backward it pays (kFmBackwardAhead).
+//   F = 16 in a single run; not confirmed). In the fm_compress backward it pays (kFmBackwardAhead);
+//   adding prefetchw of that sample's grad_x rows there: 1.04-1.17x at F = 16, 0.91-1.04x at F = 10.
 // - streaming stores of grad_x below the 32 MB threshold, both backwards: 0.96-1.10x.
 // - grad_M per sample in registers without horizontal sums: grad_S's 16-row groups transposed (64
 //   AVX-512 shuffles per 16 x 16), then one FMA per (d, f) of a 16-lane grad_S^T row and the broadcast
