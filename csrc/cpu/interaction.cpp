@@ -106,6 +106,9 @@
 //   F = 16 in a single run; not confirmed). In the fm_compress backward it pays (kFmBackwardAhead);
 //   adding prefetchw of that sample's grad_x rows there: 1.04-1.17x at F = 16, 0.91-1.04x at F = 10.
 // - streaming stores of grad_x below the 32 MB threshold, both backwards: 0.96-1.10x.
+// - the fm_compress forward's prefetch of X 2 samples ahead instead of 1: 1.02-1.12x at F = 16,
+//   0.90-1.07x at F = 10; adding prefetchw of the next sample's products and output rows: 1.13-1.15x
+//   and 1.01-1.20x. (Without its prefetch that forward runs 1.22-1.26x and 1.08-1.35x: it stays.)
 // - grad_M per sample in registers without horizontal sums: grad_S's 16-row groups transposed (64
 //   AVX-512 shuffles per 16 x 16), then one FMA per (d, f) of a 16-lane grad_S^T row and the broadcast
 //   x[f, d] into F accumulators of lanes o, added into a per-chunk [F, O] partial (predicted: half of
