@@ -17,6 +17,14 @@ holds a core, a 2-thread round waits for a descheduled thread (ms per call) and 
 nothing; `--single-calls` then prints [10th, 50th percentile] wall us of 400 single calls at 2
 threads instead: the calls that ran with both cores. The bench rows at the same shape
 (`python -m bench interaction`) check the outputs before timing them; this script only times.
+
+`--cold N` rotates every call over N sets of inputs (fresh outputs as always), so that a call finds
+its inputs in memory rather than in the caches, as the training step does: the forward wrote x and
+fm milliseconds and tens of MB of other work before the backward reads them. At N = 32 (~300 MB)
+the 1-thread CPU times come within the host's noise of what a 1-thread step's calls cost (its
+profiler's wall times, on a shared host, read more still); N = 1 (the default) measures the kernels
+on cache-warm inputs, 0.6-0.8x of that (2026-12-06, 2-vCPU Xeon: mix bwd F = 16 ~690 us warm vs
+~920 cold, fm bwd ~410 vs ~700).
 """
 
 from __future__ import annotations
@@ -59,32 +67,53 @@ def _single_call_us(fn, calls: int = 400) -> list[float]:
     return [round(times[calls // 10], 1), round(times[calls // 2], 1)]
 
 
+def _rotating(call, sets: list) -> callable:
+    """A no-argument fn that runs call on sets[0], sets[1], ... in turn."""
+    state = {"next": 0}
+
+    def fn():
+        i = state["next"]
+        state["next"] = (i + 1) % len(sets)
+        return call(sets[i])
+
+    return fn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python scripts/wukong_model_ops.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--single-calls", action="store_true",
                         help="print [10th, 50th percentile] wall us of 400 single calls at 2 threads instead")
+    parser.add_argument("--cold", type=int, default=1, metavar="N",
+                        help="rotate each call over N input sets, so that inputs come from memory (default 1)")
     parser.add_argument("--malloc-keep-mib", type=int, default=DEFAULT_KEEP_MIB, metavar="MIB",
                         help=f"keep up to MIB of freed heap mapped (default {DEFAULT_KEEP_MIB}; 0: glibc's defaults)")
     args = parser.parse_args()
+    if args.cold < 1:
+        parser.error(f"--cold must be >= 1, got {args.cold}")
     single_calls = args.single_calls
     keep_freed_cpu_memory(args.malloc_keep_mib)
     ops = torch.ops.gem_kernels
     results = {}
     for F in (10, 16):
-        x, y = torch.randn(B, F, D), torch.randn(F, K) * F ** -0.5
+        y, mix = torch.randn(F, K) * F ** -0.5, torch.randn(O, F) * F ** -0.5
         lw, lb = 1 + 0.1 * torch.randn(F * K), 0.1 * torch.randn(F * K)
-        out, mean, rstd, products = ops.fm_compress_native(x, y, lw, lb, 1e-5, True)
-        g = torch.randn_like(out)
-        mix, fm = torch.randn(O, F) * F ** -0.5, torch.randn(B, O_FM, D)
         w, b = 1 + 0.1 * torch.randn(D), 0.1 * torch.randn(D)
-        out2, mean2, rstd2 = ops.feature_mix_norm_native(x, mix, fm, w, b, 1e-5)
-        g2 = torch.randn_like(out2)
-        fns = {"fm_compress fwd": lambda: ops.fm_compress_native(x, y, lw, lb, 1e-5, True),
-               "fm_compress bwd": lambda: ops.fm_compress_backward_native(g, x, y, lw, mean, rstd, products),
-               "feature_mix_norm fwd": lambda: ops.feature_mix_norm_native(x, mix, fm, w, b, 1e-5),
-               "feature_mix_norm bwd": lambda: ops.feature_mix_norm_backward_native(g2, x, mix, fm, w, mean2, rstd2)}
-        for name, fn in fns.items():
+        sets = []
+        for _ in range(args.cold):
+            x, fm = torch.randn(B, F, D), torch.randn(B, O_FM, D)
+            out, mean, rstd, products = ops.fm_compress_native(x, y, lw, lb, 1e-5, True)
+            out2, mean2, rstd2 = ops.feature_mix_norm_native(x, mix, fm, w, b, 1e-5)
+            sets.append(dict(x=x, fm=fm, g=torch.randn_like(out), mean=mean, rstd=rstd, products=products,
+                             g2=torch.randn_like(out2), mean2=mean2, rstd2=rstd2))
+        fns = {"fm_compress fwd": lambda s: ops.fm_compress_native(s["x"], y, lw, lb, 1e-5, True),
+               "fm_compress bwd": lambda s: ops.fm_compress_backward_native(s["g"], s["x"], y, lw, s["mean"],
+                                                                            s["rstd"], s["products"]),
+               "feature_mix_norm fwd": lambda s: ops.feature_mix_norm_native(s["x"], mix, s["fm"], w, b, 1e-5),
+               "feature_mix_norm bwd": lambda s: ops.feature_mix_norm_backward_native(
+                   s["g2"], s["x"], mix, s["fm"], w, s["mean2"], s["rstd2"])}
+        for name, call in fns.items():
+            fn = _rotating(call, sets)
             torch.set_num_threads(2)
             if single_calls:
                 results[f"{name} F={F}"] = _single_call_us(fn)

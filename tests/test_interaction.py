@@ -1011,3 +1011,24 @@ def test_backward_fills_no_zero_gradient_of_the_statistics(op):
             return None
 
     assert torch.autograd.grad(NoGradient.apply(run()).sum(), inputs, allow_unused=True) == (None,) * len(inputs)
+
+
+def test_wukong_model_ops_cold_rotates_inputs():
+    """scripts/wukong_model_ops.py --cold N times each call on N input sets in turn (so that at the
+    model's call the inputs come from memory, not from the caches a repeated call leaves them in)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "wukong_model_ops.py"
+    spec = importlib.util.spec_from_file_location("wukong_model_ops", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    seen = []
+    fn = script._rotating(seen.append, ["a", "b", "c"])
+    for _ in range(7):
+        fn()
+    assert seen == ["a", "b", "c", "a", "b", "c", "a"]
+    result = subprocess.run([sys.executable, str(path), "--cold", "0"], capture_output=True, text=True)
+    assert result.returncode != 0 and "--cold must be >= 1" in result.stderr

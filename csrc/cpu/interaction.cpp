@@ -80,6 +80,49 @@
 // fm bwd 9.4-10.0 -> 5.8-5.9, mix fwd 6.2-6.4 -> 3.9-4.1, fm fwd 7.3-7.7 -> 4.4-4.5 (predicted ~5 us
 // on the mix backward): ~19 us less serial time in a step's Wukong backward (~1.7 % of its ~1.1 ms
 // at 2 threads, p10 of `scripts/wukong_model_ops.py --single-calls`), ~11 us in its forward.
+//
+// At the model's call the inputs come from memory, not the caches (issue 26, branch wk8, 2026-12-06
+// 23:00-00:30 UTC, the same 2-vCPU Xeon, 1 thread, CPU time, host load 1.5-3 from two other sessions).
+// The calls captured from a `small` training step (B = 1113, fp32, contiguous; the same shapes as
+// above) rotated over 32 input sets (~300 MB: `scripts/wukong_model_ops.py --cold 32`) cost 1.3-1.7x
+// the cache-warm loop: per step (F = 10 + 16) mix bwd ~1.70 ms against 1.21 warm, fm bwd ~1.20 (0.67),
+// mix fwd ~0.80 (0.58), fm fwd ~0.59 (0.43); a 1-thread torch.profiler of the step itself (wall time
+// per op, with two other sessions on the host) read ~1.3x more still. At F = 16 the mix backward's
+// bytes alone (a kernel that only reads X, grad_out and fm and writes grad_x and grad_fm, per sample
+// in the same order) take 578 us cold and 350 warm; the kernel 900-950 cold and 690 warm; its
+// arithmetic alone (inputs touched first) ~520: memory and arithmetic mostly add up instead of
+// overlapping. Removing one part at a time from
+// that arithmetic (warm, F = 16 / 10): grad_M's cross32 190 / 180 us, grad_X = M^T grad_S 190 / 170,
+// the LayerNorm backward 140 / 140, S again 140 / 120.
+// Kept: the fm_compress backward asks for the next sample's rows (kFmBackwardAhead). Against the
+// build before it, 4 alternating rounds: cold 0.89-0.95x at F = 16 (median 721 -> 662 us) and
+// 0.84-0.94x at F = 10 (461 -> 421); warm 0.93-1.14x (450 -> 462, F = 16), within that noise.
+// Measured and not kept, at the model's call (cold, 32 sets; alternating processes, 3-4 rounds; one
+// build's rounds spread +-5 % cold, +-8 % warm):
+// - software prefetch in the mix backward of the sample 1, 2, 4 or 8 ahead (X, grad_out, fm;
+//   prefetcht0, t1 or t2; with or without prefetchw of its grad_x and grad_fm rows), issued at the
+//   sample's start or one line per k-step of its S and grad_X products: 0.93-1.26x, most settings
+//   slower (one, a line per k-step 2 samples ahead, read 0.85-0.93x at F = 10 but 0.97-1.04x at
+//   F = 16 in a single run; not confirmed). In the fm_compress backward it pays (kFmBackwardAhead);
+//   adding prefetchw of that sample's grad_x rows there: 1.04-1.17x at F = 16, 0.91-1.04x at F = 10.
+// - streaming stores of grad_x below the 32 MB threshold, both backwards: 0.96-1.10x.
+// - the fm_compress forward's prefetch of X 2 samples ahead instead of 1: 1.02-1.12x at F = 16,
+//   0.90-1.07x at F = 10; adding prefetchw of the next sample's products and output rows: 1.13-1.15x
+//   and 1.01-1.20x. (Without its prefetch that forward runs 1.22-1.26x and 1.08-1.35x: it stays.)
+// - grad_M per sample in registers without horizontal sums: grad_S's 16-row groups transposed (64
+//   AVX-512 shuffles per 16 x 16), then one FMA per (d, f) of a 16-lane grad_S^T row and the broadcast
+//   x[f, d] into F accumulators of lanes o, added into a per-chunk [F, O] partial (predicted: half of
+//   cross32's 190 us): mix bwd F = 16 0.94-1.04x and F = 10 0.94-0.99x cold, 0.94-1.16x warm. Its loop
+//   alone, L1-resident, runs 5.4 zmm FMAs/ns (7.1 the register-only peak measured this session), but
+//   in the kernel its profile share was 13.1 % against cross32's 14.0 %.
+// - fm_compress's LayerNorm row (n = F k = 80, 128) on the row kernels' lanes with four accumulators
+//   per sum (layer_norm_row / layer_norm_row_backward run one 8-lane chain each): their profile share
+//   10-17 % smaller, the ops 0.85-1.16x in 4 rounds, no consistent direction.
+// - glibc's transparent huge pages for the heap (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; the host's
+//   THP mode is madvise): the cold backwards 0.87-1.02x, but `python -m model.train --config small
+//   --steps 30` at 1 thread 50.58 / 51.05 / 50.13 ms against 50.68 / 53.37 / 51.27 (0.99x).
+// - recomputing the products in the fm_compress backward (save_products=False), cold: fwd+bwd F = 16
+//   1110 us against 1073 saved, F = 10 698 against 674 (the products still pay at the model's call).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -1131,6 +1174,14 @@ FmDims fm_dims(const at::Tensor& x, const at::Tensor& y) {
 inline bool fm_rows32(const FmDims& d) { return d.D == kRow32 && d.k == 8; }
 #endif
 
+// How many samples ahead the D = 32 fm_compress backward asks for X, grad_out and the products
+// (prefetch_rows: prefetcht1, into L2). At the model's call these come from memory (header, "At the
+// model's call"); measured there (B = 1113, 32 input sets, 1 thread, CPU time, one build with the
+// distance from the environment, 3-4 alternating rounds) against no prefetch: 1 ahead 0.81-0.88x at
+// F = 10 and 0.91-0.92x at F = 16; 2 ahead 0.84-0.90x and 0.91-1.00x; 3 ahead 0.87-1.00x and
+// 0.93-1.00x; 4 ahead into L1 (prefetcht0) 0.91-1.01x.
+constexpr int64_t kFmBackwardAhead = 1;
+
 // The (X^T Y)^T [k, D] and S [F, k] of one sample as `products` stores them: one fp32 row per sample.
 inline int64_t products_row(const FmDims& d) { return d.k * d.D + d.F * d.k; }
 
@@ -1243,6 +1294,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
           if (fm_rows32(d)) {
             const int64_t first = c * d.B / chunks;
             for (int64_t b = first; b < last; ++b) {
+              if (b + kFmBackwardAhead < d.B) {
+                const int64_t q = b + kFmBackwardAhead;
+                prefetch_rows(xp + q * d.F * d.D, d.F * d.D);
+                prefetch_rows(gp + q * n, n);
+                if (saved) prefetch_rows(pp + q * products_row(d), products_row(d));
+              }
               const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xsc.data() + (b - first) * d.F * kRow32);
               float* gat = gatc.data() + (b - first) * 8 * kRow32;
               const float *at = w.at.data(), *s = w.sf.data();
