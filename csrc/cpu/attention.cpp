@@ -449,6 +449,9 @@ struct Params {
   // table_bucket's cells (see bucket_cells): 64 binary exponents x 16 mantissa steps of |dt|.
   std::vector<int32_t> cell_bucket;  // the bucket of the cell's smallest |dt|; -1: search thr instead
   std::vector<int64_t> cell_next;    // the cell's one threshold less 1 (INT64_MAX: none in the cell)
+  // Both in one 64-bit entry for bucket_row8's one gather: bucket << 52 | min(next, 2^52 - 1) (its |dt|
+  // are below 2^52, so the clamp keeps every compare); -1 where cell_bucket is, or the bucket >= 2^11.
+  std::vector<int64_t> cell_packed;
   const int64_t* timestamps = nullptr;
   const int64_t* query_timestamps = nullptr;  // tq_i of bucket(tq_i - t_j): timestamps when not given
 };
@@ -671,6 +674,11 @@ void bucket_cells(Params& p) {
       p.cell_bucket[c] = static_cast<int32_t>(below);
       if (within == 1) p.cell_next[c] = thr[below] - 1;
     }
+  constexpr int64_t kLow52 = (int64_t{1} << 52) - 1;
+  p.cell_packed.assign(64 * 16, -1);
+  for (int64_t c = 0; c < 64 * 16; ++c)
+    if (p.cell_bucket[c] >= 0 && p.cell_bucket[c] < 2048)
+      p.cell_packed[c] = (int64_t{p.cell_bucket[c]} << 52) | std::min(p.cell_next[c], kLow52);
 }
 
 // time_bucket by bucket_cells' tables: a table read and one compare instead of a search or a walk

@@ -171,6 +171,28 @@
 // four rows overlap their scores with the previous rows' exp / divide chains, which a separate pass
 // over the tile gives up, and the forward builds KeyBlockRows for one use per head).
 //
+// KeyBlockRows built 16 rows at a time on AVX-512F (helper attn9, 2026-12-07): each row's runs once as
+// 32-bit columns, a block's lanes for 16 rows by clamps and vpsllvd, the listed rows and masks by
+// vpcompressd (a row and block at a time its clamps and shifts were ~1/3 of backward_seq_short's
+// samples, ~4 % of the backward). Predicted ~3 %. Measured (1 thread, CPU time, --native, alternating
+// processes against 83ad6c7, 4 rounds, load average 1-2): backward ratio per round 0.974 / 0.955 /
+// 0.996 / 1.005 (2.74 -> 2.69 ms, medians); perf shares of the kernel's samples: backward_seq_short
+// 12.5 -> 8.6 %, KeyBlockRows::init 1.4 %.
+// Measured and not kept (same method, against that build, 7 rounds, load average ~1): the P / dS steps
+// folded into the dP key blocks (dot_key_block16 going on from each row's dP block to its P and dS, the
+// row pass keeping the bias gradients and dq; time bias from TimeRegs): backward ratio per round 1.04 /
+// 1.04 / 0.97 / 1.07 / 1.15 / 1.08 / 1.02, slower. A guess, not measured: a block's rows compute all 16
+// lanes (~1.32 lanes a visible pair against the row pass's ~1.15), and the exp / divide steps a lane
+// cost more than the FMAs the fold overlaps them with.
+// bucket_row8 by one gather (helper attn9): cell_bucket and cell_next packed in one 64-bit table entry
+// (Params::cell_packed), one vpgatherqq of 8 a block, not a vpgatherqd and a vpgatherqq. Predicted
+// from bucket_row8's shares (12 % of the forward, 7 % of the backward): ~3.5 % forward, ~2 % backward.
+// Measured (1 thread, CPU time, --native, alternating processes, 2026-12-07 00:17-00:25 UTC, load average
+// ~1): against the KeyBlockRows build above, 9 rounds: forward ratio median ~0.955 (0.90-1.06), backward
+// ~0.965 (0.94-1.01). Both changes against 83ad6c7, 5 rounds: forward 1.50 -> 1.48 ms (medians;
+// per-round ratio median 0.975, 0.91-1.10), backward 2.84 -> 2.71 ms (0.965, 0.94-1.01);
+// GEM_KERNELS_NO_AVX512=1 (its code unchanged but the table's fill per call), 3 rounds: forward 0.98,
+// backward 1.03 (0.97-1.06): noise.//
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
 // hole; the other masks ask visible() per pair and take the tile loops). Needs AVX2 (the build's
@@ -329,8 +351,8 @@ inline Runs runs_of(const RowSpan& span) {
 }
 
 // bucket[c] = table_bucket(ti - tk[c]) for c in [c0, c1) (multiples of 8), ShortSeq::table_bucket4's
-// steps on 8 lanes of AVX-512F (run where the CPU has it), the two table reads by gathers: here no
-// chain waits on them (see gather8 for where one does). A block with a lane out of the table's range
+// steps on 8 lanes of AVX-512F (run where the CPU has it), the two tables read by one gather of their
+// packed entries (Params::cell_packed): here no chain waits on it (see gather8 for where one does). A block with a lane out of the table's range
 // takes table_bucket lane by lane.
 GK_AVX512 void bucket_row8(const Params& p, int64_t ti, const int64_t* tk, int64_t c0, int64_t c1, int32_t* bucket) {
   const __m512i vti = _mm512_set1_epi64(ti), one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
@@ -343,12 +365,13 @@ GK_AVX512 void bucket_row8(const Params& p, int64_t ti, const int64_t* tk, int64
       const __m512i x1 = _mm512_max_epi64(x, one);  // x = 0 shares cell 0 with 1
       const __m512d xd = _mm512_sub_pd(_mm512_castsi512_pd(_mm512_or_si512(x1, two52)), _mm512_castsi512_pd(two52));
       const __m512i cell = _mm512_sub_epi64(_mm512_srli_epi64(_mm512_castpd_si512(xd), 48), _mm512_set1_epi64(0x3FF0));
-      const __m256i b = _mm512_i64gather_epi32(cell, p.cell_bucket.data(), 4);
-      ok = _mm256_movemask_ps(_mm256_castsi256_ps(b)) == 0;  // no cell that needs the search
+      const __m512i packed = _mm512_i64gather_epi64(cell, reinterpret_cast<const long long*>(p.cell_packed.data()), 8);
+      ok = _mm512_cmplt_epi64_mask(packed, zero) == 0;  // no cell that needs the search
       if (ok) {
-        const __m512i next = _mm512_i64gather_epi64(cell, reinterpret_cast<const long long*>(p.cell_next.data()), 8);
-        const __m256i up = _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(_mm512_cmpgt_epi64_mask(x, next), one));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + c), _mm256_add_epi32(b, up));
+        const __m512i next = _mm512_and_si512(packed, limit);
+        const __m512i b = _mm512_mask_add_epi64(_mm512_srli_epi64(packed, 52), _mm512_cmpgt_epi64_mask(x, next),
+                                                _mm512_srli_epi64(packed, 52), one);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(bucket + c), _mm512_cvtepi64_epi32(b));
       }
     }
     if (!ok)
@@ -761,12 +784,6 @@ GK_AVX512 void scatter_rows4_16(const float* w, int64_t ldw, float alpha, const 
   }
 }
 
-// The lanes [lo, hi) - c0 of a 16-key block at c0 (clamped to the block).
-inline uint32_t run_bits(int64_t lo, int64_t hi, int64_t c0) {
-  const int64_t a = std::clamp<int64_t>(lo - c0, 0, 16), b = std::clamp<int64_t>(hi - c0, 0, 16);
-  return ((1u << b) - 1u) & ~((1u << a) - 1u);
-}
-
 // r[j][k] <- r[k][j] for a 16 x 16 block in registers (64 shuffles: unpack, 128-bit-lane shuffles, two
 // rounds of 128-bit-block shuffles).
 GK_AVX512 inline void transpose16(__m512 r[16]) {
@@ -796,28 +813,55 @@ GK_AVX512 inline void transpose16(__m512 r[16]) {
   }
 }
 
+// For 16 rows, the lanes [0, x[r] - c0) of the 16-key block at c0 (x[r] - c0 clamped to [0, 16]; a shift
+// by 16 gives 0xFFFF).
+GK_AVX512 inline __m512i lanes_below(const int32_t* x, __m512i c0) {
+  const __m512i n = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(_mm512_loadu_si512(x), c0), _mm512_setzero_si512()),
+                                     _mm512_set1_epi32(16));
+  return _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(1), n), _mm512_set1_epi32(1));
+}
+
 // Which rows see which keys of each 16-key block (the rows of dot_key_block16 and key_block16): block
 // b's rows are entries [start[b], start[b + 1]) of row (ascending) and mask (the lanes the row sees,
 // never 0). Once per sequence, for every head; a row that sees none of a block's keys is not listed,
-// so the blocks' row loops have no branch on it.
+// so the blocks' row loops have no branch on it. Built 16 rows at a time: each row's two runs once, as
+// 32-bit columns (rows past L: empty runs), then per block the lanes by clamps and variable shifts, and
+// the listed rows and masks by compress (a row and block at a time, its clamps and shifts were ~1/3 of
+// backward_seq_short's samples).
 struct KeyBlockRows {
   std::vector<int32_t> row, start;
   std::vector<uint16_t> mask;
+  std::vector<int32_t> runs;  // 4 columns of L rounded up to 16: a0, a1, b0, b1
 
-  void init(const RowSpan* spans, int64_t L) {
-    const int64_t nb = (L + 15) / 16;
-    row.resize(nb * L);
-    mask.resize(nb * L);
+  GK_AVX512 void init(const RowSpan* spans, int64_t L) {
+    const int64_t nb = (L + 15) / 16, L16 = 16 * nb;
+    row.resize(nb * L + 16);  // + 16: each step stores 16 entries, keeping the listed ones
+    mask.resize(nb * L + 16);
     start.resize(nb + 1);
+    runs.assign(4 * L16, 0);
+    int32_t* ra = runs.data();
+    for (int64_t i = 0; i < L; ++i) {
+      const Runs r = runs_of(spans[i]);
+      ra[i] = static_cast<int32_t>(r.a0);
+      ra[L16 + i] = static_cast<int32_t>(r.a1);
+      ra[2 * L16 + i] = static_cast<int32_t>(r.b0);
+      ra[3 * L16 + i] = static_cast<int32_t>(r.b1);
+    }
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t n = 0;
     for (int64_t b = 0; b < nb; ++b) {
       start[b] = static_cast<int32_t>(n);
-      for (int64_t i = 0; i < L; ++i) {
-        const Runs r = runs_of(spans[i]);
-        const uint32_t m = run_bits(r.a0, r.a1, 16 * b) | run_bits(r.b0, r.b1, 16 * b);
-        row[n] = static_cast<int32_t>(i);  // written always, kept where m != 0: no branch
-        mask[n] = static_cast<uint16_t>(m);
-        n += m != 0;
+      const __m512i c0 = _mm512_set1_epi32(static_cast<int32_t>(16 * b));
+      for (int64_t i0 = 0; i0 < L16; i0 += 16) {
+        const __m512i m = _mm512_or_si512(_mm512_andnot_si512(lanes_below(ra + i0, c0), lanes_below(ra + L16 + i0, c0)),
+                                          _mm512_andnot_si512(lanes_below(ra + 2 * L16 + i0, c0),
+                                                              lanes_below(ra + 3 * L16 + i0, c0)));
+        const __mmask16 k = _mm512_test_epi32_mask(m, m);
+        _mm512_storeu_si512(row.data() + n,
+                            _mm512_maskz_compress_epi32(k, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i0)))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(mask.data() + n),
+                            _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(k, m)));
+        n += __builtin_popcount(k);
       }
     }
     start[nb] = static_cast<int32_t>(n);
