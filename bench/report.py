@@ -144,7 +144,9 @@ def _measurements(peaks: dict) -> str:
 
 def _load_warning(load: dict, cores) -> str:
     if cores and max(load["start"], load["end"]) > cores:
-        return " (above the core count: other processes compete for the CPU and the timings are noisy)"
+        return (" (above the core count: other processes compete for the CPU and the timings are noisy; "
+                "multi-threaded calls, ours and the peers', also wait at OpenMP barriers for descheduled "
+                "threads: bench/results/omp-wait-20261207T002709Z)")
     return ""
 
 

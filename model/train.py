@@ -353,6 +353,7 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
     warmup = min(5, args.steps // 4) if args.warmup is None else args.warmup
     held_out = [data.held_out(i).to(device) for i in range(args.eval_batches)]
     timer = PhaseTimer(device)
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     step_ms, components, flops, auc_history = [], {p: [] for p in PHASES}, [], []
     try:
         from tqdm import tqdm
@@ -391,7 +392,26 @@ def train(args: argparse.Namespace, model: GemModel, optimizers: list[torch.opti
         store.save(args.steps, losses)
     final_auc = evaluate(model, held_out, amp_dtype)
     return dict(losses=losses, step_ms=step_ms, components=components, flops=flops, auc=final_auc,
-                auc_history=auc_history)
+                auc_history=auc_history,
+                loadavg_1min={"start": load_start, "end": os.getloadavg()[0] if load_start is not None else None})
+
+
+def cpu_contention_warning(threads: int, load: float, cores: int | None, wait_policy: str | None) -> str | None:
+    """A warning when other processes' load (the 1-minute average ``load``, taken before this run adds
+    its own) leaves fewer idle cores than the ``threads`` torch runs, and OpenMP threads spin-wait
+    (``wait_policy``: OMP_WAIT_POLICY, unset or ACTIVE). Torch's parallel regions are OpenMP (libgomp):
+    a thread that reaches a region's barrier first spins while the other one waits for a core, and a
+    step holds hundreds of regions. None when there is nothing to warn about."""
+    if not cores or threads <= 1 or load + threads <= cores + 0.5:
+        return None
+    if wait_policy is not None and wait_policy.strip().upper() == "PASSIVE":
+        return None
+    return (f"warning: the 1-minute load average is {load:.1f} on {cores} cores and this run uses {threads} "
+            f"threads: with OpenMP's spin-waits at every parallel region's barrier, a busy host makes steps several "
+            f"times slower (measured on a 2-core VM at 2 threads beside one busy process: 2-14x, and slower than "
+            f"1 thread). Use as many threads as there are idle cores (OMP_NUM_THREADS). OMP_WAIT_POLICY=PASSIVE, "
+            f"set before python starts, kept that run at 1.2x one thread's time, but cost 1.35x on the quiet "
+            f"host (bench/results/omp-wait-20261207T002709Z)")
 
 
 def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict) -> dict:
@@ -430,6 +450,10 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
         "dtype": "bfloat16" if args.amp == "bf16" else "float32",
         "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         "threads": torch.get_num_threads(),
+        # The host's 1-minute load average before and after the loop (another process's load shows here,
+        # and OpenMP's spin-waits make a busy host's steps far slower: cpu_contention_warning).
+        "loadavg_1min": run.get("loadavg_1min"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "malloc_keep_mib": args.malloc_keep_mib if getattr(args, "malloc_kept", False) else 0,
         "compile": args.compile,
         "use_sequence": cfg.use_sequence,
@@ -456,6 +480,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         cfg, model, optimizers = build(args)
         data = SyntheticBatches(cfg, cfg.batch_size, seed=args.seed)
+        if torch.device(args.device).type == "cpu" and hasattr(os, "getloadavg"):
+            warning = cpu_contention_warning(torch.get_num_threads(), os.getloadavg()[0], os.cpu_count(),
+                                             os.environ.get("OMP_WAIT_POLICY"))
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         print(f"config={args.config} kernels={args.kernels} interaction={cfg.interaction} amp={args.amp} "
               f"compile={args.compile} device={args.device} batch_size={cfg.batch_size} steps={args.steps} "
               f"params={sum(p.numel() for p in model.parameters()):,}", flush=True)

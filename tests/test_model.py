@@ -788,3 +788,23 @@ def test_train_cli_runs_bf16(tmp_path):
     # the CLI applies its --malloc-keep-mib default (gem_kernels.testing.malloc; 0 where it is not glibc)
     from gem_kernels.testing import malloc
     assert written["malloc_keep_mib"] == (malloc.DEFAULT_KEEP_MIB if malloc._mallopt() is not None else 0)
+    # the host's load around the loop, and the OpenMP wait policy it ran under (unset here)
+    load = written["loadavg_1min"]
+    assert set(load) == {"start", "end"} and all(v >= 0 for v in load.values())
+    assert written["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY")
+
+
+def test_cpu_contention_warning():
+    """model.train warns when other processes' load leaves fewer idle cores than its threads while OpenMP
+    spin-waits (a busy host made each 2-thread step 3-30x slower), and only then."""
+    from model.train import cpu_contention_warning
+
+    warning = cpu_contention_warning(2, 1.0, 2, None)
+    assert warning and "load average is 1.0 on 2 cores" in warning and "OMP_WAIT_POLICY=PASSIVE" in warning
+    assert cpu_contention_warning(2, 1.0, 2, "active")  # spinning too
+    assert cpu_contention_warning(2, 1.0, 2, " passive") is None  # threads sleep at barriers: nothing to warn
+    assert cpu_contention_warning(2, 0.3, 2, None) is None  # a quiet host
+    assert cpu_contention_warning(1, 5.0, 2, None) is None  # one thread: no barrier to wait at
+    assert cpu_contention_warning(4, 3.0, 8, None) is None  # enough idle cores
+    assert cpu_contention_warning(8, 3.0, 8, None)
+    assert cpu_contention_warning(2, 9.0, None, None) is None  # core count unknown
