@@ -27,6 +27,9 @@ from .ops.quant_embedding_bag import quant_embedding_bag
 from .nn.quant_embedding_bag import QuantizedEmbeddingBag
 from .nn.hashed_embedding_bag import HashedEmbeddingBag
 from ._swap import SwapReport, SwapSkip, register, swap
+from ._autograd import enable_eager_fast_paths as _enable_eager_fast_paths
+
+_enable_eager_fast_paths()  # every op is defined by now (gem_kernels/_autograd.py: the eager fast path)
 
 # `gem_kernels.swap` is the function (its engine is the private module _swap); register, SwapSkip and
 # SwapReport are gem_kernels' own names, not attributes of the function.

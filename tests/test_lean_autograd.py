@@ -99,8 +99,19 @@ def test_a_formula_with_the_wrong_gradient_count_is_an_error():
         twice(x, 2.0).sum().backward()
 
 
+class PassThroughMode(torch.overrides.TorchFunctionMode):
+    """A TorchFunctionMode that changes nothing: under it every gem_kernels op takes the dispatcher path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def test_the_graph_node_names_its_op():
-    # a profile of the backward tells the ops apart (one shared class name would not)
+    # a profile of the backward tells the ops apart (one shared class name would not): the dispatcher
+    # path's node (here under a TorchFunctionMode, which keeps the op on it) and the eager fast path's
     values = torch.randn(5, 3, requires_grad=True)
-    padded = gk.jagged_to_padded(values, torch.tensor([0, 2, 5]), 4)
+    with PassThroughMode():
+        padded = gk.jagged_to_padded(values, torch.tensor([0, 2, 5]), 4)
     assert type(padded.grad_fn).__name__ == "LeanFor_gem_kernels_jagged_to_paddedBackward"
+    padded = gk.jagged_to_padded(values, torch.tensor([0, 2, 5]), 4)
+    assert type(padded.grad_fn).__name__ == "EagerFor_gem_kernels_jagged_to_paddedBackward"

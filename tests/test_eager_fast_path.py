@@ -1,0 +1,229 @@
+"""gem_kernels._autograd.enable_eager_fast_paths: an eager call on plain CPU tensors runs the op's body
+directly (inside a torch.autograd.Function when a gradient is needed), skipping the dispatcher's two
+Python crossings; every other call keeps the dispatcher path. These tests pin which path runs when, and
+that both give the same bits: outputs and every gradient."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._library.custom_ops import OPDEFS, CustomOpDef
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import gem_kernels as gk
+from gem_kernels import _autograd
+from gem_kernels.ops import hstu_layer as hstu_ops
+from gem_kernels.ops import jagged as jagged_ops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PassThroughMode(torch.overrides.TorchFunctionMode):
+    """Changes nothing, but under it every gem_kernels op takes the dispatcher path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _node_names(t: torch.Tensor) -> set[str]:
+    """The class names of every node of t's autograd graph."""
+    seen, names, stack = set(), set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_which_ops_have_the_fast_path():
+    fast = {n for n, op in OPDEFS.items() if isinstance(op, _autograd._EagerFastOp)}
+    ours = {n for n, op in OPDEFS.items() if op._namespace == "gem_kernels"}
+    # the model's ops, forward and backward
+    for name in ("jagged_attention_fwd", "jagged_attention_bwd", "hstu_uvqk_fwd", "hstu_uvqk_bwd", "hstu_output_fwd",
+                 "hstu_output_bwd", "embedding_bag", "fm_compress", "fm_compress_backward", "feature_mix_norm",
+                 "feature_mix_norm_backward", "cross_layer", "dot_interaction", "jagged_to_padded"):
+        assert f"gem_kernels::{name}" in fast
+    # so do the ops that mutate an argument (their natives' schemas declare it: the versions are bumped)
+    for name in ("embedding_bag_backward_fused", "zch_remap", "zch_embedding_bag_forward"):
+        assert OPDEFS[f"gem_kernels::{name}"]._opoverload._schema.is_mutable
+        assert f"gem_kernels::{name}" in fast
+    assert fast <= ours
+    # still the same op objects: isinstance, opcheck and register_fake see a CustomOpDef
+    assert all(isinstance(OPDEFS[n], CustomOpDef) for n in fast)
+
+
+def _hstu_inputs(requires_grad=True):
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([0, 5, 5, 12, 20])
+    n, dim, heads, ld, ad, max_len = 20, 16, 2, 8, 8, 8
+    x = torch.randn(n, dim, generator=gen)
+    weights = dict(input_norm_weight=1 + 0.1 * torch.randn(dim, generator=gen),
+                   input_norm_bias=0.1 * torch.randn(dim, generator=gen),
+                   uvqk_weight=0.2 * torch.randn(dim, heads * (2 * ld + 2 * ad), generator=gen),
+                   uvqk_bias=0.1 * torch.randn(heads * (2 * ld + 2 * ad), generator=gen),
+                   output_norm_weight=1 + 0.1 * torch.randn(heads * ld, generator=gen),
+                   output_norm_bias=0.1 * torch.randn(heads * ld, generator=gen),
+                   output_weight=0.2 * torch.randn(3 * heads * ld, dim, generator=gen),
+                   output_bias=0.1 * torch.randn(dim, generator=gen),
+                   pos_bias=0.1 * torch.randn(heads, 2 * max_len - 1, generator=gen),
+                   time_bias=0.1 * torch.randn(heads, 6, generator=gen))
+    leaves = [x, *weights.values()]
+    for t in leaves:
+        t.requires_grad_(requires_grad)
+    timestamps = torch.randint(0, 1000, (n,), generator=gen)
+    kwargs = dict(weights, num_heads=heads, linear_dim=ld, attention_dim=ad, contextual_len=1,
+                  timestamps=timestamps)
+    return leaves, (x, offsets, max_len, torch.tensor([2, 0, 3, 1])), kwargs
+
+
+def _run_hstu_layer(backend):
+    leaves, args, kwargs = _hstu_inputs()
+    out = hstu_ops.hstu_layer(*args, **kwargs, backend=backend)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    return out, grads, _node_names(out)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_fast_path_equals_the_dispatcher_path_bit_for_bit(backend):
+    out, grads, names = _run_hstu_layer(backend)
+    with _autograd.dispatcher_path_only():
+        out_d, grads_d, names_d = _run_hstu_layer(backend)
+    # the eager run took the fast path for all three ops of the layer, the other the dispatcher
+    assert {"EagerFor_gem_kernels_hstu_uvqk_fwdBackward", "EagerFor_gem_kernels_jagged_attention_fwdBackward",
+            "EagerFor_gem_kernels_hstu_output_fwdBackward"} <= names
+    assert not any(n.startswith("LeanFor_") for n in names)
+    assert {"LeanFor_gem_kernels_hstu_uvqk_fwdBackward", "LeanFor_gem_kernels_jagged_attention_fwdBackward",
+            "LeanFor_gem_kernels_hstu_output_fwdBackward"} <= names_d
+    assert not any(n.startswith("EagerFor_") for n in names_d)
+    assert torch.equal(out, out_d)
+    for g, g_d in zip(grads, grads_d):
+        assert torch.equal(g, g_d)
+
+
+def test_interaction_and_embedding_bag_fast_path_equal_the_dispatcher_path():
+    gen = torch.Generator().manual_seed(1)
+
+    def run():
+        x = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y = torch.randn(5, 3, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        lw, lb = torch.ones(15, requires_grad=True), torch.zeros(15, requires_grad=True)
+        fm = gk.fm_compress(x, y, lw, lb, 1e-5, backend="cpu")
+        mix = torch.randn(4, 5, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        nw, nb = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+        out = gk.feature_mix_norm(x, mix, None, nw, nb, 1e-5, backend="cpu")
+        w = torch.randn(10, 4, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        tables = gk.TableMeta(torch.tensor([0]), torch.tensor([0, 4]), torch.tensor([0, 10]))
+        bag = gk.embedding_bag(w.view(-1), tables, torch.tensor([1, 2, 9, 2]), torch.tensor([0, 1, 4]), None,
+                               output_dim=4, backend="cpu")
+        loss = fm.square().sum() + out.square().sum() + bag.square().sum()
+        leaves = (x, y, lw, lb, mix, nw, nb, w)
+        return (fm, out, bag), torch.autograd.grad(loss, leaves), _node_names(loss)
+
+    del gen
+    outs, grads, names = run()
+    with _autograd.dispatcher_path_only():
+        outs_d, grads_d, names_d = run()
+    assert {"EagerFor_gem_kernels_fm_compressBackward", "EagerFor_gem_kernels_feature_mix_normBackward",
+            "EagerFor_gem_kernels_embedding_bagBackward"} <= names
+    assert "LeanFor_gem_kernels_fm_compressBackward" in names_d
+    for a, b in zip(outs + grads, outs_d + grads_d):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_mutating_op_on_the_fast_path_bumps_versions_and_equals_the_dispatcher(backend):
+    # the fused embedding-bag backward (row-wise Adagrad in place), called as the autograd backward calls it
+    def run():
+        gen = torch.Generator().manual_seed(7)
+        bag = gk.FusedEmbeddingBag([gk.TableSpec(12, 8), gk.TableSpec(9, 4)], optimizer=gk.optim.ExactRowwiseAdagrad(lr=0.1),
+                                   backend=backend)
+        with torch.no_grad():
+            bag.weights.copy_(torch.randn(bag.weights.shape, generator=gen))
+        indices = torch.tensor([1, 5, 5, 11, 0, 3, 8, 2])
+        offsets = torch.tensor([0, 2, 4, 6, 8])
+        version = bag.weights._version
+        out = bag(indices, offsets)
+        out.square().sum().backward()
+        assert bag.weights._version > version
+        return out.detach(), bag.weights.detach().clone(), [t.clone() for t in bag.optimizer_state_dict().values()
+                                                            if torch.is_tensor(t)]
+
+    out, weights, state = run()
+    with _autograd.dispatcher_path_only():
+        out_d, weights_d, state_d = run()
+    assert torch.equal(out, out_d) and torch.equal(weights, weights_d)
+    assert len(state) == len(state_d) and all(torch.equal(a, b) for a, b in zip(state, state_d))
+
+
+def test_a_torch_function_mode_keeps_the_dispatcher_path():
+    values = torch.randn(5, 3, requires_grad=True)
+    with PassThroughMode():
+        out = gk.jagged_to_padded(values, torch.tensor([0, 2, 5]), 4)
+    assert type(out.grad_fn).__name__ == "LeanFor_gem_kernels_jagged_to_paddedBackward"
+
+
+def test_fake_tensors_autocast_and_no_grad():
+    values, offsets = torch.randn(5, 3), torch.tensor([0, 2, 5])
+    # FakeTensorMode (torch.compile's and export's tracing): the dispatcher path, fake outputs
+    with FakeTensorMode() as mode:
+        out = gk.jagged_to_padded(mode.from_tensor(values), mode.from_tensor(offsets), 4)
+    assert type(out).__name__ == "FakeTensor" and tuple(out.shape) == (2, 4, 3)
+    # autocast: the dispatcher path (its autocast kernel runs the op with autocast off)
+    v = values.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gk.jagged_to_padded(v, offsets, 4)
+    assert type(out.grad_fn).__name__.startswith("LeanFor_")
+    # no gradient needed: the body runs directly, the output needs none
+    with torch.no_grad():
+        out = gk.jagged_to_padded(v, offsets, 4)
+    assert out.grad_fn is None and not out.requires_grad
+    torch.testing.assert_close(out, jagged_ops.jagged_to_padded_op(values, offsets, 4, 0.0, "cpu"))
+
+
+def test_compiled_and_eager_agree():
+    values, offsets = torch.randn(7, 4), torch.tensor([0, 3, 7])
+
+    def f(v):
+        return gk.jagged_to_padded(v, offsets, 5, backend="cpu").square().sum()
+
+    v = values.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(v), v)
+    v_c = values.clone().requires_grad_()
+    (g_c,) = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(v_c), v_c)
+    assert torch.equal(g, g_c)
+
+
+def test_an_op_without_a_formula_keeps_torchs_refusal():
+    # dot_interaction_backward has no backward formula: with a gradient needed, the call stays on the
+    # dispatcher path, whose autograd kernel refuses the backward as it always did
+    op = OPDEFS["gem_kernels::dot_interaction_backward"]
+    assert getattr(op, "_backward_fn", None) is None
+    grad_out = torch.randn(3, 6, requires_grad=True)
+    out = op(grad_out, torch.randn(3, 4, 5), False, "cpu")
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+
+
+def test_bad_input_raises_the_same_on_the_fast_path():
+    q = torch.randn(4, 1, 8)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        gk.jagged_attention(q, q, q, torch.tensor([0, 4]), 2, backend="cpu")
+
+
+def test_the_environment_switch_turns_it_off():
+    code = ("import gem_kernels; from torch._library.custom_ops import OPDEFS; "
+            "print(sum(type(o).__name__ == '_EagerFastOp' for o in OPDEFS.values()))")
+    env = dict(os.environ, PYTHONPATH=ROOT, GEM_KERNELS_EAGER_FAST="0")
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "0"
+    env["GEM_KERNELS_EAGER_FAST"] = "1"
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(on.stdout.strip()) >= 20
