@@ -236,8 +236,9 @@ def cases(quick: bool, device: torch.device) -> Iterator[Case]:
                    f"from these tables, the best of bench.peaks.gather_roof's readers ({measured} GB/s), measured "
                    f"before the impls; that reader is then timed again interleaved with them, on the same input sets "
                    f"(the roof the rows' % of gather divides). What the impls do and the roof does not: write the "
-                   f"[B, sum D] output (its first touch: page faults and the OS zeroing a fresh block), "
-                   f"keep bags (offsets, sums, bounds checks)")
+                   f"[B, sum D] output (for cpu: ~5 % of the roof's time at 1 thread, its streaming stores into a "
+                   f"reused block; an impl with a fresh block also pays its first touch, see faults/call), "
+                   f"keep bags (offsets, sums; cpu ~2 %; bench/results/notes-emb9.md)")
     bags64 = _eager_bags(module, copy=True, dtype=torch.float64)
     yield Case(op="embedding_bag fwd", shape=shape, dtype=dtype, flops=case_flops, bytes=floor_bytes,
                formula_bytes=formula_bytes, impls=impls, baseline="eager-loop", peak="bandwidth",

@@ -780,6 +780,53 @@ def test_cpu_large_output_reuses_cached_memory(large_output_cache, store_kind, s
         _backend._C.set_streaming_stores(previous)
 
 
+# The cpu backend's fixed-D path runs a work item's bags (128 of one table) in one loop: tables of
+# every fixed D, with a generic one between them so that their output columns do not start at 0.
+ITEM_SPANNING = [gk.TableSpec(40, 32), gk.TableSpec(30, 36), gk.TableSpec(50, 64), gk.TableSpec(60, 128)]
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("pooling,with_psw", [("sum", False), ("sum", True), ("mean", False), ("mean", True)],
+                         ids=["sum", "sum-psw", "mean", "mean-psw"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_cpu_fixed_dim_bags_across_work_items(pooling, with_psw, dtype):
+    """B = 300 bags per table (the forward's work items are 128 bags: two whole, one of 44), bags of 0
+    to 40 lookups (longer than the row prefetch's distance), and dropped indices (bounds_check "skip"):
+    a few per table and one bag all out of range. Every bag lands in its own output slice and a mean
+    divides by the bag's kept lookups (0 kept: zeros), each element the fp32 result rounded once."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    batch = 300
+    gen = torch.Generator().manual_seed(11)
+    module = gk.FusedEmbeddingBag(ITEM_SPANNING, pooling=pooling, dtype=dtype, backend="cpu", bounds_check="skip")
+    lengths = torch.randint(0, 41, (len(ITEM_SPANNING) * batch,), generator=gen)
+    lengths[::7] = 0
+    offsets = offsets_from_lengths(lengths)
+    indices = torch.cat([torch.randint(0, s.num_embeddings, (int(lengths[t * batch:(t + 1) * batch].sum()),),
+                                       generator=gen) for t, s in enumerate(ITEM_SPANNING)])
+    bad = torch.zeros(indices.numel(), dtype=torch.bool)
+    bad[torch.randint(0, indices.numel(), (40,), generator=gen)] = True
+    for t in range(len(ITEM_SPANNING)):  # one bag of every table in its last work item, all out of range
+        bag = t * batch + 290 if lengths[t * batch + 290] > 0 else t * batch + 291
+        bad[int(offsets[bag]):int(offsets[bag + 1])] = True
+    indices[bad] = torch.where(torch.rand(int(bad.sum()), generator=gen) < 0.5, -1, 10**6)
+    psw = randn_nonzero(indices.numel(), generator=gen) if with_psw else None
+    poison_allocator(batch * module.output_dim * torch.empty((), dtype=dtype).element_size(), "cpu")
+    with torch.no_grad():
+        out = functional(module, indices, offsets, psw, bounds_check="skip")
+        pieces = []
+        for t, spec in enumerate(ITEM_SPANNING):
+            lo, hi = int(offsets[t * batch]), int(offsets[(t + 1) * batch])
+            keep = ~bad[lo:hi]
+            kept = torch.zeros(batch, dtype=torch.long).scatter_add_(
+                0, torch.repeat_interleave(torch.arange(batch), lengths[t * batch:(t + 1) * batch]), keep.long())
+            sums = F.embedding_bag(indices[lo:hi][keep], module.weight(t).float(), offsets_from_lengths(kept)[:-1],
+                                   mode="sum", per_sample_weights=psw[lo:hi][keep] if with_psw else None)
+            pieces.append(sums / kept.clamp(min=1)[:, None] if pooling == "mean" else sums)
+        expected = torch.cat(pieces, dim=1)
+    assert_rounded_once(out, expected, dtype)
+
+
 @cpu_kernel_only
 @pytest.mark.parametrize("value", ["-1", "12abc", "lots"])
 def test_cpu_output_cache_env_is_checked(value):

@@ -17,6 +17,24 @@
 // read-for-ownership of each slice's lines, no eviction of the hot table rows. Measured on the
 // bench's case (26 tables, B = 4096, 41 MB output; 2-core Xeon VM, busy, 1 thread, interleaved):
 // 10-16 ms saved of 100-160 in four runs (bench/results/notes-roofs.md, section 4).
+// An item's bags run in one loop compiled per (D, per-sample weights, mean, store kind)
+// (pool_bags_fixed_d): nothing is dispatched or checked per bag, a sum is not multiplied by 1, and no
+// accumulator is spilled at D = 128 (sixteen 8-float registers). Where the time beyond the read-only
+// gather roof goes (bench case, 2-core Xeon VM, 1 thread, CPU time, roof timed in the same process,
+// 2026-12-07; bench/results/notes-emb9.md): the output's 41 MB of streaming stores ~5 % of the roof's
+// time (the same kernel storing every bag into one L1 scratch slice: 94-96 % of the roof instead of
+// 89-91 %), the per-bag work ~4.5 % (one bag per item: 97-100 %). The loop above took 91.1 -> 93.3 %
+// of the roof (medians of 6 alternating process pairs; new/old forward time 0.973; with every id on
+// one cached row, 1.03 -> 1.00x the reader's time).
+// Measured and not kept (same setup): bags of a constant 20 lookups (a predictable loop exit), no
+// change (either the exit mispredict is not the per-bag cost or this core does not learn a 20-trip
+// loop: the VM has no PMU counters to tell); one 64-byte AVX-512 streaming store per
+// line instead of two 32-byte ones, and 16 -> 1 scratch stores per bag, no change; the output written
+// by rep movsb from an L1 buffer (fast-string stores without read-for-ownership): 72 % of the roof,
+// against 91 %; prefetch distance 24 or 48 instead of 32, and prefetching a work item's first 32 rows
+// before its first bag, within the noise (also in the reader); the reader without its prefetch
+// guard and prefetch bounds check (5 fewer instructions a lookup), no change, so the instruction
+// count a lookup is not what bounds the gather.
 //
 // Backward work decomposition, two phases:
 //   1. per table (tables handed out dynamically): the kept (row, position) pairs, packed in one uint64, are
@@ -169,83 +187,104 @@ void for_each_bag_chunk(const Meta& m, const index_t* offsets, int64_t work, con
 // Forward
 // ------------------------------------------------------------------------------------------------
 
-// One pooled bag of a table with D = kD known at compile time (the common 32/64/128): the row sum
-// lives in registers, the row prefetch and the D loop are unrolled, the per-sample-weight branch is
-// compiled out. When most lookups hit the cache (Zipf-hot rows) these instructions are the cost.
-// The sum (divided by the kept count for mean) goes from the registers to dst[0:kD]: with streaming
-// stores when kStream (fp32 only; dst 32-byte aligned). on_bad(p, idx) handles an out-of-range index.
-template <int kD, bool kHasPsw, bool kStream, typename scalar_t, typename index_t, typename OnBad>
-inline void pool_bag_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const index_t* __restrict__ indices,
-                             int64_t start, int64_t stop, int64_t prefetch_stop, const float* __restrict__ psw,
-                             scalar_t* __restrict__ dst, bool mean, const OnBad& on_bad) {
+// A work item's bags of a table with D = kD known at compile time (the common 32/64/128): bag i sums
+// rows indices[bag_offsets[i] : bag_offsets[i + 1]] into dst + i * dst_stride. The row sum lives in
+// registers, the row prefetch and the D loop are unrolled, and the per-sample weights, the mean and the
+// store kind are template arguments, so that nothing but the bag's own work runs per bag (no dispatch,
+// no multiply by 1 for a sum, no spilled accumulator for D = 128 on AVX2's 16 registers). When most
+// lookups hit the cache (Zipf-hot rows) these instructions are the cost. The sum (divided by the kept
+// count for mean) goes from the registers to the output: with streaming stores when kStream (fp32
+// only; every slice 32-byte aligned). on_bad(i, p, idx) handles an out-of-range index of bag i. The
+// offsets were checked nondecreasing by the caller (check_offsets_values).
+template <int kD, bool kHasPsw, bool kMean, bool kStream, typename scalar_t, typename index_t, typename OnBad>
+void pool_bags_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const index_t* __restrict__ indices,
+                       const index_t* __restrict__ bag_offsets, int64_t num_bags, int64_t prefetch_stop,
+                       const float* __restrict__ psw, scalar_t* __restrict__ dst, int64_t dst_stride,
+                       const OnBad& on_bad) {
   constexpr int kV = kD / Vec::size();
   static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
-  Vec acc[kV];
+  static_assert(!kStream || std::is_same_v<scalar_t, float>, "streaming stores are for fp32 outputs");
+  for (int64_t i = 0; i < num_bags; ++i, dst += dst_stride) {
+    const int64_t start = bag_offsets[i];
+    const int64_t stop = bag_offsets[i + 1];
+    Vec acc[kV];
 #pragma GCC unroll 16
-  for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
-  int64_t kept = 0;
-  for (int64_t p = start; p < stop; ++p) {
-    if (p + kPrefetchDistance < prefetch_stop) {
-      const int64_t ahead = indices[p + kPrefetchDistance];
-      if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
-        const char* line = reinterpret_cast<const char*>(table + ahead * kD);
+    for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
+    int64_t dropped = 0;  // out-of-range indices (warn mode): the kept count is stop - start - dropped
+    for (int64_t p = start; p < stop; ++p) {
+      if (p + kPrefetchDistance < prefetch_stop) {
+        const int64_t ahead = indices[p + kPrefetchDistance];
+        if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
+          const char* line = reinterpret_cast<const char*>(table + ahead * kD);
 #pragma GCC unroll 16
-        for (int byte = 0; byte < kD * static_cast<int>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(line + byte);
+          for (int byte = 0; byte < kD * static_cast<int>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(line + byte);
+        }
       }
-    }
-    const int64_t idx = indices[p];
-    if (C10_UNLIKELY(static_cast<uint64_t>(idx) >= static_cast<uint64_t>(rows))) {
-      on_bad(p, idx);
-      continue;
-    }
-    const scalar_t* row = table + idx * kD;
-    const Vec scale(kHasPsw ? psw[p] : 1.f);
-#pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) {
-      Vec x;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        x = Vec::loadu(row + v * Vec::size());
-      } else {
-        at::vec::load_to_float<scalar_t>(row + v * Vec::size(), x);
-      }
-      acc[v] = kHasPsw ? at::vec::fmadd(x, scale, acc[v]) : acc[v] + x;
-    }
-    ++kept;
-  }
-  const Vec s((mean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f);
-  if constexpr (std::is_same_v<scalar_t, float>) {
-#pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) {
-#if defined(__AVX2__)
-      if constexpr (kStream) {
-        static_assert(Vec::size() == 8, "streaming stores of 8-float vectors");
-        _mm256_stream_ps(dst + v * Vec::size(), acc[v] * s);
+      const int64_t idx = indices[p];
+      if (C10_UNLIKELY(static_cast<uint64_t>(idx) >= static_cast<uint64_t>(rows))) {
+        on_bad(i, p, idx);
+        ++dropped;
         continue;
       }
-#endif
-      (acc[v] * s).store(dst + v * Vec::size());
-    }
-  } else {
+      const scalar_t* row = table + idx * kD;
+      const Vec scale(kHasPsw ? psw[p] : 1.f);
 #pragma GCC unroll 16
-    for (int v = 0; v < kV; v += 2) {
-      at::vec::convert_from_float<scalar_t>(acc[v] * s, acc[v + 1] * s).store(dst + v * Vec::size());
+      for (int v = 0; v < kV; ++v) {
+        Vec x;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          x = Vec::loadu(row + v * Vec::size());
+        } else {
+          at::vec::load_to_float<scalar_t>(row + v * Vec::size(), x);
+        }
+        acc[v] = kHasPsw ? at::vec::fmadd(x, scale, acc[v]) : acc[v] + x;
+      }
+    }
+    if constexpr (kMean) {
+      const int64_t kept = stop - start - dropped;
+      const Vec s(kept > 0 ? 1.f / static_cast<float>(kept) : 1.f);
+#pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) acc[v] = acc[v] * s;
+    }
+    if constexpr (std::is_same_v<scalar_t, float>) {
+#pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) {
+#if defined(__AVX2__)
+        if constexpr (kStream) {
+          static_assert(Vec::size() == 8, "streaming stores of 8-float vectors");
+          _mm256_stream_ps(dst + v * Vec::size(), acc[v]);
+          continue;
+        }
+#endif
+        acc[v].store(dst + v * Vec::size());
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int v = 0; v < kV; v += 2) {
+        at::vec::convert_from_float<scalar_t>(acc[v], acc[v + 1]).store(dst + v * Vec::size());
+      }
     }
   }
 }
 
+// pool_bags_fixed_d with its run-time flags made template arguments.
 template <int kD, typename scalar_t, typename index_t, typename OnBad>
-inline void pool_bag_fixed(const scalar_t* table, int64_t rows, const index_t* indices, int64_t start, int64_t stop,
-                           int64_t prefetch_stop, const float* psw, scalar_t* dst, bool mean, bool stream,
-                           const OnBad& on_bad) {
-  const auto run = [&](auto has_psw, auto streamed) {
-    pool_bag_fixed_d<kD, decltype(has_psw)::value, decltype(streamed)::value>(table, rows, indices, start, stop,
-                                                                              prefetch_stop, psw, dst, mean, on_bad);
+void pool_bags_fixed(const scalar_t* table, int64_t rows, const index_t* indices, const index_t* bag_offsets,
+                     int64_t num_bags, int64_t prefetch_stop, const float* psw, scalar_t* dst, int64_t dst_stride,
+                     bool mean, bool stream, const OnBad& on_bad) {
+  const auto run = [&](auto has_psw, auto is_mean, auto streamed) {
+    pool_bags_fixed_d<kD, decltype(has_psw)::value, decltype(is_mean)::value, decltype(streamed)::value>(
+        table, rows, indices, bag_offsets, num_bags, prefetch_stop, psw, dst, dst_stride, on_bad);
   };
-  if (psw) {
-    stream ? run(std::true_type{}, std::true_type{}) : run(std::true_type{}, std::false_type{});
-  } else {
-    stream ? run(std::false_type{}, std::true_type{}) : run(std::false_type{}, std::false_type{});
-  }
+  const auto with_store = [&](auto has_psw, auto is_mean) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (stream) return run(has_psw, is_mean, std::true_type{});
+    }
+    run(has_psw, is_mean, std::false_type{});
+  };
+  const auto with_mean = [&](auto has_psw) {
+    mean ? with_store(has_psw, std::true_type{}) : with_store(has_psw, std::false_type{});
+  };
+  psw ? with_mean(std::true_type{}) : with_mean(std::false_type{});
 }
 
 // Pooling "none": out[p] = w_p * W_t[indices[p]], each position on its own. The work splits by
@@ -319,48 +358,52 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
   } else {
     for_each_bag_chunk(m, offsets, (offsets[m.T * m.B] + m.T * m.B) * m.max_D,
                        [&](int64_t t, int64_t b_begin, int64_t b_end, int64_t D, int64_t rows, int64_t chunk_stop) {
-      thread_local std::vector<float> acc;
-      acc.resize(m.max_D);
       {
         const scalar_t* table = weights + m.w_off[t];
         // Every bag's slice of this table starts 32-byte aligned (the output is, see the caller).
         const bool stream = stream_out && (output_dim * sizeof(scalar_t)) % 32 == 0 &&
                             (m.d_off[t] * sizeof(scalar_t)) % 32 == 0;
-        for (int64_t b = b_begin; b < b_end; ++b) {
-          const int64_t tb = t * m.B + b;
-          const int64_t start = offsets[tb];
-          const int64_t stop = offsets[tb + 1];
-          TORCH_CHECK(start >= 0 && start <= stop, "offsets are not nondecreasing at bag ", tb);
-          if (D == 32 || D == 64 || D == 128) {
-            const auto on_bad = [&](int64_t p, int64_t idx) { report_bad(t, b, p, idx, rows); };
-            scalar_t* dst = out + b * output_dim + m.d_off[t];
-            const bool mean = pooling == kMean;
-            if (D == 32) {
-              pool_bag_fixed<32>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
-            } else if (D == 64) {
-              pool_bag_fixed<64>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
-            } else {
-              pool_bag_fixed<128>(table, rows, indices, start, stop, chunk_stop, psw, dst, mean, stream, on_bad);
-            }
-            continue;
+        if (D == 32 || D == 64 || D == 128) {
+          const auto on_bad = [&](int64_t i, int64_t p, int64_t idx) { report_bad(t, b_begin + i, p, idx, rows); };
+          const index_t* bag_offsets = offsets + t * m.B + b_begin;
+          scalar_t* dst = out + b_begin * output_dim + m.d_off[t];
+          const bool mean = pooling == kMean;
+          const int64_t bags = b_end - b_begin;
+          if (D == 32) {
+            pool_bags_fixed<32>(table, rows, indices, bag_offsets, bags, chunk_stop, psw, dst, output_dim, mean, stream,
+                                on_bad);
+          } else if (D == 64) {
+            pool_bags_fixed<64>(table, rows, indices, bag_offsets, bags, chunk_stop, psw, dst, output_dim, mean, stream,
+                                on_bad);
+          } else {
+            pool_bags_fixed<128>(table, rows, indices, bag_offsets, bags, chunk_stop, psw, dst, output_dim, mean,
+                                 stream, on_bad);
           }
-          int64_t kept = 0;
-          std::fill(acc.begin(), acc.begin() + D, 0.f);
-          for (int64_t p = start; p < stop; ++p) {
-            if (p + kPrefetchDistance < chunk_stop) {
-              const int64_t ahead = indices[p + kPrefetchDistance];
-              if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
+        } else {
+          thread_local std::vector<float> acc;
+          acc.resize(D);
+          for (int64_t b = b_begin; b < b_end; ++b) {
+            const int64_t tb = t * m.B + b;
+            const int64_t start = offsets[tb];
+            const int64_t stop = offsets[tb + 1];
+            int64_t kept = 0;
+            std::fill(acc.begin(), acc.begin() + D, 0.f);
+            for (int64_t p = start; p < stop; ++p) {
+              if (p + kPrefetchDistance < chunk_stop) {
+                const int64_t ahead = indices[p + kPrefetchDistance];
+                if (ahead >= 0 && ahead < rows) prefetch_row(table + ahead * D, D);
+              }
+              const int64_t idx = indices[p];
+              if (idx < 0 || idx >= rows) {
+                report_bad(t, b, p, idx, rows);
+                continue;
+              }
+              axpy_row(acc.data(), table + idx * D, psw ? psw[p] : 1.f, D);
+              ++kept;
             }
-            const int64_t idx = indices[p];
-            if (idx < 0 || idx >= rows) {
-              report_bad(t, b, p, idx, rows);
-              continue;
-            }
-            axpy_row(acc.data(), table + idx * D, psw ? psw[p] : 1.f, D);
-            ++kept;
+            const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
+            store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
           }
-          const float scale = (pooling == kMean && kept > 0) ? 1.f / static_cast<float>(kept) : 1.f;
-          store_row(out + b * output_dim + m.d_off[t], acc.data(), scale, D);
         }
       }
       if (stream_out) streaming_store_fence();
