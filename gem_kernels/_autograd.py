@@ -169,7 +169,8 @@ def _direct_function(op: CustomOpDef, body: Callable, num_args: int):
 
     def forward(ctx, *args):
         result = body(*args)
-        setup_context(ctx=ctx, inputs=args, output=result)
+        if setup_context is not None:  # register_autograd without one (a forward-only op's refusal)
+            setup_context(ctx=ctx, inputs=args, output=result)
         return result
 
     def direct_backward(ctx, *grads):
