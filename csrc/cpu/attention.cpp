@@ -141,18 +141,62 @@ GK_AVX512 inline __mmask16 tail_mask(int64_t c, int64_t n) {
   return n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1u);
 }
 
+// exp(x - m) of a softmax row, where m >= every x (the row's max, so x - m <= 0) or NaN: fast_exp16's
+// values without its edge blends that cannot fire there. The clamp keeps x - m >= -87 (max's operands
+// in the order that passes a NaN through, so a NaN lane stays NaN through the polynomial and scalef),
+// and one blend gives 0 below -87 (x = -inf included: a masked score). So it returns fast_exp16(x - m)
+// lane for lane wherever m is not NaN (a NaN m makes the whole row NaN either way); 19 instead of 27
+// vector uops a block, whose throughput on the two 512-bit ports bound the pass.
+GK_AVX512 inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __m512 xc = _mm512_max_ps(lo, x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int k = 1; k < kExpPolyTerms; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[k]));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_scalef_ps(p, n), _mm512_setzero_ps());
+}
+
+// exp_shifted_sum's 16 lanes: whole blocks unmasked, the tail under a mask (lane l sums elements l,
+// l + 16, ... in order, as before this form). Where m is NaN (the row's output is NaN whatever its
+// weights) a masked score gives NaN here, 0 on 8 lanes.
 GK_AVX512 __attribute__((noinline)) float exp_shifted_sum16(float* x, int64_t n, float m) {
-  const __m512 vm = _mm512_set1_ps(m), vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n; c += 16) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + c), vm));
+    _mm512_storeu_ps(x + c, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (c < n) {
     const __mmask16 k = tail_mask(c, n);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + c);
-    const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vneg_inf, _CMP_EQ_OQ),
-                                          fast_exp16(_mm512_sub_ps(v, vm)), _mm512_setzero_ps());
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), vm));
     _mm512_mask_storeu_ps(x + c, k, e);
     vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
   }
   return _mm512_reduce_add_ps(vsum);
+}
+
+// row_max on 16 lanes (the max is exact, so the same value as the 8-lane loop's).
+GK_AVX512 __attribute__((noinline)) float row_max16(const float* x, int64_t n) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = neg_inf;
+  __mmask16 nan = 0;
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    vmax = _mm512_max_ps(vmax, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  if (c < n) {
+    const __m512 v = _mm512_mask_loadu_ps(neg_inf, tail_mask(c, n), x + c);
+    vmax = _mm512_max_ps(vmax, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  return nan != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
 }
 
 GK_AVX512 __attribute__((noinline)) void softmax_grad_row16(const float* s, float* p, float* ds, int64_t n, float lse,
@@ -207,6 +251,7 @@ inline float row_max(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return row_max16(x, n);
   if (n >= 8) {
     __m256 vmax = _mm256_set1_ps(m), vnan = _mm256_setzero_ps();
     for (; c + 8 <= n; c += 8) {
@@ -225,8 +270,9 @@ inline float row_max(const float* x, int64_t n) {
   return m;
 }
 
-// x[c] <- exp(x[c] - m), exactly 0 where x[c] is -inf (a masked score, even when m is +inf or
-// NaN); returns the sum of the new x[0, n).
+// x[c] <- exp(x[c] - m) for m = max_keep_nan of the row's scores (and earlier ones), exactly 0 where
+// x[c] is -inf (a masked score, even when m is +inf; when m is NaN, on 8 lanes only: see
+// exp_shifted_sum16); returns the sum of the new x[0, n).
 inline float exp_shifted_sum(float* x, int64_t n, float m) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float sum = 0.0f;
