@@ -576,7 +576,7 @@ def test_cpu_rows_on_both_paths(avx512):
 _LONG_ROW_EDGES_CHECK = """
 import math
 import torch
-from tests.test_attention import _agree_with_reference, _forward_backward, _only_nan_rows, make_inputs
+from tests.test_attention import _agree_with_reference, _check_against_reference, _forward_backward, _only_nan_rows, make_inputs
 # One sequence of 300 (two key tiles; rows of 32+ keys take the 16-lane rows where the CPU has AVX-512F)
 # and one of 40, H = 1.
 def inputs_of(seed):
@@ -613,6 +613,13 @@ x["pos_bias"][0, x["max_seq_len"] - 1 - 200] = 0.0
 x["k"][99, 0, 5] = math.nan
 out, _ = _agree_with_reference(x, "cpu", check_grads=False, kind="softmax")
 _only_nan_rows(out, [(i, 0) for i in range(99, 300)])
+# hstu with both biases and sorted timestamps (the bench's): most 16-key blocks of a row stay in one time
+# bucket (one broadcast bias; the buckets kept for the backward's time-bias gradient), some cross one
+# (the walk); forward and every gradient.
+x = make_inputs([300, 40], H=2, D=8, pos_heads=2, time_heads=2, seed=3)
+g = torch.Generator().manual_seed(3)
+x["timestamps"] = torch.randint(0, 10**7, (340,), generator=g).sort().values
+_check_against_reference(x, "cpu", torch.float32, kind="hstu")
 print("long row edges ok")
 """
 
@@ -620,10 +627,11 @@ print("long row edges ok")
 @cpu_kernel_only
 @pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
 def test_cpu_long_rows_keep_nan_and_zero_weights(avx512):
-    """The long path's softmax and SiLU rows of 32+ keys (16 AVX-512F lanes where the CPU has them, 8
-    AVX2 lanes otherwise): a NaN score reaches its whole row (the row max's NaN flag, the exp's NaN
-    lanes), and a -inf score (a -inf bias) weighs exactly 0 in the forward and the backward (the exp's
-    blend below -87). Forward and every gradient against the reference. A fresh process per path."""
+    """The long path's rows of 32+ keys (16 AVX-512F lanes where the CPU has them, 8 AVX2 lanes
+    otherwise): a NaN score reaches its whole row (the row max's NaN flag, the exp's NaN lanes), a -inf
+    score (a -inf bias) weighs exactly 0 in the forward and the backward (the exp's blend below -87),
+    and the time buckets of sorted timestamps (16-key blocks in one bucket) give the reference's biases
+    and time-bias gradient. Against the reference. A fresh process per path."""
     run_on_vector_path(_LONG_ROW_EDGES_CHECK, avx512, "long row edges ok")
 
 

@@ -10,8 +10,9 @@
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
 // that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
 // backward), the SiLU rows (weights forward; P and dS backward) and the time buckets run on AVX2
-// (8 lanes, fast_exp8) where the build targets it, the exp and SiLU rows of 32+ keys on AVX-512 (16
-// lanes, fast_exp16) where the CPU has it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// (8 lanes, fast_exp8) where the build targets it, the exp and SiLU rows, the softmax row max and the
+// time buckets of 32+ keys on AVX-512 (16 lanes, fast_exp16) where the CPU has it. Within a mixed
+// tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
 // so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
@@ -50,6 +51,36 @@
 // the core's FMA peak) from L1, but the whole kernel at ~87-94 standalone: the row softmax (two
 // horizontal reductions and a scalar exp per row and key block), the output rows' reload and rescale
 // per key block and the strided V rows take what MKL's packed products plus the row passes take here.
+// Kept (2026-12-07, helper attnl9; the bench's 1024 case, 1 thread, CPU time, old and new builds in
+// interleaved processes, the 2-core Xeon shared with two sessions at load 2-3.7): the softmax forward's
+// 16-lane exp rows without the blends that cannot fire there (exp16_nonpositive: x - max <= 0), whole
+// blocks unmasked and a masked tail, the row max on 16 lanes: softmax fwd 0.922x (8 rounds, 0.888-1.036;
+// predicted ~0.97 from exp_shifted_sum16's 7 % of the forward in perf). The time-bias keys 16 at a time
+// (time_bias_keys16): HSTU fwd 0.966x, bwd 0.996x (6 rounds, 0.86-1.05; predicted ~0.96 / ~0.97).
+// Measured and not kept (same method):
+// - MKL's packed operands (cblas_sgemm_pack / cblas_sgemm_compute, exported by libtorch_cpu) for the
+//   forward's full tiles: Q packed per query tile, K^T and V per key tile once per item. Standalone (1
+//   thread, 256 x 256 x 128) Q K^T ran 97.6 -> 88.2 us with both packed, P V 105.5 -> 96.6 with V packed;
+//   in the kernel softmax fwd 18.0 vs 18.0 ms, HSTU 20.2 vs 21.1 (2 rounds): perf showed the compute
+//   packing its other operand in every call (MKL's scopy 6.8 -> 8.8 % of samples). Its buffers:
+//   cblas_sgemm_pack_get_size asks ~7.6 MiB per 256 x 256 x 128 operand, of which a pack writes ~136 KiB
+//   (zero-filled buffers made the forward 1.4x slower). interaction.cpp found no gain from it either.
+// - The backward's softmax rows and both SiLU rows in the kept forward rows' form (whole blocks unmasked,
+//   a NaN passed through the clamps instead of blended): HSTU fwd 1.033x, bwd 1.024x, softmax bwd 1.017x
+//   (6 rounds): the SiLU rows wait on their divide (as attention_short.h found), and the softmax
+//   backward's row is one small pass beside five products.
+// - Not tried in the kernel, as standalone sgemm calls showed nothing: a query tile against up to 3 key
+//   tiles in one product (256 x 768 x 128: 0.94-1.03x the separate calls), tile pitches of 264 or 272
+//   floats instead of 256 (within +-3 %).
+// Two threads (the bench's 2-thread rows run ~10 % below twice the 1-thread rate): the schedule,
+// modelled from the measured 1-thread item costs (fwd 2.67 ms an L = 1024 item, 0.53-0.61 ms an L =
+// 420-443 one; bwd 5.85 / 1.27-1.37 ms), is balanced: longest first, each thread takes two L = 1024
+// items and six short ones (fwd 8.70 ms each), so splitting a long item's query tiles (forward) or key
+// tiles (backward, plus a dq reduction) across threads predicts no gain on a quiet host, and was not
+// made. Two 1-thread processes side by side ran at one alone's CPU times (fwd 17.6-18.2 vs 19.2 ms, bwd
+// 39.3-42.3 vs 43.9): the cores do not slow each other. The loss is the host's: beside one busy process
+// a 2-thread forward took 32 ms against 17.5 at 1 thread (OpenMP's waits), and the op's Python front door
+// (~0.15-0.3 ms a forward, 0.4-0.7 ms fwd+bwd, measured on tiny calls) runs on one thread.
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
@@ -230,6 +261,39 @@ GK_AVX512 __attribute__((noinline)) void silu_grad_row16(const float* s, float* 
     const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
     _mm512_mask_storeu_ps(ds + c, k, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, ds + c), g), vm));
   }
+}
+
+// scores_tile's time-bias keys on 16 lanes (AVX-512F: 8 int64 |dt| a register by vpabsq, the compares
+// into masks): from key c while 16 remain, returns where it stopped. Each block as the 8-key loop's:
+// all 16 |dt| in the current bucket [thr[bkt - 1], thr[bkt]) (sorted timestamps: most blocks) takes
+// that bucket and its bias as one broadcast, any other block the scalar walk from bkt. The same
+// buckets and sums as the 8-key loop (vpabsq wraps |INT64_MIN| as its blend did).
+GK_AVX512 __attribute__((noinline)) int64_t time_bias_keys16(int64_t ti, const int64_t* tj, int64_t c, int64_t c1,
+                                                             const int64_t* thr, int32_t nb, const float* bias,
+                                                             int32_t& bkt, int32_t* buckets, float* row) {
+  const __m512i vti = _mm512_set1_epi64(ti);
+  for (; c + 16 <= c1; c += 16) {
+    const __m512i lo = _mm512_set1_epi64(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+    const __m512i hi = _mm512_set1_epi64(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+    const __m512i x0 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c)));
+    const __m512i x1 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c + 8)));
+    const __mmask8 in0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x0, lo), x0, hi);
+    const __mmask8 in1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x1, lo), x1, hi);
+    if ((in0 & in1) == 0xFF) {
+      _mm512_storeu_si512(buckets + c, _mm512_set1_epi32(bkt));
+      _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(bias[bkt])));
+      continue;
+    }
+    for (int64_t k = c; k < c + 16; ++k) {
+      const int64_t dt = ti - tj[k];
+      const int64_t x = dt < 0 ? -dt : dt;
+      while (bkt < nb && x >= thr[bkt]) ++bkt;
+      while (bkt > 0 && x < thr[bkt - 1]) --bkt;
+      buckets[k] = bkt;
+      row[k] += bias[bkt];
+    }
+  }
+  return c;
 }
 
 // y[c] <- fast_exp16(x[c]) over [0, n) (the tests' window on it, attention_fast_exp16).
@@ -802,6 +866,8 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       };
       int64_t c = c0;
 #if GK_ATTENTION_AVX2
+      if (c1 - c0 >= kAvx512MinRow && cpu_has_avx512f())
+        c = time_bias_keys16(ti, tj, c, c1, thr, nb, bias, bkt, buckets, row);
       // 8 keys at a time: when all 8 stay in the current bucket (the common case), one compare of
       // their |dt| against its two thresholds replaces 8 scalar walks, and its bias is added as one
       // broadcast instead of 8 dependent gathers; any other block takes the scalar walk.
