@@ -57,6 +57,9 @@
 // blocks unmasked and a masked tail, the row max on 16 lanes: softmax fwd 0.922x (8 rounds, 0.888-1.036;
 // predicted ~0.97 from exp_shifted_sum16's 7 % of the forward in perf). The time-bias keys 16 at a time
 // (time_bias_keys16): HSTU fwd 0.966x, bwd 0.996x (6 rounds, 0.86-1.05; predicted ~0.96 / ~0.97).
+// Both against the session's start, 8 rounds: softmax fwd 16.19 vs 17.21 ms (0.927x), bwd 39.78 vs 40.43
+// (0.988x: code unchanged, the noise), fwd+bwd 103 GFLOP/s = 62.5 % of the 1-thread peak (0.165
+// TFLOP/s; was 60.7 %); HSTU fwd 18.77 vs 19.06 (0.963x), bwd 44.05 vs 45.61 (0.988x), 55.7 % (was 54.0 %).
 // Measured and not kept (same method):
 // - MKL's packed operands (cblas_sgemm_pack / cblas_sgemm_compute, exported by libtorch_cpu) for the
 //   forward's full tiles: Q packed per query tile, K^T and V per key tile once per item. Standalone (1
