@@ -75,15 +75,20 @@
 // - Not tried in the kernel, as standalone sgemm calls showed nothing: a query tile against up to 3 key
 //   tiles in one product (256 x 768 x 128: 0.94-1.03x the separate calls), tile pitches of 264 or 272
 //   floats instead of 256 (within +-3 %).
-// Two threads (the bench's 2-thread rows run ~10 % below twice the 1-thread rate): the schedule,
+// Two threads (the bench's last 2-thread rows ran ~10 % below twice the 1-thread rate): the schedule,
 // modelled from the measured 1-thread item costs (fwd 2.67 ms an L = 1024 item, 0.53-0.61 ms an L =
 // 420-443 one; bwd 5.85 / 1.27-1.37 ms), is balanced: longest first, each thread takes two L = 1024
 // items and six short ones (fwd 8.70 ms each), so splitting a long item's query tiles (forward) or key
 // tiles (backward, plus a dq reduction) across threads predicts no gain on a quiet host, and was not
 // made. Two 1-thread processes side by side ran at one alone's CPU times (fwd 17.6-18.2 vs 19.2 ms, bwd
-// 39.3-42.3 vs 43.9): the cores do not slow each other. The loss is the host's: beside one busy process
-// a 2-thread forward took 32 ms against 17.5 at 1 thread (OpenMP's waits), and the op's Python front door
-// (~0.15-0.3 ms a forward, 0.4-0.7 ms fwd+bwd, measured on tiny calls) runs on one thread.
+// 39.3-42.3 vs 43.9): the cores do not slow each other. And in a quiet moment (03:10 UTC, 1-minute load
+// 0.6-0.8, no other busy process) the native ops at 2 threads (4 alternating processes of 11 calls, wall
+// medians, CPU time 2.0x wall) ran softmax fwd 7.70 + bwd 18.80 ms = 66 % of the bench's 2-thread peak
+// (0.328 TFLOP/s; the session's start 8.30 + 20.12 ms, 62 %), HSTU 8.65 + 21.39 ms = 59 % (start 9.10 +
+// 21.72, 57 %). So the kernel scales to two threads; what the bench's 2-thread rows lose besides is the
+// host's (beside one busy process a 2-thread forward took 32 ms against 17.5 at 1 thread: OpenMP's waits)
+// and the op's Python front door and autograd (~0.15-0.3 ms a forward, 0.4-0.7 ms fwd+bwd, measured on
+// tiny calls), which run on one thread.
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
