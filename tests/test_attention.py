@@ -573,6 +573,68 @@ def test_cpu_rows_on_both_paths(avx512):
     run_on_vector_path(_ROW_PATHS_CHECK, avx512, "row paths ok")
 
 
+_LONG_ROW_EDGES_CHECK = """
+import math
+import torch
+from tests.test_attention import _agree_with_reference, _check_against_reference, _forward_backward, _only_nan_rows, make_inputs
+# One sequence of 300 (two key tiles; rows of 32+ keys take the 16-lane rows where the CPU has AVX-512F)
+# and one of 40, H = 1.
+def inputs_of(seed):
+    x = make_inputs([300, 40], H=1, D=8, pos_heads=1, seed=seed)
+    return {n: (t.detach().clone() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+for kind in ("softmax", "hstu"):
+    # A NaN in key 100 of sequence 0 reaches exactly the rows 100..299 (causal): the rows' max and exp
+    # keep it (forward) and so do the backward's rows; every other row finite.
+    x = inputs_of(0)
+    x["k"][100, 0, 3] = math.nan
+    out, grads = _agree_with_reference(x, "cpu", kind=kind)
+    _only_nan_rows(out, [(i, 0) for i in range(100, 300)])
+# softmax: a -inf bias at relative position -1 (each query's previous key) weighs exactly 0 even for a
+# value of 1e36 (a weight of exp(-87) ~ 1.6e-38 there would add ~0.02 to that row's out and more to its
+# dq and dk): rows 41 of sequence 0 (key 40) and 300 + 21 of sequence 1 (key 20) match the reference.
+x = inputs_of(1)
+x["pos_bias"][0, x["max_seq_len"] - 2] = -math.inf
+x["v"][40, 0] = 1e36
+x["v"][320, 0] = 1e36
+out, _ = _agree_with_reference(x, "cpu", check_grads=False, kind="softmax")
+assert bool(out[41].abs().max() < 10) and bool(out[321].abs().max() < 10), (out[41], out[321])
+# The gradients elsewhere are ~1e36 (fp32 rounding beyond any tolerance); those two rows' dq is not.
+_, grads = _forward_backward(x, "cpu", kind="softmax")
+_, grads_ref = _forward_backward(x, "reference", kind="softmax")
+for row in (41, 321):
+    torch.testing.assert_close(grads["q"][row], grads_ref["q"][row], atol=1e-5, rtol=1e-5)
+# softmax: a NaN among -inf scores only. Every pos_bias entry -inf but relative position -200, and
+# key 99 holds a NaN, which a -inf bias does not mask: rows 99..199 of sequence 0 see one NaN score and
+# -inf (the row max's NaN flag makes them NaN; without it the max reads -inf and they output 0), rows
+# 200..299 a NaN and a finite score, rows 0..98 and sequence 1 -inf only (out 0).
+x = inputs_of(2)
+x["pos_bias"].fill_(-math.inf)
+x["pos_bias"][0, x["max_seq_len"] - 1 - 200] = 0.0
+x["k"][99, 0, 5] = math.nan
+out, _ = _agree_with_reference(x, "cpu", check_grads=False, kind="softmax")
+_only_nan_rows(out, [(i, 0) for i in range(99, 300)])
+# hstu with both biases and sorted timestamps (the bench's): most 16-key blocks of a row stay in one time
+# bucket (one broadcast bias; the buckets kept for the backward's time-bias gradient), some cross one
+# (the walk); forward and every gradient.
+x = make_inputs([300, 40], H=2, D=8, pos_heads=2, time_heads=2, seed=3)
+g = torch.Generator().manual_seed(3)
+x["timestamps"] = torch.randint(0, 10**7, (340,), generator=g).sort().values
+_check_against_reference(x, "cpu", torch.float32, kind="hstu")
+print("long row edges ok")
+"""
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_long_rows_keep_nan_and_zero_weights(avx512):
+    """The long path's rows of 32+ keys (16 AVX-512F lanes where the CPU has them, 8 AVX2 lanes
+    otherwise): a NaN score reaches its whole row (the row max's NaN flag, the exp's NaN lanes), a -inf
+    score (a -inf bias) weighs exactly 0 in the forward and the backward (the exp's blend below -87),
+    and the time buckets of sorted timestamps (16-key blocks in one bucket) give the reference's biases
+    and time-bias gradient. Against the reference. A fresh process per path."""
+    run_on_vector_path(_LONG_ROW_EDGES_CHECK, avx512, "long row edges ok")
+
+
 _KEPT_WORKSPACE_CHECK = """
 import torch
 from tests.test_attention import _check_against_reference, make_inputs

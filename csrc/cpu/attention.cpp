@@ -10,8 +10,9 @@
 // products (Q K^T and P V; in the backward dO V^T, P^T dO, dS^T Q, dS K) run on the BLAS sgemm
 // that libtorch links (MKL on x86). The softmax rows (max, exp and sum forward; exp and dS
 // backward), the SiLU rows (weights forward; P and dS backward) and the time buckets run on AVX2
-// (8 lanes, fast_exp8) where the build targets it, the exp and SiLU rows of 32+ keys on AVX-512 (16
-// lanes, fast_exp16) where the CPU has it. Within a mixed tile of a banded mask (no contextual prefix, no targets:
+// (8 lanes, fast_exp8) where the build targets it, the exp and SiLU rows, the softmax row max and the
+// time buckets of 32+ keys on AVX-512 (16 lanes, fast_exp16) where the CPU has it. Within a mixed
+// tile of a banded mask (no contextual prefix, no targets:
 // each query sees one contiguous run of keys, e.g. causal) a row touches only its run of columns,
 // so the masked half of a diagonal tile costs no exp; a causal mask with a contextual prefix or
 // targets (no window: the GEM model's) is a key prefix plus the query itself per row, handled the
@@ -50,6 +51,44 @@
 // the core's FMA peak) from L1, but the whole kernel at ~87-94 standalone: the row softmax (two
 // horizontal reductions and a scalar exp per row and key block), the output rows' reload and rescale
 // per key block and the strided V rows take what MKL's packed products plus the row passes take here.
+// Kept (2026-12-07, helper attnl9; the bench's 1024 case, 1 thread, CPU time, old and new builds in
+// interleaved processes, the 2-core Xeon shared with two sessions at load 2-3.7): the softmax forward's
+// 16-lane exp rows without the blends that cannot fire there (exp16_nonpositive: x - max <= 0), whole
+// blocks unmasked and a masked tail, the row max on 16 lanes: softmax fwd 0.922x (8 rounds, 0.888-1.036;
+// predicted ~0.97 from exp_shifted_sum16's 7 % of the forward in perf). The time-bias keys 16 at a time
+// (time_bias_keys16): HSTU fwd 0.966x, bwd 0.996x (6 rounds, 0.86-1.05; predicted ~0.96 / ~0.97).
+// Both against the session's start, 8 rounds: softmax fwd 16.19 vs 17.21 ms (0.927x), bwd 39.78 vs 40.43
+// (0.988x: code unchanged, the noise), fwd+bwd 103 GFLOP/s = 62.5 % of the 1-thread peak (0.165
+// TFLOP/s; was 60.7 %); HSTU fwd 18.77 vs 19.06 (0.963x), bwd 44.05 vs 45.61 (0.988x), 55.7 % (was 54.0 %).
+// Measured and not kept (same method):
+// - MKL's packed operands (cblas_sgemm_pack / cblas_sgemm_compute, exported by libtorch_cpu) for the
+//   forward's full tiles: Q packed per query tile, K^T and V per key tile once per item. Standalone (1
+//   thread, 256 x 256 x 128) Q K^T ran 97.6 -> 88.2 us with both packed, P V 105.5 -> 96.6 with V packed;
+//   in the kernel softmax fwd 18.0 vs 18.0 ms, HSTU 20.2 vs 21.1 (2 rounds): perf showed the compute
+//   packing its other operand in every call (MKL's scopy 6.8 -> 8.8 % of samples). Its buffers:
+//   cblas_sgemm_pack_get_size asks ~7.6 MiB per 256 x 256 x 128 operand, of which a pack writes ~136 KiB
+//   (zero-filled buffers made the forward 1.4x slower). interaction.cpp found no gain from it either.
+// - The backward's softmax rows and both SiLU rows in the kept forward rows' form (whole blocks unmasked,
+//   a NaN passed through the clamps instead of blended): HSTU fwd 1.033x, bwd 1.024x, softmax bwd 1.017x
+//   (6 rounds): the SiLU rows wait on their divide (as attention_short.h found), and the softmax
+//   backward's row is one small pass beside five products.
+// - Not tried in the kernel, as standalone sgemm calls showed nothing: a query tile against up to 3 key
+//   tiles in one product (256 x 768 x 128: 0.94-1.03x the separate calls), tile pitches of 264 or 272
+//   floats instead of 256 (within +-3 %).
+// Two threads (the bench's last 2-thread rows ran ~10 % below twice the 1-thread rate): the schedule,
+// modelled from the measured 1-thread item costs (fwd 2.67 ms an L = 1024 item, 0.53-0.61 ms an L =
+// 420-443 one; bwd 5.85 / 1.27-1.37 ms), is balanced: longest first, each thread takes two L = 1024
+// items and six short ones (fwd 8.70 ms each), so splitting a long item's query tiles (forward) or key
+// tiles (backward, plus a dq reduction) across threads predicts no gain on a quiet host, and was not
+// made. Two 1-thread processes side by side ran at one alone's CPU times (fwd 17.6-18.2 vs 19.2 ms, bwd
+// 39.3-42.3 vs 43.9): the cores do not slow each other. And in a quiet moment (03:10 UTC, 1-minute load
+// 0.6-0.8, no other busy process) the native ops at 2 threads (4 alternating processes of 11 calls, wall
+// medians, CPU time 2.0x wall) ran softmax fwd 7.70 + bwd 18.80 ms = 66 % of the bench's 2-thread peak
+// (0.328 TFLOP/s; the session's start 8.30 + 20.12 ms, 62 %), HSTU 8.65 + 21.39 ms = 59 % (start 9.10 +
+// 21.72, 57 %). So the kernel scales to two threads; what the bench's 2-thread rows lose besides is the
+// host's (beside one busy process a 2-thread forward took 32 ms against 17.5 at 1 thread: OpenMP's waits)
+// and the op's Python front door and autograd (~0.15-0.3 ms a forward, 0.4-0.7 ms fwd+bwd, measured on
+// tiny calls), which run on one thread.
 //
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
@@ -141,18 +180,62 @@ GK_AVX512 inline __mmask16 tail_mask(int64_t c, int64_t n) {
   return n - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1u);
 }
 
+// exp(x - m) of a softmax row, where m >= every x (the row's max, so x - m <= 0) or NaN: fast_exp16's
+// values without its edge blends that cannot fire there. The clamp keeps x - m >= -87 (max's operands
+// in the order that passes a NaN through, so a NaN lane stays NaN through the polynomial and scalef),
+// and one blend gives 0 below -87 (x = -inf included: a masked score). So it returns fast_exp16(x - m)
+// lane for lane wherever m is not NaN (a NaN m makes the whole row NaN either way); 19 instead of 27
+// vector uops a block, whose throughput on the two 512-bit ports bound the pass.
+GK_AVX512 inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __m512 xc = _mm512_max_ps(lo, x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int k = 1; k < kExpPolyTerms; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[k]));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_scalef_ps(p, n), _mm512_setzero_ps());
+}
+
+// exp_shifted_sum's 16 lanes: whole blocks unmasked, the tail under a mask (lane l sums elements l,
+// l + 16, ... in order, as before this form). Where m is NaN (the row's output is NaN whatever its
+// weights) a masked score gives NaN here, 0 on 8 lanes.
 GK_AVX512 __attribute__((noinline)) float exp_shifted_sum16(float* x, int64_t n, float m) {
-  const __m512 vm = _mm512_set1_ps(m), vneg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n; c += 16) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + c), vm));
+    _mm512_storeu_ps(x + c, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (c < n) {
     const __mmask16 k = tail_mask(c, n);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + c);
-    const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vneg_inf, _CMP_EQ_OQ),
-                                          fast_exp16(_mm512_sub_ps(v, vm)), _mm512_setzero_ps());
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), vm));
     _mm512_mask_storeu_ps(x + c, k, e);
     vsum = _mm512_mask_add_ps(vsum, k, vsum, e);
   }
   return _mm512_reduce_add_ps(vsum);
+}
+
+// row_max on 16 lanes (the max is exact, so the same value as the 8-lane loop's).
+GK_AVX512 __attribute__((noinline)) float row_max16(const float* x, int64_t n) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = neg_inf;
+  __mmask16 nan = 0;
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(x + c);
+    vmax = _mm512_max_ps(vmax, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  if (c < n) {
+    const __m512 v = _mm512_mask_loadu_ps(neg_inf, tail_mask(c, n), x + c);
+    vmax = _mm512_max_ps(vmax, v);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  return nan != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
 }
 
 GK_AVX512 __attribute__((noinline)) void softmax_grad_row16(const float* s, float* p, float* ds, int64_t n, float lse,
@@ -188,6 +271,39 @@ GK_AVX512 __attribute__((noinline)) void silu_grad_row16(const float* s, float* 
   }
 }
 
+// scores_tile's time-bias keys on 16 lanes (AVX-512F: 8 int64 |dt| a register by vpabsq, the compares
+// into masks): from key c while 16 remain, returns where it stopped. Each block as the 8-key loop's:
+// all 16 |dt| in the current bucket [thr[bkt - 1], thr[bkt]) (sorted timestamps: most blocks) takes
+// that bucket and its bias as one broadcast, any other block the scalar walk from bkt. The same
+// buckets and sums as the 8-key loop (vpabsq wraps |INT64_MIN| as its blend did).
+GK_AVX512 __attribute__((noinline)) int64_t time_bias_keys16(int64_t ti, const int64_t* tj, int64_t c, int64_t c1,
+                                                             const int64_t* thr, int32_t nb, const float* bias,
+                                                             int32_t& bkt, int32_t* buckets, float* row) {
+  const __m512i vti = _mm512_set1_epi64(ti);
+  for (; c + 16 <= c1; c += 16) {
+    const __m512i lo = _mm512_set1_epi64(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+    const __m512i hi = _mm512_set1_epi64(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+    const __m512i x0 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c)));
+    const __m512i x1 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c + 8)));
+    const __mmask8 in0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x0, lo), x0, hi);
+    const __mmask8 in1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x1, lo), x1, hi);
+    if ((in0 & in1) == 0xFF) {
+      _mm512_storeu_si512(buckets + c, _mm512_set1_epi32(bkt));
+      _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(bias[bkt])));
+      continue;
+    }
+    for (int64_t k = c; k < c + 16; ++k) {
+      const int64_t dt = ti - tj[k];
+      const int64_t x = dt < 0 ? -dt : dt;
+      while (bkt < nb && x >= thr[bkt]) ++bkt;
+      while (bkt > 0 && x < thr[bkt - 1]) --bkt;
+      buckets[k] = bkt;
+      row[k] += bias[bkt];
+    }
+  }
+  return c;
+}
+
 // y[c] <- fast_exp16(x[c]) over [0, n) (the tests' window on it, attention_fast_exp16).
 GK_AVX512 __attribute__((noinline)) void fast_exp16_rows(const float* x, float* y, int64_t n) {
   for (int64_t c = 0; c < n; c += 16) {
@@ -207,6 +323,7 @@ inline float row_max(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t c = 0;
 #if GK_ATTENTION_AVX2
+  if (n >= kAvx512MinRow && cpu_has_avx512f()) return row_max16(x, n);
   if (n >= 8) {
     __m256 vmax = _mm256_set1_ps(m), vnan = _mm256_setzero_ps();
     for (; c + 8 <= n; c += 8) {
@@ -225,8 +342,9 @@ inline float row_max(const float* x, int64_t n) {
   return m;
 }
 
-// x[c] <- exp(x[c] - m), exactly 0 where x[c] is -inf (a masked score, even when m is +inf or
-// NaN); returns the sum of the new x[0, n).
+// x[c] <- exp(x[c] - m) for m = max_keep_nan of the row's scores (and earlier ones), exactly 0 where
+// x[c] is -inf (a masked score, even when m is +inf; when m is NaN, on 8 lanes only: see
+// exp_shifted_sum16); returns the sum of the new x[0, n).
 inline float exp_shifted_sum(float* x, int64_t n, float m) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float sum = 0.0f;
@@ -756,6 +874,8 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       };
       int64_t c = c0;
 #if GK_ATTENTION_AVX2
+      if (c1 - c0 >= kAvx512MinRow && cpu_has_avx512f())
+        c = time_bias_keys16(ti, tj, c, c1, thr, nb, bias, bkt, buckets, row);
       // 8 keys at a time: when all 8 stay in the current bucket (the common case), one compare of
       // their |dt| against its two thresholds replaces 8 scalar walks, and its bias is added as one
       // broadcast instead of 8 dependent gathers; any other block takes the scalar walk.
