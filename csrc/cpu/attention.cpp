@@ -151,6 +151,18 @@ constexpr size_t kStreamRowsMinBytes = size_t(4) << 20;
 // max that keeps a NaN (std::max(a, NaN) drops it): a NaN score must reach its whole row.
 inline float max_keep_nan(float a, float b) { return (a != a || b <= a) ? a : b; }
 
+// One key of the time-bias walk: the bucket of |ti - tj| reached from bkt by stepping over the
+// sorted thresholds (exact for any timestamps, ~free when they are sorted), its bias added to *row.
+inline void walk_time_bucket(int64_t ti, int64_t tj, const int64_t* thr, int32_t nb, const float* bias, int32_t& bkt,
+                             int32_t* bucket, float* row) {
+  const int64_t dt = ti - tj;
+  const int64_t x = dt < 0 ? -dt : dt;
+  while (bkt < nb && x >= thr[bkt]) ++bkt;
+  while (bkt > 0 && x < thr[bkt - 1]) --bkt;
+  *bucket = bkt;
+  *row += bias[bkt];
+}
+
 #if GK_ATTENTION_AVX2
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -292,14 +304,7 @@ GK_AVX512 __attribute__((noinline)) int64_t time_bias_keys16(int64_t ti, const i
       _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(bias[bkt])));
       continue;
     }
-    for (int64_t k = c; k < c + 16; ++k) {
-      const int64_t dt = ti - tj[k];
-      const int64_t x = dt < 0 ? -dt : dt;
-      while (bkt < nb && x >= thr[bkt]) ++bkt;
-      while (bkt > 0 && x < thr[bkt - 1]) --bkt;
-      buckets[k] = bkt;
-      row[k] += bias[bkt];
-    }
+    for (int64_t k = c; k < c + 16; ++k) walk_time_bucket(ti, tj[k], thr, nb, bias, bkt, buckets + k, row + k);
   }
   return c;
 }
@@ -864,14 +869,7 @@ void scores_tile(const Params& p, const SeqMask& mask, Workspace& ws, int64_t st
       const int32_t nb = static_cast<int32_t>(p.num_buckets);
       const int64_t* tj = p.timestamps + start + j0;
       int32_t bkt = c1 > c0 ? time_bucket(p, ti - tj[c0]) : 0;
-      const auto walk = [&](int64_t c) {
-        const int64_t dt = ti - tj[c];
-        const int64_t x = dt < 0 ? -dt : dt;
-        while (bkt < nb && x >= thr[bkt]) ++bkt;
-        while (bkt > 0 && x < thr[bkt - 1]) --bkt;
-        buckets[c] = bkt;
-        row[c] += bias[bkt];
-      };
+      const auto walk = [&](int64_t c) { walk_time_bucket(ti, tj[c], thr, nb, bias, bkt, buckets + c, row + c); };
       int64_t c = c0;
 #if GK_ATTENTION_AVX2
       if (c1 - c0 >= kAvx512MinRow && cpu_has_avx512f())
