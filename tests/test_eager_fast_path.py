@@ -20,6 +20,18 @@ from gem_kernels.ops import hstu_layer as hstu_ops
 from gem_kernels.ops import jagged as jagged_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Under GK_CUDA_EMU=1 the cpu backend runs the CUDA kernels' code, whose bias-gradient sums use atomics:
+# not bit-identical run to run even on one path (measured: pos/time bias gradients 4.8e-7 apart between
+# two runs of the same path), so there the two paths are held to a tolerance; the C++ CPU kernels and
+# the reference backend are deterministic, so everywhere else to the bit.
+CUDA_EMU = os.environ.get("GK_CUDA_EMU") == "1"
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    if CUDA_EMU:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(a, b)
 
 
 class PassThroughMode(torch.overrides.TorchFunctionMode):
@@ -102,9 +114,9 @@ def test_fast_path_equals_the_dispatcher_path_bit_for_bit(backend):
     assert {"LeanFor_gem_kernels_hstu_uvqk_fwdBackward", "LeanFor_gem_kernels_jagged_attention_fwdBackward",
             "LeanFor_gem_kernels_hstu_output_fwdBackward"} <= names_d
     assert not any(n.startswith("EagerFor_") for n in names_d)
-    assert torch.equal(out, out_d)
+    _assert_same(out, out_d)
     for g, g_d in zip(grads, grads_d):
-        assert torch.equal(g, g_d)
+        _assert_same(g, g_d)
 
 
 def test_interaction_and_embedding_bag_fast_path_equal_the_dispatcher_path():
@@ -134,7 +146,7 @@ def test_interaction_and_embedding_bag_fast_path_equal_the_dispatcher_path():
             "EagerFor_gem_kernels_embedding_bagBackward"} <= names
     assert "LeanFor_gem_kernels_fm_compressBackward" in names_d
     for a, b in zip(outs + grads, outs_d + grads_d):
-        assert torch.equal(a, b)
+        _assert_same(a, b)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -158,8 +170,11 @@ def test_a_mutating_op_on_the_fast_path_bumps_versions_and_equals_the_dispatcher
     out, weights, state = run()
     with _autograd.dispatcher_path_only():
         out_d, weights_d, state_d = run()
-    assert torch.equal(out, out_d) and torch.equal(weights, weights_d)
-    assert len(state) == len(state_d) and all(torch.equal(a, b) for a, b in zip(state, state_d))
+    _assert_same(out, out_d)
+    _assert_same(weights, weights_d)
+    assert len(state) == len(state_d)
+    for a, b in zip(state, state_d):
+        _assert_same(a, b)
 
 
 def test_a_torch_function_mode_keeps_the_dispatcher_path():
