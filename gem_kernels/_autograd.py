@@ -28,9 +28,9 @@ SCHED_FIFO, 2026-12-07; 8 batches x 9-10 rounds, the two paths alternated step b
 medians of the paired differences): 2 threads -1.18 ms of 30.8 (ratio 0.96) and -0.92 ms of 26.9; 1
 thread -1.02 ms of 48.9. Per call on tiny tensors the saving is only ~5-7 us (16.7 -> 11.7 us without
 grad, 23.2 -> 16.1 with), so most of it is not the Python the path skips but what that path costs the
-kernels around it (a guess: instruction-cache and branch-predictor state; not measured). Everything else keeps the dispatcher path, so the op is still one
-graph node to torch.compile, export, FakeTensor, functionalization, vmap, fx and opcheck: a call while
-compiling, jit tracing, under a TorchDispatchMode or TorchFunctionMode, inside a functorch transform,
+kernels around it (a guess: instruction-cache and branch-predictor state; not measured).
+Everything else keeps the dispatcher path, so the op is still one graph node to torch.compile,
+export, FakeTensor, functionalization, vmap, fx and opcheck: a call while compiling, jit tracing, under a TorchDispatchMode or TorchFunctionMode, inside a functorch transform,
 under autocast, below autograd, with keyword arguments or a missing argument, with any argument that is
 not a plain tensor, number, bool, string or None (a subclass, a Proxy, a SymInt), on a tensor that is
 not a strided CPU/CUDA one, or needing a gradient from an op without a formula. Ops with a
@@ -60,8 +60,7 @@ _LIBS: dict[str, torch.library.Library] = {}
 
 def _lean_ok(schema: _C.FunctionSchema, allow_mutation: bool = False) -> bool:
     """No defaults, keyword-only arguments or tensor lists; no mutated (aliased) argument unless
-    allow_mutation (the eager fast path: the body's natives declare the mutation, Tensor(a!), and bump
-    the version counters themselves, as in-place torch ops do on the Python backends)."""
+    allow_mutation (the eager fast path, which bumps the mutated arguments' version counters itself)."""
     args = schema.arguments
     if any(a.kwarg_only or a.has_default_value() or (a.alias_info is not None and not allow_mutation) for a in args):
         return False
