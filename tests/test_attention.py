@@ -1205,6 +1205,50 @@ def test_rejects_bad_input(backend, kwargs, match):
         gk.jagged_attention(**kwargs, backend=backend)
 
 
+# The data checks' two paths (ops/attention.py _check_values): the native summary of CPU offsets and
+# the ATen one (CUDA tensors, or no extension): same verdict and message on every case.
+_SUMMARY_CASES = [
+    # (seq_offsets, N, max_seq_len, num_targets, delta)
+    ([0, 3, 3, 7], 7, 4, [1, 0, 4], 0),       # valid, one empty sequence, a target covering its sequence
+    ([0, 3, 3, 7], 7, 4, None, 0),
+    ([0], 0, 0, [], 0),                        # no sequence
+    ([0], 0, 0, None, 2),                      # no sequence: no delta to hold
+    ([1, 3, 7], 7, 4, None, 0),                # offsets[0] != 0
+    ([0, 5, 3, 7], 7, 5, None, 0),             # decreasing
+    ([0, 3, 6], 7, 4, None, 0),                # offsets[-1] != N
+    ([0, 3, 7], 7, 3, None, 0),                # a sequence longer than max_seq_len
+    ([0, 3, 3, 7], 7, 4, [1, 0, 5], 0),        # num_targets beyond its sequence's length
+    ([0, 3, 3, 7], 7, 4, [1, -1, 0], 0),       # negative num_targets
+    ([0, 2, 2, 6], 6, 4, None, 1),             # the cached op's delta: sequence 1 holds none
+    ([0, 2, 4, 8], 8, 4, [2, 0, 3], 2),        # valid with delta
+]
+
+
+@pytest.mark.skipif(attention_ops._summary_native is None, reason="the extension has no jagged_offsets_summary")
+@pytest.mark.parametrize("offsets_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("case", _SUMMARY_CASES)
+def test_value_checks_native_summary_matches_aten(monkeypatch, case, offsets_dtype):
+    offsets, n, max_seq_len, targets, delta = case
+    seq_offsets = torch.tensor(offsets, dtype=offsets_dtype)
+    num_targets = None if targets is None else torch.tensor(targets, dtype=offsets_dtype)
+    q = torch.zeros(n, 1, 2)
+
+    def verdict():
+        try:
+            attention_ops._check_values(q, seq_offsets, max_seq_len, num_targets, delta=delta)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    native = verdict()
+    monkeypatch.setattr(attention_ops, "_summary_native", None)
+    aten = verdict()
+    assert native == aten
+    # The cases are built to exercise each branch: only the marked valid ones pass.
+    assert (native is None) == (case in (_SUMMARY_CASES[0], _SUMMARY_CASES[1], _SUMMARY_CASES[2], _SUMMARY_CASES[3],
+                                         _SUMMARY_CASES[-1])), native
+
+
 def test_device_mismatch_is_value_error():
     with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
         gk.jagged_attention(torch.ones(3, 1, 2), torch.ones(3, 1, 2, device="meta"), torch.ones(3, 1, 2),
