@@ -1167,7 +1167,10 @@ BAD = [
     (_bad(v=torch.ones(5, 2, 3, dtype=torch.float64)), "v must have dtype"),
     (_bad(k=torch.ones(5, 2, 5)), "k must have q's shape"),
     (_bad(v=torch.ones(5, 3, 3)), "v must have shape"),
-    (_bad(seq_offsets=torch.tensor([0, 3, 2, 5])), "nondecreasing"),
+    (_bad(seq_offsets=torch.tensor([0, 3, 2, 5])), r"seq_offsets must be nondecreasing, but seq_offsets\[2\] = 2 < "
+                                                   r"seq_offsets\[1\] = 3"),
+    (_bad(seq_offsets=torch.tensor([1, 2, 5])), r"seq_offsets\[0\] must be 0, got 1"),
+    (_bad(seq_offsets=torch.tensor([0, 2, 5], dtype=torch.int32), max_seq_len=2), "got 2 < 3"),
     (_bad(seq_offsets=torch.tensor([0, 2, 4])), r"seq_offsets\[-1\] must equal the number of rows 5"),
     (_bad(seq_offsets=torch.tensor([0.0, 5.0])), "seq_offsets must have dtype"),
     (_bad(max_seq_len=2), "max_seq_len must be >= every sequence length, got 2 < 3"),
@@ -1177,6 +1180,11 @@ BAD = [
     (_bad(scale="x"), "scale must be a float"),
     (_bad(num_targets=torch.tensor([1])), "num_targets must have B = 2 elements"),
     (_bad(num_targets=torch.tensor([1, 4])), r"num_targets\[1\] must be in \[0, 3\]"),
+    (_bad(num_targets=torch.tensor([-1, 0], dtype=torch.int32)), r"num_targets\[0\] must be in \[0, 2\] \(its sequence "
+                                                                 r"length\), got -1"),
+    # Several faults at once: every backend names the first in one order (offsets, lengths, targets).
+    (_bad(seq_offsets=torch.tensor([0, 4, 5]), max_seq_len=3, num_targets=torch.tensor([0, 9])),
+     "max_seq_len must be >= every sequence length, got 3 < 4"),
     (_bad(num_targets=torch.tensor([1.0, 2.0])), "num_targets must have dtype"),
     (_bad(contextual_len=-1), "contextual_len must be >= 0"),
     (_bad(max_attn_len=1.5), "max_attn_len must be an int"),

@@ -90,6 +90,25 @@
 // and the op's Python front door and autograd (~0.15-0.3 ms a forward, 0.4-0.7 ms fwd+bwd, measured on
 // tiny calls), which run on one thread.
 //
+// Measured and not kept (2026-12-07, helper attn10; the bench's 1024 case, native ops, 2 threads under
+// SCHED_FIFO and the measuring lock, old and new toggled by a temporary switch in one process, 10-16
+// paired rounds over the bench's two input sets; the 2-core Xeon at load 1.4-6 from other sessions):
+// - the forward's value rows copied per item like its key rows, their Inf/NaN flags taken from the
+//   copy instead of nonfinite_rows(v)'s sweep (P V on rows at ld Dv): softmax fwd 1.039x, HSTU 1.032x,
+//   fwd+bwd 1.005x / 0.996x (slower: the copy costs more than the sweep and P V's strided B operand);
+// - the forward's key rows not copied (Q K^T on k at its H * D stride): 0.995-1.009x softmax,
+//   0.976-1.001x HSTU (neutral, kept as it was);
+// - P and dS zeroed outside a mixed tile's spans only where the strips' products read them (the row's
+//   own strip, not the rest of the tile): fwd 0.997-1.010x, bwd 0.999-1.003x (the fills cost nothing);
+// - the forward op's _check_values skipped for this backend, its checks made here in C++ instead: against
+//   the ATen form of the check (eight small ops, ~20 us themselves) fwd+bwd through autograd ran 0.961-0.995x
+//   (8 paired runs of 12 rounds; no page faults either way, and 30 us of Python spinning in the same place
+//   cost nothing, so the ATen ops slow the kernel after them, by a mechanism not found); against main's
+//   one-pass native summary (cd6e731, which landed meanwhile) 0.988-1.021x: that commit took the gain.
+// Also measured: the two threads end the item loop within 0.01-0.04 ms of each other (fwd ~8.7 ms,
+// bwd ~21 ms; 12 calls each), so the longest-first schedule loses nothing at this case; and Q K^T as
+// a NN product on a transposed key copy (sgemm alone, 256 x 256 x 128): 130 vs 126 us, no gain.
+//
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
 // biases and timestamps; backward adds dO, dq, dk, dv.
