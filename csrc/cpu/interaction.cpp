@@ -552,9 +552,11 @@ inline int64_t cross_block_rows(int64_t B, int64_t N) {
 // model.train keep it; bench/results/notes-cross10.md): N = 512 fwd 0.93x, fwd+bwd 0.96x at 2
 // threads, 0.92x at 1; N = 1024, r = 64 fwd 0.77x, fwd+bwd 0.84x at 2 threads, 0.84x at 1; three
 // layers stacked (each out the next xl) fwd+bwd 0.97x and 0.85x; every output a fresh mapping
-// (glibc's defaults) 0.98x and 0.87x. In the bench's own rows (process per variant, load 7) the
-// low-rank forward alone read 0.4-0.8 ms slower with them, eager in the same processes slower too:
-// within that run-to-run spread, not reproduced in one process.
+// (glibc's defaults) 0.98x and 0.87x. One exception, not understood: the bench's forward-only
+// low-rank row read 0.4-1.7 ms slower with them in every run (5 runs, eager in the same processes
+// slower too), where the fwd+bwd row gained; its rounds run only forwards on 2 input sets, so its
+// data may stay in the L3, where a normal store hits a cached line (a guess: an in-process run with
+// 2 sets and eager's forward interleaved still put streams at 0.76-0.86x).
 inline bool can_stream_rows(int64_t N, std::initializer_list<const void*> bases) {
 #if defined(__AVX2__)
   if (N % 8 != 0) return false;
