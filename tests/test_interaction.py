@@ -205,8 +205,11 @@ def test_dot_interaction_triton_tiles(monkeypatch, device, backend, num_features
 
 # B = 3000: the cpu's batch sum for grad_bias runs over many fixed chunks (12 of its fp32 blocks of
 # 256 rows, the last partial); B = 200, N = 700, rank 8: low rank over 24-row blocks (9, the last partial).
+# The cpu fp32 backward sums the weight gradients per block from 64-row blocks on (CROSS_FUSED_SHAPES:
+# two workers' accumulators at 2 threads, a partial last block, N a multiple of 8 (streamed rows) or not).
+CROSS_FUSED_SHAPES = [(520, 100, None), (1030, 128, None), (600, 256, 32), (600, 252, 30)]
 CROSS_SHAPES = [(0, 8, None), (1, 1, None), (5, 37, None), (5, 37, 4), (3, 200, 1), (7, 64, 16), (3000, 16, None),
-                (200, 700, 8)]
+                (200, 700, 8), *CROSS_FUSED_SHAPES]
 
 
 @pytest.mark.parametrize("device,backend", BACKEND_PARAMS)
@@ -246,6 +249,39 @@ def test_cross_layer(device, backend, shape, dtype):
                               _grads(eager, params, g)):
         assert a.dtype == dtype, name
         assert_close_vs_eager(a, e, ea, dtype, f"grad {name}", factor)
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("shape", CROSS_FUSED_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_cross_layer_cpu_weight_grads_over_workers(shape):
+    """The cpu fp32 backward's weight gradients, summed per block into one accumulator per worker
+    (worker 0's the output, the others' added after the pass): right on 1, 2 and 3 threads (3 workers
+    over 9 blocks; 3 threads on 2 cores still run them), and the same bits run to run."""
+    B, N, rank = shape
+    x0, xl, g, b = randn_nonzero(B, N), randn_nonzero(B, N) / math.sqrt(N), randn_nonzero(B, N), randn_nonzero(N)
+    weight = [randn_nonzero(N, N) / math.sqrt(N)] if rank is None else \
+        [randn_nonzero(N, rank) / math.sqrt(rank), randn_nonzero(rank, N) / math.sqrt(N)]
+    names = ["x0", "xl", "weight", "bias"] if rank is None else ["x0", "xl", "u", "v", "bias"]
+
+    def run(backend):
+        leaves = [t.clone().requires_grad_(True) for t in (x0, xl, *weight, b)]
+        w = leaves[2] if rank is None else tuple(leaves[2:4])
+        out = gk.cross_layer(leaves[0], leaves[1], w, leaves[-1], backend=backend)
+        return out, _grads(out, leaves, g)
+
+    expected = run("reference")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            poison_allocator(B * N * 4, "cpu")
+            out, grads = run("cpu")
+            _check_all(out, expected[0], grads, expected[1], torch.float32, names)
+            again = run("cpu")[1]
+            for name, a, e in zip(names, grads, again):
+                assert torch.equal(a, e), f"grad {name} differs run to run at {n} threads"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _check_fm_compress(B, F, D, k, dtype, device, backend, vs_exact=False):

@@ -10,9 +10,11 @@
 // per-chunk fp32 partials over fixed chunks of kSumChunk samples, summed at the end: accurate, and
 // deterministic whatever the thread count. cross_layer in fp32 (the backward, and the low-rank
 // forward): per block of rows, single-threaded sgemm then the epilogue (bias, product, residual; in
-// the backward grad_z, grad_x0 and grad_xl's product) on the block while it is in cache
-// (cross_layer_low_rank_fp32, cross_layer_backward_fp32 below); otherwise its matmuls are one
-// at::addmm/at::mm each and the epilogue one vectorised pass over [B, N].
+// the backward grad_z, grad_x0, grad_xl's product and, when the accumulators fit in L2, the weight
+// gradients' per-block sums) on the block while it is in cache (cross_layer_low_rank_fp32,
+// cross_layer_backward_fused / _fp32 below), the outputs written with streaming stores; the
+// full-rank fp32 forward is one multi-threaded at::mm and one epilogue pass (bias in place, out
+// streamed); other dtypes at::addmm/at::mm and one vectorised pass over [B, N].
 //
 // Inner loop: every product is a small GEMM `combine_rows` with 4-row x 16-column register tiles
 // (broadcast one operand, FMA rows of the other; dot products are computed as X times a transposed
@@ -134,6 +136,8 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstdlib>
+#include <initializer_list>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -533,15 +537,70 @@ constexpr int64_t kEpilogueGrain = 16384;
 // out and read them back once more from memory. Blocks are a fixed number of rows for a
 // given B and N (not per thread count), so grad_bias's per-block partials give the same bits on any
 // number of threads; 256 KB per [rows, N] operand (128 rows at N = 512).
-// grad_u (= grad_z^T @ xl or p, K = B) stays one MKL matmul over all rows: per-block updates of an
-// [N, N] accumulator would stream it through the cache once per block.
 // At least 8 blocks once B >= 32, so that a batch of few rows still spreads over the threads (their
 // sgemm calls are single-threaded): B = 8 at N = 4096 would otherwise be one block on one core.
 inline int64_t cross_block_rows(int64_t B, int64_t N) {
   return std::clamp<int64_t>(std::min<int64_t>(65536 / std::max<int64_t>(N, 1), (B + 7) / 8), 4, 256) / 4 * 4;
 }
 
-// The low-rank forward: p = xl V^T, then z = p U^T + bias and out = x0 * z + xl, per block.
+// Whether rows of N floats at these bases can take 8-float streaming stores: N a multiple of 8 and
+// every base 32-byte aligned (ATen's allocations are 64-byte aligned). Outputs the op writes and
+// does not read again (out, z, grad_x0, grad_xl) go out with streaming stores: a normal store first
+// reads the line from memory (read-for-ownership), a third more traffic on these memory-bound passes.
+// Measured against the same code with normal stores (B = 4096, one process, variants alternated
+// round by round, medians of 21-31, SCHED_FIFO on a busy host, freed heap kept as bench and
+// model.train keep it; bench/results/notes-cross10.md): N = 512 fwd 0.93x, fwd+bwd 0.96x at 2
+// threads, 0.92x at 1; N = 1024, r = 64 fwd 0.77x, fwd+bwd 0.84x at 2 threads, 0.84x at 1; three
+// layers stacked (each out the next xl) fwd+bwd 0.97x and 0.85x; every output a fresh mapping
+// (glibc's defaults) 0.98x and 0.87x. One exception, not understood: the bench's forward-only
+// low-rank row read 0.4-1.7 ms slower with them in every run (5 runs, eager in the same processes
+// slower too), where the fwd+bwd row gained; its rounds run only forwards on 2 input sets, so its
+// data may stay in the L3, where a normal store hits a cached line (a guess: an in-process run with
+// 2 sets and eager's forward interleaved still put streams at 0.76-0.86x).
+inline bool can_stream_rows(int64_t N, std::initializer_list<const void*> bases) {
+#if defined(__AVX2__)
+  if (N % 8 != 0) return false;
+  for (const void* base : bases)
+    if (reinterpret_cast<uintptr_t>(base) % 32 != 0) return false;
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The forward's epilogue on m rows: z = zs + b and out = x0 * z + xl (every pointer at the first row,
+// row stride N). zs may be z itself (the full-rank forward adds the bias in place); the stores of z
+// stream when `stream_z`, those of out when `stream_out` (can_stream_rows).
+inline void cross_forward_rows(const float* zs, const float* b, const float* a, const float* r, int64_t m, int64_t N,
+                               bool stream_z, bool stream_out, float* z, float* o) {
+#if defined(__AVX2__)
+  if (stream_out) {
+    for (int64_t i = 0; i < m * N; i += N)
+      for (int64_t n = 0; n < N; n += 8) {
+        const __m256 zv = _mm256_add_ps(_mm256_loadu_ps(zs + i + n), _mm256_loadu_ps(b + n));
+        if (stream_z) {
+          _mm256_stream_ps(z + i + n, zv);
+        } else {
+          _mm256_storeu_ps(z + i + n, zv);
+        }
+        _mm256_stream_ps(o + i + n, _mm256_fmadd_ps(_mm256_loadu_ps(a + i + n), zv, _mm256_loadu_ps(r + i + n)));
+      }
+    streaming_store_fence();
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < m * N; i += N) {
+    _Pragma("omp simd")
+    for (int64_t n = 0; n < N; ++n) {
+      const float zv = zs[i + n] + b[n];
+      z[i + n] = zv;
+      o[i + n] = a[i + n] * zv + r[i + n];
+    }
+  }
+}
+
+// The low-rank forward per block: p = xl V^T, p U^T into the worker's scratch, then the epilogue from
+// it while the block is in cache, z and out streamed.
 void cross_layer_low_rank_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u, const at::Tensor& v,
                                const at::Tensor& bias, at::Tensor& out, at::Tensor& z, at::Tensor& p) {
   const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
@@ -549,31 +608,73 @@ void cross_layer_low_rank_fp32(const at::Tensor& x0, const at::Tensor& xl, const
   const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *uw = u.data_ptr<float>(),
               *vw = v.data_ptr<float>(), *b = bias.data_ptr<float>();
   float *o = out.data_ptr<float>(), *zz = z.data_ptr<float>(), *pp = p.data_ptr<float>();
+  const bool stream = can_stream_rows(N, {o, zz});
   parallel_ranges(blocks, 1, workers_for(B, 2 * N * K), [&](auto& claim) {
     SingleThreadBlas single;
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(rows * N)) scratch.resize(rows * N);
+    float* zs = scratch.data();
     for (int64_t blk, end; claim(blk, end);) {
       const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
       float* pb = pp + r0 * K;
-      float* zb = zz + r0 * N;
       mm(false, true, m, K, N, 1.f, r + r0 * N, N, vw, N, 0.f, pb, K);  // p = xl V^T
-      mm(false, true, m, N, K, 1.f, pb, K, uw, K, 0.f, zb, N);          // z = p U^T (+ bias below)
-      for (int64_t i = 0; i < m; ++i) {
-        float* zr = zb + i * N;
-        const float *ar = a + (r0 + i) * N, *rr = r + (r0 + i) * N;
-        float* orow = o + (r0 + i) * N;
-        _Pragma("omp simd")
-        for (int64_t n = 0; n < N; ++n) {
-          const float zv = zr[n] + b[n];
-          zr[n] = zv;
-          orow[n] = ar[n] * zv + rr[n];
-        }
-      }
+      mm(false, true, m, N, K, 1.f, pb, K, uw, K, 0.f, zs, N);          // p U^T (+ bias below)
+      cross_forward_rows(zs, b, a + r0 * N, r + r0 * N, m, N, stream, stream, zz + r0 * N, o + r0 * N);
     }
   });
 }
 
+// The per-block elementwise part of the fp32 backward on m rows from r0: grad_z = g * x0 into gz,
+// grad_x0 = g * z (streamed when `stream`: can_stream_rows), gx = g (the block's product is added
+// to it next) and grad_z's column sums into colsum. gz and gx point at the block's first row.
+inline void cross_backward_rows(const float* g, const float* a, const float* zz, int64_t r0, int64_t m, int64_t N,
+                                bool stream, float* gz, float* ga, float* gx, float* colsum) {
+#if defined(__AVX2__)
+  if (stream) {
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t base = (r0 + i) * N;
+      float *gzr = gz + i * N, *gxr = gx + i * N;
+      for (int64_t n = 0; n < N; n += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + base + n), dz = _mm256_mul_ps(gv, _mm256_loadu_ps(a + base + n));
+        _mm256_storeu_ps(gzr + n, dz);
+        _mm256_stream_ps(ga + base + n, _mm256_mul_ps(gv, _mm256_loadu_ps(zz + base + n)));
+        _mm256_storeu_ps(gxr + n, gv);
+        _mm256_storeu_ps(colsum + n, _mm256_add_ps(_mm256_loadu_ps(colsum + n), dz));
+      }
+    }
+    streaming_store_fence();
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t base = (r0 + i) * N;
+    float *gzr = gz + i * N, *gxr = gx + i * N;
+    _Pragma("omp simd")
+    for (int64_t n = 0; n < N; ++n) {
+      const float gv = g[base + n], dz = gv * a[base + n];
+      gzr[n] = dz;
+      ga[base + n] = gv * zz[base + n];
+      gxr[n] = gv;
+      colsum[n] += dz;
+    }
+  }
+}
+
+// Whether the fp32 backward sums the weight gradients per block too (cross_layer_backward_fused):
+// when a worker's accumulators (grad_w [N, N]; low rank grad_u [N, r] and grad_v [r, N]) take at
+// most half of its L2 (1 MiB of this machine's 2), and a block has the rows (the accumulating
+// product's k) for the product to run near the GEMM's rate: 64-row blocks ran fwd+bwd 5 % slower than
+// 128 at N = 512 (2 threads), 256 no faster. Past that, grad_u stays one MKL matmul over all rows
+// after the pass (cross_layer_backward_fp32): per-block updates of a large accumulator would stream
+// it through memory once per block.
+constexpr int64_t kCrossFusedGradBytes = int64_t(1) << 20;
+inline bool cross_fuses_weight_grads(int64_t B, int64_t N, int64_t K, bool low_rank) {
+  return (low_rank ? 2 : 1) * N * K * int64_t(sizeof(float)) <= kCrossFusedGradBytes && cross_block_rows(B, N) >= 64;
+}
+
 // grad_z = g * x0 and grad_x0 = g * z per block, then grad_xl's block = g + grad_z @ U (through grad_p
-// = grad_z @ U, [rows, r], and grad_p @ V when low rank) while grad_z is in cache.
+// = grad_z @ U, [rows, r], and grad_p @ V when low rank) while grad_z is in cache; grad_z and grad_p
+// are written out for the weight gradients' matmuls after it.
 void cross_layer_backward_fp32(const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& u,
                                const at::Tensor& v, const at::Tensor& z, bool low_rank, at::Tensor& grad_z,
                                at::Tensor& grad_p, at::Tensor& grad_x0, at::Tensor& grad_xl, at::Tensor& partial) {
@@ -584,22 +685,12 @@ void cross_layer_backward_fp32(const at::Tensor& grad_out, const at::Tensor& x0,
   const float* vw = low_rank ? v.data_ptr<float>() : nullptr;
   float *gz = grad_z.data_ptr<float>(), *ga = grad_x0.data_ptr<float>(), *gx = grad_xl.data_ptr<float>(),
         *part = partial.data_ptr<float>(), *gp = low_rank ? grad_p.data_ptr<float>() : nullptr;
+  const bool stream = can_stream_rows(N, {ga});
   parallel_ranges(blocks, 1, workers_for(B, 2 * N * K), [&](auto& claim) {
     SingleThreadBlas single;
     for (int64_t blk, end; claim(blk, end);) {
       const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
-      float* colsum = part + blk * N;
-      for (int64_t i = r0; i < r0 + m; ++i) {
-        const int64_t base = i * N;
-        _Pragma("omp simd")
-        for (int64_t n = 0; n < N; ++n) {
-          const float gv = g[base + n], dz = gv * a[base + n];
-          gz[base + n] = dz;
-          ga[base + n] = gv * zz[base + n];
-          gx[base + n] = gv;
-          colsum[n] += dz;
-        }
-      }
+      cross_backward_rows(g, a, zz, r0, m, N, stream, gz + r0 * N, ga, gx + r0 * N, part + blk * N);
       if (low_rank) {
         mm(false, false, m, K, N, 1.f, gz + r0 * N, N, uw, K, 0.f, gp + r0 * K, K);
         mm(false, false, m, N, K, 1.f, gp + r0 * K, K, vw, N, 1.f, gx + r0 * N, N);
@@ -610,15 +701,87 @@ void cross_layer_backward_fp32(const at::Tensor& grad_out, const at::Tensor& x0,
   });
 }
 
+// The fp32 backward in one pass over the rows with the weight gradients summed per block
+// (cross_fuses_weight_grads): grad_z, grad_p and grad_xl's block live in the worker's scratch (L2),
+// grad_xl's block is streamed out once complete, and nothing reads grad_z and xl back from memory for
+// a grad_u = grad_z^T xl afterwards. Each worker owns a contiguous run of blocks and adds each
+// block's grad_z^T xl (low rank grad_z^T p and grad_p^T xl) into its own accumulator, worker 0's
+// being the output itself; the others' are added at the end in worker order, so the weight gradients
+// have the same bits run to run at a given thread count (not across thread counts).
+// Bytes per fwd+bwd, T = one [B, N] fp32 tensor: the two-pass backward read g, x0, z and wrote
+// grad_z, grad_x0 and grad_xl (each store also reading its line first), then read grad_z and xl back
+// for grad_u: ~11 T; this pass reads g, x0, z, xl and writes grad_x0 and grad_xl once: 6 T. Measured
+// against the two-pass form with normal stores in both (B = 4096, one process, alternating rounds, 2
+// threads, SCHED_FIFO, load 3-6): fwd+bwd 0.95-0.97x at N = 512, 0.84x at N = 1024, r = 64.
+void cross_layer_backward_fused(const at::Tensor& grad_out, const at::Tensor& x0, const at::Tensor& xl,
+                                const at::Tensor& u, const at::Tensor& v, const at::Tensor& z, const at::Tensor& p,
+                                bool low_rank, at::Tensor& grad_x0, at::Tensor& grad_xl, at::Tensor& grad_u,
+                                at::Tensor& grad_v, at::Tensor& partial) {
+  const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
+  const int64_t rows = cross_block_rows(B, N), blocks = (B + rows - 1) / rows;
+  const int64_t workers = std::clamp<int64_t>(std::min(workers_for(B, 2 * N * K), blocks), 1, at::get_num_threads());
+  const float *g = grad_out.data_ptr<float>(), *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(),
+              *zz = z.data_ptr<float>(), *uw = u.data_ptr<float>();
+  const float *vw = low_rank ? v.data_ptr<float>() : nullptr, *pp = low_rank ? p.data_ptr<float>() : nullptr;
+  float *ga = grad_x0.data_ptr<float>(), *gx = grad_xl.data_ptr<float>(), *part = partial.data_ptr<float>();
+  const bool stream = can_stream_rows(N, {ga, gx});
+  const int64_t su = N * K, sv = low_rank ? K * N : 0;  // one worker's accumulators
+  auto others = at::empty({(workers - 1) * (su + sv)}, x0.options());
+  float* acc_rest = others.data_ptr<float>();
+  at::parallel_for(0, workers, 1, [&](int64_t w_begin, int64_t w_end) {
+    SingleThreadBlas single;
+    thread_local std::vector<float> scratch;
+    const int64_t need = rows * (2 * N + (low_rank ? K : 0));
+    if (scratch.size() < static_cast<size_t>(need)) scratch.resize(need);
+    float *gz = scratch.data(), *gxs = gz + rows * N, *gp = gxs + rows * N;
+    for (int64_t w = w_begin; w < w_end; ++w) {
+      float* acc_u = w == 0 ? grad_u.data_ptr<float>() : acc_rest + (w - 1) * (su + sv);
+      float* acc_v = !low_rank ? nullptr : w == 0 ? grad_v.data_ptr<float>() : acc_rest + (w - 1) * (su + sv) + su;
+      const int64_t first = w * blocks / workers, last = (w + 1) * blocks / workers;
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
+        const float beta = blk == first ? 0.f : 1.f;
+        cross_backward_rows(g, a, zz, r0, m, N, stream, gz, ga, gxs, part + blk * N);
+        if (low_rank) {
+          mm(false, false, m, K, N, 1.f, gz, N, uw, K, 0.f, gp, K);              // grad_p = grad_z U
+          mm(false, false, m, N, K, 1.f, gp, K, vw, N, 1.f, gxs, N);             // grad_xl = g + grad_p V
+          mm(true, false, N, K, m, 1.f, gz, N, pp + r0 * K, K, beta, acc_u, K);  // grad_u += grad_z^T p
+          mm(true, false, K, N, m, 1.f, gp, K, r + r0 * N, N, beta, acc_v, N);   // grad_v += grad_p^T xl
+        } else {
+          mm(false, false, m, N, N, 1.f, gz, N, uw, N, 1.f, gxs, N);             // grad_xl = g + grad_z U
+          mm(true, false, N, N, m, 1.f, gz, N, r + r0 * N, N, beta, acc_u, N);   // grad_w += grad_z^T xl
+        }
+        copy_bytes(gx + r0 * N, gxs, m * N * sizeof(float), stream);
+      }
+      if (stream) streaming_store_fence();
+    }
+  });
+  if (workers == 1) return;
+  auto add_others = [&](float* dst, int64_t size, int64_t offset) {
+    at::parallel_for(0, size, kEpilogueGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t w = 1; w < workers; ++w) {
+        const float* src = acc_rest + (w - 1) * (su + sv) + offset;
+        _Pragma("omp simd")
+        for (int64_t i = begin; i < end; ++i) dst[i] += src[i];
+      }
+    });
+  };
+  add_others(grad_u.data_ptr<float>(), su, 0);
+  if (low_rank) add_others(grad_v.data_ptr<float>(), sv, su);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor& x0, const at::Tensor& xl,
                                                                const at::Tensor& u, const at::Tensor& v,
                                                                const at::Tensor& bias) {
   GK_CHECK_CPU(x0);
   const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const int64_t B = x0.size(0), N = x0.size(1);
-  // Full rank, the forward keeps one multi-threaded addmm and the epilogue pass: per block it measured
+  // Full rank, the forward keeps one multi-threaded mm and the epilogue pass: per block it measured
   // 5-6 % slower (B = 4096, N = 512, 1 and 2 threads, quiet); low rank, per block is faster (p's
-  // product is the small one). Not the weight's repacking by every block's sgemm, as once thought:
+  // product is the small one). Again with the epilogue from an L2 scratch and z and out streamed
+  // (issue 26, branch cross10, 2026-12-07, one process, alternating rounds, busy host under
+  // SCHED_FIFO): fwd 9.50 ms per block vs 9.81 mm + streamed epilogue at 2 threads (load 6, within
+  // the noise), 18.58 vs 18.60 at 1 thread; not kept. Not the weight's repacking by every block's sgemm, as once thought:
   // packed once with MKL's packed-GEMM API (cblas_sgemm_pack / cblas_sgemm_compute, which libtorch_cpu
   // exports) and multiplied per block, the forward measured no faster (2 threads, quiet, one process,
   // 7 alternating rounds, 2026-12-06: fwd 8.99 ms packed per block, 9.06 unpacked per block, 8.51
@@ -630,6 +793,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
     auto p = at::empty({B, u.size(1)}, xl.options());
     if (B > 0) cross_layer_low_rank_fp32(x0, xl, u, v, bias, out, z, p);
     return {out, z, p};
+  }
+  if (x0.scalar_type() == at::kFloat) {
+    // One multi-threaded mm (no addmm: its broadcast copy of the bias into z is a pass over [B, N]
+    // of its own), then the bias added in place and out streamed, rows split between the threads.
+    at::Tensor z = at::mm(xl, u.t());
+    auto out = at::empty_like(xl);
+    if (out.numel() == 0) return {out, z, at::empty({0}, xl.options())};
+    const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *b = bias.data_ptr<float>();
+    float *zz = z.data_ptr<float>(), *o = out.data_ptr<float>();
+    const bool stream = can_stream_rows(N, {o});
+    at::parallel_for(0, B, std::max<int64_t>(1, kEpilogueGrain / std::max<int64_t>(N, 1)), [&](int64_t begin, int64_t end) {
+      cross_forward_rows(zz + begin * N, b, a + begin * N, r + begin * N, end - begin, N, false, stream,
+                         zz + begin * N, o + begin * N);
+    });
+    return {out, z, at::empty({0}, xl.options())};
   }
   at::Tensor p = low_rank ? at::mm(xl, v.t()) : at::empty({0}, xl.options());
   at::Tensor z = at::addmm(bias, low_rank ? p : xl, u.t());
@@ -655,12 +833,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
   GK_CHECK_CPU(x0);
   const bool low_rank = interaction_checks::cross_layer_backward(grad_out, x0, xl, u, v, z, p);
   const int64_t B = x0.size(0), N = x0.size(1);
-  auto grad_z = at::empty_like(x0);
   auto grad_x0 = at::empty_like(x0);
   if (x0.scalar_type() == at::kFloat) {
     const int64_t rows = cross_block_rows(B, N), blocks = std::max<int64_t>(1, (B + rows - 1) / rows);
     auto partial = at::zeros({blocks, 1, N}, x0.options());
     auto grad_xl = at::empty_like(x0);
+    if (B > 0 && cross_fuses_weight_grads(B, N, u.size(1), low_rank)) {
+      auto grad_u = at::empty_like(u);
+      auto grad_v = low_rank ? at::empty_like(v) : at::empty({0}, x0.options());
+      cross_layer_backward_fused(grad_out, x0, xl, u, v, z, p, low_rank, grad_x0, grad_xl, grad_u, grad_v, partial);
+      auto grad_bias = sum_chunk_partials(partial, 0, 1, N, /*flat=*/true, at::kFloat);
+      return {grad_x0, grad_xl, grad_u, grad_v, grad_bias};
+    }
+    auto grad_z = at::empty_like(x0);
     auto grad_p = low_rank ? at::empty({B, u.size(1)}, x0.options()) : at::empty({0}, x0.options());
     if (B > 0) cross_layer_backward_fp32(grad_out, x0, u, v, z, low_rank, grad_z, grad_p, grad_x0, grad_xl, partial);
     auto grad_bias = sum_chunk_partials(partial, 0, 1, N, /*flat=*/true, at::kFloat);
@@ -669,6 +854,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> cross_lay
     return {grad_x0, grad_xl, grad_u, grad_v, grad_bias};
   }
   // Column sums of grad_z over fixed row chunks (deterministic), in fp32.
+  auto grad_z = at::empty_like(x0);
   const int64_t chunks = sum_chunks(B);
   auto partial = at::zeros({chunks, N}, x0.options().dtype(at::kFloat));
   if (B > 0) {
