@@ -557,6 +557,10 @@ inline int64_t cross_block_rows(int64_t B, int64_t N) {
 // slower too), where the fwd+bwd row gained; its rounds run only forwards on 2 input sets, so its
 // data may stay in the L3, where a normal store hits a cached line (a guess: an in-process run with
 // 2 sets and eager's forward interleaved still put streams at 0.76-0.86x).
+// Small batches, whose outputs a cache could keep (N = 512, full rank and r = 64, through gk.cross_layer
+// with autograd and the output read after each call; variants alternated over 40 rounds, 2 threads,
+// SCHED_FIFO, busy host, 2026-12-07 06:20 UTC): B = 64 0.98-1.00x, B = 256 0.92-1.005x, B = 1024
+// 0.91-0.98x, B = 4096 0.72-0.95x streamed against normal stores: no loss at any size, so no threshold.
 inline bool can_stream_rows(int64_t N, std::initializer_list<const void*> bases) {
 #if defined(__AVX2__)
   if (N % 8 != 0) return false;
