@@ -284,6 +284,28 @@ def test_cross_layer_cpu_weight_grads_over_workers(shape):
         torch.set_num_threads(threads)
 
 
+@cpu_kernel_only
+def test_cross_layer_cpu_zero_width_prints_no_blas_error():
+    """N = 0 (low rank): the products have k = 0 and a zero leading dimension, which MKL refused with
+    "Intel oneMKL ERROR: Parameter 8 was incorrect" on stdout (results were right). In a subprocess, to
+    see what the BLAS prints."""
+    import subprocess
+    import sys
+    code = ("import torch, gem_kernels as gk\n"
+            "t = lambda *s: torch.randn(*s, requires_grad=True)\n"
+            "for rank in (3, None):\n"
+            "    x0, xl, b = t(4, 0), t(4, 0), t(0)\n"
+            "    w = (t(0, 3), t(3, 0)) if rank else t(0, 0)\n"
+            "    out = gk.cross_layer(x0, xl, w, b, backend='cpu')\n"
+            "    out.sum().backward()\n"
+            "    assert out.shape == (4, 0) and x0.grad.shape == (4, 0)\n"
+            "print('done')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "done" in run.stdout
+    assert "ERROR" not in run.stdout + run.stderr, run.stdout + run.stderr
+
+
 def _check_fm_compress(B, F, D, k, dtype, device, backend, vs_exact=False):
     x = randn_nonzero(B, F, D, dtype=dtype, device=device).requires_grad_(True)
     y = randn_nonzero(F, k, dtype=dtype, device=device).requires_grad_(True)

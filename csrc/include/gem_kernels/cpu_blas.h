@@ -3,6 +3,7 @@
 // each, as much as a small tile's product).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 // Fortran BLAS sgemm, exported by libtorch_cpu (MKL or OpenBLAS, whichever torch was built with).
@@ -22,7 +23,10 @@ inline void mm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
   const char ta = trans_b ? 'T' : 'N';
   const char tb = trans_a ? 'T' : 'N';
   const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
-  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  // BLAS wants every leading dimension >= max(1, its extent): an empty extent (k = 0: a zero-width
+  // operand, e.g. the low-rank cross layer at N = 0) gives ld 0, which MKL rejects with a printed error.
+  const int la = static_cast<int>(std::max<int64_t>(ldb, 1)), lb = static_cast<int>(std::max<int64_t>(lda, 1)),
+            lc = static_cast<int>(std::max<int64_t>(ldc, 1));
   sgemm_(&ta, &tb, &mi, &ni, &ki, &alpha, b, &la, a, &lb, &beta, c, &lc);
 }
 
