@@ -210,7 +210,10 @@
 // shared, two chains to overlap). Measured (1 thread, CPU time, native forward, alternating processes
 // of one build with a temporary switch that ran the heads one at a time, 19 rounds, 05:35-05:56 UTC,
 // load average 3-5.6): forward ratio median 0.917 (range 0.83-1.19, 15 of 19 below 1); medians of 13
-// rounds 1.69 -> 1.51 ms. The backward's rows in pairs the same way (backward_rows16<2>: s, P and dS
+// rounds 1.69 -> 1.51 ms; against main (b99dc98), 8 alternating rounds: forward ratio median 0.938
+// (0.84-1.05), 1.57 -> 1.49 ms, backward 1.012 (unchanged code: noise); at 2 threads (wall, under
+// the measuring lock and SCHED_FIFO, 3 rounds) the native forward 0.99 / 0.92 / 0.95
+// (bench/results/notes-short10.md). The backward's rows in pairs the same way (backward_rows16<2>: s, P and dS
 // tiles of both heads side by side, dk / dv by key_blocks16 after the pair; where dk and dv take key
 // blocks), predicted ~4 % (the row pass ~37 % of the backward): 13 rounds, backward ratio median 0.968
 // (0.74-1.20; min of mins 2.68 -> 2.74 ms), noise, not kept (a guess, not measured: two heads' s, P
