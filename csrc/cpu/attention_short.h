@@ -219,6 +219,9 @@
 // (0.74-1.20; min of mins 2.68 -> 2.74 ms), noise, not kept (a guess, not measured: two heads' s, P
 // and dS tiles, ~47 KB at L = 74, no longer fit the 48 KB L1 beside the buckets; and its four-row
 // groups already overlap the chains that pairing adds).
+// Measured and not kept (after the pairs, same method against the kept build, 8 rounds, load average
+// ~2.8): dot_nb always inlined (gcc leaves dot_nb<2> and <3> out of line: 8.7 % of the forward's
+// samples; predicted ~1.5 %, their calls' fixed part): forward ratio median 0.991 (0.92-1.05), noise.
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
 // hole; the other masks ask visible() per pair and take the tile loops). Needs AVX2 (the build's
