@@ -27,8 +27,9 @@
 //   rows per visible pair (~1/5 of the backward at the model's shape), four rows share one. On
 //   AVX-512F with D and Dv multiples of 16 they run by 16-key blocks instead (key_block16, below).
 // Where the CPU has AVX-512F (run-time check; GEM_KERNELS_NO_AVX512=1 keeps AVX2), the buckets take 8
-// pairs at a time (bucket_row8), the forward's weights and P V 16 lanes, four rows a group
-// (forward_rows16), and so do the backward's P and dS (time bias from registers), dq and the dk / dv
+// pairs at a time (bucket_row8), the forward's weights and P V 16 lanes, four rows a group, two heads at
+// once (forward_rows16<2>), and so do the backward's P and dS (one head at a time; time bias from
+// registers), dq and the dk / dv
 // products (backward_rows16, scatter_rows16, scatter_rows4_16); the scores and dP stay dot_blocks
 // (at D = Dv = 16, 16-key blocks: dot_key_block16, and dk / dv by key_block16; see below).
 // Measured and not kept: each of the forward's phases (scores, weights, P V) over all of a head's rows
@@ -193,6 +194,34 @@
 // per-round ratio median 0.975, 0.91-1.10), backward 2.84 -> 2.71 ms (0.965, 0.94-1.01);
 // GEM_KERNELS_NO_AVX512=1 (its code unchanged but the table's fill per call), 3 rounds: forward 0.98,
 // backward 1.03 (0.97-1.06): noise.//
+// Heads in pairs in the forward (helper short10, 2026-12-07): forward_rows16<2> runs the four-row
+// groups of two heads at once (H even; an odd last head alone, forward_rows16<1>): one span, lo / hi
+// and block-mask step per row for both heads, one load of a block's buckets feeding both heads'
+// vpermt2ps, the two heads' exp / divide chains in one loop; both heads' keys by one transpose of 2D
+// columns; the pos_bias window in two copies (ShortSeq::pos_window[h % 2]). Counted at the model's
+// call before it: a (pair, head) took ~3.1 ns (~8 cycles at the 2.6 GHz TSC; 1.5 ms for 480k) against
+// ~7 vector uops from its instructions (scores ~2.2 with 8-lane FMAs, weights ~1.4, P V 2, times
+// ~1.2 lanes a visible pair), ~1.8 cycles at 4 a cycle; per row and head that is ~210 cycles for ~25
+// visible pairs, so most of the time is per row, not per pair (a guess, not measured: this VM has no
+// PMU counters to count the loops' branch misses). perf shares of the forward's kernel samples then
+// (1 thread): forward_rows16 65 % (the scores and P V inlined; ~13 % of its samples on the multiply
+// after the divide), bucket_row8 10 %, dot_nb<2> / <3> 8.7 %, transposes 7 %, for_each_item 3 %,
+// ShortSeq::init 1.7 %, SeqMask::init 1.7 %. Predicted ~8-10 % of the forward (the per-row steps
+// shared, two chains to overlap). Measured (1 thread, CPU time, native forward, alternating processes
+// of one build with a temporary switch that ran the heads one at a time, 19 rounds, 05:35-05:56 UTC,
+// load average 3-5.6): forward ratio median 0.917 (range 0.83-1.19, 15 of 19 below 1); medians of 13
+// rounds 1.69 -> 1.51 ms; against main (b99dc98), 8 alternating rounds: forward ratio median 0.938
+// (0.84-1.05), 1.57 -> 1.49 ms, backward 1.012 (unchanged code: noise); at 2 threads (wall, under
+// the measuring lock and SCHED_FIFO, 3 rounds) the native forward 0.99 / 0.92 / 0.95
+// (bench/results/notes-short10.md). The backward's rows in pairs the same way (backward_rows16<2>: s, P and dS
+// tiles of both heads side by side, dk / dv by key_blocks16 after the pair; where dk and dv take key
+// blocks), predicted ~4 % (the row pass ~37 % of the backward): 13 rounds, backward ratio median 0.968
+// (0.74-1.20; min of mins 2.68 -> 2.74 ms), noise, not kept (a guess, not measured: two heads' s, P
+// and dS tiles, ~47 KB at L = 74, no longer fit the 48 KB L1 beside the buckets; and its four-row
+// groups already overlap the chains that pairing adds).
+// Measured and not kept (after the pairs, same method against the kept build, 8 rounds, load average
+// ~2.8): dot_nb always inlined (gcc leaves dot_nb<2> and <3> out of line: 8.7 % of the forward's
+// samples; predicted ~1.5 %, their calls' fixed part): forward ratio median 0.991 (0.92-1.05), noise.
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
 // hole; the other masks ask visible() per pair and take the tile loops). Needs AVX2 (the build's
@@ -386,7 +415,7 @@ GK_AVX512 void bucket_row8(const Params& p, int64_t ti, const int64_t* tk, int64
 struct ShortSeq {
   std::vector<RowSpan> spans;
   std::vector<int64_t> key_times;
-  std::vector<float> pos_window;  // one head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
+  std::vector<float> pos_window[2];  // a head's: pos[c - i + L - 1] = pos_bias[h, c - i + M - 1]; 0 past 2L - 2
   std::vector<float> hist;        // the backward's time-bias gradient: 4 copies (H = 2: 8 copies of pairs)
 
   // wide_buckets: bucket_row8 (AVX-512F), else table_bucket4. The forward takes bucket_row8 (with its
@@ -470,12 +499,14 @@ struct ShortSeq {
   const float* pos_of(const Params& p, int64_t L, int64_t h) {
     if (p.pos_bias == nullptr) return nullptr;
     if (round8(L) <= p.M) return p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
+    // Two windows: the forward's head pairs hold both at once (head h's in window h % 2).
+    std::vector<float>& w = pos_window[p.pos_heads == 1 ? 0 : h & 1];
     if (h == 0 || p.pos_heads > 1) {
-      pos_window.assign(round8(L) + L, 0.0f);
+      w.assign(round8(L) + L, 0.0f);
       const float* src = p.pos_bias + (p.pos_heads == 1 ? 0 : h) * (2 * p.M - 1) + (p.M - L);
-      std::copy(src, src + 2 * L - 1, pos_window.begin());
+      std::copy(src, src + 2 * L - 1, w.begin());
     }
-    return pos_window.data();
+    return w.data();
   }
 };
 thread_local ShortSeq short_seq;
@@ -621,43 +652,73 @@ struct HeadRows {
   float scale, inv_m;
 };
 
-// The forward of rows [i0, i0 + n) (n <= 4) of one head: each phase (scores, weights, P V) over the
-// group's rows before the next, so that the rows' exp and divide chains overlap (a model row is ~2
-// blocks of 16: one row's chain alone is latency-bound). Row k's scores and weights in s + k * Lp;
-// dst[k] its out row, zeroed by the caller.
-GK_AVX512 void forward_rows16(const HeadRows& h, const RowSpan* spans, int64_t i0, int64_t n, float* s,
+// The forward of rows [i0, i0 + n) (n <= 4) of NH heads (1, or 2: a pair of heads): each phase (scores,
+// weights, P V) over the group's rows before the next, so that the rows' exp and divide chains overlap
+// (a model row is ~2 blocks of 16: one row's chain alone is latency-bound). Head hh's row k: scores and
+// weights in s + (hh * 4 + k) * Lp, out row dst[hh * 4 + k], zeroed by the caller. The heads share
+// their rows' spans, block loops and bucket loads (NH = 2: see the header).
+template <int NH>
+GK_AVX512 void forward_rows16(const HeadRows* hr, const RowSpan* spans, int64_t i0, int64_t n, float* s,
                               float* const* dst) {
+  const HeadRows& h = hr[0];  // L, Lp, D, Dv, bucket, scale, inv_m and time_entries: every head's
   int64_t lo[4], hi[4];
   for (int64_t k = 0; k < n; ++k) {
     const RowSpan& span = spans[i0 + k];
     const bool any = span.end > span.begin;
     lo[k] = any ? span.begin & ~int64_t{7} : 0;
     hi[k] = any ? round8(span.end) : 0;
-    dot_blocks(h.q0 + (i0 + k) * h.qs, h.D, h.kt, h.Lp, lo[k] / 8, hi[k] / 8, s + k * h.Lp);
+    for (int hh = 0; hh < NH; ++hh)
+      dot_blocks(hr[hh].q0 + (i0 + k) * h.qs, h.D, hr[hh].kt, h.Lp, lo[k] / 8, hi[k] / 8, s + (hh * 4 + k) * h.Lp);
   }
   const __m512 vscale = _mm512_set1_ps(h.scale), one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(h.inv_m);
-  const TimeRegs tr = time_regs(h.time, h.time_entries);
+  TimeRegs tr[NH];
+  for (int hh = 0; hh < NH; ++hh) tr[hh] = time_regs(hr[hh].time, h.time_entries);
   for (int64_t k = 0; k < n; ++k) {
     const int64_t i = i0 + k;
-    const float* pos = h.pos != nullptr ? h.pos + (h.L - 1 - i) : nullptr;
-    float* row = s + k * h.Lp;
+    const int32_t* bucket = h.bucket + i * h.Lp;
     for (int64_t c = lo[k]; c < hi[k]; c += 16) {
       const __mmask16 m = block_mask(c, hi[k]);
-      const __m512 x = biased16(vscale, pos, h.time, tr, h.bucket + i * h.Lp, row, c, m);
-      const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      store_block(row + c, m, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), vm));
+      if (NH == 1 || tr[0].regs == 0) {
+        for (int hh = 0; hh < NH; ++hh) {
+          const float* pos = hr[hh].pos != nullptr ? hr[hh].pos + (h.L - 1 - i) : nullptr;
+          float* row = s + (hh * 4 + k) * h.Lp;
+          const __m512 x = biased16(vscale, pos, hr[hh].time, tr[hh], bucket, row, c, m);
+          const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          store_block(row + c, m, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), vm));
+        }
+        continue;
+      }
+      // biased16's steps for both heads, one load of the block's buckets (time tables in registers).
+      const __m512i idx = _mm512_castps_si512(load_block(reinterpret_cast<const float*>(bucket + c), m));
+      __m512 x[NH];
+      for (int hh = 0; hh < NH; ++hh) {
+        x[hh] = _mm512_mul_ps(load_block(s + (hh * 4 + k) * h.Lp + c, m), vscale);
+        if (hr[hh].pos != nullptr) x[hh] = _mm512_add_ps(x[hh], load_block(hr[hh].pos + (h.L - 1 - i) + c, m));
+        __m512 t = _mm512_permutex2var_ps(tr[hh].t[0], idx, tr[hh].t[1]);
+        if (tr[hh].regs == 4)
+          t = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), t,
+                                   _mm512_permutex2var_ps(tr[hh].t[2], idx, tr[hh].t[3]));
+        x[hh] = _mm512_add_ps(x[hh], t);
+      }
+      for (int hh = 0; hh < NH; ++hh) {
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x[hh]));
+        store_block(s + (hh * 4 + k) * h.Lp + c, m, _mm512_mul_ps(_mm512_div_ps(x[hh], _mm512_add_ps(one, e)), vm));
+      }
     }
   }
   for (int64_t k = 0; k < n; ++k) {
     if (lo[k] >= hi[k]) continue;
     const Runs r = runs_of(spans[i0 + k]);  // whole blocks: the columns outside the runs are never read
-    const float* w = s + k * h.Lp;
-    if (h.Dv % 16 == 0) {
-      gather_rows16(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
-      if (r.b0 < r.b1) gather_rows16(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
-    } else {
-      gather_rows(w, h.v0, h.vs, r.a0, r.a1, h.Dv, dst[k]);
-      gather_rows(w, h.v0, h.vs, r.b0, r.b1, h.Dv, dst[k]);
+    for (int hh = 0; hh < NH; ++hh) {
+      const float* w = s + (hh * 4 + k) * h.Lp;
+      float* o = dst[hh * 4 + k];
+      if (h.Dv % 16 == 0) {
+        gather_rows16(w, hr[hh].v0, h.vs, r.a0, r.a1, h.Dv, o);
+        if (r.b0 < r.b1) gather_rows16(w, hr[hh].v0, h.vs, r.b0, r.b1, h.Dv, o);
+      } else {
+        gather_rows(w, hr[hh].v0, h.vs, r.a0, r.a1, h.Dv, o);
+        gather_rows(w, hr[hh].v0, h.vs, r.b0, r.b1, h.Dv, o);
+      }
     }
   }
 }
@@ -671,28 +732,46 @@ void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, fl
   const bool wide = cpu_has_avx512f();
   ShortSeq& sq = short_seq;
   sq.init(p, seq, ws, wide);
+  float* s = ws.s.data();  // one row's scores and weights (four rows' of one or two heads on 16 lanes)
+  const float* time0 = p.time_bias;
+  const int64_t nt = p.num_buckets + 1;
+  auto time_of = [&](int64_t h) { return time0 != nullptr ? time0 + (p.time_heads == 1 ? 0 : h) * nt : nullptr; };
+  if (wide) {
+    // Heads in pairs (forward_rows16<2>), a last odd head alone; both heads' keys by one transpose (head
+    // h + 1's columns follow head h's in a k row: rows [0, D) of the copy are head h's, [D, 2D) h + 1's).
+    ws.k_rows.resize(2 * D * Lp);
+    for (int64_t h = 0, nh = 1; h < H; h += nh) {
+      nh = h + 1 < H ? 2 : 1;
+      transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, nh * D, ws.k_rows.data());
+      HeadRows rows[2];
+      for (int hh = 0; hh < nh; ++hh)
+        rows[hh] = HeadRows{in.q.const_data_ptr<float>() + (seq.start * H + h + hh) * D,
+                            in.v.const_data_ptr<float>() + (seq.start * H + h + hh) * Dv, ws.k_rows.data() + hh * D * Lp,
+                            sq.pos_of(p, L, h + hh), time_of(h + hh), ws.bucket.data(), qs, vs, D, Dv, L, Lp, nt, p.scale,
+                            inv_m};
+      for (int64_t i0 = 0; i0 < L; i0 += 4) {
+        const int64_t n = std::min<int64_t>(4, L - i0);
+        float* dst[8];
+        for (int hh = 0; hh < nh; ++hh)
+          for (int64_t k = 0; k < n; ++k) {
+            dst[hh * 4 + k] = op + ((seq.start + i0 + k) * H + h + hh) * Dv;
+            zero_row8(dst[hh * 4 + k], Dv);
+          }
+        if (nh == 2)
+          forward_rows16<2>(rows, sq.spans.data(), i0, n, s, dst);
+        else
+          forward_rows16<1>(rows, sq.spans.data(), i0, n, s, dst);
+      }
+    }
+    return;
+  }
   ws.k_rows.resize(D * Lp);
-  float* s = ws.s.data();  // one row's scores and weights (four rows' on 16 lanes)
   for (int64_t h = 0; h < H; ++h) {
     const float* q0 = in.q.const_data_ptr<float>() + (seq.start * H + h) * D;
     const float* v0 = in.v.const_data_ptr<float>() + (seq.start * H + h) * Dv;
     transpose_rows(in.k.const_data_ptr<float>() + (seq.start * H + h) * D, qs, L, D, ws.k_rows.data());
     const float* pos = sq.pos_of(p, L, h);
-    const float* time = p.time_bias != nullptr ? p.time_bias + (p.time_heads == 1 ? 0 : h) * (p.num_buckets + 1) : nullptr;
-    if (wide) {
-      const HeadRows rows{q0, v0, ws.k_rows.data(), pos, time, ws.bucket.data(), qs, vs, D, Dv, L, Lp,
-                          p.num_buckets + 1, p.scale, inv_m};
-      for (int64_t i0 = 0; i0 < L; i0 += 4) {
-        const int64_t n = std::min<int64_t>(4, L - i0);
-        float* dst[4];
-        for (int64_t k = 0; k < n; ++k) {
-          dst[k] = op + ((seq.start + i0 + k) * H + h) * Dv;
-          zero_row8(dst[k], Dv);
-        }
-        forward_rows16(rows, sq.spans.data(), i0, n, s, dst);
-      }
-      continue;
-    }
+    const float* time = time_of(h);
     for (int64_t i = 0; i < L; ++i) {
       float* dst = op + ((seq.start + i) * H + h) * Dv;
       zero_row8(dst, Dv);
