@@ -29,11 +29,12 @@ medians of the paired differences): 2 threads -1.18 ms of 30.8 (ratio 0.96) and 
 thread -1.02 ms of 48.9. Per call on tiny tensors the saving is only ~5-7 us (16.7 -> 11.7 us without
 grad, 23.2 -> 16.1 with), so most of it is not the Python the path skips but what that path costs the
 kernels around it (a guess: instruction-cache and branch-predictor state; not measured).
-Everything else keeps the dispatcher path, so the op is still one graph node to torch.compile,
-export, FakeTensor, functionalization, vmap, fx and opcheck: a call while compiling, jit tracing, under a TorchDispatchMode or TorchFunctionMode, inside a functorch transform,
-under autocast, below autograd, with keyword arguments or a missing argument, with any argument that is
-not a plain tensor, number, bool, string or None (a subclass, a Proxy, a SymInt), on a tensor that is
-not a strided CPU/CUDA one, or needing a gradient from an op without a formula. Ops with a
+Everything else keeps the dispatcher path, so the op is still one graph node to torch.compile, export,
+FakeTensor, functionalization, vmap, fx and opcheck: a call while compiling, jit tracing, under a
+TorchDispatchMode or TorchFunctionMode, inside a functorch transform, under autocast, below autograd,
+with keyword arguments or a missing argument, with any argument that is not a plain tensor, number,
+bool, string or None (a subclass, a Proxy, a SymInt), on a tensor that is not a strided CPU/CUDA one, or
+needing a gradient from an op without a formula. Ops with a
 device-specific kernel and the schemas ``_lean_ok`` refuses keep the dispatcher path always. An op
 that mutates an argument (the fused embedding-bag backward's in-place optimizer step, the hashed
 tables' remap) takes the fast path too: its natives declare the mutation in their schemas (Tensor(a!))
