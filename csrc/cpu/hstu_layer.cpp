@@ -104,6 +104,31 @@
 //     from them, no z block): 0.97-1.01x of sgemm + uvqk_split_rows (3 runs), its tile's samples 1.05x
 //     theirs in one profile.
 //
+// Output backward's bias gradient (2026-12-07, helper uvqk11): g's column sums are row k of the chunk's
+// dW partial (summed with it in chunk order in fp64 by sum_partials), in place of ATen's g.sum(0) over
+// all N rows before the kernel (a second read of g, single-threaded in ATen: 0.08-0.09 ms alone at the
+// small model's shape at 1 and at 2 threads). On AVX-512F at dim 32 (where the rows run the dc GEMM)
+// the sums ride in output_bwd_rows, one add per vector a row from g's row in L1; else column_sums over
+// the block's g rows after the dW GEMM. Predicted: -0.08 ms of ~0.84 (0.91x). Measured at the small
+// model's shape (scripts like hstu_layer_pieces' output bwd piece, L2 flushed between calls, busy shared
+// host, load ~2.5-3.5, 2026-12-07 08:20-08:40 UTC), against main's order reproduced in one process
+// (g.sum(0), then this kernel without the bias: the same code as main's, 6 runs of 80 interleaved calls):
+// 1 thread, thread CPU time: 0.936-0.955x (median ~0.945); 2 threads, wall, SCHED_FIFO under the
+// measuring lock: 0.89-0.93x (median 0.92, 0.48 -> 0.44 ms). Against main's build in alternating
+// processes (ABBA): 2 threads, wall, 12 pairs: 0.938x (0.889-1.027; the unchanged ops in the same
+// processes 0.996-1.024x); 1 thread, CPU time, 10 pairs: 0.947x (0.816-1.039; unchanged ops 0.99-1.05x).
+// Under the prediction: main's g.sum(0) also brought g into L2 for the kernel's dW GEMM (its net cost in
+// the op was ~0.045 ms, not its 0.085 alone), and the sums cost something: the separate column_sums pass
+// ~0.02 ms (~5 cycles a row re-reading the block's g from L2), the rows' one ~0.01. Measured and not
+// kept: column_sums on the AVX-512 path too (no sums in the rows): the op 1.02-1.09x (median 1.05; 8
+// runs of 80 interleaved calls, one process, an environment switch whose two os.environ writes a call
+// were timed with it) the time of the rows' sums.
+// Per-row time of the four ops does not depend on N (1 thread, no flush, 1024 to 34816 rows: uvqk
+// forward 96-110 ns, backward 210-236 ns a row): compute-bound, as the output rows above. At 2 threads
+// the output backward scales worst: 1.65x (8704 rows) and 1.77x (34816) its 1-thread wall time, against
+// 1.83-1.97x for the other three (SCHED_FIFO, locked); in perf samples its row pass grows ~12 % against
+// its sgemm at 2 threads; the cause is not found (no PMU counters on this VM).
+//
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
 //     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
