@@ -483,7 +483,7 @@ struct OutputRows {
   int64_t dim;
   const float* w;      // forward: [width, 32] or null: the output weight where the rows run the GEMM
   float* gsum;         // backward: [32] or null: where wt, g's column sums over the rows (the output bias's
-                       // gradient), written (gsum_first) or added
+                       // gradient), written (gsum_first) or added (never today: at K = 32 a chunk is one block)
   bool gsum_first;
 };
 
@@ -1145,7 +1145,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const int64_t chunks = ch.count;
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
   // Per chunk: dW = c^T @ g over its rows (fp32), with the output bias, g's column sums (fp32) as row k
-  // (in place of a g.sum(0) pass over all N rows after the kernel); and the norm-weight partials in
+  // (in place of a g.sum(0) pass over all N rows before the kernel); and the norm-weight partials in
   // fp64 (see the uvqk backward), per element even with group_norm (weight per head): the heads' sums
   // over Lh are taken at the end.
   const int64_t dw_rows = k + (has_output_bias ? 1 : 0);
@@ -1234,7 +1234,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
         }
         mm(true, false, k, dim, rows, 1.0f, c.data(), k, gp + r0 * dim, dim, r0 == chunk_begin ? 0.0f : 1.0f,
            dw_chunk, dim);
-        if (has_output_bias && !dc_gemm) column_sums(gp + r0 * dim, rows, dim, r0 == chunk_begin, dw_chunk + k * dim);
+        if (has_output_bias && !dc_gemm)
+          column_sums(gp + r0 * dim, rows, dim, r0 == chunk_begin, dw_chunk + k * dim);
       }
     }
   });
