@@ -104,6 +104,31 @@
 //     from them, no z block): 0.97-1.01x of sgemm + uvqk_split_rows (3 runs), its tile's samples 1.05x
 //     theirs in one profile.
 //
+// Output backward's bias gradient (2026-12-07, helper uvqk11): g's column sums are row k of the chunk's
+// dW partial (summed with it in chunk order in fp64 by sum_partials), in place of ATen's g.sum(0) over
+// all N rows before the kernel (a second read of g, single-threaded in ATen: 0.08-0.09 ms alone at the
+// small model's shape at 1 and at 2 threads). On AVX-512F at dim 32 (where the rows run the dc GEMM)
+// the sums ride in output_bwd_rows, one add per vector a row from g's row in L1; else column_sums over
+// the block's g rows after the dW GEMM. Predicted: -0.08 ms of ~0.84 (0.91x). Measured at the small
+// model's shape (scripts like hstu_layer_pieces' output bwd piece, L2 flushed between calls, busy shared
+// host, load ~2.5-3.5, 2026-12-07 08:20-08:40 UTC), against main's order reproduced in one process
+// (g.sum(0), then this kernel without the bias: the same code as main's, 6 runs of 80 interleaved calls):
+// 1 thread, thread CPU time: 0.936-0.955x (median ~0.945); 2 threads, wall, SCHED_FIFO under the
+// measuring lock: 0.89-0.93x (median 0.92, 0.48 -> 0.44 ms). Against main's build in alternating
+// processes (ABBA): 2 threads, wall, 12 pairs: 0.938x (0.889-1.027; the unchanged ops in the same
+// processes 0.996-1.024x); 1 thread, CPU time, 10 pairs: 0.947x (0.816-1.039; unchanged ops 0.99-1.05x).
+// Under the prediction: main's g.sum(0) also brought g into L2 for the kernel's dW GEMM (its net cost in
+// the op was ~0.045 ms, not its 0.085 alone), and the sums cost something: the separate column_sums pass
+// ~0.02 ms (~5 cycles a row re-reading the block's g from L2), the rows' one ~0.01. Measured and not
+// kept: column_sums on the AVX-512 path too (no sums in the rows): the op 1.02-1.09x (median 1.05; 8
+// runs of 80 interleaved calls, one process, an environment switch whose two os.environ writes a call
+// were timed with it) the time of the rows' sums.
+// Per-row time of the four ops does not depend on N (1 thread, no flush, 1024 to 34816 rows: uvqk
+// forward 96-110 ns, backward 210-236 ns a row): compute-bound, as the output rows above. At 2 threads
+// the output backward scales worst: 1.65x (8704 rows) and 1.77x (34816) its 1-thread wall time, against
+// 1.83-1.97x for the other three (SCHED_FIFO, locked); in perf samples its row pass grows ~12 % against
+// its sgemm at 2 threads; the cause is not found (no PMU counters on this VM).
+//
 //   uvqk forward: xa = [LayerNorm(x) | 1] (per row) -> z = xa @ [W; b] (one GEMM per block) -> z split
 //     into the four output tensors, SiLU on v, q, k when silu_qkv (the HSTU paper's form; STULayer
 //     applies SiLU to u only, and u's SiLU is applied by the output half's prologue, so the forward
@@ -457,6 +482,9 @@ struct OutputRows {
   float* out;          // forward: [rows, dim]
   int64_t dim;
   const float* w;      // forward: [width, 32] or null: the output weight where the rows run the GEMM
+  float* gsum;         // backward: [32] or null: where wt, g's column sums over the rows (the output bias's
+                       // gradient), written (gsum_first) or added (never today: at K = 32 a chunk is one block)
+  bool gsum_first;
 };
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -849,6 +877,41 @@ void sum_partials(const float* partials, int64_t parts, int64_t size, float* out
   });
 }
 
+// acc[0, dim) = (first) or += (else) the column sums of g's rows [rows, dim]: the output bias's gradient,
+// a chunk's partial beside its dW partial, summed per block while the block's g rows are in cache (the
+// dW GEMM just read them). Even and odd rows in two sets of accumulators (two add chains per vector).
+template <int kNV>
+void column_sums_block(const float* g, int64_t rows, int64_t dim, int64_t j0, bool first, float* acc) {
+  Vec even[kNV], odd[kNV];
+  for (int v = 0; v < kNV; ++v) even[v] = odd[v] = Vec(0.0f);
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2)
+    for (int v = 0; v < kNV; ++v) {
+      even[v] = even[v] + Vec::loadu(g + r * dim + j0 + v * Vec::size());
+      odd[v] = odd[v] + Vec::loadu(g + (r + 1) * dim + j0 + v * Vec::size());
+    }
+  if (r < rows)
+    for (int v = 0; v < kNV; ++v) even[v] = even[v] + Vec::loadu(g + r * dim + j0 + v * Vec::size());
+  for (int v = 0; v < kNV; ++v) {
+    float* a = acc + j0 + v * Vec::size();
+    const Vec sum = even[v] + odd[v];
+    (first ? sum : sum + Vec::loadu(a)).store(a);
+  }
+}
+
+void column_sums(const float* g, int64_t rows, int64_t dim, bool first, float* acc) {
+  constexpr int64_t kV = Vec::size();
+  const int64_t nv = dim - dim % kV;
+  int64_t j0 = 0;
+  for (; j0 + 4 * kV <= nv; j0 += 4 * kV) column_sums_block<4>(g, rows, dim, j0, first, acc);
+  for (; j0 < nv; j0 += kV) column_sums_block<1>(g, rows, dim, j0, first, acc);
+  for (int64_t j = nv; j < dim; ++j) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) sum += g[r * dim + j];
+    acc[j] = first ? sum : acc[j] + sum;
+  }
+}
+
 // Per-chunk fp64 partial sums [chunks, 2 * width] reduced in chunk order -> two separate fp32 [width]
 // tensors (an op's outputs may not share storage).
 std::pair<Tensor, Tensor> reduce_partials(const Tensor& partials, int64_t width) {
@@ -1080,12 +1143,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const float* wp = w.data_ptr<float>();
   const Chunking ch = chunking(n, k);
   const int64_t chunks = ch.count;
-  Tensor dob = has_output_bias ? g.sum(0).to(output_weight.scalar_type()) : at::empty({0}, opts);
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
-  // Per chunk: dW = c^T @ g over its rows (fp32), and the norm-weight partials in fp64 (see the uvqk
-  // backward), per element even with group_norm (weight per head): the heads' sums over Lh are taken
-  // at the end.
-  Tensor dw_partials = at::empty({chunks, k, w.size(1)}, opts);
+  // Per chunk: dW = c^T @ g over its rows (fp32), with the output bias, g's column sums (fp32) as row k
+  // (in place of a g.sum(0) pass over all N rows before the kernel); and the norm-weight partials in
+  // fp64 (see the uvqk backward), per element even with group_norm (weight per head): the heads' sums
+  // over Lh are taken at the end.
+  const int64_t dw_rows = k + (has_output_bias ? 1 : 0);
+  Tensor dw_partials = at::empty({chunks, dw_rows, w.size(1)}, opts);
   Tensor partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * width}, opts.dtype(at::kDouble));
   float* dwp = dw_partials.data_ptr<float>();
   float* dap = dattn.data_ptr<float>();
@@ -1108,7 +1172,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
     std::vector<float> silu_buf(2 * ch.block * width), c(ch.block * k), dc(ch.block * k);
     std::vector<double> norm_scratch(2 * gs);
     for (int64_t c0, c1; claim(c0, c1);) {
-      float* dw_chunk = dwp + c0 * k * dim;
+      float* dw_chunk = dwp + c0 * dw_rows * dim;
       double* dnw = pp + c0 * 2 * width;
       double* dnb = dnw + width;
       const int64_t chunk_begin = ch.begin(c0);
@@ -1138,6 +1202,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
           rp.dnb = dnb;
           rp.g = gp + r0 * dim;
           rp.wt = dc_gemm ? wt.data_ptr<float>() : nullptr;
+          rp.gsum = dc_gemm && has_output_bias ? dw_chunk + k * dim : nullptr;
+          rp.gsum_first = r0 == chunk_begin;
           output_bwd_rows(rows_kind, rp, rows);
         }
         for (int64_t i = 0; i < rows && rows_kind == 0; ++i) {
@@ -1168,12 +1234,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
         }
         mm(true, false, k, dim, rows, 1.0f, c.data(), k, gp + r0 * dim, dim, r0 == chunk_begin ? 0.0f : 1.0f,
            dw_chunk, dim);
+        if (has_output_bias && !dc_gemm)
+          column_sums(gp + r0 * dim, rows, dim, r0 == chunk_begin, dw_chunk + k * dim);
       }
     }
   });
   // Chunk partials summed in chunk order, in fp64 (zeros when there are none).
-  const Tensor dw = at::empty({k, dim}, opts);
-  sum_partials(dwp, chunks, k * dim, dw.data_ptr<float>());
+  const Tensor dwb = at::empty({dw_rows, dim}, opts);
+  sum_partials(dwp, chunks, dw_rows * dim, dwb.data_ptr<float>());
+  const Tensor dw = dwb.narrow(0, 0, k);
+  const Tensor dob =
+      has_output_bias ? dwb.select(0, k).clone().to(output_weight.scalar_type()) : at::empty({0}, opts);
   const Tensor per_element = group_norm ? partials.view({partials.size(0), 2 * groups, gs}).sum(2) : partials;
   auto [dnw, dnb] = reduce_partials(per_element, nw.numel());
   return {dattn.to(attn_in.scalar_type()), du.to(u_in.scalar_type()), dnw.to(norm_weight.scalar_type()),
