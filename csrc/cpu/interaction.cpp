@@ -163,6 +163,9 @@
 // - one sample ahead in the mix forward: 0.83-0.92x at F = 16 but 1.03-1.06x at F = 10 (a guess: its
 //   last parts then come too late); whole-sample bursts in the mix backward, one ahead: 1.03-1.08x (as
 //   wk8 found).
+// - RowsAhead three or four samples ahead instead of two: mix bwd 1.01-1.05x, mix fwd 1.02-1.05x; the
+//   mix backward's parts spread over its grad_X row blocks too (O + F parts, not O): 0.96-1.00x at 2
+//   threads (within the rounds' spread), 0.93-0.96x at 1 (two in-process runs, 6 and 10 rounds).
 // - the mix backward's grad_X = M^T grad_S in 8-row blocks on 16 lanes (16 zmm accumulators, the S and
 //   LayerNorm part left at 4 rows: the spills that sank the 8-row blocks above were there): warm
 //   1-thread CPU 0.96-0.97x, cold 2-thread 1.00x (F = 16) and 1.05x (F = 10): within the noise.
