@@ -125,6 +125,52 @@
 //   --steps 30` at 1 thread 50.58 / 51.05 / 50.13 ms against 50.68 / 53.37 / 51.27 (0.99x).
 // - recomputing the products in the fm_compress backward (save_products=False), cold: fwd+bwd F = 16
 //   1110 us against 1073 saved, F = 10 698 against 674 (the products still pay at the model's call).
+//
+// Against the roofs at the model's call (issue 26, branch wukong11, 2026-12-07 08:00-08:40 UTC, the same
+// 2-vCPU Xeon, 2 threads, SCHED_FIFO under the measuring lock, host load 2.5-3.6 from other sessions;
+// `scripts/wukong_model_ops.py --cold 32`, alternating processes, main's build against this one; the
+// bench's 2-thread copy peak 24.9 GB/s, the issue's matmul roof 0.439 TFLOP/s). Minimum bytes (fp32,
+// inputs read and outputs written once) F = 10 / 16: fm fwd 3.4 / 4.7 MB, fm bwd 4.9 / 7.1, mix fwd
+// 5.2 / 6.1, mix bwd 7.8 / 9.6; at 24.9 GB/s 136 / 190, 195 / 284, 207 / 243, 314 / 385 us, against
+// main's 99 / 157, 176 / 296, 151 / 205, 368 / 485 us: main's mix backward ran at 79-85 % of the copy
+// rate for its bytes, the other three at 96-137 % (past it where the rotating inputs still sit in the
+// 480 MiB L3), all at 18-31 % of the matmul roof. At this call their time follows their bytes and how
+// early those arrive, not their FMAs (an FMA-side change, below, did not move it). In the training
+// step itself each call costs 1.15-1.6x more (torch.profiler self time, 2 threads, per step: mix fwd
+// ~0.6 ms, mix bwd ~1.0, fm fwd ~0.37, fm bwd ~0.64) in main and this branch alike; an isolated mix
+// fwd call preceded by a 1152 x 512 x 512 MKL matmul reads 1.2-1.35x its back-to-back time: the
+// caches the step's other ops leave behind.
+// Kept: both feature_mix_norm kernels ask for sample b + 2's X, fm (and grad_out) a part per row block
+// (RowsAhead, kSpreadAhead) instead of main's burst of sample b + 1's rows at the sample's start
+// (forward) or no prefetch (backward). Outputs and gradients have the same bits as main's (both vector
+// paths, 1 and 2 threads, fp32/bf16/fp16). Cold, 2 runs of 3-4 alternating rounds, 2-thread wall
+// medians (1-thread CPU): mix bwd 0.87-0.90x (0.83-0.87x) at F = 10 and 0.85x (0.82-0.86x) at F = 16,
+// mix fwd 0.93x (0.91-0.93x) and 0.84-0.91x (0.83-0.89x); each call after a cache-evicting matmul (2 x
+// 3 rounds): mix bwd 0.88-0.94x / 0.91-0.93x, mix fwd 0.89-0.96x / 0.84-0.89x; warm (inputs in cache)
+// 0.92-1.01x. AVX2 path (GEM_KERNELS_NO_AVX512=1, 3 rounds): mix bwd 0.88-0.90x / 0.77-0.85x; its mix
+// forward (2-row blocks) keeps main's burst: spread there read 1.04x at F = 10, 0.94x at F = 16.
+// In the profiled step (9 alternating runs each) mix bwd 1.00 -> 0.97 ms median (runs 0.94-1.09 vs
+// 0.84-1.03), mix fwd unresolved (0.51-0.71 in both): ~0.1 ms a step at best. Not measured on AMD.
+// Measured and not kept (wukong11; in-process A/B = one process alternating the variants round by round
+// on the same 32 input sets through a temporary switch, 6 rounds):
+// - the same spread prefetch (X and grad_out two samples ahead, over grad_X's row blocks) in the
+//   fm_compress backward: in-process cold 0.92x at F = 16, 0.96-1.00x at F = 10; alternating processes
+//   0.97x / 0.96x (within the spread); after a cache-evicting matmul 1.00x / 0.98x. One sample ahead,
+//   spread or in two halves (after the LayerNorm backward and after grad_X), read the same at F = 16
+//   and 1.00-1.04x at F = 10.
+// - spread prefetch in the fm_compress forward (X over the S rows): one ahead 1.05-1.17x slower, two
+//   ahead 0.98-1.04x: main's burst of the next sample's X stays.
+// - one sample ahead in the mix forward: 0.83-0.92x at F = 16 but 1.03-1.06x at F = 10 (a guess: its
+//   last parts then come too late); whole-sample bursts in the mix backward, one ahead: 1.03-1.08x (as
+//   wk8 found).
+// - RowsAhead three or four samples ahead instead of two: mix bwd 1.01-1.05x, mix fwd 1.02-1.05x; the
+//   mix backward's parts spread over its grad_X row blocks too (O + F parts, not O): 0.96-1.00x at 2
+//   threads (within the rounds' spread), 0.93-0.96x at 1 (two in-process runs, 6 and 10 rounds).
+// - the mix backward's grad_X = M^T grad_S in 8-row blocks on 16 lanes (16 zmm accumulators, the S and
+//   LayerNorm part left at 4 rows: the spills that sank the 8-row blocks above were there): warm
+//   1-thread CPU 0.96-0.97x, cold 2-thread 1.00x (F = 16) and 1.05x (F = 10): within the noise.
+// - save_products=False at 2 threads, cold: the fm forward no faster for 1.5-1.8 MB less written
+//   (1.01-1.03x), the backward 1.13-1.19x slower at F = 10 and 0.97-1.07x at F = 16.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -267,6 +313,37 @@ inline void prefetch_rows(const T* p, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(p);
   for (int64_t i = 0; i < count * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, 2);
 }
+
+// A later sample's rows (up to three byte ranges: X, grad_out, fm) asked for a part at a time, spread
+// over this sample's register blocks instead of in one burst at its start: `part(i0, i1, n)` asks
+// for the lines [i0 / n, i1 / n) of every range (prefetcht1, as prefetch_rows). A D = 32 sample's
+// rows are 40-70 lines; where the fm_compress backward issues them in one burst, a cpu-clock profile
+// (cold inputs, F = 16) put 16 % of its samples on the prefetch instructions themselves (the likely
+// cause, not measurable in this VM without a PMU: each miss holds a line fill buffer). Whole-sample
+// bursts never paid in the feature_mix_norm backward (header); the same lines spread over the
+// sample's row blocks, two samples ahead (kSpreadAhead), do (header, wukong11).
+struct RowsAhead {
+  const char* p[3] = {};
+  int64_t lines[3] = {};
+  template <typename T>
+  void add(const T* rows, int64_t count) {
+    for (int i = 0; i < 3; ++i)
+      if (!p[i]) {
+        p[i] = reinterpret_cast<const char*>(rows);
+        lines[i] = (count * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+        return;
+      }
+  }
+  void part(int64_t i0, int64_t i1, int64_t n) const {
+    for (int r = 0; r < 3 && p[r]; ++r)
+      for (int64_t l = lines[r] * i0 / n, e = lines[r] * i1 / n; l < e; ++l) __builtin_prefetch(p[r] + 64 * l, 0, 2);
+  }
+};
+
+// How many samples ahead RowsAhead asks: 1 ahead read the same as 2 in the feature_mix_norm backward
+// but 1.03-1.06x slower than main's burst in its forward at F = 10, where 2 ahead read 0.95x
+// (in-process A/B, header).
+constexpr int64_t kSpreadAhead = 2;
 
 template <typename scalar_t>
 void store_rows(const float* src, int64_t rows, int64_t cols, int64_t ld, scalar_t* dst) {
@@ -1610,23 +1687,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> feature_mix_norm_cpu(const at::Te
 #endif
       for (int64_t begin, end; claim(begin, end);)
       for (int64_t b = begin; b < end; ++b) {
-        if (b + 1 < end) {
-          prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
-          if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
-        }
 #if defined(__AVX2__) && defined(__FMA__)
         if (d.D == kRow32) {
+          // The AVX2 rows (2-row blocks) keep main's burst: spread, 1.04x slower at F = 10 (header).
+          RowsAhead ahead;
+          if (wide && b + kSpreadAhead < end) {
+            ahead.add(xp + (b + kSpreadAhead) * d.F * d.D, d.F * d.D);
+            if (fp) ahead.add(fp + (b + kSpreadAhead) * d.Ofm * d.D, d.Ofm * d.D);
+          } else if (!wide && b + 1 < end) {
+            prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
+            if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
+          }
           const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xs.data());
           const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
           if (wide)
             v16::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), s.data(), ssq.data(), rs.data(),
-                                   op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O);
+                                   op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O, ahead);
           else
             v8::mix_norm_sample32(d, mp, xr, fmb, wp, bp, static_cast<float>(eps), s.data(), ssq.data(), rs.data(),
-                                  op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O);
+                                  op + b * d.O * d.D, meanp + b * d.O, rstdp + b * d.O, ahead);
           continue;
         }
 #endif
+        if (b + 1 < end) {
+          prefetch_rows(xp + (b + 1) * d.F * d.D, d.F * d.D);
+          if (fp) prefetch_rows(fp + (b + 1) * d.Ofm * d.D, d.Ofm * d.D);
+        }
         mix_sample(d, xp + b * d.F * d.D, fp ? fp + b * d.Ofm * d.D : fp, mp, xs.data(), s.data());
         layer_norm_rows(s.data(), d.O, d.D, d.Dp, wp, bp, static_cast<float>(eps), op + b * d.O * d.D,
                         meanp + b * d.O, rstdp + b * d.O);
@@ -1681,6 +1767,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
           if (d.D == kRow32) {
             const int64_t first = c * d.B / chunks;
             for (int64_t b = first; b < last; ++b) {
+              RowsAhead ahead;
+              if (b + kSpreadAhead < d.B) {
+                ahead.add(xp + (b + kSpreadAhead) * d.F * d.D, d.F * d.D);
+                ahead.add(gp + (b + kSpreadAhead) * d.O * d.D, d.O * d.D);
+                if (fp) ahead.add(fp + (b + kSpreadAhead) * d.Ofm * d.D, d.Ofm * d.D);
+              }
               const float* xr = rows32_of(xp + b * d.F * d.D, d.F, xsc.data() + (b - first) * d.F * kRow32);
               float* dsb = dsc.data() + (b - first) * d.O * kRow32;
               const scalar_t* fmb = fp ? fp + b * d.Ofm * d.D : fp;
@@ -1688,10 +1780,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> feature_m
               grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, [&](auto* out) {
                 if (wide)
                   v16::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
-                                             rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
+                                             rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out, ahead);
                 else
                   v8::mix_backward_sample32(d, mp, xr, fmb, gp + b * d.O * d.D, wp, meanp + b * d.O,
-                                            rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out);
+                                            rstdp + b * d.O, gw, gw + d.D, dsb, dfm, out, ahead);
               });
             }
             cross32(wide, dsc.data(), d.O * kRow32, d.O, chunk_rows32(xp, first, d.F, xsc.data()), d.F * kRow32,
