@@ -724,6 +724,28 @@ def test_cpu_short_path_nonfinite_masked_key_of_one_head():
 
 
 @cpu_kernel_only
+@pytest.mark.parametrize("D", [8, 16])  # 16: dq by runs held in registers where the CPU has AVX-512F
+def test_cpu_short_path_silu_at_extreme_scores(D):
+    """The short path's 16-lane SiLU rows (forward and backward) take exp(-x) without fast_exp16's edge
+    blends that cannot change 1 + exp(-x) (exp16_neg): a position bias that puts the biased scores at
+    -1e30, +-1e4, +-100, around the clamps (+-87.5, +-88, +-88.5) and at ordinary values, a different
+    one at each relative position, and 1e30 on the diagonal (once a row, so that no row sums several
+    such terms), matches the reference, forward and every gradient (a score of 1e30 keeps its SiLU of
+    1e30 only with the clamp at 87; -1e30, -100 and -88.5 give a sigmoid of 0)."""
+    lengths = [74, 36, 17, 9]
+    M = max(lengths)
+    inputs = make_inputs(lengths, D=D, Dv=16, pos_heads=2, time_heads=2, targets=[8, 3, 2, 1])
+    extremes = torch.tensor([-1e30, -1e4, -100.0, -88.5, -88.0, -87.5, -30.0, -1.0, 0.0, 1.0, 30.0, 87.5, 88.0,
+                             88.5, 100.0, 1e4, 0.25, -0.25])
+    with torch.no_grad():
+        inputs["q"].mul_(1e-3)
+        n = inputs["pos_bias"].shape[1]
+        inputs["pos_bias"].copy_(extremes[torch.arange(2 * n).reshape(2, n) % extremes.numel()])
+        inputs["pos_bias"][:, M - 1] = 1e30
+    _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", contextual_len=2)
+
+
+@cpu_kernel_only
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_cpu_short_path_nonfinite_row_of_a_four_row_group(name):
     """The short backward takes dk and dv four query rows at a time over the keys all four see, and each

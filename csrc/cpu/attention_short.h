@@ -222,6 +222,39 @@
 // Measured and not kept (after the pairs, same method against the kept build, 8 rounds, load average
 // ~2.8): dot_nb always inlined (gcc leaves dot_nb<2> and <3> out of line: 8.7 % of the forward's
 // samples; predicted ~1.5 %, their calls' fixed part): forward ratio median 0.991 (0.92-1.05), noise.
+// Counted against the vector ports (helper short11, 2026-12-07): a standalone loop of 12 independent FMA
+// chains on this shared VM took 0.54 ns a zmm FMA and 0.36 ns a ymm one (an add chain: ~4 GHz; a guess, not
+// measured: the other vCPU shares the core), so a zmm op is ~2 cycles here, not 0.5. The backward's vector
+// ops at the model's call (per head 240k visible pairs, 19.7k key-block rows at ~1.32 lanes a pair, 19.7k
+// 16-lane row blocks): 64 FMAs and 3 adds a key-block row (scores, dP, dk, dv), ~33 ops a row block (bias,
+// exp, divide, P, dS), one FMA a pair for dq: ~4.3M zmm ops, ~2.3 ms at 0.54 ns, against 2.3-2.5 ms
+// measured. So the ops, not a per-row fixed cost, may be most of the time; but not all (fewer adds in
+// dot_key_block16, below, did not pay). perf shares of the backward's kernel samples then (1 thread):
+// backward_rows16 39 % (~28 % of it dq, ~60 % the P / dS pass), dot_key_block16 24 % (a quarter on the
+// first loads of the block's key rows), key_block16 16.5 %, backward_seq_short 9.3 % (the pair histogram,
+// its copy pointers reloaded from the stack), bucket_row8 5.8 %, KeyBlockRows::init, ShortSeq::init and
+// SeqMask::init 3.7 %.
+// Kept: (1) the 16-lane SiLU rows of both passes take exp16_neg (15 vector ops against fast_exp16's 20 and
+// the negation; outputs bit for bit as before). Predicted, were the passes bound by their ops: ~6 % of the
+// forward (its weights pass ~30 % of the samples, 6 ops of ~31 a block) and ~4 % of the backward.
+// (2) the backward's dq in four registers over both runs of a row, written once (no memset call, no reload
+// between the runs and for the scale; one sum, not two); dq's rounding changes (other sums, same terms),
+// bit-identical run to run. Predicted ~2-3 % of the backward (dq ~11 % of its samples, ~20 of its ~60
+// instructions a row gone). Measured (1 thread, CPU time, native ops, one process, the variants by a
+// temporary switch alternated per round, 16 and 20 rounds x 25 calls, 08:35-08:38 UTC, load average 3-4.6):
+// (1) forward ratio median 0.964 / 0.961 (15-19 of 16-20 rounds below 1), backward 0.980 / 0.978; (2)
+// backward 0.960 / 0.960; both (20 rounds) backward 0.943. Against main (a1e08e8) in alternating processes,
+// 10 rounds (08:39-08:43 UTC, load average ~3): forward 1.265 -> 1.194 ms (medians; per-round ratio median
+// 0.953, range 0.88-0.99, 10 of 10 below 1), backward 2.407 -> 2.284 ms (0.940, 0.87-0.97, 10 of 10); 2
+// threads, wall, under the measuring lock and SCHED_FIFO, 6 rounds: forward 0.700 -> 0.697 ms (0.979,
+// 0.94-1.01), backward 1.403 -> 1.292 ms (0.947, 0.87-0.99, 6 of 6). The AVX2 rows
+// (GEM_KERNELS_NO_AVX512=1) are unchanged.
+// Measured and not kept (same in-process A/B): dot_key_block16 in 2 FMA chains a row (one add, not 3)
+// backward 1.002, in 1 chain (no add: a 16-FMA chain) 1.023, slower: the adds were not what it waited on;
+// the scale and pos bias by one FMA and inv_m folded into the sigmoid (P = x * (sig * inv_m), g with one
+// FMA: 3 ops fewer a block, rounding changed) on top of (1): backward 0.972 / 0.973 against 0.980 / 0.978,
+// and with (2) 0.942 / 0.936 against 0.943, under the rounds' spread; the forward's P V over both runs in
+// registers, as dq in (2): forward 0.990 (0.91-1.06), noise.
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
 // hole; the other masks ask visible() per pair and take the tile loops). Needs AVX2 (the build's
@@ -589,6 +622,26 @@ GK_AVX512 inline void store_block(float* x, __mmask16 m, __m512 v) {
     _mm256_storeu_ps(x, _mm512_castps512_ps256(v));
 }
 
+// exp(-x) where only 1 + exp(-x) is used (the 16-lane SiLU rows: x / (1 + exp(-x)), and the sigmoid
+// 1 / (1 + exp(-x)) of its gradient): fast_exp16(-x)'s steps less what cannot change 1 + exp(-x), 15
+// vector ops against 21 (one clamp, two compares and two blends fewer, the negation folded into the
+// constants: n = round(-x * log2e), r = -(n * ln2_hi) - x, the same values as fast_exp16's from -x). For
+// x in [-88, 87] it is fast_exp16(-x) exactly; above 87 it gives exp(-87) where fast_exp16 gives 0 (1 +
+// either is 1 in fp32); below -88, Inf (fast_exp16's value, kept by the one blend, so a sigmoid there is
+// 0 exactly as before); a NaN x gives exp(-87), not NaN, and the row's NaN comes from x itself (x / 1,
+// x * 1 and x * (1 - 1) are NaN). So the rows' outputs are unchanged, bit for bit.
+GK_AVX512 inline __m512 exp16_neg(__m512 x) {
+  const __m512 xc = _mm512_min_ps(x, _mm512_set1_ps(87.0f));  // a NaN x gives 87
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(-1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmsub_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int k = 1; k < kExpPolyTerms; ++k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[k]));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.0f), _CMP_LT_OQ), _mm512_scalef_ps(p, n),
+                              _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
 // A head's time_bias row in registers, for a table of at most 64 entries (num_buckets + 1; the model's
 // 33): a pair's bias by vpermt2ps from two (entries 0..31) or four registers, not by 16 scalar loads
 // and inserts (gather8) per 16 pairs. regs = 0: a larger table, by gather8.
@@ -642,6 +695,17 @@ GK_AVX512 __attribute__((always_inline)) inline void gather_rows16(const float* 
   }
 }
 
+// a[j] += w[c'] * x[c' * ldx + (0, 16)] for the keys c' = c + 4m + j of [c, c1) (a last partial step's
+// keys into a[0], a[1], a[2]): gather_rows16's steps, for a caller that keeps the four accumulators in
+// registers over more than one run.
+GK_AVX512 __attribute__((always_inline)) inline void gather_run16(const float* w, const float* x, int64_t ldx,
+                                                                  int64_t c, int64_t c1, __m512 a[4]) {
+  for (; c + 4 <= c1; c += 4)
+    for (int j = 0; j < 4; ++j)
+      a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[c + j]), _mm512_loadu_ps(x + (c + j) * ldx), a[j]);
+  for (int j = 0; c < c1; ++c, ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[c]), _mm512_loadu_ps(x + c * ldx), a[j]);
+}
+
 // What one head's rows read in forward_rows16: q and v rows at their [N, H, *] strides, the
 // transposed keys, the head's pos_bias window and time_bias row (nullptr when absent), the sequence's
 // bucket tile (row i at i * Lp).
@@ -683,7 +747,7 @@ GK_AVX512 void forward_rows16(const HeadRows* hr, const RowSpan* spans, int64_t 
           const float* pos = hr[hh].pos != nullptr ? hr[hh].pos + (h.L - 1 - i) : nullptr;
           float* row = s + (hh * 4 + k) * h.Lp;
           const __m512 x = biased16(vscale, pos, hr[hh].time, tr[hh], bucket, row, c, m);
-          const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 e = exp16_neg(x);
           store_block(row + c, m, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), vm));
         }
         continue;
@@ -701,7 +765,7 @@ GK_AVX512 void forward_rows16(const HeadRows* hr, const RowSpan* spans, int64_t 
         x[hh] = _mm512_add_ps(x[hh], t);
       }
       for (int hh = 0; hh < NH; ++hh) {
-        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x[hh]));
+        const __m512 e = exp16_neg(x[hh]);
         store_block(s + (hh * 4 + k) * h.Lp + c, m, _mm512_mul_ps(_mm512_div_ps(x[hh], _mm512_add_ps(one, e)), vm));
       }
     }
@@ -1048,7 +1112,7 @@ GK_AVX512 void backward_rows16(const BackRows& h, const RowSpan* spans, int64_t 
     for (int64_t c = lo[k]; c < hi[k]; c += 16) {
       const __mmask16 m = block_mask(c, hi[k]);
       const __m512 x = biased16(vscale, pos, h.time, tr, h.bucket + o, h.s + o, c, m);
-      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16_neg(x)));
       store_block(h.pr + o + c, m, _mm512_mul_ps(_mm512_mul_ps(x, sig), vm));
       const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
       store_block(h.ds + o + c, m, _mm512_mul_ps(_mm512_mul_ps(load_block(h.ds + o + c, m), g), vm));
@@ -1058,8 +1122,10 @@ GK_AVX512 void backward_rows16(const BackRows& h, const RowSpan* spans, int64_t 
   for (int64_t k = 0; k < n; ++k) {
     const int64_t i = i0 + k, o = i * h.Lp;
     float* dq_i = h.dq0 + i * h.qs;
-    zero_row8(dq_i, h.D);
-    if (lo[k] >= hi[k]) continue;
+    if (lo[k] >= hi[k]) {
+      zero_row8(dq_i, h.D);
+      continue;
+    }
     const Runs r = runs_of(spans[i]);
     const float* ds_i = h.ds + o;
     if (h.pos_part != nullptr) {
@@ -1071,13 +1137,18 @@ GK_AVX512 void backward_rows16(const BackRows& h, const RowSpan* spans, int64_t 
       add_by_bucket4(h.bucket + o, ds_i, r.a0, r.a1, h.time_entries, h.hist);
       add_by_bucket4(h.bucket + o, ds_i, r.b0, r.b1, h.time_entries, h.hist);
     }
-    // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride).
+    // dq_i = scale * sum_c ds[c] k_c (k rows at their [N, H, D] stride): both runs into four
+    // accumulators held in registers, the row written once (no fill, no reload between the runs).
     if (h.D % 16 == 0) {
-      gather_rows16(ds_i, h.k0, h.qs, r.a0, r.a1, h.D, dq_i);
-      gather_rows16(ds_i, h.k0, h.qs, r.b0, r.b1, h.D, dq_i);
-      for (int64_t d = 0; d < h.D; d += 16)
-        _mm512_storeu_ps(dq_i + d, _mm512_mul_ps(_mm512_loadu_ps(dq_i + d), vscale_dq));
+      for (int64_t d = 0; d < h.D; d += 16) {
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        gather_run16(ds_i, h.k0 + d, h.qs, r.a0, r.a1, a);
+        gather_run16(ds_i, h.k0 + d, h.qs, r.b0, r.b1, a);
+        _mm512_storeu_ps(dq_i + d,
+                         _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])), vscale_dq));
+      }
     } else {
+      zero_row8(dq_i, h.D);
       gather_rows(ds_i, h.k0, h.qs, r.a0, r.a1, h.D, dq_i);
       gather_rows(ds_i, h.k0, h.qs, r.b0, r.b1, h.D, dq_i);
       for (int64_t d = 0; d < h.D; ++d) dq_i[d] *= h.scale;
