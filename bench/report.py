@@ -50,9 +50,36 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_vector_rows(flags: set[str] | None = None, environ=os.environ) -> str:
+    """Which rows gem_kernels' CPU kernels run here, decided as they decide it at run time
+    (csrc/include/gem_kernels/cpu_exp.h): 16-lane AVX-512 rows where the CPU has AVX-512F and
+    GEM_KERNELS_NO_AVX512 is not set (any value, "0" too, keeps AVX2), else 8-lane AVX2 rows. A run
+    with the AVX2 rows forced is not the AVX-512 run of the same machine: the report says which it is."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"portable loops ({platform.machine()})"
+    flags = _cpu_flags() if flags is None else flags
+    if "avx512f" not in flags:
+        return "AVX2 (no AVX-512F on this CPU)"
+    if environ.get("GEM_KERNELS_NO_AVX512") is not None:
+        return "AVX2 (AVX-512 off: GEM_KERNELS_NO_AVX512 is set)"
+    return "AVX-512 where a kernel has 16-lane rows, else AVX2"
+
+
 def machine_info(device: torch.device) -> dict:
     info = {
         "cpu_model": _cpu_model(),
+        "cpu_vector_rows": cpu_vector_rows(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -189,7 +216,9 @@ def markdown(result: dict) -> str:
     lines = [
         f"# gem_kernels bench: {m['device']} @ {result['timestamp']} (git {result['git_sha']})",
         "",
-        f"- CPU: {m['cpu_model']}, {m['cpu_cores']} cores (torch threads {m['torch_threads']}); GPU: {m['gpu'] or 'none'}",
+        f"- CPU: {m['cpu_model']}, {m['cpu_cores']} cores (torch threads {m['torch_threads']})"
+        + (f"; gem_kernels' CPU rows: {m['cpu_vector_rows']}" if m.get("cpu_vector_rows") else "")
+        + f"; GPU: {m['gpu'] or 'none'}",
         f"- torch {m['torch']} (cuda {m['torch_cuda']}), triton {m['triton']}, fbgemm_gpu {m['fbgemm_gpu']}, "
         f"gem_kernels {m['gem_kernels']} (backends {m['gem_kernels_backends']})",
         f"- measured peaks: matmul TFLOP/s {mm} (n={p['sizes']['matmul_n']}); copy {p['copy_gbps']:.1f} GB/s "

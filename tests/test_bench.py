@@ -815,6 +815,31 @@ def test_report_writes_two_figures_and_redraws_them_from_the_json(tmp_path):
     assert paths["md"].read_text() == md
 
 
+def test_report_names_the_cpu_rows_the_kernels_run(tmp_path, monkeypatch):
+    """A run with GEM_KERNELS_NO_AVX512 set (the AVX2 rows, what a CPU without AVX-512 runs) says so in
+    its header, as the kernels decide it: any value of the variable, "0" too, turns AVX-512 off."""
+    import platform
+
+    from bench import report
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    avx512 = {"avx2", "fma", "avx512f"}
+    assert report.cpu_vector_rows(avx512, {}).startswith("AVX-512")
+    for value in ("1", "0", ""):
+        assert report.cpu_vector_rows(avx512, {"GEM_KERNELS_NO_AVX512": value}).startswith("AVX2 (AVX-512 off")
+    assert report.cpu_vector_rows({"avx2", "fma"}, {}) == "AVX2 (no AVX-512F on this CPU)"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert report.cpu_vector_rows(avx512, {}) == "portable loops (aarch64)"
+    result = _fake_result(tmp_path)
+    result["machine"]["cpu_vector_rows"] = "AVX2 (AVX-512 off: GEM_KERNELS_NO_AVX512 is set)"
+    md = report.write(result, tmp_path)["md"].read_text()
+    assert "gem_kernels' CPU rows: AVX2 (AVX-512 off: GEM_KERNELS_NO_AVX512 is set); GPU: none" in md
+    # A JSON from before the field redraws as it was written.
+    del result["machine"]["cpu_vector_rows"]
+    md = report.write(result, tmp_path)["md"].read_text()
+    assert "2 cores (torch threads 2); GPU: none" in md
+
+
 # ---------------------------------------------------------------------------------------------
 # bench.swap_loss loss curves (python -m bench.swap_loss --loss-steps N)
 # ---------------------------------------------------------------------------------------------
