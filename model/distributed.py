@@ -344,6 +344,7 @@ def main(args: argparse.Namespace, config_from_args, train, report) -> dict | No
     """model.train's main with the model sharded; rank 0 prints and writes --json."""
     from .gem import GemModel
 
+    owns_group = not dist.is_initialized()  # torchrun's launch: this run makes the group, and ends it
     device = init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     args.device = str(device)
@@ -382,6 +383,12 @@ def main(args: argparse.Namespace, config_from_args, train, report) -> dict | No
     if result.get("peak_tflops") is not None:
         result["peak_tflops"] *= world
     dist.barrier()
+    if owns_group:
+        # Ended here, after every rank's last collective (the barrier), not left to the interpreter's
+        # exit: a gloo group still alive then can abort the process from its transport threads
+        # (SIGABRT, "terminate called without an active exception"), which torchrun reads as a failed
+        # rank and restarts the job. A group the caller made is the caller's to end.
+        dist.destroy_process_group()
     return result if rank == 0 else None
 
 

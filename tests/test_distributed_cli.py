@@ -75,3 +75,33 @@ def test_sigkill_while_checkpointing_resumes_from_the_last_complete_checkpoint(u
     assert len(result["losses"]) == 6
     assert (checkpoint / ".metadata").is_file()
     assert not (tmp_path / ".ckpt.staging").exists() and not (tmp_path / ".ckpt.previous").exists()
+
+
+def test_the_run_ends_the_process_group_it_made_and_keeps_the_callers(tmp_path, monkeypatch):
+    """model.train --distributed ends the gloo group it made (after the last barrier), so no group is
+    alive at the interpreter's exit (where gloo's threads can abort the rank); a group the caller made
+    before calling main is left to the caller. In process, 1 rank, torchrun's environment variables."""
+    import socket
+
+    import torch.distributed as dist
+
+    from model.train import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                           LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    args = list(ARGS)
+    args[args.index("--steps") + 1] = "2"
+    assert not dist.is_initialized()
+    result = main(args + ["--json", str(tmp_path / "own.json")])
+    assert result["world_size"] == 1 and len(result["losses"]) == 2
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        main(args + ["--json", str(tmp_path / "callers.json")])
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
