@@ -363,9 +363,14 @@ def test_interrupted_run_still_writes_what_it_measured(tmp_path, monkeypatch, in
         "def interrupt():\n"
         "    signal.raise_signal(signal.SIGINT)  # runs the Python handler before returning\n"
         "    raise AssertionError('SIGINT was ignored')\n"
+        # Budgets no load can spend before the interrupting case: under a load of ~8 on 2 cores the
+        # quick run's 7 s share went to the first case and the interrupting one was skipped (exit 0).
+        "BUDGET = {True: 600.0, False: 600.0}\n"
         "class done:\n"
+        "    FAMILY_BUDGET = BUDGET\n"
         "    cases = staticmethod(lambda quick, device: iter([case(lambda: torch.zeros(8))]))\n"
         "class interrupted:\n"
+        "    FAMILY_BUDGET = BUDGET\n"
         "    cases = staticmethod(lambda quick, device: iter([case(lambda: torch.zeros(8)), case(interrupt)]))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     fake = __import__("gk_fake_families")
@@ -374,7 +379,7 @@ def test_interrupted_run_still_writes_what_it_measured(tmp_path, monkeypatch, in
                         lambda name: (getattr(fake, name, fake.done), None))
     previous = signal.signal(signal.SIGINT, inherited)
     try:
-        assert bench_main.main(["--quick", "--no-thp", "--out", str(tmp_path)]) == 130
+        assert bench_main.main(["--quick", "--no-thp", "--budget", "1800", "--out", str(tmp_path)]) == 130
         assert signal.getsignal(signal.SIGINT) is inherited
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -444,6 +444,11 @@ def _run_jobs(rank: int, world: int, jobs: list) -> dict:
 def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     import torch.distributed as dist
 
+    import faulthandler
+
+    # A rank that dies by a signal (SIGABRT, SIGSEGV) prints every thread's Python stack to stderr first:
+    # what torch.multiprocessing's "terminated with signal" does not say.
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
