@@ -910,3 +910,60 @@ def test_cpu_output_cache_limit(large_output_cache):
         assert C.output_cache_idle_bytes() == 0
     with pytest.raises(ValueError, match="bytes must be >= 0"):
         C.set_output_cache_limit(-1)
+
+
+# The cpu backend's backward sums a unique row's gradient rows in registers and runs the optimizer
+# step there for D = 32, 64 and 128 (segments_fixed_d / optimizer_row_fixed), and in memory for any
+# other D. Tables of 5 (segments of hundreds of lookups), 40 and 700 rows (many unique rows per work
+# item): the fixed path must give the generic path's bits.
+@cpu_kernel_only
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("pooling,with_psw", [("sum", False), ("sum", True), ("mean", True), ("none", False)],
+                         ids=["sum", "sum-psw", "mean-psw", "none"])
+@pytest.mark.parametrize("optimizer", [None, gk.optim.ExactSGD(lr=0.05, weight_decay=0.1),
+                                       gk.optim.ExactAdam(lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.02)],
+                         ids=["dense-grad", "sgd-weight_decay", "adam-weight_decay"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_fixed_dim_backward_matches_generic_bit_for_bit(dim, pooling, with_psw, optimizer, dtype):
+    """The same tables at D (fixed path) and at D + 8 (generic path; the first D columns equal, the
+    extra ones random): an element-wise update (dense gradient, SGD, Adam) of the first D columns does
+    not see the extra ones, so after two steps they hold the same bits. Row-wise Adagrad's step
+    divides by D, so it is checked against the row-by-row loop in test_rowwise_adagrad_matches_loop."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu backend unavailable here")
+    rows, batch = [5, 40, 700], 300
+    gen = torch.Generator().manual_seed(dim)
+    fixed = gk.FusedEmbeddingBag([gk.TableSpec(r, dim) for r in rows], pooling=pooling, dtype=dtype,
+                                 optimizer=optimizer, backend="cpu")
+    generic = gk.FusedEmbeddingBag([gk.TableSpec(r, dim + 8) for r in rows], pooling=pooling, dtype=dtype,
+                                   optimizer=copy.deepcopy(optimizer), backend="cpu")
+    with torch.no_grad():
+        for t in range(len(rows)):
+            generic.weight(t).copy_(torch.randn(rows[t], dim + 8, generator=gen).to(dtype))
+            fixed.weight(t).copy_(generic.weight(t)[:, :dim])
+    for step in range(2):
+        lengths = torch.randint(0, 41, (len(rows) * batch,), generator=gen)
+        offsets = offsets_from_lengths(lengths)
+        indices = torch.cat([torch.randint(0, r, (int(lengths[t * batch:(t + 1) * batch].sum()),), generator=gen)
+                             for t, r in enumerate(rows)])
+        psw = randn_nonzero(indices.numel(), generator=gen) if with_psw else None
+        n_out = indices.numel() if pooling == "none" else batch
+        wide = torch.randn(n_out, len(rows), dim + 8, generator=gen).to(dtype)
+        grads = (wide[:, :, :dim].reshape(n_out, -1), wide.reshape(n_out, -1))
+        if pooling == "none":  # one row per lookup, as wide as a table: each lookup's row of its own table
+            table_of = torch.repeat_interleave(torch.arange(len(rows)), torch.stack(
+                [lengths[t * batch:(t + 1) * batch].sum() for t in range(len(rows))]))
+            grads = tuple(g.view(n_out, len(rows), -1)[torch.arange(n_out), table_of] for g in grads)
+        for module, grad in zip((fixed, generic), grads):
+            module(indices, offsets, psw).backward(grad)
+        if optimizer is None:
+            for t in range(len(rows)):
+                assert torch.equal(fixed.layout.table(fixed.weights.grad, t),
+                                   generic.layout.table(generic.weights.grad, t)[:, :dim]), f"step {step} table {t}"
+            fixed.weights.grad = generic.weights.grad = None
+    for t in range(len(rows)):
+        assert torch.equal(fixed.weight(t), generic.weight(t)[:, :dim]), f"table {t}: weights"
+        if isinstance(optimizer, gk.optim.ExactAdam):
+            for name in ("momentum1", "momentum2"):
+                assert torch.equal(fixed.layout.table(getattr(fixed, name), t),
+                                   generic.layout.table(getattr(generic, name), t)[:, :dim]), f"table {t}: {name}"

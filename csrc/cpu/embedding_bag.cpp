@@ -42,7 +42,36 @@
 //      runs of equal rows (segments, one per unique row) are recorded;
 //   2. over slices of every table's segments (dynamically): the segment's gradient rows are summed in fp32,
 //      then the row is written once: the dense gradient row, or the fused optimizer step on the
-//      weight row and its state. No two threads touch the same row, so no atomics.
+//      weight row and its state. No two threads touch the same row, so no atomics. For D = 32/64/128
+//      the sum and the optimizer step stay in registers (segments_fixed_d, optimizer_row_fixed): the
+//      same operations in the same order as the generic path, so the same bits.
+// Where the time went at the GEM small model's two calls (2-core Xeon VM, shared; phase timers compiled in,
+// 300 calls; bench/results/notes-sparse12.md): sequence embeddings (pooling none, 17692 ids in 2 tables,
+// 3521 unique) and the pooled features (8 tables D = 32, 8213 ids in 2048 bags, 3030 unique), both
+// row-wise Adagrad. At 1 thread, warm: the sort 75 / 48 us (std::vector zero-fill of the scratch 12 / 4,
+// pairs 12 / 10, radix 45 / 30, segment scan 6 / 4), phase 2 195 / 165 us. Fitting phase 2 over the two
+// calls gave ~50 ns a unique row and ~0 a lookup: the per-row code (thread_local buffers, a memcpy call,
+// the accumulator and the weight row through memory, runtime-D loops), not the data (the rows were in L2).
+// Kept, each predicted and then measured:
+//   - the fixed-D register path above (predicted: phase 2 about halved). Phase 2 195 -> ~140 us (seq) and
+//     165 -> ~80 us (pooled) at 1 thread; a unique row ~14 ns, a lookup ~5 ns after it;
+//   - the scratch without zero-fill (Scratch; predicted -10 / -4 us): 0.94-0.97x of the call;
+//   - the sort over tables on both threads (kSortWorkPerId; it was one thread below 2^18 / 8 ids; predicted
+//     -25 us seq, where the 5-row action table's sort, a chain of increments on 5 counters, overlaps the item
+//     table's; -24 us pooled): -21 us (0.85x) and -12 us (0.90x) at 2 threads, warm (cold 0.91x / 0.89x).
+//     The pooled miss: 8 tables of ~6 us leave the second thread's wake-up and the tail uneven.
+// The native op, before -> after, paired processes alternated (6 pairs, medians, in one harness that runs
+// the model's forward calls between, all under the lock and SCHED_FIFO): warm 1 thread seq 316 -> 234 us
+// (0.74x), pooled 300 -> 213 (0.71x); warm 2 threads 212 -> 143 (0.67x), 231 -> 135 (0.58x); cold (64 MB
+// written before each call) 1 thread 402 -> 327 (0.81x), 373 -> 279 (0.75x); 2 threads 266 -> 197
+// (0.75x), 272 -> 176 (0.65x). Outputs, weights and state bit for bit as before (336 cases of every
+// optimizer, pooling, dtype, weight decay and per-sample weights, and the model's calls).
+// Measured and not kept: one read counting the digits of every radix pass (and skipping a pass whose
+// digit is constant), radix 45 -> 51 us seq, 30 -> 27 pooled, no change in the call (1.00 +- 0.02x);
+// prefetching the momentum row beside the weight row (0.94-1.00x, within the noise, warm and cold); the
+// weight row prefetch 2, 8 or 16 unique rows ahead instead of 4 (within 2 %, cold). Cold, the extra ~100 us
+// of the pooled call is ~13k cache lines (2 weight + 1 state line per unique row, the 256 KB gradient)
+// at ~100 ns with ~16 misses in flight (~80 us): the prefetch distance cannot buy it back.
 //
 // Roofline (FBGEMM's minimum bytes, s = weight element size, i = index size):
 //   forward:  FLOPs 2 * N * D (pooled); bytes N * D * s (rows read) + B * sum_t D_t * s (output written)
@@ -63,6 +92,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -96,6 +126,12 @@ constexpr int64_t kPrefetchDistance = 32;
 constexpr int64_t kBagsPerChunk = 128;
 // Work items per table in the backward (slices of its unique rows).
 constexpr int64_t kSlicesPerTable = 16;
+// Unique rows ahead whose destination row the backward prefetches (2, 4, 8 and 16 measured within 2 %
+// of each other at the model's calls, cold; see the header).
+constexpr int64_t kRowsAhead = 4;
+// The backward's sort in element operations per id (for parallel_dynamic's one-thread cut): an id
+// costs ~4 ns there (pair, two radix passes, segment scan), the time of ~64 streamed floats.
+constexpr int64_t kSortWorkPerId = 64;
 
 template <typename scalar_t>
 inline void load_row(float* __restrict__ dst, const scalar_t* __restrict__ src, int64_t D) {
@@ -109,6 +145,17 @@ inline void load_row(float* __restrict__ dst, const scalar_t* __restrict__ src, 
       x.store(dst + d);
     }
     for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+template <typename scalar_t>
+inline Vec load_vec(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec x;
+    at::vec::load_to_float<scalar_t>(p, x);
+    return x;
   }
 }
 
@@ -473,13 +520,25 @@ uint64_t* radix_sort_by_row(uint64_t* a, uint64_t* tmp, int64_t n, int key_bits)
   return a;
 }
 
+// An array of n default-initialised elements: scratch that is written before it is read, so the
+// zero-fill of a std::vector (~10 us for the model's 17692 positions) is not paid.
+template <typename T>
+struct Scratch {
+  std::unique_ptr<T[]> p;
+  void resize(int64_t n) {
+    p = std::make_unique_for_overwrite<T[]>(n);
+  }
+  T* data() const { return p.get(); }
+  T& operator[](int64_t i) const { return p[i]; }
+};
+
 struct Segments {
-  std::vector<uint64_t> buf_a, buf_b;       // [N] pairs; table t's live at [lo_t, lo_t + kept_t)
+  Scratch<uint64_t> buf_a, buf_b;           // [N] pairs; table t's live at [lo_t, lo_t + kept_t)
   std::vector<uint64_t*> sorted;            // per table: where its sorted pairs ended up
-  std::vector<int64_t> seg_begin;           // [N + T]: table t's segment starts at [lo_t + t, ...]
+  Scratch<int64_t> seg_begin;               // [N + T]: table t's segment starts at [lo_t + t, ...]
   std::vector<int64_t> seg_prefix;          // [T + 1]: segments before table t
-  std::vector<int32_t> bag_of;              // [N] local bag of each position (pooled only)
-  std::vector<float> bag_scale;             // [T*B] 1 / kept length (mean only)
+  Scratch<int32_t> bag_of;                  // [N] local bag of each position (pooled only)
+  Scratch<float> bag_scale;                 // [T*B] 1 / kept length (mean only)
 };
 
 template <typename index_t>
@@ -493,7 +552,7 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
   if (pooling != kNone) s.bag_of.resize(N);
   if (pooling == kMean) s.bag_scale.resize(m.T * m.B);
   std::vector<int64_t> seg_count(m.T, 0);
-  parallel_dynamic(m.T, N * 8, [&](int64_t t) {
+  parallel_dynamic(m.T, N * kSortWorkPerId, [&](int64_t t) {
     {
       const int64_t rows = m.r_off[t + 1] - m.r_off[t];
       const int64_t lo = offsets[t * m.B];
@@ -537,55 +596,128 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
 // it may overwrite).
 // ------------------------------------------------------------------------------------------------
 
-// `prefetch_base(t)` is where table t's destination rows start (prefetched four segments ahead).
-template <typename scalar_t, typename index_t, typename Base, typename Write>
+// The segments [local_begin, local_end) of table t with D = kD known at compile time: a segment's
+// gradient rows are summed in registers (the same fmadd per element as axpy_row, so the same sums),
+// then write_fixed(t, row, acc, kD) writes the row.
+template <int kD, typename scalar_t, typename index_t, typename Prefetch, typename WriteFixed>
+void segments_fixed_d(const Meta& m, const Segments& s, int64_t t, int64_t local_begin, int64_t local_end,
+                      const scalar_t* __restrict__ grad_output, int64_t grad_stride, const index_t* offsets,
+                      const float* __restrict__ psw, int64_t pooling, const Prefetch& prefetch,
+                      const WriteFixed& write_fixed) {
+  constexpr int kV = kD / Vec::size();
+  static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
+  const int64_t lo = offsets[t * m.B];
+  const int64_t* segs = s.seg_begin.data() + lo + t;
+  const uint64_t* pairs = s.sorted[t];
+  const int64_t slice_stop = segs[local_end];
+  const int64_t d_off = m.d_off[t];
+  const int32_t* bag_of = s.bag_of.data();
+  const float* bag_scale = pooling == kMean ? s.bag_scale.data() + t * m.B : nullptr;
+  for (int64_t local = local_begin; local < local_end; ++local) {
+    const int64_t first = segs[local];
+    const int64_t last = segs[local + 1];
+    if (local + kRowsAhead < local_end) prefetch(t, static_cast<int64_t>(pairs[segs[local + kRowsAhead]] >> 32));
+    Vec acc[kV];
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
+    for (int64_t i = first; i < last; ++i) {
+      if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
+        const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
+        prefetch_row(pooling == kNone ? grad_output + q * grad_stride : grad_output + bag_of[q] * grad_stride + d_off,
+                     kD);
+      }
+      const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
+      float scale = psw ? psw[p] : 1.f;
+      const scalar_t* src;
+      if (pooling == kNone) {
+        src = grad_output + p * grad_stride;
+      } else {
+        const int64_t b = bag_of[p];
+        src = grad_output + b * grad_stride + d_off;
+        if (pooling == kMean) scale *= bag_scale[b];
+      }
+      const Vec sv(scale);
+#pragma GCC unroll 16
+      for (int v = 0; v < kV; ++v) acc[v] = at::vec::fmadd(load_vec(src + v * Vec::size()), sv, acc[v]);
+    }
+    write_fixed(t, static_cast<int64_t>(pairs[first] >> 32), acc, std::integral_constant<int, kD>{});
+  }
+}
+
+// `prefetch(t, row)` prefetches local row `row` of table t's destination,
+// kRowsAhead segments before it is written. D = 32, 64 or 128 takes segments_fixed_d and
+// write_fixed(t, row, Vec* acc, integral_constant<int, kD>); other widths write(t, row, D, float* g).
+template <typename scalar_t, typename index_t, typename Prefetch, typename Write, typename WriteFixed>
 void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* grad_output, int64_t grad_stride,
-                           const index_t* offsets, const float* psw, int64_t pooling, Base prefetch_base,
-                           Write write) {
+                           const index_t* offsets, const float* psw, int64_t pooling, Prefetch prefetch,
+                           Write write, WriteFixed write_fixed) {
   // Items are (table, slice of its unique rows), table-major, handed out dynamically as in the forward.
   parallel_dynamic(kSlicesPerTable * m.T, (offsets[m.T * m.B] + s.seg_prefix[m.T]) * m.max_D, [&](int64_t item) {
+    const int64_t t = item / kSlicesPerTable;
+    const int64_t slice = item % kSlicesPerTable;
+    const int64_t count = s.seg_prefix[t + 1] - s.seg_prefix[t];
+    const int64_t local_begin = count * slice / kSlicesPerTable;
+    const int64_t local_end = count * (slice + 1) / kSlicesPerTable;
+    const int64_t D = m.d_off[t + 1] - m.d_off[t];
+    if (D == 32) {
+      return segments_fixed_d<32>(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling,
+                                  prefetch, write_fixed);
+    }
+    if (D == 64) {
+      return segments_fixed_d<64>(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling,
+                                  prefetch, write_fixed);
+    }
+    if (D == 128) {
+      return segments_fixed_d<128>(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling,
+                                   prefetch, write_fixed);
+    }
     thread_local std::vector<float> acc;
     acc.resize(m.max_D);
-    {
-      const int64_t t = item / kSlicesPerTable;
-      const int64_t slice = item % kSlicesPerTable;
-      const int64_t count = s.seg_prefix[t + 1] - s.seg_prefix[t];
-      const int64_t local_begin = count * slice / kSlicesPerTable;
-      const int64_t local_end = count * (slice + 1) / kSlicesPerTable;
-      const int64_t D = m.d_off[t + 1] - m.d_off[t];
-      const int64_t lo = offsets[t * m.B];
-      const int64_t* segs = s.seg_begin.data() + lo + t;
-      const uint64_t* pairs = s.sorted[t];
-      const int64_t slice_stop = segs[local_end];
-      for (int64_t local = local_begin; local < local_end; ++local) {
-        const int64_t first = segs[local];
-        const int64_t last = segs[local + 1];
-        if (local + 4 < local_end) {
-          prefetch_row(prefetch_base(t) + static_cast<int64_t>(pairs[segs[local + 4]] >> 32) * D, D);
+    const int64_t lo = offsets[t * m.B];
+    const int64_t* segs = s.seg_begin.data() + lo + t;
+    const uint64_t* pairs = s.sorted[t];
+    const int64_t slice_stop = segs[local_end];
+    for (int64_t local = local_begin; local < local_end; ++local) {
+      const int64_t first = segs[local];
+      const int64_t last = segs[local + 1];
+      if (local + kRowsAhead < local_end) prefetch(t, static_cast<int64_t>(pairs[segs[local + kRowsAhead]] >> 32));
+      std::fill(acc.begin(), acc.begin() + D, 0.f);
+      for (int64_t i = first; i < last; ++i) {
+        if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
+          const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
+          prefetch_row(pooling == kNone ? grad_output + q * grad_stride
+                                        : grad_output + s.bag_of[q] * grad_stride + m.d_off[t], D);
         }
-        std::fill(acc.begin(), acc.begin() + D, 0.f);
-        for (int64_t i = first; i < last; ++i) {
-          if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
-            const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
-            prefetch_row(pooling == kNone ? grad_output + q * grad_stride
-                                          : grad_output + s.bag_of[q] * grad_stride + m.d_off[t], D);
-          }
-          const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
-          float scale = psw ? psw[p] : 1.f;
-          const scalar_t* src;
-          if (pooling == kNone) {
-            src = grad_output + p * grad_stride;
-          } else {
-            const int64_t b = s.bag_of[p];
-            src = grad_output + b * grad_stride + m.d_off[t];
-            if (pooling == kMean) scale *= s.bag_scale[t * m.B + b];
-          }
-          axpy_row(acc.data(), src, scale, D);
+        const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
+        float scale = psw ? psw[p] : 1.f;
+        const scalar_t* src;
+        if (pooling == kNone) {
+          src = grad_output + p * grad_stride;
+        } else {
+          const int64_t b = s.bag_of[p];
+          src = grad_output + b * grad_stride + m.d_off[t];
+          if (pooling == kMean) scale *= s.bag_scale[t * m.B + b];
         }
-        write(t, static_cast<int64_t>(pairs[first] >> 32), D, acc.data());
+        axpy_row(acc.data(), src, scale, D);
       }
+      write(t, static_cast<int64_t>(pairs[first] >> 32), D, acc.data());
     }
   });
+}
+
+// The kV = kD / 8 registers of acc stored to dst (converted to scalar_t).
+template <int kD, typename scalar_t>
+inline void store_vecs(scalar_t* __restrict__ dst, const Vec* acc) {
+  constexpr int kV = kD / Vec::size();
+  if constexpr (std::is_same_v<scalar_t, float>) {
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) acc[v].store(dst + v * Vec::size());
+  } else {
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; v += 2) {
+      at::vec::convert_from_float<scalar_t>(acc[v], acc[v + 1]).store(dst + v * Vec::size());
+    }
+  }
 }
 
 at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
@@ -608,8 +740,14 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
       for_each_row_gradient<scalar_t, index_t>(
           m, s, grad_output.data_ptr<scalar_t>(), grad_output.size(1), off,
           per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, pooling,
-          [&](int64_t t) { return grad + m.w_off[t]; },
-          [&](int64_t t, int64_t row, int64_t D, float* g) { store_row(grad + m.w_off[t] + row * D, g, 1.f, D); });
+          [&](int64_t t, int64_t row) {
+            const int64_t D = m.d_off[t + 1] - m.d_off[t];
+            prefetch_row(grad + m.w_off[t] + row * D, D);
+          },
+          [&](int64_t t, int64_t row, int64_t D, float* g) { store_row(grad + m.w_off[t] + row * D, g, 1.f, D); },
+          [&](int64_t t, int64_t row, const Vec* acc, auto kd) {
+            store_vecs<decltype(kd)::value>(grad + m.w_off[t] + row * decltype(kd)::value, acc);
+          });
     });
   });
   return grad_weights;
@@ -622,17 +760,6 @@ at::Tensor embedding_bag_backward_cpu(const at::Tensor& grad_output, const at::T
 // bag's gradient row stays in L1 while its rows stream by. FLOPs 2 * N * D; bytes N * D * s (rows)
 // + B * sum D * s (gradient) + N * (4 + i).
 // ------------------------------------------------------------------------------------------------
-
-template <typename scalar_t>
-inline Vec load_vec(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec x;
-    at::vec::load_to_float<scalar_t>(p, x);
-    return x;
-  }
-}
 
 template <typename scalar_t>
 inline float dot_row(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b, int64_t D) {
@@ -755,6 +882,56 @@ void optimizer_row(const OptimizerArgs& o, scalar_t* w_row, float* g, float* w, 
   store_row(w_row, w, 1.f, D);
 }
 
+// optimizer_row for D = kD with the gradient in registers: the same operations in the same order
+// (the compiler contracts optimizer_row's `w -= lr * g` and `g += wd * w` into one fma each; here
+// they are written as the fma), so the same bits.
+template <int kD, typename scalar_t>
+inline void optimizer_row_fixed(const OptimizerArgs& o, scalar_t* __restrict__ w_row, const Vec* grad,
+                                float* __restrict__ m1_row, float* __restrict__ m2_row) {
+  constexpr int kV = kD / Vec::size();
+  Vec w[kV], g[kV];
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) {
+    w[v] = load_vec(w_row + v * Vec::size());
+    g[v] = grad[v];
+  }
+  if (o.weight_decay != 0.f) {
+    const Vec wd(o.weight_decay);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) g[v] = at::vec::fmadd(wd, w[v], g[v]);
+  }
+  if (o.kind == kOptSgd) {
+    const Vec neg_lr(-o.lr);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) w[v] = at::vec::fmadd(neg_lr, g[v], w[v]);
+  } else if (o.kind == kOptRowwiseAdagrad) {
+    Vec sq(0.f);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) sq = at::vec::fmadd(g[v], g[v], sq);
+    const float sum_sq = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sq);
+    const float state = *m1_row + sum_sq / static_cast<float>(kD);
+    *m1_row = state;
+    const Vec neg_multiplier(-(o.lr / (std::sqrt(state) + o.eps)));
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) w[v] = at::vec::fmadd(neg_multiplier, g[v], w[v]);
+  } else {  // Adam
+    const Vec b1(o.beta1), b2(o.beta2), one_b1(1.f - o.beta1), one_b2(1.f - o.beta2);
+    const Vec eps(o.eps), step_size(o.step_size), inv_bias2(o.inv_bias2_sqrt);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) {
+      const int d = v * Vec::size();
+      const Vec x = g[v];
+      const Vec m1 = at::vec::fmadd(b1, Vec::loadu(m1_row + d), one_b1 * x);
+      const Vec m2 = at::vec::fmadd(b2, Vec::loadu(m2_row + d), one_b2 * x * x);
+      m1.store(m1_row + d);
+      m2.store(m2_row + d);
+      const Vec denom = m2.sqrt() * inv_bias2 + eps;
+      w[v] = w[v] - step_size * m1 / denom;
+    }
+  }
+  store_vecs<kD>(w_row, w);
+}
+
 void embedding_bag_backward_fused_cpu(const at::Tensor& grad_output, const at::Tensor& weights,
                                       const at::Tensor& momentum1, const at::Tensor& momentum2, const at::Tensor& step,
                                       const at::Tensor& weights_offsets, const at::Tensor& D_offsets,
@@ -797,7 +974,10 @@ void embedding_bag_backward_fused_cpu(const at::Tensor& grad_output, const at::T
       for_each_row_gradient<scalar_t, index_t>(
           m, s, grad_output.data_ptr<scalar_t>(), grad_output.size(1), off,
           per_sample_weights.numel() ? per_sample_weights.data_ptr<float>() : nullptr, pooling,
-          [&](int64_t t) { return w + m.w_off[t]; },
+          [&](int64_t t, int64_t row) {
+            const int64_t D = m.d_off[t + 1] - m.d_off[t];
+            prefetch_row(w + m.w_off[t] + row * D, D);
+          },
           [&](int64_t t, int64_t row, int64_t D, float* g) {
             thread_local std::vector<float> w_buf;
             w_buf.resize(D);
@@ -807,6 +987,15 @@ void embedding_bag_backward_fused_cpu(const at::Tensor& grad_output, const at::T
                                                            : nullptr;
             float* m2_row = optimizer == kOptAdam ? m2 + element : nullptr;
             optimizer_row(o, w + element, g, w_buf.data(), m1_row, m2_row, D);
+          },
+          [&](int64_t t, int64_t row, const Vec* acc, auto kd) {
+            constexpr int kD = decltype(kd)::value;
+            const int64_t element = m.w_off[t] + row * kD;
+            float* m1_row = optimizer == kOptRowwiseAdagrad ? m1 + m.r_off[t] + row
+                            : optimizer == kOptAdam        ? m1 + element
+                                                           : nullptr;
+            float* m2_row = optimizer == kOptAdam ? m2 + element : nullptr;
+            optimizer_row_fixed<kD>(o, w + element, acc, m1_row, m2_row);
           });
     });
   });
