@@ -108,7 +108,8 @@ class FlatAdam(torch.optim.Adam):
             return False
         flat = self._flat
         params, dtype, device = flat.params, flat.values.dtype, flat.values.device
-        if group["params"] is not params and list(group["params"]) != params:
+        current = group["params"]
+        if current is not params and (len(current) != len(params) or any(a is not b for a, b in zip(current, params))):
             return False
         for p, ptr in zip(params, flat.data_ptrs):
             grad = p.grad
