@@ -10,6 +10,10 @@ TORCH_LIBRARY(gem_kernels, m) {
   // jagged: values [N, D] + offsets [B+1] <-> padded [B, max_len, D]
   m.def("jagged_to_padded_native(Tensor values, Tensor offsets, SymInt max_len, float pad_value) -> Tensor");
   m.def("padded_to_jagged_native(Tensor padded, Tensor offsets, SymInt total_len) -> Tensor");
+  // HSTU input sequences [contextual | history | candidates] per user (gem_kernels/ops/jagged.py,
+  // hstu_sequence_layout): -> (seq_offsets, rows, candidate_owner, timestamps, query_timestamps)
+  m.def("hstu_sequence_layout_native(Tensor history_offsets, Tensor num_candidates, Tensor request_timestamps, "
+        "Tensor history_timestamps, int contextual_len, SymInt num_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // embedding_bag (TBE): packed tables + int64 metadata; codes in gem_kernels/_embedding_bag.py = include/gem_kernels/embedding_bag_codes.h
   m.def("embedding_bag_forward_native(Tensor weights, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
         "Tensor indices, Tensor offsets, Tensor per_sample_weights, int output_dim, int pooling, int bounds_check) "

@@ -21,6 +21,7 @@ from torch import nn
 
 import gem_kernels
 from gem_kernels.nn import HSTULayer, WukongStack
+from gem_kernels.ops.jagged import hstu_sequence_layout
 
 from .config import GemConfig
 from .data import Batch, sparse_feature_names
@@ -269,42 +270,19 @@ class SequenceLayout:
     """
 
     def __init__(self, batch: Batch, contextual_len: int):
-        device = batch.history_ids.device
         num_users, c = batch.batch_size, contextual_len
-        history_lengths = batch.history_offsets.diff()
         num_history, num_rows = batch.history_ids.numel(), batch.candidate_ids.numel()
-        users = torch.arange(num_users, device=device)
         self.num_targets = batch.num_candidates
-        lengths = c + history_lengths + batch.num_candidates
-        self.seq_offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
         self.total = num_users * c + num_history + num_rows
-        starts = self.seq_offsets[:-1]
-        self.context_rows = (starts.unsqueeze(1) + torch.arange(c, device=device)).reshape(-1)
-        # Item i of a user's history (candidates) goes to row i + (that user's first row of it - its index
-        # in the batch's history (candidates)): one per-user shift, gathered per item.
-        history_owner = torch.repeat_interleave(users, history_lengths, output_size=num_history)
-        history_shift = starts + c - batch.history_offsets[:-1]
-        self.history_rows = torch.arange(num_history, device=device) + history_shift.index_select(0, history_owner)
-        self.candidate_owner = torch.repeat_interleave(users, batch.num_candidates, output_size=num_rows)
-        candidate_shift = self.seq_offsets[1:] - batch.num_candidates.cumsum(0)
-        self.candidate_rows = (torch.arange(num_rows, device=device)
-                               + candidate_shift.index_select(0, self.candidate_owner))
-        # Timestamps: history rows their own; context and candidates the request's. The query
-        # timestamp of a history row is the next item's (the request's for the last one), as in
-        # generative-recommenders' RelativeBucketedTimeAndPositionBasedBias.
-        self.rows = torch.cat([self.context_rows, self.history_rows, self.candidate_rows])
-        request = batch.request_timestamps
-        timestamps = torch.cat([request.repeat_interleave(c, output_size=num_users * c), batch.history_timestamps,
-                                request[self.candidate_owner]])
-        self.timestamps = torch.empty_like(timestamps).index_copy_(0, self.rows, timestamps)
-        # The next item within the user's own history, the request's for its last item: read from the
-        # history itself, not from the next row, which is another user's when the user has no candidate.
-        history = batch.history_timestamps
-        following = torch.empty_like(history)
-        following[:-1] = history[1:]
-        last = batch.history_offsets[1:][history_lengths > 0] - 1
-        following.index_copy_(0, last, request[history_lengths > 0])
-        self.query_timestamps = self.timestamps.index_copy(0, self.history_rows, following)
+        # One native pass on the CPU where ~40 small ATen ops (the reference twin) cost ~0.13 ms a
+        # step at 8 users (bench/results/notes-fixed12.md).
+        self.seq_offsets, self.rows, self.candidate_owner, self.timestamps, self.query_timestamps = \
+            hstu_sequence_layout(batch.history_offsets, batch.num_candidates, batch.request_timestamps,
+                                 batch.history_timestamps, c, num_rows)
+        # rows is in source order [context; history; candidates]: each kind's rows are a slice of it.
+        self.context_rows = self.rows[:num_users * c]
+        self.history_rows = self.rows[num_users * c:num_users * c + num_history]
+        self.candidate_rows = self.rows[num_users * c + num_history:]
 
 
 class SequenceArch(nn.Module):

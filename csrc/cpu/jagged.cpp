@@ -1,4 +1,4 @@
-// CPU kernels of the jagged family: jagged <-> padded copies.
+// CPU kernels of the jagged family: jagged <-> padded copies, and the HSTU sequence layout (at the end).
 //
 // Work decomposition: at::parallel_for over sequences; one task owns whole sequences, so every
 // output row is written by exactly one thread. A sequence's rows are contiguous on both sides
@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/jagged_checks.h"
@@ -99,11 +100,84 @@ at::Tensor padded_to_jagged_cpu(const at::Tensor& padded, const at::Tensor& offs
   return out;
 }
 
+
+// hstu_sequence_layout: user b's sequence is [c contextual rows, its history rows, its candidate rows];
+// the source rows are [every user's contextual rows (user-major); the history; the candidates]. One
+// pass over the users on the calling thread: a few int64 writes per row. Its plain-PyTorch twin
+// (gem_kernels/reference/jagged.py) is ~40 small ATen ops, a fixed cost at small batches. Measured in
+// the small model's training step (2-core Xeon, 2 threads, SCHED_FIFO, old and new alternated per round
+// in one process, 2026-12-07): forward -0.16 / -0.22 ms at 8 users (of ~2.4), -0.35 ms at 256 (of ~9.7).
+// 0 FLOPs; bytes: read 3*B + S int64, write B + 1 + 3*N + R int64 (N = B*c + S + R).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_sequence_layout_cpu(
+    const at::Tensor& history_offsets, const at::Tensor& num_candidates, const at::Tensor& request_timestamps,
+    const at::Tensor& history_timestamps, int64_t contextual_len, int64_t num_rows) {
+  for (const auto* t : {&history_offsets, &num_candidates, &request_timestamps, &history_timestamps}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->scalar_type() == at::kLong,
+                "hstu_sequence_layout: every tensor must be a 1-D int64 CPU tensor, got ", t->sizes(), " ",
+                t->scalar_type(), " on ", t->device());
+  }
+  const int64_t B = num_candidates.size(0), S = history_timestamps.size(0), c = contextual_len;
+  TORCH_CHECK_VALUE(history_offsets.size(0) == B + 1 && request_timestamps.size(0) == B,
+                    "hstu_sequence_layout: history_offsets must have B+1 = ", B + 1,
+                    " and request_timestamps B elements, got ", history_offsets.size(0), " and ",
+                    request_timestamps.size(0));
+  TORCH_CHECK_VALUE(c >= 0 && num_rows >= 0, "hstu_sequence_layout: contextual_len and num_rows must be >= 0, got ",
+                    c, " and ", num_rows);
+  const at::Tensor ho_t = history_offsets.contiguous(), nc_t = num_candidates.contiguous();
+  const at::Tensor req_t = request_timestamps.contiguous(), hts_t = history_timestamps.contiguous();
+  const int64_t *ho = ho_t.data_ptr<int64_t>(), *nc = nc_t.data_ptr<int64_t>();
+  const int64_t *req = req_t.data_ptr<int64_t>(), *hts = hts_t.data_ptr<int64_t>();
+  // Values first: every write below is in bounds once these hold.
+  TORCH_CHECK_VALUE(ho[0] == 0, "hstu_sequence_layout: history_offsets[0] must be 0, got ", ho[0]);
+  int64_t candidates = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(ho[b + 1] >= ho[b], "hstu_sequence_layout: history_offsets must be nondecreasing, got ",
+                      ho[b], " then ", ho[b + 1], " at ", b);
+    TORCH_CHECK_VALUE(nc[b] >= 0, "hstu_sequence_layout: num_candidates must be >= 0, got ", nc[b], " at ", b);
+    candidates += nc[b];
+  }
+  TORCH_CHECK_VALUE(ho[B] == S, "hstu_sequence_layout: history_offsets[-1] must be the ", S,
+                    " history timestamps, got ", ho[B]);
+  TORCH_CHECK_VALUE(candidates == num_rows, "hstu_sequence_layout: num_candidates must sum to num_rows = ", num_rows,
+                    ", got ", candidates);
+  const int64_t context = B * c, total = context + S + num_rows;
+  const auto opts = ho_t.options();
+  at::Tensor seq_offsets = at::empty({B + 1}, opts), rows = at::empty({total}, opts);
+  at::Tensor owner = at::empty({num_rows}, opts), ts = at::empty({total}, opts), qts = at::empty({total}, opts);
+  int64_t *so = seq_offsets.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>(), *own = owner.data_ptr<int64_t>();
+  int64_t *t = ts.data_ptr<int64_t>(), *q = qts.data_ptr<int64_t>();
+  int64_t start = 0, cand = 0;
+  so[0] = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r = req[b], h0 = ho[b], hl = ho[b + 1] - h0;
+    for (int64_t j = 0; j < c; ++j) {
+      row[b * c + j] = start + j;
+      t[start + j] = q[start + j] = r;
+    }
+    for (int64_t j = 0; j < hl; ++j) {
+      const int64_t dst = start + c + j;
+      row[context + h0 + j] = dst;
+      t[dst] = hts[h0 + j];
+      // The next item of the user's own history; the request's for its last item.
+      q[dst] = j + 1 < hl ? hts[h0 + j + 1] : r;
+    }
+    for (int64_t j = 0; j < nc[b]; ++j, ++cand) {
+      const int64_t dst = start + c + hl + j;
+      row[context + S + cand] = dst;
+      own[cand] = b;
+      t[dst] = q[dst] = r;
+    }
+    start += c + hl + nc[b];
+    so[b + 1] = start;
+  }
+  return {seq_offsets, rows, owner, ts, qts};
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
   m.impl("jagged_to_padded_native", &jagged_to_padded_cpu);
   m.impl("padded_to_jagged_native", &padded_to_jagged_cpu);
+  m.impl("hstu_sequence_layout_native", &hstu_sequence_layout_cpu);
 }
 
 }  // namespace gem_kernels

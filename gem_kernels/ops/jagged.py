@@ -129,6 +129,16 @@ if hasattr(torch.ops.gem_kernels, "jagged_to_padded_native"):
     def _padded_to_jagged_native_fake(padded, offsets, total_len):
         return padded.new_empty((total_len, padded.shape[2]))
 
+if hasattr(torch.ops.gem_kernels, "hstu_sequence_layout_native"):
+
+    @torch.library.register_fake("gem_kernels::hstu_sequence_layout_native")
+    def _hstu_sequence_layout_native_fake(history_offsets, num_candidates, request_timestamps, history_timestamps,
+                                          contextual_len, num_rows):
+        num_users = num_candidates.shape[0]
+        total = num_users * contextual_len + history_timestamps.shape[0] + num_rows
+        new = history_offsets.new_empty
+        return new((num_users + 1,)), new((total,)), new((num_rows,)), new((total,)), new((total,))
+
 
 # ---------------------------------------------------------------------------------------------
 # Public functions
@@ -197,3 +207,56 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total_len: int
     flat = (padded.unsqueeze(2) if padded.dim() == 2 else padded).contiguous()
     values = padded_to_jagged_op(flat, offsets.contiguous(), -1 if total_len is None else total_len, name)
     return values.squeeze(-1) if padded.dim() == 2 else values
+
+
+def hstu_sequence_layout(history_offsets: torch.Tensor, num_candidates: torch.Tensor,
+                         request_timestamps: torch.Tensor, history_timestamps: torch.Tensor, contextual_len: int,
+                         num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row of the jagged HSTU input comes from, for B users whose sequence b is
+    [contextual_len context rows, its L_b history items, its K_b candidates] (generative-recommenders'
+    layout with contextual tokens and candidates as targets).
+
+    The source rows are [every user's context rows (user-major); the history, back to back; the
+    candidates, back to back]: ``x = empty(N, D).index_copy_(0, rows, cat([context, history, candidates]))``
+    builds the sequences (N = B*c + S + R).
+
+    Args:
+        history_offsets: [B+1] integer, history_offsets[0] == 0, nondecreasing, history_offsets[-1] == S.
+        num_candidates: [B] integer >= 0 (K_b), summing to num_rows.
+        request_timestamps: [B] integer, the time of user b's context and candidate rows.
+        history_timestamps: [S] integer, the history items' times.
+        contextual_len: c >= 0.
+        num_rows: R, the number of candidates (a Python int: every output size is static).
+
+    Returns:
+        (seq_offsets [B+1], rows [N] (the destination row of each source row), candidate_owner [R] (the
+        user of each candidate), timestamps [N], query_timestamps [N]), on the inputs' device. Timestamps
+        in sequence order: a history row's own, the request's for context and candidate rows; query
+        timestamps equal them except on history rows, which take the next history item's (the request's
+        for the user's last one), as generative-recommenders' RelativeBucketedTimeAndPositionBasedBias
+        buckets ts(next item) - ts(key).
+
+    CPU int64 tensors run one native pass (csrc/cpu/jagged.cpp; it checks the offsets and sums and raises
+    ValueError); other devices and dtypes run ``gem_kernels.reference.jagged.hstu_sequence_layout``
+    (plain PyTorch, no value checks: on a GPU they would be host syncs).
+    """
+    tensors = dict(history_offsets=history_offsets, num_candidates=num_candidates,
+                   request_timestamps=request_timestamps, history_timestamps=history_timestamps)
+    for name, t in tensors.items():
+        check_tensor(name, t, dtypes=(torch.int32, torch.int64), dims=(1,))
+    check_same_device(**tensors)
+    check_nonnegative_int("contextual_len", contextual_len)
+    check_nonnegative_int("num_rows", num_rows)
+    num_users = num_candidates.shape[0]
+    if history_offsets.shape[0] != num_users + 1 or request_timestamps.shape[0] != num_users:
+        raise ValueError(f"history_offsets must have B+1 = {num_users + 1} and request_timestamps B = {num_users} "
+                         f"elements (B = num_candidates.shape[0]), got {history_offsets.shape[0]} and "
+                         f"{request_timestamps.shape[0]}")
+    if history_offsets.is_cpu and all(t.dtype == torch.int64 for t in tensors.values()) \
+            and hasattr(torch.ops.gem_kernels, "hstu_sequence_layout_native"):
+        return torch.ops.gem_kernels.hstu_sequence_layout_native(history_offsets, num_candidates, request_timestamps,
+                                                                 history_timestamps, contextual_len, num_rows)
+    from ..reference.jagged import hstu_sequence_layout as reference
+
+    return reference(history_offsets, num_candidates, request_timestamps, history_timestamps, contextual_len,
+                     num_rows)
