@@ -913,8 +913,8 @@ def test_cpu_output_cache_limit(large_output_cache):
 
 
 # The cpu backend's backward sums a unique row's gradient rows in registers and runs the optimizer
-# step there for D = 32, 64 and 128 (segments_fixed_d / optimizer_row_fixed), and in memory for any
-# other D. Tables of 5 (segments of hundreds of lookups), 40 and 700 rows (many unique rows per work
+# step there for D = 32, 64 and 128 (for_each_row_gradient's fixed-D row sums / optimizer_row_fixed),
+# and in memory for any other D. Tables of 5 (segments of hundreds of lookups), 40 and 700 rows (many unique rows per work
 # item): the fixed path must give the generic path's bits.
 @cpu_kernel_only
 @pytest.mark.parametrize("dim", [32, 64, 128])

@@ -43,8 +43,8 @@
 //   2. over slices of every table's segments (dynamically): the segment's gradient rows are summed in fp32,
 //      then the row is written once: the dense gradient row, or the fused optimizer step on the
 //      weight row and its state. No two threads touch the same row, so no atomics. For D = 32/64/128
-//      the sum and the optimizer step stay in registers (segments_fixed_d, optimizer_row_fixed): the
-//      same operations in the same order as the generic path, so the same bits.
+//      the sum and the optimizer step stay in registers (for_each_row_gradient's fixed-D row sums,
+//      optimizer_row_fixed): the same operations in the same order as the generic path, so the same bits.
 // Where the time went at the GEM small model's two calls (2-core Xeon VM, shared; phase timers compiled in,
 // 300 calls; bench/results/notes-sparse12.md): sequence embeddings (pooling none, 17692 ids in 2 tables,
 // 3521 unique) and the pooled features (8 tables D = 32, 8213 ids in 2048 bags, 3030 unique), both
@@ -596,16 +596,16 @@ Segments sort_segments(const Meta& m, const index_t* indices, const index_t* off
 // it may overwrite).
 // ------------------------------------------------------------------------------------------------
 
-// The segments [local_begin, local_end) of table t with D = kD known at compile time: a segment's
-// gradient rows are summed in registers (the same fmadd per element as axpy_row, so the same sums),
-// then write_fixed(t, row, acc, kD) writes the row.
-template <int kD, typename scalar_t, typename index_t, typename Prefetch, typename WriteFixed>
-void segments_fixed_d(const Meta& m, const Segments& s, int64_t t, int64_t local_begin, int64_t local_end,
-                      const scalar_t* __restrict__ grad_output, int64_t grad_stride, const index_t* offsets,
-                      const float* __restrict__ psw, int64_t pooling, const Prefetch& prefetch,
-                      const WriteFixed& write_fixed) {
-  constexpr int kV = kD / Vec::size();
-  static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
+// The segments [local_begin, local_end) of table t (its distinct rows, sorted), in order: prefetch(t, row)
+// kRowsAhead segments ahead, then sum_row(row, each), where each(f) calls f(src, scale) for the segment's
+// entries in their sorted order: the output-gradient row the entry reads (its own with pooling none, else its
+// bag's slice of table t) and its scale (the per-sample weight, times 1 / bag size for mean), the row
+// kPrefetchDistance entries ahead prefetched. The two row sums below (D known at compile time, any D) share it.
+template <typename scalar_t, typename index_t, typename Prefetch, typename SumRow>
+inline void walk_segments(const Meta& m, const Segments& s, int64_t t, int64_t local_begin, int64_t local_end,
+                          const scalar_t* __restrict__ grad_output, int64_t grad_stride, const index_t* offsets,
+                          const float* __restrict__ psw, int64_t pooling, int64_t D, const Prefetch& prefetch,
+                          SumRow&& sum_row) {
   const int64_t lo = offsets[t * m.B];
   const int64_t* segs = s.seg_begin.data() + lo + t;
   const uint64_t* pairs = s.sorted[t];
@@ -613,40 +613,30 @@ void segments_fixed_d(const Meta& m, const Segments& s, int64_t t, int64_t local
   const int64_t d_off = m.d_off[t];
   const int32_t* bag_of = s.bag_of.data();
   const float* bag_scale = pooling == kMean ? s.bag_scale.data() + t * m.B : nullptr;
+  const auto gradient_row = [&](int64_t p) {
+    return pooling == kNone ? grad_output + p * grad_stride : grad_output + bag_of[p] * grad_stride + d_off;
+  };
   for (int64_t local = local_begin; local < local_end; ++local) {
     const int64_t first = segs[local];
     const int64_t last = segs[local + 1];
     if (local + kRowsAhead < local_end) prefetch(t, static_cast<int64_t>(pairs[segs[local + kRowsAhead]] >> 32));
-    Vec acc[kV];
-#pragma GCC unroll 16
-    for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
-    for (int64_t i = first; i < last; ++i) {
-      if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
-        const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
-        prefetch_row(pooling == kNone ? grad_output + q * grad_stride : grad_output + bag_of[q] * grad_stride + d_off,
-                     kD);
+    sum_row(static_cast<int64_t>(pairs[first] >> 32), [&](auto&& f) {
+      for (int64_t i = first; i < last; ++i) {
+        if (i + kPrefetchDistance < slice_stop)  // the gradient row of an entry further on
+          prefetch_row(gradient_row(lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu)), D);
+        const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
+        float scale = psw ? psw[p] : 1.f;
+        if (pooling == kMean) scale *= bag_scale[bag_of[p]];
+        f(gradient_row(p), scale);
       }
-      const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
-      float scale = psw ? psw[p] : 1.f;
-      const scalar_t* src;
-      if (pooling == kNone) {
-        src = grad_output + p * grad_stride;
-      } else {
-        const int64_t b = bag_of[p];
-        src = grad_output + b * grad_stride + d_off;
-        if (pooling == kMean) scale *= bag_scale[b];
-      }
-      const Vec sv(scale);
-#pragma GCC unroll 16
-      for (int v = 0; v < kV; ++v) acc[v] = at::vec::fmadd(load_vec(src + v * Vec::size()), sv, acc[v]);
-    }
-    write_fixed(t, static_cast<int64_t>(pairs[first] >> 32), acc, std::integral_constant<int, kD>{});
+    });
   }
 }
 
 // `prefetch(t, row)` prefetches local row `row` of table t's destination,
-// kRowsAhead segments before it is written. D = 32, 64 or 128 takes segments_fixed_d and
-// write_fixed(t, row, Vec* acc, integral_constant<int, kD>); other widths write(t, row, D, float* g).
+// kRowsAhead segments before it is written. D = 32, 64 or 128: a segment's gradient rows are summed in
+// registers (the same fmadd per element as axpy_row, so the same sums) and
+// write_fixed(t, row, Vec* acc, integral_constant<int, kD>) writes them; other widths write(t, row, D, float* g).
 template <typename scalar_t, typename index_t, typename Prefetch, typename Write, typename WriteFixed>
 void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* grad_output, int64_t grad_stride,
                            const index_t* offsets, const float* psw, int64_t pooling, Prefetch prefetch,
@@ -659,49 +649,35 @@ void for_each_row_gradient(const Meta& m, const Segments& s, const scalar_t* gra
     const int64_t local_begin = count * slice / kSlicesPerTable;
     const int64_t local_end = count * (slice + 1) / kSlicesPerTable;
     const int64_t D = m.d_off[t + 1] - m.d_off[t];
-    if (D == 32) {
-      return segments_fixed_d<32>(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling,
-                                  prefetch, write_fixed);
-    }
-    if (D == 64) {
-      return segments_fixed_d<64>(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling,
-                                  prefetch, write_fixed);
-    }
-    if (D == 128) {
-      return segments_fixed_d<128>(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling,
-                                   prefetch, write_fixed);
-    }
+    const auto fixed = [&](auto width) {
+      constexpr int kD = decltype(width)::value;
+      constexpr int kV = kD / Vec::size();
+      static_assert(kD % Vec::size() == 0, "kD must be a multiple of the vector width");
+      walk_segments(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling, kD, prefetch,
+                    [&](int64_t row, auto&& each) {
+                      Vec acc[kV];
+#pragma GCC unroll 16
+                      for (int v = 0; v < kV; ++v) acc[v] = Vec(0.f);
+                      each([&](const scalar_t* src, float scale) {
+                        const Vec sv(scale);
+#pragma GCC unroll 16
+                        for (int v = 0; v < kV; ++v)
+                          acc[v] = at::vec::fmadd(load_vec(src + v * Vec::size()), sv, acc[v]);
+                      });
+                      write_fixed(t, row, acc, width);
+                    });
+    };
+    if (D == 32) return fixed(std::integral_constant<int, 32>{});
+    if (D == 64) return fixed(std::integral_constant<int, 64>{});
+    if (D == 128) return fixed(std::integral_constant<int, 128>{});
     thread_local std::vector<float> acc;
     acc.resize(m.max_D);
-    const int64_t lo = offsets[t * m.B];
-    const int64_t* segs = s.seg_begin.data() + lo + t;
-    const uint64_t* pairs = s.sorted[t];
-    const int64_t slice_stop = segs[local_end];
-    for (int64_t local = local_begin; local < local_end; ++local) {
-      const int64_t first = segs[local];
-      const int64_t last = segs[local + 1];
-      if (local + kRowsAhead < local_end) prefetch(t, static_cast<int64_t>(pairs[segs[local + kRowsAhead]] >> 32));
-      std::fill(acc.begin(), acc.begin() + D, 0.f);
-      for (int64_t i = first; i < last; ++i) {
-        if (i + kPrefetchDistance < slice_stop) {  // the gradient row of an entry further on
-          const int64_t q = lo + static_cast<int64_t>(pairs[i + kPrefetchDistance] & 0xffffffffu);
-          prefetch_row(pooling == kNone ? grad_output + q * grad_stride
-                                        : grad_output + s.bag_of[q] * grad_stride + m.d_off[t], D);
-        }
-        const int64_t p = lo + static_cast<int64_t>(pairs[i] & 0xffffffffu);
-        float scale = psw ? psw[p] : 1.f;
-        const scalar_t* src;
-        if (pooling == kNone) {
-          src = grad_output + p * grad_stride;
-        } else {
-          const int64_t b = s.bag_of[p];
-          src = grad_output + b * grad_stride + m.d_off[t];
-          if (pooling == kMean) scale *= s.bag_scale[t * m.B + b];
-        }
-        axpy_row(acc.data(), src, scale, D);
-      }
-      write(t, static_cast<int64_t>(pairs[first] >> 32), D, acc.data());
-    }
+    walk_segments(m, s, t, local_begin, local_end, grad_output, grad_stride, offsets, psw, pooling, D, prefetch,
+                  [&](int64_t row, auto&& each) {
+                    std::fill(acc.begin(), acc.begin() + D, 0.f);
+                    each([&](const scalar_t* src, float scale) { axpy_row(acc.data(), src, scale, D); });
+                    write(t, row, D, acc.data());
+                  });
   });
 }
 
