@@ -293,6 +293,23 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
     return matmul_peak_tflops(dtype, device, quick=False)
 
 
+# Reads of the peak model.train makes at most (peak_at_least).
+PEAK_READS = 3
+
+
+def peak_at_least(device: torch.device, dtype: torch.dtype, rate_tflops: float | None) -> tuple[float, list[float]]:
+    """(the peak, every read of it): measured_peak, read again (up to PEAK_READS reads, the best kept)
+    while the best read is below ``rate_tflops``, the rate the training step itself reached. A
+    peak below what the model's own step did is a read taken while something else held the cores
+    (seen on a busy 2-core VM: a 2048^3 matmul read 0.001 TFLOP/s, which printed an MFU of 185 %),
+    so a quiet moment's read replaces it; an MFU still above 100 % after the last read is printed
+    with a warning (main)."""
+    reads = [measured_peak(device, dtype)]
+    while rate_tflops is not None and max(reads) < rate_tflops and len(reads) < PEAK_READS:
+        reads.append(measured_peak(device, dtype))
+    return max(reads), reads
+
+
 def vendor_peak(device: torch.device, dtype: torch.dtype, device_name: str | None = None) -> float | None:
     """The datasheet's dense peak of `dtype` on this GPU (fp32 under TF32 when tf32_enabled); None off
     a GPU or for a GPU not in VENDOR_PEAK_TFLOPS."""
@@ -422,8 +439,8 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
     by_component = ({k: statistics.fmean(f[k] for f in run["flops"]) for k in run["flops"][0]}
                     if run["flops"] else {})
     mean_flops = model_flops(by_component) if by_component else None
-    peak = measured_peak(device, dtype)
     tflops = mean_flops / (step_ms / 1e3) / 1e12 if step_ms else None
+    peak, peak_reads = peak_at_least(device, dtype, tflops)
     vendor = vendor_peak(device, dtype)
     components_ms = {p: statistics.median(v) if v else None for p, v in run["components"].items()}
     result = {
@@ -434,6 +451,9 @@ def report(args: argparse.Namespace, cfg: GemConfig, model: GemModel, run: dict)
         "examples_per_s": cfg.batch_size / (step_ms / 1e3) if step_ms else None,
         "tflops": tflops,
         "peak_tflops": peak,
+        # Every read of the peak (PEAK_READS at most): more than one when a read came out below the
+        # step's own rate, which a real peak cannot be (peak_at_least).
+        "peak_tflops_reads": peak_reads,
         "mfu": mfu(mean_flops, step_ms, peak) if step_ms else None,
         "auc": run["auc"],
         "components_ms": components_ms,
@@ -500,6 +520,11 @@ def main(argv: list[str] | None = None) -> dict:
               + (", TF32 on" if result["tf32"] else ", TF32 off" if result["tf32"] is False else "") + ")"
               + (f", mfu_vendor {100 * result['mfu_vendor']:.2f}% of {result['vendor_peak_tflops']:.1f} TFLOP/s"
                  if result["mfu_vendor"] is not None else ""))
+        if result["mfu"] > 1:
+            print(f"warning: MFU above 100 %: every read of the {result['dtype']} matmul peak "
+                  f"({', '.join(f'{r:.3f}' for r in result['peak_tflops_reads'])} TFLOP/s) came out below the "
+                  f"step's own {result['tflops']:.4f} TFLOP/s, so the host was busy while the peak was measured; "
+                  "rerun on a quiet host for a meaningful MFU", file=sys.stderr)
         print("MFU by component: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in result["mfu_by_component"].items()
                                                if v is not None))
     else:
