@@ -24,7 +24,7 @@ from gem_kernels.nn import HSTULayer, WukongStack
 from gem_kernels.ops.jagged import hstu_sequence_layout
 
 from .config import GemConfig
-from .data import Batch, sparse_feature_names
+from .data import Batch, _offsets, sparse_feature_names
 
 KERNELS = ("eager", "fused")
 
@@ -279,6 +279,8 @@ class SequenceLayout:
         self.seq_offsets, self.rows, self.candidate_owner, self.timestamps, self.query_timestamps = \
             hstu_sequence_layout(batch.history_offsets, batch.num_candidates, batch.request_timestamps,
                                  batch.history_timestamps, c, num_rows)
+        # Each user's candidates are contiguous rows of the R candidate rows: their offsets [B+1].
+        self.candidate_offsets = _offsets(self.num_targets)
         # rows is in source order [context; history; candidates]: each kind's rows are a slice of it.
         self.context_rows = self.rows[:num_users * c]
         self.history_rows = self.rows[num_users * c:num_users * c + num_history]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gem_kernels import flops
+from gem_kernels.ops.jagged import jagged_broadcast_cat
 
 from .archs import (
     InteractionArch,
@@ -116,7 +117,7 @@ class GemModel(nn.Module):
         candidates = self.sequence_arch(embedded, non_sequence, layout)                  # [R, D]
         _mark(timer, "sequence")
         tokens = interaction_tokens(non_sequence, candidates, layout)                     # [R, F, D]
-        over = self.interaction_arch(tokens, dense_out.index_select(0, layout.candidate_owner))
+        over = self.interaction_arch(tokens, candidate_rows_of_users(dense_out, layout))
         _mark(timer, "interaction")
         return self.task_heads(over)
 
@@ -141,7 +142,7 @@ class GemModel(nn.Module):
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)
         candidates = self.sequence_arch.rank(batch, non_sequence, layout, user_sizes, cache, user_ids)
         tokens = interaction_tokens(non_sequence, candidates, layout)
-        return self.task_heads(self.interaction_arch(tokens, dense_out.index_select(0, layout.candidate_owner)))
+        return self.task_heads(self.interaction_arch(tokens, candidate_rows_of_users(dense_out, layout)))
 
     def loss(self, batch: Batch, timer: PhaseTimer | None = None) -> torch.Tensor:
         """Mean binary cross-entropy over the rows and the tasks; `timer` also marks "heads"."""
@@ -284,17 +285,25 @@ def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor,
     """The interaction arch's input [R, F, D]: row r is its user's non-sequence tokens
     non_sequence[owner(r)] [T + 1, D], then its candidate token candidates[r].
 
-    One gather of token rows from [non-sequence tokens; candidate tokens], not a gather of the users'
-    tokens then a concat with the candidates: one copy of [R, F, D] instead of two, and a backward that
-    is one index_add (measured 2026-12-06, 2-core Xeon, 1 thread, small config: 1.2 instead of 1.5 ms
-    forward + backward; advanced indexing's backward, an index_put, was slower still)."""
+    One jagged_broadcast_cat (each user's candidates are contiguous rows): one copy of [R, F, D] forward,
+    and a backward that sums each user's rows (a segment sum) and hands the candidates their column.
+    Before it: a gather of token rows from [non-sequence tokens; candidate tokens] (a cat, then
+    index_select), whose backward was ATen's index_add (scatter_add_ on one thread into a zero fill).
+    Measured with candidate_rows_of_users (2-core Xeon, small config, old and new alternated step by step,
+    SCHED_FIFO, 2026-12-07): 2 threads -0.26 to -0.39 ms a step (0.987-0.991x), 1 thread -0.26 ms (0.994x).
+    Tried and not kept: the old gather in a torch.autograd.Function whose backward is F.embedding_bag
+    over the gradient rows (a segment sum of ~15 us): fwd+bwd alone at the model's shape 390 against the
+    old gather's 496 us at 2 threads; the native op was taken instead (the two not compared in the step).
+    """
     num_users, num_tokens, dim = non_sequence.shape
-    owner = layout.candidate_owner
-    token_rows = torch.cat([owner.unsqueeze(1) * num_tokens + torch.arange(num_tokens, device=owner.device),
-                            num_users * num_tokens + torch.arange(owner.numel(), device=owner.device).unsqueeze(1)],
-                           dim=1)
-    source = torch.cat([non_sequence.reshape(num_users * num_tokens, dim), candidates])
-    return source.index_select(0, token_rows.view(-1)).view(owner.numel(), num_tokens + 1, dim)
+    return jagged_broadcast_cat(non_sequence.reshape(num_users, num_tokens * dim), layout.candidate_offsets,
+                                candidates).view(-1, num_tokens + 1, dim)
+
+
+def candidate_rows_of_users(dense: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """dense [B, D] -> [R, D], each candidate's row its user's: dense.index_select(0, candidate_owner), with
+    a segment sum as its backward (ATen's index_add runs on one thread into a zero fill)."""
+    return jagged_broadcast_cat(dense, layout.candidate_offsets, dense.new_empty((layout.candidate_owner.numel(), 0)))
 
 
 def _mark(timer: PhaseTimer | None, phase: str) -> None:
