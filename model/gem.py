@@ -117,7 +117,7 @@ class GemModel(nn.Module):
         candidates = self.sequence_arch(embedded, non_sequence, layout)                  # [R, D]
         _mark(timer, "sequence")
         tokens = interaction_tokens(non_sequence, candidates, layout)                     # [R, F, D]
-        over = self.interaction_arch(tokens, candidate_rows_of_users(dense_out, layout))
+        over = self.interaction_arch(tokens, dense_out.index_select(0, layout.candidate_owner))
         _mark(timer, "interaction")
         return self.task_heads(over)
 
@@ -142,7 +142,7 @@ class GemModel(nn.Module):
         non_sequence = torch.cat([dense_out.unsqueeze(1), pooled], dim=1)
         candidates = self.sequence_arch.rank(batch, non_sequence, layout, user_sizes, cache, user_ids)
         tokens = interaction_tokens(non_sequence, candidates, layout)
-        return self.task_heads(self.interaction_arch(tokens, candidate_rows_of_users(dense_out, layout)))
+        return self.task_heads(self.interaction_arch(tokens, dense_out.index_select(0, layout.candidate_owner)))
 
     def loss(self, batch: Batch, timer: PhaseTimer | None = None) -> torch.Tensor:
         """Mean binary cross-entropy over the rows and the tasks; `timer` also marks "heads"."""
@@ -289,8 +289,12 @@ def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor,
     and a backward that sums each user's rows (a segment sum) and hands the candidates their column.
     Before it: a gather of token rows from [non-sequence tokens; candidate tokens] (a cat, then
     index_select), whose backward was ATen's index_add (scatter_add_ on one thread into a zero fill).
-    Measured with candidate_rows_of_users (2-core Xeon, small config, old and new alternated step by step,
-    SCHED_FIFO, 2026-12-07): 2 threads -0.26 to -0.39 ms a step (0.987-0.991x), 1 thread -0.26 ms (0.994x).
+    Measured (2-core Xeon, small config, old and new alternated step by step on the same batches,
+    SCHED_FIFO, 96 pairs a run, busy host, 2026-12-07): 2 threads -0.25 and -0.28 ms a step (0.993x,
+    0.991x), 1 thread -0.43 ms (0.992x). Measured and not kept: the dense rows per candidate
+    (dense_out.index_select(0, candidate_owner) in GemModel.forward) as a jagged_broadcast_cat too:
+    -0.12 / +0.16 ms at 2 threads, +0.15 ms at 1 against this op alone (within the pairs' spread; that
+    index_select's backward scatters into only [B, D]).
     Tried and not kept: the old gather in a torch.autograd.Function whose backward is F.embedding_bag
     over the gradient rows (a segment sum of ~15 us): fwd+bwd alone at the model's shape 390 against the
     old gather's 496 us at 2 threads; the native op was taken instead (the two not compared in the step).
@@ -298,12 +302,6 @@ def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor,
     num_users, num_tokens, dim = non_sequence.shape
     return jagged_broadcast_cat(non_sequence.reshape(num_users, num_tokens * dim), layout.candidate_offsets,
                                 candidates).view(-1, num_tokens + 1, dim)
-
-
-def candidate_rows_of_users(dense: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """dense [B, D] -> [R, D], each candidate's row its user's: dense.index_select(0, candidate_owner), with
-    a segment sum as its backward (ATen's index_add runs on one thread into a zero fill)."""
-    return jagged_broadcast_cat(dense, layout.candidate_offsets, dense.new_empty((layout.candidate_owner.numel(), 0)))
 
 
 def _mark(timer: PhaseTimer | None, phase: str) -> None:

@@ -192,7 +192,7 @@ def test_interaction_input_and_over_arch_without_the_concats(cfg):
     layer runs on [dense token, interactions] without concatenating them: the tokens equal the concat of
     each row's user tokens and its candidate, and the output and every gradient equal the concatenated
     formulation's (the eager arch; fp32, so up to reassociation)."""
-    from model.gem import candidate_rows_of_users, interaction_tokens
+    from model.gem import interaction_tokens
 
     batch = SyntheticBatches(cfg, 7, seed=3)[0]
     layout = SequenceLayout(batch, cfg.contextual_len)
@@ -213,12 +213,10 @@ def test_interaction_input_and_over_arch_without_the_concats(cfg):
     want = torch.autograd.grad(expected, inputs, grad_out)
     for g_got, g_want in zip(torch.autograd.grad(out, inputs, grad_out, retain_graph=True), want):
         assert_close(g_got, g_want)
-    # The model hands the dense token from its own source (dense_out broadcast to its user's rows): the same
-    # output, and the gradient reaches the dense token through that source instead of through tokens[:, 0].
+    # The model hands the dense token from its own source (dense_out gathered per row): the same output,
+    # and the gradient reaches the dense token through that source instead of through tokens[:, 0].
     dense_out = non_sequence[:, 0].detach().clone().requires_grad_()
-    dense_rows = candidate_rows_of_users(dense_out, layout)
-    assert torch.equal(dense_rows, dense_out.index_select(0, layout.candidate_owner))
-    with_dense = arch(tokens, dense_rows)
+    with_dense = arch(tokens, dense_out.index_select(0, layout.candidate_owner))
     assert_close(with_dense, out)
     got = torch.autograd.grad(with_dense, [dense_out, non_sequence, candidates, *arch.parameters()], grad_out)
     assert_close(got[0] + got[1][:, 0], want[0][:, 0])

@@ -183,16 +183,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hstu_sequ
 // output row, backward: every grad_dense row and grad_jagged row written by one thread). The segment
 // sum adds a sequence's rows in row order in fp32 (bit-identical at any thread count, and to the
 // reference twin's index_add on fp32). In the GEM model it builds the interaction arch's tokens
-// [R, (T+1)*D + D] from the users' [B, (T+1)*D] non-sequence tokens and the candidates' [R, D] rows, and
-// broadcasts the dense-arch rows [B, D] to the candidates. Before it (2-core Xeon, small config, 2 threads,
-// torch.profiler, 8 batches): a cat + index_select forward, and ATen's index_select backward (index_add ->
-// scatter_add_ into a zero fill, on one thread whatever the thread count: 87-100 us a call) backward,
-// ~0.5 ms a step for the two. Now (same profile): forward 0.11 ms, backward 0.08 ms for the two calls
-// (0.19 / 0.12 at 1 thread), the op's Python front door ~0.14 ms. Alone at the model's shape (1097 rows
-// of 288 + 32): forward 23 us warm / 82 us cold at 2 threads, the backward 16 / 83 us, a clone of the
-// same 1.4 MB 35 / 95 us: at the copy's speed. Model step, the old gather and this op alternated step by
-// step on the same batches (one process, SCHED_FIFO under the measuring lock, 96 pairs per run): 2
-// threads paired median -0.39 and -0.26 ms (ratio 0.987, 0.991) of ~28 ms; 1 thread -0.26 ms (0.994).
+// [R, (T+1)*D + D] from the users' [B, (T+1)*D] non-sequence tokens and the candidates' [R, D] rows. Before
+// it: a cat + index_select forward and ATen's index_select backward (index_add -> scatter_add_ of R*(T+2)
+// rows into a zero fill, on one thread whatever the thread count). torch.profiler, small config, 2-core
+// Xeon, 8 batches x 7 rounds (medians), 1 / 2 threads: the step's scatter_add_ 0.33 / 0.30 -> 0.11 / 0.11
+// ms, index_select 0.43 / 0.24 -> 0.26 / 0.16 ms, for this op's forward 0.18 / 0.10 ms, backward 0.10 /
+// 0.06 ms and its Python front door 0.13 / 0.11 ms. Alone at the model's shape (1097 rows of 288 + 32):
+// forward 23 us warm / 82 us cold at 2 threads, backward 16 / 83 us, a clone of the same 1.4 MB 35 / 95
+// us: at the copy's speed. Model step, the old gather and this op alternated step by step on the same
+// batches (one process, SCHED_FIFO under the measuring lock, 96 pairs a run, busy host): 2 threads paired
+// median -0.25 and -0.28 ms (0.993x, 0.991x) of ~32 ms, 1 thread -0.43 ms (0.992x).
 // 0 FLOPs forward, N*K adds backward. Minimum bytes: forward read B*K + N*S, write N*(K+S) elements;
 // backward read N*(K+S), write B*K + N*S.
 void check_broadcast_cat_offsets(const at::Tensor& offsets, int64_t B, int64_t N) {
