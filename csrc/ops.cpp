@@ -14,6 +14,10 @@ TORCH_LIBRARY(gem_kernels, m) {
   // hstu_sequence_layout): -> (seq_offsets, rows, candidate_owner, timestamps, query_timestamps)
   m.def("hstu_sequence_layout_native(Tensor history_offsets, Tensor num_candidates, Tensor request_timestamps, "
         "Tensor history_timestamps, int contextual_len, SymInt num_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Each jagged row prefixed with its sequence's dense row: dense [B, K], offsets [B+1], jagged [N, S] ->
+  // [N, K + S]; the backward -> (grad_dense [B, K] segment sums, grad_jagged [N, S])
+  m.def("jagged_broadcast_cat_native(Tensor dense, Tensor offsets, Tensor jagged) -> Tensor");
+  m.def("jagged_broadcast_cat_backward_native(Tensor grad, Tensor offsets, int dense_width) -> (Tensor, Tensor)");
   // embedding_bag (TBE): packed tables + int64 metadata; codes in gem_kernels/_embedding_bag.py = include/gem_kernels/embedding_bag_codes.h
   m.def("embedding_bag_forward_native(Tensor weights, Tensor weights_offsets, Tensor D_offsets, Tensor rows_offsets, "
         "Tensor indices, Tensor offsets, Tensor per_sample_weights, int output_dim, int pooling, int bounds_check) "

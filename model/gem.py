@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gem_kernels import flops
+from gem_kernels.ops.jagged import jagged_broadcast_cat
 
 from .archs import (
     InteractionArch,
@@ -284,17 +285,23 @@ def interaction_tokens(non_sequence: torch.Tensor, candidates: torch.Tensor,
     """The interaction arch's input [R, F, D]: row r is its user's non-sequence tokens
     non_sequence[owner(r)] [T + 1, D], then its candidate token candidates[r].
 
-    One gather of token rows from [non-sequence tokens; candidate tokens], not a gather of the users'
-    tokens then a concat with the candidates: one copy of [R, F, D] instead of two, and a backward that
-    is one index_add (measured 2026-12-06, 2-core Xeon, 1 thread, small config: 1.2 instead of 1.5 ms
-    forward + backward; advanced indexing's backward, an index_put, was slower still)."""
+    One jagged_broadcast_cat (each user's candidates are contiguous rows): one copy of [R, F, D] forward,
+    and a backward that sums each user's rows (a segment sum) and hands the candidates their column.
+    Before it: a gather of token rows from [non-sequence tokens; candidate tokens] (a cat, then
+    index_select), whose backward was ATen's index_add (scatter_add_ on one thread into a zero fill).
+    Measured (2-core Xeon, small config, old and new alternated step by step on the same batches,
+    SCHED_FIFO, 96 pairs a run, busy host, 2026-12-07): 2 threads -0.25 and -0.28 ms a step (0.993x,
+    0.991x), 1 thread -0.43 ms (0.992x). Measured and not kept: the dense rows per candidate
+    (dense_out.index_select(0, candidate_owner) in GemModel.forward) as a jagged_broadcast_cat too:
+    -0.12 / +0.16 ms at 2 threads, +0.15 ms at 1 against this op alone (within the pairs' spread; that
+    index_select's backward scatters into only [B, D]).
+    Tried and not kept: the old gather in a torch.autograd.Function whose backward is F.embedding_bag
+    over the gradient rows (a segment sum of ~15 us): fwd+bwd alone at the model's shape 390 against the
+    old gather's 496 us at 2 threads; the native op was taken instead (the two not compared in the step).
+    """
     num_users, num_tokens, dim = non_sequence.shape
-    owner = layout.candidate_owner
-    token_rows = torch.cat([owner.unsqueeze(1) * num_tokens + torch.arange(num_tokens, device=owner.device),
-                            num_users * num_tokens + torch.arange(owner.numel(), device=owner.device).unsqueeze(1)],
-                           dim=1)
-    source = torch.cat([non_sequence.reshape(num_users * num_tokens, dim), candidates])
-    return source.index_select(0, token_rows.view(-1)).view(owner.numel(), num_tokens + 1, dim)
+    return jagged_broadcast_cat(non_sequence.reshape(num_users, num_tokens * dim), layout.candidate_offsets,
+                                candidates).view(-1, num_tokens + 1, dim)
 
 
 def _mark(timer: PhaseTimer | None, phase: str) -> None:

@@ -188,7 +188,7 @@ def test_sequence_layout_query_timestamps_of_a_user_without_candidates():
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_interaction_input_and_over_arch_without_the_concats(cfg):
-    """The interaction arch's input is one gather (model.gem.interaction_tokens) and the over arch's first
+    """The interaction arch's input is one jagged_broadcast_cat (model.gem.interaction_tokens) and the over arch's first
     layer runs on [dense token, interactions] without concatenating them: the tokens equal the concat of
     each row's user tokens and its candidate, and the output and every gradient equal the concatenated
     formulation's (the eager arch; fp32, so up to reassociation)."""

@@ -19,6 +19,7 @@ from .._validate import (
     check_pad_value,
     check_same_device,
     check_tensor,
+    float_dtypes,
     offsets_summary,
 )
 
@@ -118,6 +119,69 @@ register_autograd(jagged_to_padded_backward_op, _grad_padded, setup_context=_set
 register_autograd(padded_to_jagged_backward_op, _grad_values, setup_context=_setup_values_input)
 
 
+# jagged_broadcast_cat and its backward: each other's adjoint (the backward's gradient is the forward
+# again), like the two conversions above. A CPU native pass (csrc/cpu/jagged.cpp) where the extension
+# has it, the reference twin on every other device (a copy and a segment sum: index work, no kernel worth
+# a GPU launch per op of its own).
+_BROADCAST_CAT_NATIVE = hasattr(torch.ops.gem_kernels, "jagged_broadcast_cat_native")
+
+
+@torch.library.custom_op("gem_kernels::jagged_broadcast_cat", mutates_args=())
+def jagged_broadcast_cat_op(dense: torch.Tensor, offsets: torch.Tensor, jagged: torch.Tensor) -> torch.Tensor:
+    if _BROADCAST_CAT_NATIVE and dense.is_cpu and offsets.is_cpu and jagged.is_cpu:
+        return torch.ops.gem_kernels.jagged_broadcast_cat_native(dense, offsets, jagged)
+    from ..reference.jagged import jagged_broadcast_cat as reference
+
+    check_offsets_values("offsets", offsets, jagged.shape[0])
+    return reference(dense, offsets, jagged)
+
+
+@jagged_broadcast_cat_op.register_fake
+def _jagged_broadcast_cat_fake(dense, offsets, jagged):
+    return dense.new_empty((jagged.shape[0], dense.shape[1] + jagged.shape[1]))
+
+
+@torch.library.custom_op("gem_kernels::jagged_broadcast_cat_backward", mutates_args=())
+def jagged_broadcast_cat_backward_op(grad: torch.Tensor, offsets: torch.Tensor,
+                                     dense_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if _BROADCAST_CAT_NATIVE and grad.is_cpu and offsets.is_cpu:
+        return torch.ops.gem_kernels.jagged_broadcast_cat_backward_native(grad, offsets, dense_width)
+    from ..reference.jagged import jagged_broadcast_cat_backward as reference
+
+    return reference(grad, offsets, dense_width)
+
+
+@jagged_broadcast_cat_backward_op.register_fake
+def _jagged_broadcast_cat_backward_fake(grad, offsets, dense_width):
+    return (grad.new_empty((offsets.shape[0] - 1, dense_width)),
+            grad.new_empty((grad.shape[0], grad.shape[1] - dense_width)))
+
+
+def _setup_broadcast_cat(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.dense_width = inputs[0].shape[1]
+
+
+def _grad_broadcast_cat(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    grad_dense, grad_jagged = jagged_broadcast_cat_backward_op(grad.contiguous(), offsets, ctx.dense_width)
+    return grad_dense, None, grad_jagged
+
+
+def _setup_broadcast_cat_backward(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _grad_broadcast_cat_backward(ctx, grad_dense, grad_jagged):
+    (offsets,) = ctx.saved_tensors
+    return jagged_broadcast_cat_op(grad_dense.contiguous(), offsets, grad_jagged.contiguous()), None, None
+
+
+register_autograd(jagged_broadcast_cat_op, _grad_broadcast_cat, setup_context=_setup_broadcast_cat)
+register_autograd(jagged_broadcast_cat_backward_op, _grad_broadcast_cat_backward,
+                  setup_context=_setup_broadcast_cat_backward)
+
+
 # Fake kernels for the native schemas (csrc/ops.cpp), so opcheck and tracing see them too.
 if hasattr(torch.ops.gem_kernels, "jagged_to_padded_native"):
 
@@ -128,6 +192,16 @@ if hasattr(torch.ops.gem_kernels, "jagged_to_padded_native"):
     @torch.library.register_fake("gem_kernels::padded_to_jagged_native")
     def _padded_to_jagged_native_fake(padded, offsets, total_len):
         return padded.new_empty((total_len, padded.shape[2]))
+
+if hasattr(torch.ops.gem_kernels, "jagged_broadcast_cat_native"):
+
+    @torch.library.register_fake("gem_kernels::jagged_broadcast_cat_native")
+    def _jagged_broadcast_cat_native_fake(dense, offsets, jagged):
+        return _jagged_broadcast_cat_fake(dense, offsets, jagged)
+
+    @torch.library.register_fake("gem_kernels::jagged_broadcast_cat_backward_native")
+    def _jagged_broadcast_cat_backward_native_fake(grad, offsets, dense_width):
+        return _jagged_broadcast_cat_backward_fake(grad, offsets, dense_width)
 
 if hasattr(torch.ops.gem_kernels, "hstu_sequence_layout_native"):
 
@@ -260,3 +334,37 @@ def hstu_sequence_layout(history_offsets: torch.Tensor, num_candidates: torch.Te
 
     return reference(history_offsets, num_candidates, request_timestamps, history_timestamps, contextual_len,
                      num_rows)
+
+
+def jagged_broadcast_cat(dense: torch.Tensor, offsets: torch.Tensor, jagged: torch.Tensor) -> torch.Tensor:
+    """Each jagged row prefixed with its sequence's dense row:
+    ``out[n] = cat(dense[b], jagged[n])`` for ``n in offsets[b] : offsets[b+1]``.
+
+    The backward sums each sequence's gradient rows into dense's gradient (a segment sum, in row order,
+    fp32 accumulation for half and bfloat16: generative-recommenders' jagged_reduce_sum of a dense
+    broadcast) and hands jagged its own columns. ``jagged`` of width 0 is a plain broadcast of dense's
+    rows to their sequences' rows (``dense.repeat_interleave(lengths, 0)``, whose ATen backward is an
+    index_add). A zero-length sequence takes no row and gets a zero gradient.
+
+    Args:
+        dense: [B, K] float32/float16/bfloat16 (and float64 inside float64_ground_truth()).
+        offsets: [B+1] int32/int64 on dense's device; offsets[0] == 0, nondecreasing, offsets[-1] == N
+            (ValueError otherwise).
+        jagged: [N, S] float on dense's device (S may be 0).
+
+    Returns:
+        [N, K + S] of dense's and jagged's promoted dtype (as torch.cat promotes: under autocast the fp32
+        dense rows and bf16 jagged rows give fp32), differentiable w.r.t. dense and jagged.
+
+    CPU tensors run one native pass each way (csrc/cpu/jagged.cpp; it checks the offsets' values); other
+    devices run ``gem_kernels.reference.jagged.jagged_broadcast_cat`` (plain PyTorch).
+    """
+    check_tensor("dense", dense, dtypes=float_dtypes(), dims=(2,))
+    check_tensor("jagged", jagged, dtypes=float_dtypes(), dims=(2,))
+    check_offsets_meta("offsets", offsets)
+    check_same_device(dense=dense, offsets=offsets, jagged=jagged)
+    if offsets.shape[0] != dense.shape[0] + 1:
+        raise ValueError(f"offsets must have dense.shape[0] + 1 = {dense.shape[0] + 1} elements, "
+                         f"got {offsets.shape[0]}")
+    dtype = torch.promote_types(dense.dtype, jagged.dtype)
+    return jagged_broadcast_cat_op(dense.to(dtype).contiguous(), offsets.contiguous(), jagged.to(dtype).contiguous())

@@ -70,3 +70,20 @@ def hstu_sequence_layout(history_offsets: torch.Tensor, num_candidates: torch.Te
     following.index_copy_(0, last, request[history_lengths > 0].to(following.dtype))
     query_timestamps = timestamps.index_copy(0, history_rows, following.to(timestamps.dtype))
     return seq_offsets, rows, candidate_owner, timestamps, query_timestamps
+
+
+def jagged_broadcast_cat(dense: torch.Tensor, offsets: torch.Tensor, jagged: torch.Tensor) -> torch.Tensor:
+    """out[n] = cat(dense[b], jagged[n]) for n in offsets[b] : offsets[b+1]: [N, K + S]."""
+    seq_ids, _ = _row_positions(offsets, jagged.shape[0])
+    return torch.cat([dense.index_select(0, seq_ids), jagged], dim=1)
+
+
+def jagged_broadcast_cat_backward(grad: torch.Tensor, offsets: torch.Tensor,
+                                  dense_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad [N, K + S] -> (grad_dense [B, K]: each sequence's rows of grad[:, :K] summed in fp32 (fp64 for
+    fp64), grad_jagged [N, S] = grad[:, K:])."""
+    seq_ids, _ = _row_positions(offsets, grad.shape[0])
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    grad_dense = grad.new_zeros((offsets.numel() - 1, dense_width), dtype=acc)
+    grad_dense.index_add_(0, seq_ids, grad[:, :dense_width].to(acc))
+    return grad_dense.to(grad.dtype), grad[:, dense_width:].contiguous()
