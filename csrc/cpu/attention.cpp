@@ -421,8 +421,8 @@ GK_AVX512 inline __m512 add_time_bias16(__m512 x, __mmask16 k, __m512i vti, int6
 // make the same additions and products in the same order, so the same bits; here the row is not
 // stored and reloaded between them, and the forward's time buckets are not stored at all (only the
 // backward reads them).
-GK_AVX512 __attribute__((noinline)) void hstu_fwd_row16(float* row, int64_t c0, int64_t c1, const float* pos, int64_t ti,
-                                                        const int64_t* tj, const int64_t* thr, int32_t nb,
+GK_AVX512 __attribute__((noinline)) void hstu_fwd_row16(float* row, int64_t c0, int64_t c1, const float* pos,
+                                                        int64_t ti, const int64_t* tj, const int64_t* thr, int32_t nb,
                                                         const float* bias, int32_t bkt, float inv_m) {
   const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
   const __m512i vti = _mm512_set1_epi64(ti);
