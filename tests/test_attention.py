@@ -635,6 +635,43 @@ def test_cpu_long_rows_keep_nan_and_zero_weights(avx512):
     run_on_vector_path(_LONG_ROW_EDGES_CHECK, avx512, "long row edges ok")
 
 
+_FUSED_HSTU_ROWS_CHECK = """
+import torch
+from tests.test_attention import _check_against_reference, make_inputs
+# The long path's HSTU rows in one pass (hstu_fwd_rows / hstu_bwd_rows where the CPU has AVX-512F: the
+# biases, the SiLU, dS and the position gradient of a row at once). Lengths 300 and 517: full tiles,
+# causal diagonal tiles (rows of 1..256 keys: 16-key blocks and tails of every length), a last tile of
+# 5 rows; sorted timestamps (most blocks in one bucket: the broadcast) and unsorted ones (blocks that
+# cross: the walk); each bias alone and both; per-head and shared biases.
+for seed, (pos_heads, time_heads, sort) in enumerate([(2, 2, True), (1, 2, False), (2, None, True), (None, 1, True)]):
+    x = make_inputs([300, 517], H=2, D=8, pos_heads=pos_heads, time_heads=time_heads, seed=seed)
+    if time_heads and sort:
+        g = torch.Generator().manual_seed(seed)
+        x["timestamps"] = torch.randint(0, 10**7, (817,), generator=g).sort().values
+    _check_against_reference(x, "cpu", torch.float32, kind="hstu")
+x = make_inputs([300, 517], H=2, D=8, pos_heads=2, time_heads=2, seed=7)
+# a window: rows whose keys start past the tile's first column (banded), and not causal (every tile mixed
+# or full, rows running past the diagonal)
+_check_against_reference(x, "cpu", torch.float32, kind="hstu", max_attn_len=70)
+_check_against_reference(x, "cpu", torch.float32, kind="hstu", causal=False, max_attn_len=100)
+# targets and a contextual prefix: tiles with a hole (the other targets) take the two-pass form, the
+# others the fused one, in the same item
+x = make_inputs([300, 517], H=2, D=8, pos_heads=2, time_heads=2, targets=[9, 40], seed=8)
+_check_against_reference(x, "cpu", torch.float32, kind="hstu", contextual_len=3)
+print("fused hstu rows ok")
+"""
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_long_path_fused_hstu_rows(avx512):
+    """The long path's HSTU rows take the biases, the SiLU (forward) and SiLU' with the position
+    gradient (backward) in one pass a row where the CPU has AVX-512F, scores_tile's passes otherwise:
+    both against the reference, forward and every gradient, over the masks and bias layouts that
+    decide which tiles take which form. A fresh process per path."""
+    run_on_vector_path(_FUSED_HSTU_ROWS_CHECK, avx512, "fused hstu rows ok")
+
+
 _KEPT_WORKSPACE_CHECK = """
 import torch
 from tests.test_attention import _check_against_reference, make_inputs

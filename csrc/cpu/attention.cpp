@@ -109,6 +109,64 @@
 // bwd ~21 ms; 12 calls each), so the longest-first schedule loses nothing at this case; and Q K^T as
 // a NN product on a transposed key copy (sgemm alone, 256 x 256 x 128): 130 vs 126 us, no gain.
 //
+// Where the time that is not sgemm goes (2026-12-07, helper attn12; the bench's 1024 case, native ops,
+// a temporary build with rdtsc counters per phase and per product, SCHED_FIFO under the measuring lock,
+// the 2-core Xeon at load 2-5 from other sessions; per call, thread-ms, 1 thread; the per-row counters
+// themselves cost ~0.3 ms a call each, so the row phases below read high by about that):
+// - HSTU fwd (23.7 ms counted): products 14.9 (Q K^T full tiles 4.48 at 121 GFLOP/s, its 64-row strips of
+//   the diagonal tiles 3.75 at 96; P V 3.95 at 137, strips 2.71 at 132); scores_tile 3.74 (position bias
+//   0.77, time bias 2.59, vis flags 0.38); the SiLU rows 1.66; nonfinite_rows(v) 0.86; the key-row copy
+//   and tile flags 0.79; out rows 0.35; fills 0.10.
+// - HSTU bwd (57.3): products 38.5 (Q K^T 4.86 + 4.26 strips at 112 / 84 GFLOP/s, dO V^T 4.75 + 3.93 at
+//   114 / 91, dv 3.90 + 2.79 at 139 / 129, dk 4.66 + 2.77 at 116 / 129, dq 4.00 + 2.53 at 135 / 141);
+//   scores_tile 4.54 (1.19 + 2.97 + 0.38); the row loop 6.71 (SiLU' rows, fills, position gradient 1.40,
+//   add_by_bucket 1.66); the k and v row copies with their flags 2.33; the q and dO sweeps 1.25; dk and
+//   dv rows out 1.34, dq rows 0.76; dq, dk, dv zero fills 0.51; the bias reduction 0.11.
+// - softmax fwd (20.7): products 14.6 (Q K^T 127 / 97 GFLOP/s, P V 142 / 128); the exp rows 1.93; the key
+//   copy 0.87; out rows 0.64; v sweep 0.53. softmax bwd (44.8): products (full tiles 132-165
+//   GFLOP/s, Q K^T and dO V^T strips 91-96); the rows 3.62; copies 1.79; sweeps and delta 1.67; rows out
+//   1.23; fills 0.47 (products 34.0 of the 44.8).
+// - 2 threads (HSTU with the fused rows below): the threads' item times end within 0.01-0.55 ms of each
+//   other and of the region (fwd ~9.1 ms, bwd ~21.7); the region starts ~0.1-0.7 ms before the first
+//   item (thread wake-up, each call's new long-path workspace: its zero fills); sweeps 0.17-0.75 ms.
+// - So of the ~40 % that is not sgemm at its standalone rate, about half is the products themselves
+//   running below it in place: Q K^T and dO V^T (MKL's packing kernels for the transposed operand) at
+//   111-144 GFLOP/s on full tiles and 84-115 on the 64-row strips, the others at 128-168, against
+//   170-187 standalone; and the causal diagonal tiles' strips compute 0.358 GFLOP a product where
+//   0.284 are visible (9 % more product FLOPs than the visible pairs over the call). The row passes
+//   (biases, SiLU/exp, gradients) are ~10 % of softmax and ~20 % of HSTU; copies, sweeps and output
+//   rows ~8 %.
+// Kept: the HSTU rows in one pass a row on AVX-512F (hstu_fwd_rows, hstu_bwd_rows): the forward's
+// position and time biases and SiLU, the backward's biases, SiLU', P, dS and position gradient, while
+// the row is in L1, instead of scores_tile's pass over the 256 KiB tile and a second pass (the forward
+// stores no time buckets: only the backward reads them). Predicted from the counters ~-1.5 ms forward
+// (scores_tile's 3.7 ms plus the rows' 1.7 against the fused pass's 3.0-3.5, less ~0.9 ms of the
+// counters' own) and ~-4 ms backward (11.3 against 5.4-6.1, less ~1.5); the backward gained less than
+// that (the counters inflated its per-row phases more than estimated). Measured (native ops, a temporary switch in one
+// process, old and new alternated, 10 paired rounds of 8 calls over the bench's two input sets): HSTU
+// fwd 0.946x (0.91-0.98), bwd 0.960x (0.93-1.03) at 1 thread (fwd+bwd 66.1 -> 63.4 ms); at 2 threads
+// fwd 0.943x (0.90-0.99), bwd 0.970x (0.94-1.02), fwd+bwd 33.7 -> 32.4 ms, 172 -> 179 GFLOP/s. Softmax,
+// whose code did not change, read 1.01-1.05x in the same runs: the noise of this host. Through
+// gk.jagged_attention with autograd (old and new builds in alternating processes, 4 rounds, each against
+// the torch.mm 2048^3 peak measured in its own process): HSTU fwd+bwd at 2 threads 52.0-53.5 % of the
+// peak (old 49.1-50.7 %), at 1 thread 50.1-55.0 % (old 49.6-52.6 %); softmax unchanged, 53-59 %. The forward's
+// bits are unchanged; the backward's dq, dk and bias gradients move by rounding (~4e-9 on dq of ~0.1):
+// a row of fewer than 32 keys took silu_grad_row's 8-lane and scalar forms, here the 16-lane one.
+// Measured and not kept (same counters and switch, 1 thread unless said, 5-6 paired rounds):
+// - the time buckets of a 16-key block that crosses a threshold by bucket_cells' table (two 8-lane
+//   gathers, as attention_short.h's bucket_row8) instead of the walk: fwd 1.005x, bwd 1.012x (the
+//   crossing blocks are few at the bench's sorted timestamps; the fused row is bound by its SiLU divide);
+// - software prefetch (L2) of the next key rows in the per-item k and v copies, of the next tile's q and
+//   dO rows during the backward's row pass, of the next key tile's v rows (or the next query tile's q
+//   rows) during the forward's: copies 1.94 -> 1.98 ms, the Q K^T and dO V^T products no faster (fwd
+//   0.98-1.01x, bwd 0.97-1.01x, softmax 0.98-0.99x: within the noise);
+// - the score products (Q K^T, dO V^T) of a diagonal tile in 128-row strips (the union of two 64-row
+//   strips' keys), the other products in 64-row ones: softmax fwd 1.023x, bwd 1.021x; HSTU 0.996x / 1.006x;
+// - the long path's workspace kept on each thread from call to call (no zero fill of ~2.5 MB of tiles and
+//   rows per thread per call): 0.98-1.02x at 1 and 2 threads;
+// - the Inf/NaN flags of q, dO (HSTU) and v found per tile on first use, from the tile's own rows, and only
+//   for mixed tiles, instead of the sweeps before the items: 0.98-1.03x at 1 and 2 threads.
+
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
 // biases and timestamps; backward adds dO, dq, dk, dv.
@@ -326,6 +384,82 @@ GK_AVX512 __attribute__((noinline)) int64_t time_bias_keys16(int64_t ti, const i
     for (int64_t k = c; k < c + 16; ++k) walk_time_bucket(ti, tj[k], thr, nb, bias, bkt, buckets + k, row + k);
   }
   return c;
+}
+
+// The time bias of one 16-key block of hstu_fwd_row16 / hstu_bwd_row16 (x: the block's scores, lanes
+// past c1 zero), from key c while bkt is the bucket of the key before: a whole block whose 16 |dt| stay
+// in bucket bkt (sorted timestamps: most blocks) adds bias[bkt] as one broadcast, as time_bias_keys16's
+// blocks; any other block (a threshold crossed, or the row's tail) walks its keys from bkt as
+// walk_time_bucket does, through a stack copy of x. The same buckets and sums as scores_tile's walk.
+// buckets: where the blocks' buckets go (null: not kept).
+GK_AVX512 inline __m512 add_time_bias16(__m512 x, __mmask16 k, __m512i vti, int64_t ti, const int64_t* tj, int64_t c,
+                                        int64_t c1, const int64_t* thr, int32_t nb, const float* bias, int32_t& bkt,
+                                        int32_t* buckets) {
+  if (k == static_cast<__mmask16>(0xFFFF)) {
+    const __m512i lo = _mm512_set1_epi64(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+    const __m512i hi = _mm512_set1_epi64(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+    const __m512i x0 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c)));
+    const __m512i x1 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c + 8)));
+    const __mmask8 in0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x0, lo), x0, hi);
+    const __mmask8 in1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x1, lo), x1, hi);
+    if ((in0 & in1) == 0xFF) {
+      if (buckets != nullptr) _mm512_storeu_si512(buckets + c, _mm512_set1_epi32(bkt));
+      return _mm512_add_ps(x, _mm512_set1_ps(bias[bkt]));
+    }
+  }
+  alignas(64) float tmp[16];
+  int32_t unused;
+  _mm512_store_ps(tmp, x);
+  for (int64_t j = c; j < std::min(c + 16, c1); ++j)
+    walk_time_bucket(ti, tj[j], thr, nb, bias, bkt, buckets != nullptr ? buckets + j : &unused, tmp + (j - c));
+  return _mm512_maskz_load_ps(k, tmp);
+}
+
+// HSTU's forward row in one pass over [c0, c1) of row (the Q K^T product's scaled scores): x = row +
+// pos[c] (pos: null without a position bias) + the time bias (bias: null without one; bkt: key c0's
+// bucket), then row <- silu(x) * inv_m, 16 keys a register. scores_tile's bias passes and silu_row16
+// make the same additions and products in the same order, so the same bits; here the row is not
+// stored and reloaded between them, and the forward's time buckets are not stored at all (only the
+// backward reads them).
+GK_AVX512 __attribute__((noinline)) void hstu_fwd_row16(float* row, int64_t c0, int64_t c1, const float* pos,
+                                                        int64_t ti, const int64_t* tj, const int64_t* thr, int32_t nb,
+                                                        const float* bias, int32_t bkt, float inv_m) {
+  const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
+  const __m512i vti = _mm512_set1_epi64(ti);
+  for (int64_t c = c0; c < c1; c += 16) {
+    const __mmask16 k = tail_mask(c, c1);
+    __m512 v = _mm512_maskz_loadu_ps(k, row + c);
+    if (pos != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, pos + c));
+    if (bias != nullptr) v = add_time_bias16(v, k, vti, ti, tj, c, c1, thr, nb, bias, bkt, nullptr);
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_mask_storeu_ps(row + c, k, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), vm));
+  }
+}
+
+// HSTU's backward row in one pass over [c0, c1): x as hstu_fwd_row16's from the raw scores s (not
+// written), then p <- silu(x) * inv_m and ds <- dP * silu'(x) * inv_m (ds holds dP on entry) as
+// silu_grad_row16, ds added to pos_grad[c] (null: no position bias), and the time buckets stored to
+// buckets[c] for add_by_bucket. The same values as scores_tile + silu_grad_row16 + the position
+// gradient's loop, without the scores' store and reload and the gradient's second pass over ds.
+GK_AVX512 __attribute__((noinline)) void hstu_bwd_row16(const float* s, float* p, float* ds, int64_t c0, int64_t c1,
+                                                        const float* pos, float* pos_grad, int64_t ti,
+                                                        const int64_t* tj, const int64_t* thr, int32_t nb,
+                                                        const float* bias, int32_t bkt, int32_t* buckets, float inv_m) {
+  const __m512 one = _mm512_set1_ps(1.0f), vm = _mm512_set1_ps(inv_m);
+  const __m512i vti = _mm512_set1_epi64(ti);
+  for (int64_t c = c0; c < c1; c += 16) {
+    const __mmask16 k = tail_mask(c, c1);
+    __m512 x = _mm512_maskz_loadu_ps(k, s + c);
+    if (pos != nullptr) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(k, pos + c));
+    if (bias != nullptr) x = add_time_bias16(x, k, vti, ti, tj, c, c1, thr, nb, bias, bkt, buckets);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    _mm512_mask_storeu_ps(p + c, k, _mm512_mul_ps(_mm512_mul_ps(x, sig), vm));
+    const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
+    const __m512 d = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, ds + c), g), vm);
+    _mm512_mask_storeu_ps(ds + c, k, d);
+    if (pos_grad != nullptr)
+      _mm512_mask_storeu_ps(pos_grad + c, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, pos_grad + c), d));
+  }
 }
 
 // y[c] <- fast_exp16(x[c]) over [0, n) (the tests' window on it, attention_fast_exp16).
@@ -1114,6 +1248,108 @@ bool covers_rows(const Prepared& in) {
   return in.seqs.front().start == 0 && in.seqs.back().start + in.seqs.back().len == in.N;
 }
 
+#if GK_ATTENTION_AVX2
+// The position and time biases of row r (query i0 + r, keys from j0) of item `it`, for the fused rows.
+struct RowBiases {
+  const float* pos = nullptr;   // pos_bias at key j0 (index c of the row), null without a position bias
+  const float* time = nullptr;  // the head's time_bias row, null without one
+  const int64_t* tj = nullptr;  // the keys' timestamps from key j0
+  int64_t ti = 0;
+  int32_t bkt = 0;  // the bucket of key c0
+
+  RowBiases(const Params& p, const Item& it, int64_t i, int64_t j0, int64_t c0) {
+    if (p.pos_bias != nullptr)
+      pos = p.pos_bias + (p.pos_heads == 1 ? 0 : it.h) * (2 * p.M - 1) + (j0 - i + p.M - 1);
+    if (p.time_bias != nullptr) {
+      time = p.time_bias + (p.time_heads == 1 ? 0 : it.h) * (p.num_buckets + 1);
+      tj = p.timestamps + it.start + j0;
+      ti = p.query_timestamps[it.start + i];
+      bkt = time_bucket(p, ti - tj[c0]);
+    }
+  }
+};
+
+// The HSTU forward's scores_tile and row loop in one pass a row (AVX-512F, hstu_fwd_row16): the biases
+// and the SiLU of a row while it is in L1, instead of a bias pass and a SiLU pass over the 256 KiB tile.
+// The same weights, vis flags and zeros as that form.
+void hstu_fwd_rows(const Params& p, Workspace& ws, const Item& it, int64_t i0, int64_t bm, int64_t j0, int64_t bn,
+                   int tile_kind, float inv_m) {
+  const SeqMask& mask = ws.mask;
+  for (int64_t r = 0; r < bm; ++r) {
+    float* row = ws.s.data() + r * kTileN;
+    const RowSpan span = row_span(mask, tile_kind, i0 + r, j0, bn);
+    std::fill(row, row + span.begin, 0.0f);
+    std::fill(row + span.end, row + bn, 0.0f);
+    if (span.begin < span.end) {
+      const RowBiases b(p, it, i0 + r, j0, span.begin);
+      hstu_fwd_row16(row, span.begin, span.end, b.pos, b.ti, b.tj, p.bucket_thr.data(),
+                     static_cast<int32_t>(p.num_buckets), b.time, b.bkt, inv_m);
+    }
+    if (tile_kind == 1) {
+      uint8_t* vis = ws.vis.data() + r * kTileN;
+      if (span.ask) {
+        for (int64_t c = 0; c < bn; ++c) vis[c] = mask.visible(i0 + r, j0 + c) ? 1 : 0;
+        for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : 0.0f;
+      } else {  // the masked products' slow path still reads vis
+        std::fill(vis, vis + span.begin, uint8_t{0});
+        std::fill(vis + span.begin, vis + span.end, uint8_t{1});
+        std::fill(vis + span.end, vis + bn, uint8_t{0});
+        std::fill(vis + span.hole_begin, vis + span.hole_end, uint8_t{0});
+      }
+    }
+    std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
+  }
+}
+
+// The HSTU backward's scores_tile and row loop in one pass a row (AVX-512F, hstu_bwd_row16), for a tile
+// whose rows are each one run of visible keys (no per-pair flags, no hole: full tiles, causal or banded
+// diagonal ones); false, having done nothing, for any other tile. P, dS (dP in ws.dp on entry), the vis
+// flags, the position gradient and the time-bias gradient as that form's.
+bool hstu_bwd_rows(const Params& p, Workspace& ws, const Item& it, int64_t i0, int64_t bm, int64_t j0, int64_t bn,
+                   int tile_kind, float inv_m, float* pos_part_item, float* time_part_item) {
+  const SeqMask& mask = ws.mask;
+  RowSpan spans[kTileM];
+  for (int64_t r = 0; r < bm; ++r) {
+    spans[r] = row_span(mask, tile_kind, i0 + r, j0, bn);
+    if (spans[r].ask || spans[r].hole_begin != spans[r].hole_end) return false;
+  }
+  for (int64_t r = 0; r < bm; ++r) {
+    const float* row = ws.s.data() + r * kTileN;
+    float* prow = ws.pr.data() + r * kTileN;
+    float* drow = ws.dp.data() + r * kTileN;
+    const int64_t c0 = spans[r].begin, c1 = spans[r].end;
+    std::fill(prow, prow + c0, 0.0f);
+    std::fill(prow + c1, prow + bn, 0.0f);
+    std::fill(drow, drow + c0, 0.0f);
+    std::fill(drow + c1, drow + bn, 0.0f);
+    if (tile_kind == 1) {
+      uint8_t* vis = ws.vis.data() + r * kTileN;
+      std::fill(vis, vis + c0, uint8_t{0});
+      std::fill(vis + c0, vis + c1, uint8_t{1});
+      std::fill(vis + c1, vis + bn, uint8_t{0});
+    }
+    if (c0 >= c1) continue;
+    const RowBiases b(p, it, i0 + r, j0, c0);
+    int32_t* buckets = ws.bucket.data() + r * kTileN;
+    // j - i + L - 1 in [0, 2L-2] within the item's slots.
+    float* pos_grad = pos_part_item != nullptr ? pos_part_item + (j0 - (i0 + r) + it.L - 1) : nullptr;
+    hstu_bwd_row16(row, prow, drow, c0, c1, b.pos, pos_grad, b.ti, b.tj, p.bucket_thr.data(),
+                   static_cast<int32_t>(p.num_buckets), b.time, b.bkt, buckets, inv_m);
+    if (time_part_item != nullptr) add_by_bucket(buckets + c0, drow + c0, c1 - c0, time_part_item);
+  }
+  return true;
+}
+inline bool fused_rows_available() { return cpu_has_avx512f(); }
+#else
+// Builds without AVX2 take scores_tile's passes.
+inline bool fused_rows_available() { return false; }
+void hstu_fwd_rows(const Params&, Workspace&, const Item&, int64_t, int64_t, int64_t, int64_t, int, float) {}
+bool hstu_bwd_rows(const Params&, Workspace&, const Item&, int64_t, int64_t, int64_t, int64_t, int, float, float*,
+                   float*) {
+  return false;
+}
+#endif
+
 // The forward of one item for its query rows [q_lo, L): every row in the full forward, the last
 // delta rows in the cached one. A query row keeps its position i in the sequence (the mask, pos_bias
 // and timestamps see i); it reads q row and writes out (and lse) row q_row0 + i - q_lo.
@@ -1139,6 +1375,7 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
     k_rows = ws.k_rows.data();
     k_ld = D;
   }
+  const bool fused_rows = !p.softmax && fused_rows_available();  // HSTU's rows in one pass (hstu_fwd_rows)
   for (int64_t i0 = q_lo; i0 < L; i0 += kTileM) {
     const int64_t bm = std::min(kTileM, L - i0);
     std::fill(acc, acc + bm * Dv, 0.0f);
@@ -1154,33 +1391,37 @@ void forward_item(const Prepared& in, const Item& it, Workspace& ws, float* op, 
         mm(false, true, r1 - r0, c1 - c0, D, p.scale, q_rows + (i0 - q_lo + r0) * H * D, H * D, k_rows + (j0 + c0) * k_ld,
            k_ld, 0.0f, s + r0 * kTileN + c0, kTileN);
       });
-      scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
-      for (int64_t r = 0; r < bm; ++r) {
-        float* row = s + r * kTileN;
-        const uint8_t* vis = ws.vis.data() + r * kTileN;
-        const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
-        // Outside the span the weights are 0 (the P V product takes the whole tile).
-        std::fill(row, row + span.begin, 0.0f);
-        std::fill(row + span.end, row + bn, 0.0f);
-        if (p.softmax) {
-          std::fill(row + span.hole_begin, row + span.hole_end, neg_inf);
-          if (span.ask)
-            for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : neg_inf;
-          const float new_max = max_keep_nan(ws.row_max[r], row_max(row + span.begin, span.end - span.begin));
-          if (new_max == neg_inf) continue;  // nothing visible in this row yet
-          const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
-          const float sum = exp_shifted_sum(row + span.begin, span.end - span.begin, new_max);
-          ws.row_sum[r] = ws.row_sum[r] * alpha + sum;
-          ws.row_max[r] = new_max;
-          if (alpha != 1.0f) {
-            float* a = acc + r * Dv;
-            for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+      if (fused_rows) {
+        hstu_fwd_rows(p, ws, it, i0, bm, j0, bn, tile_kind, inv_m);
+      } else {
+        scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
+        for (int64_t r = 0; r < bm; ++r) {
+          float* row = s + r * kTileN;
+          const uint8_t* vis = ws.vis.data() + r * kTileN;
+          const RowSpan span = row_span(ws.mask, tile_kind, i0 + r, j0, bn);
+          // Outside the span the weights are 0 (the P V product takes the whole tile).
+          std::fill(row, row + span.begin, 0.0f);
+          std::fill(row + span.end, row + bn, 0.0f);
+          if (p.softmax) {
+            std::fill(row + span.hole_begin, row + span.hole_end, neg_inf);
+            if (span.ask)
+              for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : neg_inf;
+            const float new_max = max_keep_nan(ws.row_max[r], row_max(row + span.begin, span.end - span.begin));
+            if (new_max == neg_inf) continue;  // nothing visible in this row yet
+            const float alpha = ws.row_max[r] == neg_inf ? 0.0f : fast_exp(ws.row_max[r] - new_max);
+            const float sum = exp_shifted_sum(row + span.begin, span.end - span.begin, new_max);
+            ws.row_sum[r] = ws.row_sum[r] * alpha + sum;
+            ws.row_max[r] = new_max;
+            if (alpha != 1.0f) {
+              float* a = acc + r * Dv;
+              for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+            }
+          } else {
+            silu_row(row + span.begin, span.end - span.begin, inv_m);
+            if (span.ask)
+              for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : 0.0f;
+            std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
           }
-        } else {
-          silu_row(row + span.begin, span.end - span.begin, inv_m);
-          if (span.ask)
-            for (int64_t c = span.begin; c < span.end; ++c) row[c] = vis[c] ? row[c] : 0.0f;
-          std::fill(row + span.hole_begin, row + span.hole_end, 0.0f);
         }
       }
       if (p.softmax) {
@@ -1394,6 +1635,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
     float* s = ws.s.data();
     float* pr = ws.pr.data();
     float* dpt = ws.dp.data();
+    const bool fused_rows = !p.softmax && fused_rows_available();  // HSTU's rows in one pass (hstu_bwd_rows)
     for (int64_t j0 = 0; j0 < L; j0 += kTileN) {
       const int64_t bn = std::min(kTileN, L - j0);
       std::fill(dk_acc, dk_acc + bn * D, 0.0f);
@@ -1408,12 +1650,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> jagged_at
           mm(false, true, r1 - r0, c1 - c0, D, p.scale, q0 + (i0 + r0) * qs, qs, k0 + (j0 + c0) * D, D, 0.0f,
              s + r0 * kTileN + c0, kTileN);
         });
-        scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
         ext.row_strips(bm, bn, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
           mm(false, true, r1 - r0, c1 - c0, Dv, 1.0f, do0 + (i0 + r0) * vs, vs, v0 + (j0 + c0) * Dv, Dv, 0.0f,
              dpt + r0 * kTileN + c0, kTileN);
         });
-        for (int64_t r = 0; r < bm; ++r) {
+        const bool fused = fused_rows && hstu_bwd_rows(p, ws, it, i0, bm, j0, bn, tile_kind, inv_m, pos_part_item,
+                                                       time_part_item);
+        // Otherwise the two passes: scores_tile's biases, then the row loop (softmax, other CPUs, tiles
+        // with per-pair flags or a hole).
+        if (!fused) scores_tile(p, ws.mask, ws, it.start, h, i0, bm, j0, bn, tile_kind);
+        for (int64_t r = 0; !fused && r < bm; ++r) {
           const float* row = s + r * kTileN;
           const uint8_t* vis = ws.vis.data() + r * kTileN;
           float* prow = pr + r * kTileN;
