@@ -123,15 +123,15 @@ _PLAIN_SCALARS = (int, float, bool, str, type(None))
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _STRIDED = torch.strided
 _increment_version = torch.autograd.graph.increment_version
-_AUTOGRAD_KEYS = (_C.DispatchKey.AutogradCPU, _C.DispatchKey.AutogradCUDA)
+_AUTOGRAD_CPU, _AUTOGRAD_CUDA = _C.DispatchKey.AutogradCPU, _C.DispatchKey.AutogradCUDA
+_excluded = _C._dispatch_tls_is_dispatch_key_excluded
 
 
 def _eager_plain(args: tuple) -> bool:
     """Whether a call with these positional arguments may skip the dispatcher (module docstring)."""
     if (torch.compiler.is_compiling() or _C._len_torch_dispatch_stack() or _C._is_torch_function_mode_enabled()
             or _C._functorch.peek_interpreter_stack() is not None or torch.jit.is_tracing()
-            or _C._is_any_autocast_enabled()
-            or any(_C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS)):
+            or _C._is_any_autocast_enabled() or _excluded(_AUTOGRAD_CPU) or _excluded(_AUTOGRAD_CUDA)):
         return False
     for a in args:
         t = type(a)
