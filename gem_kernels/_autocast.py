@@ -24,6 +24,8 @@ from ._validate import FLOAT_DTYPES
 def autocast_operands(*values):
     """``values`` with each fp32/fp16/bf16 tensor (also inside a tuple/list) in the autocast dtype of
     the first tensor's device when autocast is on there; unchanged otherwise."""
+    if not torch._C._is_any_autocast_enabled():  # the usual case in one call (1.5 -> 0.1 us for 5 tensors)
+        return values
     first = next((v for v in _tensors(values)), None)
     if first is None:
         return values

@@ -275,6 +275,11 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# op -> torch.ops.gem_kernels.<op>_native: the packet torch's namespace holds for the process (the
+# native schemas are defined once, in C++), looked up once: in isolation 0.31 -> 0.08 us a call.
+_NATIVE_OPS: dict[str, object] = {}
+
+
 def kernel(family: str, op: str, backend: str):
     """The function that runs `op` of `family` on a concrete backend.
 
@@ -283,7 +288,10 @@ def kernel(family: str, op: str, backend: str):
     function <op> of the family's module in FAMILIES.
     """
     if backend in ("cpu", "cuda"):
-        return getattr(torch.ops.gem_kernels, f"{op}_native")
+        native = _NATIVE_OPS.get(op)
+        if native is None:
+            native = _NATIVE_OPS[op] = getattr(torch.ops.gem_kernels, f"{op}_native")
+        return native
     fn = getattr(FAMILIES[family].module(backend), op)
     return _on_device_of_inputs(fn) if backend == "triton" else fn
 

@@ -1,18 +1,27 @@
-"""FlatAdam: torch.optim.Adam(fused=True) whose step is one fused call over one flat buffer.
+"""FlatAdam: torch.optim.Adam(fused=True) whose step is one fused call, its state in flat buffers.
 
 The model's dense parameters are ~55 small tensors. torch's fused Adam steps them as a list: the
 step counters by ``_foreach_add_`` (on the CPU a slow path, one add and one scalar copy per tensor),
-then ``_fused_adam_``, one parallel region per tensor, beside the Python of ``_init_group`` per
-parameter. Measured at the small config (2-core Xeon, 2 threads, SCHED_FIFO, 2026-12-07): 0.37 ms
-per step over the 55 tensors, 0.11 ms for one tensor of the same 204K elements.
+then ``_fused_adam_``, beside the Python of ``_init_group`` per parameter. Measured at the small
+config (2-core Xeon, 2 threads, SCHED_FIFO, 2026-12-07): 0.37 ms per step over the 55 tensors,
+0.11 ms for one tensor of the same 204K elements.
 
 Here the parameters are views of one flat buffer (each slot starting at a multiple of 16 elements:
 the 64-byte alignment the kernels' aligned loads rely on, as ATen's allocator gives), and so are
-Adam's exp_avg / exp_avg_sq (flat buffers) and step counters (one [num_params] buffer). A step
-gathers the gradients into one flat gradient (one cat; the gaps between slots are zeros, and stay
-zero in every buffer), adds 1 to the step counters (one add) and runs ``_fused_adam_`` once.
+Adam's exp_avg / exp_avg_sq (flat buffers) and step counters (one [num_params] buffer). A step adds
+1 to the step counters (one add) and runs ``_fused_adam_`` once, over the parameters, their own
+gradients and the state views (lists built once), every entry reading the one step counter.
 Per element that is torch's update exactly; the state_dict is torch.optim.Adam's (same keys, one
 state per parameter: model.train's checkpoints load either way).
+
+The gradients go in as they are, one list entry each. Measured and not kept (front12, 2026-12-07):
+gathering the small parameters' gradients into one flat gradient first (one cat, so that the fused
+call saw 10 tensors, not 55), this optimizer's first version. In isolation (1 thread, denormals
+flushed so that repeated identical updates stay at speed): the gather cost 51 us (a reshape per
+gradient, the cat), the 45 more list entries of the fused call 25 us; the two calls 306 -> 219 us.
+In the small model's step (2-core Xeon, SCHED_FIFO, both optimizers alternated by round in one
+process): batch 8, 1 thread, CPU time 6.69 -> 6.55 ms (paired -147 us, 80 rounds); batch 256,
+2 threads, 30.3 -> 29.7 ms (paired -0.68 ms, 24 rounds, round ratios 0.84-1.21: noisy).
 
 Whenever the flat path does not apply, the step is torch's own (``Adam.step``), on the same
 state: a closure, a gradient missing or sparse or of another dtype, a parameter no longer a view of
@@ -28,20 +37,12 @@ from typing import NamedTuple
 import torch
 
 _ALIGN = 16  # elements: 64 bytes of fp32, ATen's CPU alignment
-# Parameters of at least this many elements keep their own gradient (no copy into the flat one) and
-# are one more tensor of the fused call; the rest share one. At the small config: 9 of 55 tensors,
-# 93 % of the elements (copying those gradients cost more than the per-tensor calls it saved).
-_OWN_TENSOR = 4096
+_profiler_enabled = torch._C._autograd._profiler_enabled
 
 
 class _Flat(NamedTuple):
     params: list
     values: torch.Tensor          # every parameter's slot
-    small_grad: torch.Tensor      # the small parameters' gradients, gathered
-    small_total: int              # the small slots are values[:small_total]
-    small: list[int]              # indices (into params) of the small parameters, in slot order
-    large: list[int]
-    pieces: list                  # the cat's pieces (None: the next small gradient)
     slots: list[tuple[int, int]]  # (start, numel) per parameter
     data_ptrs: list[int]          # where each parameter must still point
 
@@ -55,8 +56,8 @@ def _adam_step(optimizer: torch.optim.Adam, closure):
 
 class FlatAdam(torch.optim.Adam):
     """torch.optim.Adam(params, lr, betas, eps, weight_decay, fused=True), stepping every parameter in
-    one fused call over flat buffers (module docstring). The parameters become views of one buffer
-    at construction (values unchanged)."""
+    one fused call, its state in flat buffers (module docstring). The parameters become views of one
+    buffer at construction (values unchanged)."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
@@ -66,58 +67,47 @@ class FlatAdam(torch.optim.Adam):
         params = self.param_groups[0]["params"] if len(self.param_groups) == 1 else []
         if not params or len({(p.device, p.dtype) for p in params}) != 1 or not params[0].dtype.is_floating_point:
             return
-        # Small parameters first, each in its slot of the flat buffer; the large ones after them, in
-        # slots too (their state and values in the same buffers) but stepped on their own gradients.
-        order = sorted(range(len(params)), key=lambda i: params[i].numel() >= _OWN_TENSOR)
-        slots, total, small_total = [None] * len(params), 0, 0
-        for i in order:
-            slots[i] = (total, params[i].numel())
-            total += -(-params[i].numel() // _ALIGN) * _ALIGN
-            if params[i].numel() < _OWN_TENSOR:
-                small_total = total
+        slots, total = [], 0
+        for p in params:
+            slots.append((total, p.numel()))
+            total += -(-p.numel() // _ALIGN) * _ALIGN
         flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             for p, (start, n) in zip(params, slots):
                 view = flat[start:start + n].view(p.shape)
                 view.copy_(p)
                 p.data = view
-        small = [i for i in order if params[i].numel() < _OWN_TENSOR]
-        large = [i for i in order if params[i].numel() >= _OWN_TENSOR]
-        # The cat's pieces over the small slots: None where a gradient goes, zeros for the gaps.
-        pieces: list[torch.Tensor | None] = []
-        for j, i in enumerate(small):
-            start, n = slots[i]
-            end = slots[small[j + 1]][0] if j + 1 < len(small) else small_total
-            pieces.append(None)
-            if end > start + n:
-                pieces.append(flat.new_zeros(end - start - n))
-        self._flat = _Flat(params, flat, flat.new_zeros(small_total), small_total, small, large, pieces, slots,
-                           [p.data_ptr() for p in params])
+        self._flat = _Flat(params, flat, slots, [p.data_ptr() for p in params])
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._state_views = None  # the loaded tensors replace the views: gathered again at the next step
 
-    def _flat_ready(self) -> bool:
-        """Whether this step may take the flat path (module docstring), the state then in the flat buffers."""
+    def _flat_grads(self) -> list | None:
+        """The parameters' gradients where this step may take the flat path (module docstring), the
+        state then in the flat buffers; else None."""
         if self._flat is None or len(self.param_groups) != 1:
-            return False
+            return None
         group = self.param_groups[0]
         if (group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]
                 or group.get("decoupled_weight_decay", False) or not group["fused"] or torch.is_tensor(group["lr"])):
-            return False
+            return None
         flat = self._flat
-        params, dtype, device = flat.params, flat.values.dtype, flat.values.device
+        params, dtype = flat.params, flat.values.dtype
         current = group["params"]
         if current is not params and (len(current) != len(params) or any(a is not b for a, b in zip(current, params))):
-            return False
+            return None
+        # A gradient's device is its parameter's (torch refuses any other in the .grad setter and
+        # AccumulateGrad makes none), and an unmoved parameter is on the flat buffer's.
+        grads = []
         for p, ptr in zip(params, flat.data_ptrs):
             grad = p.grad
-            if p.data_ptr() != ptr or grad is None or grad.is_sparse or grad.dtype != dtype or grad.device != device:
-                return False
-        if self._state_views is None:
-            return self._gather_state()
-        return True
+            if grad is None or p.data_ptr() != ptr or grad.dtype is not dtype or grad.is_sparse:
+                return None
+            grads.append(grad)
+        if self._state_views is None and not self._gather_state():
+            return None
+        return grads
 
     def _gather_state(self) -> bool:
         """Puts Adam's state in flat buffers (fresh zeros, or the current per-parameter state copied in)
@@ -145,29 +135,30 @@ class FlatAdam(torch.optim.Adam):
                     v.copy_(s["exp_avg_sq"])
                     steps[i] = float(s["step"])
                 s["step"], s["exp_avg"], s["exp_avg_sq"] = steps[i], m, v
-        small, large = slice(0, flat.small_total), [slots[i] for i in flat.large]
-        self._state_views = (steps,
-                             [values[small]] + [values[a:a + n] for a, n in large],
-                             [exp_avg[small]] + [exp_avg[a:a + n] for a, n in large],
-                             [exp_avg_sq[small]] + [exp_avg_sq[a:a + n] for a, n in large],
-                             [steps[0]] * (1 + len(large)))
+        self._state_views = (steps, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                             [steps[0]] * len(params))
         return True
 
     @torch.no_grad()
     def step(self, closure=None):
-        if closure is not None or not self._flat_ready():
+        grads = None if closure is not None else self._flat_grads()
+        if grads is None:
             self._state_views = None  # torch's step may create per-parameter state: gathered again after
             return _adam_step(self, closure)
         group = self.param_groups[0]
-        flat = self._flat
-        params = flat.params
-        grads = iter([params[i].grad.reshape(-1) for i in flat.small])
-        torch.cat([next(grads) if piece is None else piece for piece in flat.pieces], out=flat.small_grad)
-        steps, values, exp_avg, exp_avg_sq, step = self._state_views
+        steps, exp_avg, exp_avg_sq, step = self._state_views
         steps.add_(1)
         beta1, beta2 = group["betas"]
-        torch._fused_adam_(values, [flat.small_grad] + [params[i].grad.reshape(-1) for i in flat.large], exp_avg,
-                           exp_avg_sq, [], step, amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
-                           weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, grad_scale=None,
-                           found_inf=None)
+        torch._fused_adam_(self._flat.params, grads, exp_avg, exp_avg_sq, [], step, amsgrad=False, lr=group["lr"],
+                           beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                           maximize=False, grad_scale=None, found_inf=None)
         return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad. set_to_none with one param group: one loop setting every .grad to None,
+        without torch's profiler range unless a profiler is on (in isolation, the gradients already None:
+        11.5 -> 2.7 us over 55 parameters)."""
+        if not set_to_none or len(self.param_groups) != 1 or _profiler_enabled():
+            return super().zero_grad(set_to_none)
+        for p in self.param_groups[0]["params"]:
+            p.grad = None

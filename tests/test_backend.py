@@ -88,7 +88,11 @@ def test_dispatch_table_reaches_every_family_module():
 
     assert _backend.kernel("jagged", "jagged_to_padded", "reference") is reference_jagged.jagged_to_padded
     assert _backend.kernel("attention", "jagged_attention_fwd", "reference") is reference_attention.jagged_attention_fwd
-    assert _backend.kernel("interaction", "dot_interaction", "cpu") is torch.ops.gem_kernels.dot_interaction_native
+    # The native ops, each its own (looked up once, then from kernel()'s table), on either native backend.
+    for _ in range(2):
+        for op in ("dot_interaction", "dot_interaction_backward", "fm_compress"):
+            for backend in ("cpu", "cuda"):
+                assert _backend.kernel("interaction", op, backend) is getattr(torch.ops.gem_kernels, f"{op}_native")
     for family, fam in _backend.FAMILIES.items():
         assert fam.module("reference").__name__ == f"gem_kernels.reference.{family}"
     with pytest.raises(KeyError):

@@ -547,6 +547,35 @@ def test_rejects_bad_table_metadata(backend, change, match):
         gk.embedding_bag(args.pop("weights"), tables, indices, offsets, backend=backend, **args)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_table_metadata_checked_again_after_a_change(backend):
+    """check_tables reads a module's metadata once, then again whenever it could give another answer:
+    the same metadata tensors changed in place, the same tensors with another output_dim or weights,
+    new tensors of other values."""
+    if backend not in gk.available_backends():
+        pytest.skip(f"{backend} backend unavailable here")
+    module = gk.FusedEmbeddingBag(MIXED[:2])
+    indices, offsets = make_batch(MIXED[:2], 4)
+    args = _meta(module)
+    weights, meta = args.pop("weights"), gk.TableMeta(*(args.pop(name) for name in gk.TableMeta._fields))
+    for _ in range(2):
+        gk.embedding_bag(weights, meta, indices, offsets, backend=backend, **args)
+    with pytest.raises(ValueError, match=r"output_dim must equal D_offsets\[-1\] = 40"):
+        gk.embedding_bag(weights, meta, indices, offsets, backend=backend, **dict(args, output_dim=41))
+    with pytest.raises(ValueError, match=r"does not fit in weights of 200"):
+        gk.embedding_bag(weights[:200], meta, indices, offsets, backend=backend, **args)
+    gk.embedding_bag(weights, meta, indices, offsets, backend=backend, **args)
+    meta.weights_offsets[1] = 20  # in place: the version counter moves
+    with pytest.raises(ValueError, match=r"tables 0 and 1 overlap in weights"):
+        gk.embedding_bag(weights, meta, indices, offsets, backend=backend, **args)
+    meta.weights_offsets[1] = 40
+    gk.embedding_bag(weights, meta, indices, offsets, backend=backend, **args)
+    with torch.no_grad():
+        meta.rows_offsets.data = _long([1, 11, 18])  # a new storage under the same tensor, no version bump
+    with pytest.raises(ValueError, match=r"rows_offsets\[0\] must be 0"):
+        gk.embedding_bag(weights, meta, indices, offsets, backend=backend, **args)
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="pooling must be one of"):
         gk.FusedEmbeddingBag(MIXED, pooling="max")

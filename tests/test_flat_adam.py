@@ -5,9 +5,9 @@ import copy
 import torch
 
 from model import GemConfig, GemModel, SyntheticBatches
-from model.flat_adam import _OWN_TENSOR, FlatAdam
+from model.flat_adam import FlatAdam
 
-# Odd sizes (slots padded to 16 elements), a 0-size-tail one (1), and two above _OWN_TENSOR (own gradient).
+# Odd sizes (slots padded to 16 elements), a 0-size-tail one (1), small and large ones.
 SHAPES = [(32, 13), (100, 50), (32,), (16, 32), (16,), (7, 5, 3), (1,), (64, 33), (70, 70)]
 
 
@@ -42,8 +42,6 @@ def _assert_same(ref, flat, ref_opt, flat_opt):
 
 
 def test_flat_adam_equals_fused_adam_and_takes_the_flat_path():
-    assert any(torch.Size(s).numel() >= _OWN_TENSOR for s in SHAPES)
-    assert any(torch.Size(s).numel() < _OWN_TENSOR for s in SHAPES)
     ref, ref_opt, flat, flat_opt = _pair(lr=3e-3, weight_decay=0.01)
     for step in range(6):
         _grads([ref, flat], step)
@@ -136,3 +134,20 @@ def test_flat_adam_float64():
         assert flat_opt._flat.values.dtype == torch.float64
     for p, q in zip(ref, flat):
         torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14)
+
+
+def test_flat_adam_zero_grad_is_torchs():
+    """zero_grad: set_to_none leaves every gradient None (its own loop, no profiler range) and keeps
+    torch's profiler range while a profiler runs; set_to_none=False zeros them in place (torch's)."""
+    ref, ref_opt, flat, flat_opt = _pair(lr=1e-2)
+    _grads([ref, flat], 0)
+    kept = [p.grad for p in flat]
+    flat_opt.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.any() for p, g in zip(flat, kept))
+    flat_opt.zero_grad()
+    assert all(p.grad is None for p in flat)
+    _grads([ref, flat], 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flat_opt.zero_grad()
+    assert all(p.grad is None for p in flat)
+    assert any(e.name == "Optimizer.zero_grad#FlatAdam.zero_grad" for e in prof.events())

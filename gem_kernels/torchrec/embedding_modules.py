@@ -230,6 +230,8 @@ class _FusedCollection(PackedTables):
             select = [keys.index(f) for f in self._flat_features]
             values, weights, lengths = _select_features(values, weights, lengths, select)
         bag_lengths = slot_bag_lengths(lengths, self._feature_slots, len(self._configs))
+        # Measured and not kept (front12, 2026-12-07): F.pad(cumsum, (1, 0)) here, 6.1 -> 4.7 us in
+        # isolation, too little to see in the model's step.
         offsets = torch.cat([bag_lengths.new_zeros(1), bag_lengths.cumsum(0)]).to(values.dtype)
         return values, offsets, weights, bag_lengths, lengths, batch
 
