@@ -166,6 +166,33 @@
 //   rows per thread per call): 0.98-1.02x at 1 and 2 threads;
 // - the Inf/NaN flags of q, dO (HSTU) and v found per tile on first use, from the tile's own rows, and only
 //   for mixed tiles, instead of the sweeps before the items: 0.98-1.03x at 1 and 2 threads.
+//
+// Why the products run below their standalone rate in place (2026-12-07, helper prod13; standalone C++
+// on libtorch's sgemm_, 1 thread pinned, SCHED_FIFO under the measuring lock, CPU-time medians of 60
+// calls, 2 rounds each, the 2-core Xeon at load 1-4 from other sessions; Q K^T = 256 x 256 x 128 NT
+// into a 256-pitched tile, P V = 256 x 128 x 256 NN with beta 1):
+// - Not the strides. With the operands warm, A (q) at its [N, H, D] row stride (ld 512, the 2 KiB
+//   pitch that 4 KiB aliasing would hit) runs 173 GFLOP/s against 176-178 contiguous (ld 128) and 175
+//   at a padded pitch (ld 144); P V on v rows at ld 512 178-183 against 177-179 contiguous. With
+//   everything evicted (a 3 MiB sweep between calls) all three pitches read the same 130-137.
+// - Not the diagonal strips' shape alone: 64-row strips (64 x 64..256 x 128) run 136-146 warm, 100-106
+//   after the sweep; 32-row ones 121-126 warm.
+// - What costs is what the rest of the tile loop does to the caches between products, and it is not
+//   only the operands coming back from L3: after a 3 MiB sweep with A, B and C read back in just before
+//   the call, Q K^T still runs 128-139 (warm 150-175 in the same runs), against 115-125 with them
+//   cold; a sweep of 512 KiB between calls costs 145-160, 1 MiB 133-153, 1.5 MiB 130-137. The
+//   kernel's rates (Q K^T 121-127 full tiles, strips 84-97) are the ~1-1.5 MiB points: the tile loop's
+//   own row passes, copies and other products (s, P, dP, the bucket tile: 256 KiB each; the operand
+//   tiles and accumulators 128 KiB each) pass over about that much between two calls, so MKL's
+//   packing buffers and the operands' TLB entries are gone when the next product starts. A cold A
+//   costs the strided layout more than a contiguous one (a new q tile each call: 139-141 at ld 512,
+//   154-159 contiguous), but copying it costs the same (copy plus product 140-143).
+//   madvise(MADV_HUGEPAGE) on every buffer (THP is madvise-only here): within the noise (+-5 %).
+// Measured and not kept (the kernel, native ops, in-process switch, 10 paired rounds, SCHED_FIFO under
+// the lock, load ~3.7): the backward's q and dO rows copied per item beside its k and v rows (the
+// Q K^T, dO V^T, dk and dv products on contiguous rows): softmax bwd 1.013x (0.975-1.041) at 1 thread,
+// 1.028x (0.977-1.062) at 2; HSTU 1.015x (0.986-1.047) / 1.031x (0.983-1.054); bits unchanged. The
+// copies cost more than the strided operand does.
 
 // Roofline: FLOPs = 4 * sum_b (visible pairs of b) * H * D forward (2 products), 2.5x that
 // backward. Minimum bytes: q, k, v, out read/written once, N*H*(2*Dqk + 2*Dv)*s forward, plus
