@@ -561,6 +561,64 @@ def _check_cpu_ops(n, dim, heads, lin, att, group_norm, *, silu_qkv, seeds):
                     assert_close_vs_eager(a, t, e, torch.float32, msg=f"{what}: {name}")
 
 
+def _check_transposed_weights(n, dim, heads, lin, att, silu_qkv):
+    """The cpu ops given uvqk_weight / output_weight as transposed views (nn.Linear's weight .t(), as
+    HSTULayer passes them) equal the same ops on contiguous copies bit for bit, and return the weight
+    gradients in the weights' layout (the fakes' empty_like), so that nn.Linear's weight gradient comes
+    out contiguous (AccumulateGrad keeps it without a copy)."""
+    cpu = torch.ops.gem_kernels
+    g = torch.Generator().manual_seed(n)
+    width, num_out, k = heads * lin, 2 * heads * lin + 2 * heads * att, 3 * heads * lin
+    x, nw, nb = torch.randn(n, dim, generator=g), 1 + torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    w, b = torch.randn(dim, num_out, generator=g) * dim ** -0.5, torch.randn(num_out, generator=g)
+    ow, obias = torch.randn(k, dim, generator=g) * k ** -0.5, torch.randn(dim, generator=g)
+    onw, onb = 1 + torch.randn(width, generator=g), torch.randn(width, generator=g)
+    grads = [torch.randn(n, width, generator=g), torch.randn(n, heads, lin, generator=g),
+             torch.randn(n, heads, att, generator=g), torch.randn(n, heads, att, generator=g)]
+    attn, u_pre, grad_out = torch.randn(n, width, generator=g), torch.randn(n, width, generator=g), \
+        torch.randn(n, dim, generator=g)
+    wt, owt = w.t().contiguous().t(), ow.t().contiguous().t()
+    assert not wt.is_contiguous() and not owt.is_contiguous()
+    ua = (heads, lin, att, silu_qkv)
+    fwd = [cpu.hstu_uvqk_fwd_native(x, nw, nb, 1e-6, ww, b, *ua) for ww in (w, wt)]
+    bwd = [cpu.hstu_uvqk_bwd_native(*grads, x, nw, nb, 1e-6, ww, b, fwd[0][4], *ua) for ww in (w, wt)]
+    ofwd = [cpu.hstu_output_fwd_native(attn, u_pre, x, onw, onb, 1e-6, ww, obias, None, heads, False, True, True)
+            for ww in (ow, owt)]
+    obwd = [cpu.hstu_output_bwd_native(grad_out, attn, u_pre, onw, onb, 1e-6, ww, True, None, ofwd[0][1], heads,
+                                       False, True, True) for ww in (ow, owt)]
+    for what, (old, new) in (("uvqk fwd", fwd), ("uvqk bwd", bwd), ("output fwd", ofwd), ("output bwd", obwd)):
+        for i, (a, c) in enumerate(zip(old, new)):
+            assert torch.equal(a, c), f"{what} output {i}: transposed weight differs"
+    assert bwd[1][3].stride() == wt.stride() and bwd[0][3].is_contiguous()
+    assert obwd[1][4].stride() == owt.stride() and obwd[0][4].is_contiguous()
+    layer = gk.nn.HSTULayer(dim, heads, lin, att, concat_u=True, concat_x=True, backend="cpu")
+    offsets = torch.tensor([0, n // 3, n])
+    layer(x, offsets, n, None).backward(grad_out)
+    for name in ("uvqk", "out"):
+        weight = getattr(layer, name).weight
+        assert weight.grad.stride() == weight.stride(), f"{name}.weight.grad strides {weight.grad.stride()}"
+
+
+_TRANSPOSED_CHECK = """
+import os
+os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.test_hstu_layer import _check_transposed_weights
+_check_transposed_weights(97, 32, 2, 16, 16, True)
+_check_transposed_weights(59, 23, 3, 5, 3, False)
+_check_transposed_weights(1025, 32, 2, 16, 16, False)
+print("transposed ok")
+"""
+
+
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_ops_read_transposed_weights_on_both_paths(avx512):
+    """See _check_transposed_weights: at the small model's shape (the AVX-512 rows' register GEMMs) and
+    off it (sgemm's NN on the transposed output weight where NT ran on the contiguous one)."""
+    if "cpu" not in gk.available_backends():
+        pytest.skip("cpu not built")
+    run_on_vector_path(_TRANSPOSED_CHECK, avx512, "transposed ok")
+
+
 def test_float64_twin_is_float64():
     """The twin keeps float64 (it cast to fp32 before: the 'ground truth' then carried fp32 rounding)."""
     x, offsets, max_seq_len, num_targets, params, _ = _layer_inputs(0)
@@ -721,6 +779,11 @@ def test_opcheck(backend):
     torch.library.opcheck(ops.hstu_output_fwd_op, (attn, u_pre, x, p["output_norm_weight"], p["output_norm_bias"],
                                                    1e-6, p["output_weight"], None, None, 2, False, True, True,
                                                    backend))
+    # nn.Linear's weights as HSTULayer passes them (transposed views): the gradients keep that layout.
+    wt, owt = p["uvqk_weight"].t().contiguous().t(), p["output_weight"].t().contiguous().t()
+    torch.library.opcheck(ops.hstu_uvqk_fwd_op, (*uvqk_args[:4], wt, *uvqk_args[5:]))
+    torch.library.opcheck(ops.hstu_output_fwd_op, (attn, u_pre, x, p["output_norm_weight"], p["output_norm_bias"],
+                                                   1e-6, owt, None, None, 2, False, True, True, backend))
 
 
 # ---------------------------------------------------------------------------------------------

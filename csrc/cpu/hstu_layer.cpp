@@ -182,13 +182,80 @@ using Vec = at::vec::Vectorized<float>;
 // ("functions with out=... arguments don't support automatic differentiation").
 Tensor as_float(const Tensor& t) { return t.detach().to(at::kFloat).contiguous(); }
 
-// [w; b] as one [rows + 1, cols] fp32 matrix (w contiguous [rows, cols], b [cols]): two copies, in place
-// of at::cat's dispatch (~6-10 us a call at the small model's 33 x 64).
+// A weight that arrives as nn.Linear's weight transposed (the layer passes `linear.weight.t()`): its
+// transpose is contiguous, so the kernels read it in that layout and return its gradient in it, where
+// the front door's `.contiguous()` copied it in the forward, the backward copied it back (W^T for its
+// NN GEMM is nn.Linear's own weight) and AccumulateGrad copied the transposed gradient once more.
+// Read from the strides, no t() view: each ATen call here is a dispatch of ~1 us on this machine.
+// Measured (2026-12-07, helper fixed13; busy shared 2-core Xeon, SCHED_FIFO under the measuring lock):
+// the small model's step with the weights passed as they come against main's contiguous copies, switched
+// in one process per round of 8 batches, paired by round: batch 8, 1 thread (CPU time): -93 us (ratio
+// 0.984, 80 rounds; -87 and -123 us, 0.990 and 0.985, for the first version below); batch 256, 2 threads
+// (wall): +0.02 ms (1.001, 30 rounds; first version -0.77 and +0.19 ms): neutral, the copies are of
+// weights, not of tokens. Per call (torch.profiler, batch 8, 1 thread, against main's build in
+// alternating processes, 3 pairs, tests running beside): the ops within their noise (uvqk backward
+// -20/+6/-1 us, output backward -6/+2/-2, uvqk forward -7/+15/+5), the output forward +3 to +6 us (its
+// W [K, D] copy moved in here from the front door): the gain is the front door's two copies with their
+// autograd nodes, and AccumulateGrad's two copies of the transposed gradients.
+// Tried and not kept: a first version reading the layout through t() views and ATen's contiguous() /
+// to() made these four ops 5-21 us slower each than main's; sgemm's NN kernel on the transposed output
+// weight for the output backward's dc (no copy) gave other bits than NT on the contiguous one (at K =
+// 45, D = 23), so that path copies (contiguous_rows).
+bool transposed_layout(const Tensor& w) {
+  return w.dim() == 2 && !w.is_contiguous() && w.stride(0) == 1 && w.stride(1) == w.size(0);
+}
+
+// w [rows, cols] as fp32, contiguous or transposed_layout (to() keeps a dense tensor's strides); a
+// contiguous copy for any other layout.
+Tensor float_rows(const Tensor& w) {
+  if (!transposed_layout(w)) return as_float(w);
+  const Tensor f = w.scalar_type() == at::kFloat ? w.detach() : w.detach().to(at::kFloat);
+  return transposed_layout(f) ? f : f.contiguous();
+}
+
+// w (float_rows) as a contiguous [rows, cols] fp32 matrix: a transposing copy of a transposed one.
+Tensor contiguous_rows(const Tensor& w) {
+  if (w.is_contiguous()) return w;
+  const int64_t rows = w.size(0), cols = w.size(1);
+  Tensor out = at::empty({rows, cols}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) op[r * cols + c] = wp[c * rows + r];
+  return out;
+}
+
+// W^T [cols, rows] contiguous of w (float_rows): the weight's own memory when it came transposed.
+Tensor transposed_rows(const Tensor& w) { return transposed_layout(w) ? w.t() : w.t().contiguous(); }
+
+// A weight gradient computed contiguous [rows, cols] in fp32 (row stride grad.stride(0)), returned in
+// the weight's layout and dtype (the fake kernel's empty_like(weight)); the transposed layout by one
+// transposing copy.
+Tensor in_layout_of(const Tensor& grad, const Tensor& weight) {
+  const auto dtype = weight.scalar_type();
+  if (!transposed_layout(weight)) return dtype == at::kFloat ? grad : grad.to(dtype);
+  const int64_t rows = grad.size(0), cols = grad.size(1), ld = grad.stride(0);
+  Tensor out = at::empty_strided({rows, cols}, {1, rows}, grad.options());
+  const float* gp = grad.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) op[c * rows + r] = gp[r * ld + c];
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+// [w; b] as one [rows + 1, cols] fp32 matrix (w fp32 [rows, cols], contiguous or transposed_layout;
+// b [cols]): two copies, in place of at::cat's dispatch (~6-10 us a call at the small model's 33 x 64).
 Tensor append_row(const Tensor& w, const Tensor& b) {
   const int64_t rows = w.size(0), cols = w.size(1);
   Tensor out = at::empty({rows + 1, cols}, w.options());
   float* op = out.data_ptr<float>();
-  std::memcpy(op, w.data_ptr<float>(), sizeof(float) * rows * cols);
+  const float* wp = w.data_ptr<float>();
+  if (w.is_contiguous()) {
+    std::memcpy(op, wp, sizeof(float) * rows * cols);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) op[r * cols + c] = wp[c * rows + r];
+  }
   std::memcpy(op + rows * cols, b.contiguous().data_ptr<float>(), sizeof(float) * cols);
   return out;
 }
@@ -810,7 +877,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_fwd_cpu(const Tenso
   TORCH_CHECK(uvqk_bias.numel() == o && norm_weight.numel() == d && norm_bias.numel() == d,
               "uvqk_bias / norm_weight / norm_bias sizes do not match the layer");
   const Tensor x = as_float(x_in), nw = as_float(norm_weight), nb = as_float(norm_bias);
-  const Tensor w = as_float(uvqk_weight), b = as_float(uvqk_bias);
+  const Tensor w = float_rows(uvqk_weight), b = as_float(uvqk_bias);
   const auto opts = x.options();
   Tensor outs[4] = {at::empty({n, hl}, opts), at::empty({n, hl}, opts), at::empty({n, ha}, opts),
                     at::empty({n, ha}, opts)};
@@ -952,7 +1019,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   const int64_t n = x_in.size(0), d = x_in.size(1);
   const int64_t hl = num_heads * linear_dim, ha = num_heads * attention_dim, o = 2 * hl + 2 * ha;
   const Tensor x = as_float(x_in), nw = as_float(norm_weight), nb = as_float(norm_bias);
-  const Tensor w = as_float(uvqk_weight), b = as_float(uvqk_bias), stats = as_float(stats_in);
+  const Tensor w = float_rows(uvqk_weight), b = as_float(uvqk_bias), stats = as_float(stats_in);
   const int64_t starts[4] = {0, hl, 2 * hl, 2 * hl + ha}, widths[4] = {hl, hl, ha, ha};
   const Tensor grads[4] = {as_float(grad_u), as_float(grad_v), as_float(grad_q), as_float(grad_k)};
   const float* grad_ptrs[4] = {grads[0].data_ptr<float>(), grads[1].data_ptr<float>(), grads[2].data_ptr<float>(),
@@ -960,8 +1027,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   const auto opts = x.options();
   const Tensor wa = append_row(w, b);
   // W^T contiguous for dxn = dz @ W^T: sgemm's NN kernel on it took 7 % less time than its NT one on
-  // W (0.58 against 0.63 ms over the small model's 8.7k rows, 1 thread).
-  const Tensor wt = w.t().contiguous();
+  // W (0.58 against 0.63 ms over the small model's 8.7k rows, 1 thread). In the transposed layout it is
+  // the weight as it came.
+  const Tensor wt = transposed_rows(w);
   const float* wtp = wt.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const float* nwp = nw.data_ptr<float>();
@@ -1041,7 +1109,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cpu(
   const Tensor dw = dwa.narrow(0, 0, d), db = dwa.select(0, d).clone();
   auto [dnw, dnb] = reduce_partials(norm_partials, d);
   return {dx.to(x_in.scalar_type()), dnw.to(norm_weight.scalar_type()), dnb.to(norm_bias.scalar_type()),
-          dw.to(uvqk_weight.scalar_type()), db.to(uvqk_bias.scalar_type())};
+          in_layout_of(dw, uvqk_weight), db.to(uvqk_bias.scalar_type())};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1074,7 +1142,9 @@ std::tuple<Tensor, Tensor> hstu_output_fwd_cpu(const Tensor& attn_in, const Tens
   const int64_t n = shape.n, width = shape.width, k = shape.k, dim = x_in.size(1);
   TORCH_CHECK(output_weight.size(1) == dim, "output_weight must have ", dim, " columns, got ", output_weight.sizes());
   const Tensor a = as_float(attn_in), u = as_float(u_in), x = as_float(x_in);
-  const Tensor nw = as_float(norm_weight), nb = as_float(norm_bias), w = as_float(output_weight);
+  // W [K, D] contiguous (the GEMM and the AVX-512 rows read it so): one transposing copy of nn.Linear's.
+  const Tensor nw = as_float(norm_weight), nb = as_float(norm_bias);
+  const Tensor w = contiguous_rows(float_rows(output_weight));
   const Tensor mask = dropout_mask.has_value() ? as_float(*dropout_mask) : Tensor();
   const NormSpec ns{shape.groups, width / shape.groups, nw.data_ptr<float>(), nb.data_ptr<float>(), group_norm};
   const auto opts = a.options();
@@ -1154,7 +1224,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const int64_t n = shape.n, width = shape.width, k = shape.k, groups = shape.groups;
   const int64_t gs = width / groups;
   const Tensor g = as_float(grad_out_in), a = as_float(attn_in), u = as_float(u_in);
-  const Tensor nw = as_float(norm_weight), nb = as_float(norm_bias), w = as_float(output_weight);
+  const Tensor nw = as_float(norm_weight), nb = as_float(norm_bias), w_in = float_rows(output_weight);
   const Tensor mask = dropout_mask.has_value() ? as_float(*dropout_mask) : Tensor();
   const Tensor stats = as_float(stats_in);
   const NormSpec ns{groups, gs, nw.data_ptr<float>(), nb.data_ptr<float>(), group_norm};
@@ -1164,7 +1234,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
   float* sp = stats.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   const Chunking ch = chunking(n, k);
   const int64_t chunks = ch.count;
   Tensor dattn = at::empty({n, width}, opts), du = at::empty({n, width}, opts);
@@ -1173,13 +1242,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   // fp64 (see the uvqk backward), per element even with group_norm (weight per head): the heads' sums
   // over Lh are taken at the end.
   const int64_t dw_rows = k + (has_output_bias ? 1 : 0);
-  Tensor dw_partials = at::empty({chunks, dw_rows, w.size(1)}, opts);
+  Tensor dw_partials = at::empty({chunks, dw_rows, w_in.size(1)}, opts);
   Tensor partials = at::zeros({std::max<int64_t>(chunks, 1), 2 * width}, opts.dtype(at::kDouble));
   float* dwp = dw_partials.data_ptr<float>();
   float* dap = dattn.data_ptr<float>();
   float* dup = du.data_ptr<float>();
   double* pp = partials.data_ptr<double>();
-  const int64_t dim = w.size(1);
+  const int64_t dim = w_in.size(1);
   const int64_t y_off = width * ((concat_u ? 1 : 0) + (concat_x ? 1 : 0));
   // Norm's weight and bias per element (GroupNorm's per-head values repeated over the head's Lh).
   const Tensor w_elem = group_norm ? nw.repeat_interleave(gs) : nw, b_elem = group_norm ? nb.repeat_interleave(gs) : nb;
@@ -1190,7 +1259,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   // the output backward took 0.96x the time of the same rows after sgemm's dc (median of 8 interleaved
   // pairs of processes, 0.89-1.02, 1 thread).
   const bool dc_gemm = width == 32 && output_rows_run_gemm(rows_kind, dim);
-  const Tensor wt = dc_gemm ? w.t().contiguous() : Tensor();
+  // The rows' dc GEMM reads W^T [D, K]: a transposed weight's own memory. sgemm's dc reads W [K, D] (NT):
+  // its NN kernel on W^T gave other bits (at K = 45, D = 23), so a transposed weight is copied for it.
+  const Tensor wt = dc_gemm ? transposed_rows(w_in) : Tensor();
+  const Tensor w = dc_gemm ? w_in : contiguous_rows(w_in);
+  const float* wp = w.data_ptr<float>();
   parallel_ranges(chunks, 1, workers_for(n * k * dim * 4), [&](auto& claim) {
     const SingleThreadBlas single_thread;
     std::vector<float> silu_buf(2 * ch.block * width), c(ch.block * k), dc(ch.block * k);
@@ -1272,7 +1345,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> hstu_output_bwd_cpu(
   const Tensor per_element = group_norm ? partials.view({partials.size(0), 2 * groups, gs}).sum(2) : partials;
   auto [dnw, dnb] = reduce_partials(per_element, nw.numel());
   return {dattn.to(attn_in.scalar_type()), du.to(u_in.scalar_type()), dnw.to(norm_weight.scalar_type()),
-          dnb.to(norm_bias.scalar_type()), dw.to(output_weight.scalar_type()), dob};
+          dnb.to(norm_bias.scalar_type()), in_layout_of(dw, output_weight), dob};
 }
 
 }  // namespace
