@@ -387,6 +387,19 @@ GK_AVX512 __attribute__((noinline)) void silu_grad_row16(const float* s, float* 
   }
 }
 
+// Whether all 16 |t_i - t_j| of keys tj[0..16) lie in bucket bkt's range [thr[bkt - 1], thr[bkt]) (vti:
+// t_i in 8 lanes; vpabsq wraps |INT64_MIN| as the 8-key loop's blend did): the common case of sorted
+// timestamps, where a block takes bkt's bias as one broadcast.
+GK_AVX512 inline bool keys_in_bucket16(__m512i vti, const int64_t* tj, const int64_t* thr, int32_t nb, int32_t bkt) {
+  const __m512i lo = _mm512_set1_epi64(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
+  const __m512i hi = _mm512_set1_epi64(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
+  const __m512i x0 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj)));
+  const __m512i x1 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + 8)));
+  const __mmask8 in0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x0, lo), x0, hi);
+  const __mmask8 in1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x1, lo), x1, hi);
+  return (in0 & in1) == 0xFF;
+}
+
 // scores_tile's time-bias keys on 16 lanes (AVX-512F: 8 int64 |dt| a register by vpabsq, the compares
 // into masks): from key c while 16 remain, returns where it stopped. Each block as the 8-key loop's:
 // all 16 |dt| in the current bucket [thr[bkt - 1], thr[bkt]) (sorted timestamps: most blocks) takes
@@ -397,13 +410,7 @@ GK_AVX512 __attribute__((noinline)) int64_t time_bias_keys16(int64_t ti, const i
                                                              int32_t& bkt, int32_t* buckets, float* row) {
   const __m512i vti = _mm512_set1_epi64(ti);
   for (; c + 16 <= c1; c += 16) {
-    const __m512i lo = _mm512_set1_epi64(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
-    const __m512i hi = _mm512_set1_epi64(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
-    const __m512i x0 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c)));
-    const __m512i x1 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c + 8)));
-    const __mmask8 in0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x0, lo), x0, hi);
-    const __mmask8 in1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x1, lo), x1, hi);
-    if ((in0 & in1) == 0xFF) {
+    if (keys_in_bucket16(vti, tj + c, thr, nb, bkt)) {
       _mm512_storeu_si512(buckets + c, _mm512_set1_epi32(bkt));
       _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(row + c), _mm512_set1_ps(bias[bkt])));
       continue;
@@ -422,17 +429,9 @@ GK_AVX512 __attribute__((noinline)) int64_t time_bias_keys16(int64_t ti, const i
 GK_AVX512 inline __m512 add_time_bias16(__m512 x, __mmask16 k, __m512i vti, int64_t ti, const int64_t* tj, int64_t c,
                                         int64_t c1, const int64_t* thr, int32_t nb, const float* bias, int32_t& bkt,
                                         int32_t* buckets) {
-  if (k == static_cast<__mmask16>(0xFFFF)) {
-    const __m512i lo = _mm512_set1_epi64(bkt > 0 ? thr[bkt - 1] : std::numeric_limits<int64_t>::min());
-    const __m512i hi = _mm512_set1_epi64(bkt < nb ? thr[bkt] : std::numeric_limits<int64_t>::max());
-    const __m512i x0 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c)));
-    const __m512i x1 = _mm512_abs_epi64(_mm512_sub_epi64(vti, _mm512_loadu_si512(tj + c + 8)));
-    const __mmask8 in0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x0, lo), x0, hi);
-    const __mmask8 in1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(x1, lo), x1, hi);
-    if ((in0 & in1) == 0xFF) {
-      if (buckets != nullptr) _mm512_storeu_si512(buckets + c, _mm512_set1_epi32(bkt));
-      return _mm512_add_ps(x, _mm512_set1_ps(bias[bkt]));
-    }
+  if (k == static_cast<__mmask16>(0xFFFF) && keys_in_bucket16(vti, tj + c, thr, nb, bkt)) {
+    if (buckets != nullptr) _mm512_storeu_si512(buckets + c, _mm512_set1_epi32(bkt));
+    return _mm512_add_ps(x, _mm512_set1_ps(bias[bkt]));
   }
   alignas(64) float tmp[16];
   int32_t unused;
@@ -440,6 +439,18 @@ GK_AVX512 inline __m512 add_time_bias16(__m512 x, __mmask16 k, __m512i vti, int6
   for (int64_t j = c; j < std::min(c + 16, c1); ++j)
     walk_time_bucket(ti, tj[j], thr, nb, bias, bkt, buckets != nullptr ? buckets + j : &unused, tmp + (j - c));
   return _mm512_maskz_load_ps(k, tmp);
+}
+
+// x of one 16-key block of an HSTU row: the scores s[c..] (lanes past c1 zero), + pos[c] (null: no
+// position bias), + the time bias (null bias: none; bkt: the bucket of the key before c; buckets: where
+// add_time_bias16 stores the block's buckets, null: nowhere). hstu_fwd_row16's and hstu_bwd_row16's.
+GK_AVX512 inline __m512 hstu_row_block16(const float* s, int64_t c, int64_t c1, __mmask16 k, const float* pos,
+                                         __m512i vti, int64_t ti, const int64_t* tj, const int64_t* thr, int32_t nb,
+                                         const float* bias, int32_t& bkt, int32_t* buckets) {
+  __m512 x = _mm512_maskz_loadu_ps(k, s + c);
+  if (pos != nullptr) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(k, pos + c));
+  if (bias != nullptr) x = add_time_bias16(x, k, vti, ti, tj, c, c1, thr, nb, bias, bkt, buckets);
+  return x;
 }
 
 // HSTU's forward row in one pass over [c0, c1) of row (the Q K^T product's scaled scores): x = row +
@@ -455,9 +466,7 @@ GK_AVX512 __attribute__((noinline)) void hstu_fwd_row16(float* row, int64_t c0, 
   const __m512i vti = _mm512_set1_epi64(ti);
   for (int64_t c = c0; c < c1; c += 16) {
     const __mmask16 k = tail_mask(c, c1);
-    __m512 v = _mm512_maskz_loadu_ps(k, row + c);
-    if (pos != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, pos + c));
-    if (bias != nullptr) v = add_time_bias16(v, k, vti, ti, tj, c, c1, thr, nb, bias, bkt, nullptr);
+    const __m512 v = hstu_row_block16(row, c, c1, k, pos, vti, ti, tj, thr, nb, bias, bkt, nullptr);
     const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
     _mm512_mask_storeu_ps(row + c, k, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), vm));
   }
@@ -476,9 +485,7 @@ GK_AVX512 __attribute__((noinline)) void hstu_bwd_row16(const float* s, float* p
   const __m512i vti = _mm512_set1_epi64(ti);
   for (int64_t c = c0; c < c1; c += 16) {
     const __mmask16 k = tail_mask(c, c1);
-    __m512 x = _mm512_maskz_loadu_ps(k, s + c);
-    if (pos != nullptr) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(k, pos + c));
-    if (bias != nullptr) x = add_time_bias16(x, k, vti, ti, tj, c, c1, thr, nb, bias, bkt, buckets);
+    const __m512 x = hstu_row_block16(s, c, c1, k, pos, vti, ti, tj, thr, nb, bias, bkt, buckets);
     const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, fast_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
     _mm512_mask_storeu_ps(p + c, k, _mm512_mul_ps(_mm512_mul_ps(x, sig), vm));
     const __m512 g = _mm512_mul_ps(sig, _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, sig))));
