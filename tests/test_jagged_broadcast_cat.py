@@ -134,6 +134,20 @@ def test_refuses_bad_offset_values(offsets, match):
         jagged_broadcast_cat(torch.randn(2, 3), torch.tensor(offsets), torch.randn(4, 1))
 
 
+@needs_native
+@pytest.mark.parametrize("offsets, match", [
+    ([0, 2, 3], r"offsets\[-1\] the number of gradient rows 4"),
+    ([1, 2, 4], r"offsets\[0\] must be 0"),
+    ([0, 3, 2, 4], "nondecreasing"),
+])
+def test_backward_op_refuses_offsets_that_do_not_cover_its_rows(offsets, match):
+    """The backward op called directly (not through autograd, whose forward checked the offsets) refuses
+    offsets that would leave grad_jagged rows unwritten or write out of range."""
+    grad = torch.randn(4, 5)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.gem_kernels.jagged_broadcast_cat_backward(grad, torch.tensor(offsets), 3)
+
+
 def test_refuses_bad_arguments():
     dense, offsets, jagged = torch.randn(2, 3), torch.tensor([0, 1, 4]), torch.randn(4, 1)
     with pytest.raises(ValueError, match="offsets must have dense.shape"):

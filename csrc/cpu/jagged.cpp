@@ -285,11 +285,14 @@ std::tuple<at::Tensor, at::Tensor> jagged_broadcast_cat_backward_cpu(const at::T
               dense_width, " <= its width, got ", grad.sizes());
   const int64_t B = offsets.numel() - 1, N = grad.size(0), W = grad.size(1), K = dense_width, S = W - K;
   check_broadcast_cat_offsets(offsets, B, N);
-  // The forward checked the offsets' values; this bounds check keeps a bad call from writing out of range.
+  // The forward checked the offsets' values; this check keeps a direct call with other offsets from writing
+  // out of range or leaving grad_jagged rows unwritten (offsets must cover [0, N) exactly).
   const std::vector<int64_t> off = offsets_as_int64(offsets);
+  TORCH_CHECK_VALUE(off[0] == 0 && off[B] == N, "jagged_broadcast_cat_backward: offsets[0] must be 0 and offsets[-1] ",
+                    "the number of gradient rows ", N, ", got ", off[0], " and ", off[B]);
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(0 <= off[b] && off[b] <= off[b + 1] && off[b + 1] <= N,
-                "jagged_broadcast_cat_backward: offsets out of range at b=", b);
+    TORCH_CHECK_VALUE(off[b] <= off[b + 1], "jagged_broadcast_cat_backward: offsets must be nondecreasing, but offsets[",
+                      b + 1, "] = ", off[b + 1], " < offsets[", b, "] = ", off[b]);
   }
   at::Tensor grad_dense = at::empty({B, K}, grad.options());
   at::Tensor grad_jagged = at::empty({N, S}, grad.options());
