@@ -44,7 +44,10 @@ tables' remap) takes the fast path too: its natives declare the mutation in thei
 but calling them directly does not bump the version counters (the dispatcher path's ADInplaceOrView
 kernel does), so the fast path bumps each mutated argument's after the body, as that kernel would.
 ``GEM_KERNELS_EAGER_FAST=0`` (read at import) turns the fast path off; ``dispatcher_path_only()`` does
-for a block (tests, timing both paths in one process).
+for a block (tests, timing both paths in one process). Two public functions go one step further on
+the same conditions (``fast_paths_on()`` and ``eager_plain``): ``gem_kernels.ops.hstu_layer`` runs a
+whole HSTU layer (three ops) as one autograd node, and ``gem_kernels.ops.interaction.
+wukong_feature_mix_norm`` builds a Wukong layer's mix matrix inside feature_mix_norm's node; see there.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ def _eager_plain(args: tuple) -> bool:
     return True
 
 
+eager_plain = _eager_plain
+
+
 class _EagerFastOp(CustomOpDef):
     """A gem_kernels CustomOpDef whose call takes the eager fast path when it may (module docstring).
     Only __call__ differs: the object is the same op (isinstance CustomOpDef, same _opoverload)."""
@@ -188,11 +194,22 @@ def _direct_function(op: CustomOpDef, body: Callable, num_args: int):
                 {"forward": staticmethod(forward), "backward": staticmethod(direct_backward)})
 
 
+# Whether the eager fast paths are on (enable_eager_fast_paths ran and no dispatcher_path_only block is
+# open): gem_kernels.ops.hstu_layer's whole-layer node follows it too.
+_fast_paths_on = False
+
+
+def fast_paths_on() -> bool:
+    return _fast_paths_on
+
+
 def enable_eager_fast_paths(namespace: str = "gem_kernels") -> list[str]:
     """Give every custom op of `namespace` defined so far the eager fast path (module docstring);
     returns the qualified names that got it. A no-op with GEM_KERNELS_EAGER_FAST=0."""
+    global _fast_paths_on
     if os.environ.get("GEM_KERNELS_EAGER_FAST", "1") == "0":
         return []
+    _fast_paths_on = True
     enabled = []
     for name, op in list(OPDEFS.items()):
         if op._namespace != namespace or type(op) not in (CustomOpDef, _EagerFastOp):
@@ -214,7 +231,9 @@ def enable_eager_fast_paths(namespace: str = "gem_kernels") -> list[str]:
 def dispatcher_path_only() -> Iterator[None]:
     """Within it, every op takes the dispatcher path (tests compare both paths; timing A/B in one process).
     Not thread-safe: it changes the op objects' class for the whole process."""
+    global _fast_paths_on
     ops = [op for op in list(OPDEFS.values()) if type(op) is _EagerFastOp]
+    was_on, _fast_paths_on = _fast_paths_on, False
     for op in ops:
         op.__class__ = CustomOpDef
     try:
@@ -222,3 +241,4 @@ def dispatcher_path_only() -> Iterator[None]:
     finally:
         for op in ops:
             op.__class__ = _EagerFastOp
+        _fast_paths_on = was_on

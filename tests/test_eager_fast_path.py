@@ -5,7 +5,9 @@ that both give the same bits: outputs and every gradient."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 
@@ -107,16 +109,85 @@ def test_fast_path_equals_the_dispatcher_path_bit_for_bit(backend):
     out, grads, names = _run_hstu_layer(backend)
     with _autograd.dispatcher_path_only():
         out_d, grads_d, names_d = _run_hstu_layer(backend)
-    # the eager run took the fast path for all three ops of the layer, the other the dispatcher
-    assert {"EagerFor_gem_kernels_hstu_uvqk_fwdBackward", "EagerFor_gem_kernels_jagged_attention_fwdBackward",
-            "EagerFor_gem_kernels_hstu_output_fwdBackward"} <= names
-    assert not any(n.startswith("LeanFor_") for n in names)
+    # the eager run took the fast path: the whole layer in one node; the other the dispatcher's three ops
+    assert names == {"_HSTULayerNodeBackward", "AccumulateGrad"}
     assert {"LeanFor_gem_kernels_hstu_uvqk_fwdBackward", "LeanFor_gem_kernels_jagged_attention_fwdBackward",
             "LeanFor_gem_kernels_hstu_output_fwdBackward"} <= names_d
     assert not any(n.startswith("EagerFor_") for n in names_d)
     _assert_same(out, out_d)
     for g, g_d in zip(grads, grads_d):
         _assert_same(g, g_d)
+
+
+def _run_hstu_module(backend, dropout, x_requires_grad):
+    torch.manual_seed(0)
+    layer = gk.nn.HSTULayer(16, 2, 8, 4, contextual_len=1, max_seq_len=8, num_time_buckets=5, dropout=dropout,
+                            silu_qkv=False, concat_u=True, concat_x=True, output_bias=False, backend=backend)
+    with torch.no_grad():
+        for p in layer.parameters():  # away from the init's zeros and ones, so every gradient is checked
+            p.add_(0.1 * torch.randn(p.shape))
+    gen = torch.Generator().manual_seed(1)
+    offsets = torch.tensor([0, 5, 5, 12, 20])
+    x = torch.randn(20, 16, generator=gen).requires_grad_(x_requires_grad)
+    timestamps = torch.randint(0, 1000, (20,), generator=gen)
+    out = layer(x, offsets, 8, num_targets=torch.tensor([2, 0, 3, 1]), timestamps=timestamps)
+    if dropout == 0.0:  # without a gradient (no node): the same output
+        with torch.no_grad():
+            assert torch.equal(layer(x, offsets, 8, num_targets=torch.tensor([2, 0, 3, 1]), timestamps=timestamps),
+                               out)
+    leaves = ([x] if x_requires_grad else []) + list(layer.parameters())
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum(), leaves)
+    if dropout == 0.0:  # two backwards accumulated into .grad: a gradient aliasing another would change
+        for _ in range(2):
+            layer(x, offsets, 8, num_targets=torch.tensor([2, 0, 3, 1]), timestamps=timestamps).sum().backward()
+        grads = grads + tuple(p.grad for p in layer.parameters())
+    return out, grads, _node_names(out)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_hstu_module_fast_path_equals_the_dispatcher_path(backend, dropout, x_requires_grad):
+    # gk.nn.HSTULayer hands the op its nn.Linear weights as they are: the fast path's one node reads them
+    # transposed and returns their gradients in their layout, the dispatcher path transposes them (two
+    # TBackward nodes) and runs the three ops. Same dropout mask (same seed), same bits.
+    out, grads, names = _run_hstu_module(backend, dropout, x_requires_grad)
+    with _autograd.dispatcher_path_only():
+        out_d, grads_d, names_d = _run_hstu_module(backend, dropout, x_requires_grad)
+    assert names == {"_HSTULayerNodeBackward", "AccumulateGrad"}
+    assert "TBackward0" in names_d and "LeanFor_gem_kernels_hstu_uvqk_fwdBackward" in names_d
+    _assert_same(out, out_d)
+    assert len(grads) == len(grads_d)
+    for g, g_d in zip(grads, grads_d):
+        assert g.shape == g_d.shape
+        _assert_same(g, g_d)
+
+
+def test_hstu_fast_path_checks_like_the_dispatcher_path():
+    # bad input raises the same ValueError, naming the argument, on both paths (the fast path checks the
+    # attention's arguments before it computes q, k and v)
+    leaves, args, kwargs = _hstu_inputs()
+    x, offsets, max_len, num_targets = args
+    bad_calls = [
+        (dict(num_targets=torch.tensor([1, 2])), "num_targets must have B = 4 elements"),
+        (dict(num_targets=torch.tensor([2, 0, 9, 1])), "num_targets[2] must be in [0, 7]"),
+        (dict(offsets=torch.tensor([0, 5, 4, 12, 20])), "seq_offsets must be nondecreasing"),
+        (dict(offsets=torch.tensor([0, 5, 5, 12, 20], dtype=torch.float32)), "seq_offsets must have dtype"),
+        (dict(max_len=6, pos_bias=None), "max_seq_len must be >= every sequence length, got 6 < 8"),
+        (dict(timestamps=torch.zeros(19, dtype=torch.int64)), "timestamps must have N = 20 elements"),
+        (dict(pos_bias=torch.zeros(2, 9)), "pos_bias.shape[1] must be 2 * max_seq_len - 1 = 15"),
+        (dict(uvqk_weight=torch.zeros(16, 31)), "uvqk_weight must have shape"),
+    ]
+    for change, message in bad_calls:
+        call_args = dict(offsets=offsets, max_len=max_len, num_targets=num_targets)
+        call_kwargs = dict(kwargs)
+        for key, value in change.items():
+            (call_args if key in call_args else call_kwargs)[key] = value
+        for dispatcher in (False, True):
+            with (_autograd.dispatcher_path_only() if dispatcher else contextlib.nullcontext()):
+                with pytest.raises(ValueError, match=re.escape(message)):
+                    hstu_ops.hstu_layer(x, call_args["offsets"], call_args["max_len"], call_args["num_targets"],
+                                        **call_kwargs, backend="cpu")
 
 
 def test_interaction_and_embedding_bag_fast_path_equal_the_dispatcher_path():
@@ -147,6 +218,50 @@ def test_interaction_and_embedding_bag_fast_path_equal_the_dispatcher_path():
     assert "LeanFor_gem_kernels_fm_compressBackward" in names_d
     for a, b in zip(outs + grads, outs_d + grads_d):
         _assert_same(a, b)
+
+
+def _run_wukong_layer(backend, num_in, num_fm_out, num_lcb_out, x_requires_grad):
+    torch.manual_seed(3)
+    layer = gk.nn.WukongLayer(num_in, num_fm_out, num_lcb_out, 6, fm_rank=3, mlp_hidden=8, backend=backend)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    x = torch.randn(7, num_in, 6, generator=torch.Generator().manual_seed(4)).requires_grad_(x_requires_grad)
+    out = layer(x)
+    leaves = ([x] if x_requires_grad else []) + list(layer.parameters())
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum(), leaves,
+                                allow_unused=True)  # no FM block: its parameters get none on both paths
+    # two backwards accumulated into .grad: a gradient aliasing another would be changed by the second
+    for _ in range(2):
+        (layer(x) * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return out, grads + tuple(p.grad for p in layer.parameters()), _node_names(out)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("num_in,num_fm_out,num_lcb_out", [(5, 2, 3), (7, 2, 3), (5, 5, 0), (4, 0, 4), (6, 0, 3)],
+                         ids=["identity", "learned_residual", "no_lcb", "no_fm", "no_fm_learned_residual"])
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_wukong_mix_node_equals_the_dispatcher_path(backend, num_in, num_fm_out, num_lcb_out, x_requires_grad):
+    # the fast path builds M = residual + [0; lcb] without autograd inside one node with feature_mix_norm
+    # and splits dM in its backward; the dispatcher path records the eye/pad/add and runs the op's node
+    out, grads, names = _run_wukong_layer(backend, num_in, num_fm_out, num_lcb_out, x_requires_grad)
+    with _autograd.dispatcher_path_only():
+        out_d, grads_d, names_d = _run_wukong_layer(backend, num_in, num_fm_out, num_lcb_out, x_requires_grad)
+    assert "_WukongMixNormNodeBackward" in names and "LeanFor_gem_kernels_feature_mix_normBackward" not in names
+    assert not {"AddBackward0", "ConstantPadNdBackward0"} & names
+    assert "LeanFor_gem_kernels_feature_mix_normBackward" in names_d
+    if num_lcb_out:
+        assert "ConstantPadNdBackward0" in names_d
+    # NOTE: the reference backend's matmul folds [B, F, D] differently when its operand requires grad (M does
+    # on the dispatcher path, not inside the node): ulps apart there; the C++ kernels to the bit.
+    same = _assert_same if backend == "cpu" else torch.testing.assert_close
+    same(out, out_d)
+    assert len(grads) == len(grads_d)
+    for g, g_d in zip(grads, grads_d):
+        assert (g is None) == (g_d is None)
+        if g is not None:
+            assert g.shape == g_d.shape
+            same(g, g_d)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -8,7 +8,7 @@ from torch import nn
 
 from .._validate import FLOAT_DTYPES
 from ..ops.attention import jagged_attention
-from ..ops.hstu_layer import hstu_layer
+from ..ops.hstu_layer import hstu_layer_linear_layout
 from ..ops.jagged import jagged_to_padded, padded_to_jagged
 from ._fx import NotScriptable, is_proxy, trace_call
 
@@ -176,18 +176,15 @@ class HSTULayer(nn.Module):
             keep = 1.0 - self.dropout.p
             mask = torch.empty(x.shape[0], self.out.in_features, device=x.device, dtype=x.dtype).bernoulli_(keep)
             mask.div_(keep)
-        return hstu_layer(x, seq_offsets, max_seq_len, num_targets if self.target_aware else None,
-                          input_norm_weight=self.input_norm.weight, input_norm_bias=self.input_norm.bias,
-                          uvqk_weight=self.uvqk.weight.t(), uvqk_bias=self.uvqk.bias,
-                          output_norm_weight=self.attn_norm.weight, output_norm_bias=self.attn_norm.bias,
-                          output_weight=self.out.weight.t(), output_bias=self.out.bias, num_heads=self.num_heads,
-                          linear_dim=self.linear_dim, attention_dim=self.attention_dim, attn_alpha=self.attn_alpha,
-                          causal=self.causal, contextual_len=self.contextual_len, max_attn_len=self.max_attn_len,
-                          pos_bias=self.bias.pos_bias, time_bias=self.bias.time_bias,
-                          timestamps=timestamps if self.bias.time_bias is not None else None,
-                          query_timestamps=query_timestamps if self.bias.time_bias is not None else None,
-                          silu_qkv=self.silu_qkv, group_norm=self.group_norm, concat_u=self.concat_u,
-                          concat_x=self.concat_x, dropout_mask=mask, eps=self.eps, backend=self.backend)
+        time_bias = self.bias.time_bias
+        # The weights in nn.Linear's layout: the eager fast path reads them transposed inside its one node.
+        return hstu_layer_linear_layout(
+            x, seq_offsets, max_seq_len, num_targets if self.target_aware else None, self.input_norm.weight,
+            self.input_norm.bias, self.uvqk.weight, self.uvqk.bias, self.attn_norm.weight, self.attn_norm.bias,
+            self.out.weight, self.out.bias, self.num_heads, self.linear_dim, self.attention_dim, self.attn_alpha,
+            self.causal, self.contextual_len, self.max_attn_len, self.bias.pos_bias, time_bias,
+            timestamps if time_bias is not None else None, query_timestamps if time_bias is not None else None,
+            self.silu_qkv, self.group_norm, self.concat_u, self.concat_x, mask, self.eps, self.backend, True)
 
     def cached_forward(self, delta_x: torch.Tensor, cache, layer: int, users: list[int], max_seq_len: int, *,
                        num_targets: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
+from ..ops.interaction import cross_layer, dot_interaction, fm_compress, wukong_feature_mix_norm, wukong_mix
 from ._fx import NotScriptable, is_proxy, trace_call
 
 
@@ -130,24 +130,18 @@ class WukongLayer(nn.Module):
     def feature_mix(self) -> torch.Tensor:
         """M [num_out, num_in] with ``concat(0, LCB(X)) + residual(X) = M X``: the residual
         projection (the identity when num_out == num_in) with lcb_weight added to its last
-        num_lcb_out rows, so the LCB and the residual are one matmul over the feature axis."""
-        if self.residual_weight is not None:
-            residual = self.residual_weight
-        else:
-            residual = torch.eye(self.num_in, dtype=self.lcb_weight.dtype, device=self.lcb_weight.device)
-        if not self.num_lcb_out:
-            return residual
-        # One add of the zero-padded LCB rows: two ops and a slice backward, where slicing, adding
-        # and concatenating the blocks is five ops forward and as many backward, per layer and step.
-        return residual + nn.functional.pad(self.lcb_weight, (0, 0, self.num_fm_out, 0))
+        num_lcb_out rows, so the LCB and the residual are one matmul over the feature axis
+        (gem_kernels.ops.interaction.wukong_mix)."""
+        return wukong_mix(self.residual_weight, self.lcb_weight, self.num_in, self.num_fm_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # LCB + residual as one matrix over the feature axis, the FMB rows added in place of the
         # eager concat, and the LayerNorm: one fused op (feature_mix_norm), where eager runs a
-        # transposing matmul, a concat, an add and a LayerNorm, each a pass over [B, num_out, dim].
+        # transposing matmul, a concat, an add and a LayerNorm, each a pass over [B, num_out, dim];
+        # with M built inside its autograd node on the eager fast path (wukong_feature_mix_norm).
         fm = self.fm_block(x) if self.num_fm_out else None
-        return feature_mix_norm(x, self.feature_mix(), fm, self.norm.weight, self.norm.bias, self.norm.eps,
-                                backend=self.backend)
+        return wukong_feature_mix_norm(x, self.residual_weight, self.lcb_weight, fm, self.norm.weight,
+                                       self.norm.bias, self.norm.eps, backend=self.backend)
 
 
 class WukongStack(nn.Module):

@@ -327,6 +327,22 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         are added in fp32).
     """
     q, k, v = check_operands("q", q, k, v, seq_offsets)
+    num_targets, pos_bias, time_bias, timestamps, query_timestamps, scale, name = checked_arguments(
+        q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len, max_attn_len, pos_bias,
+        time_bias, timestamps, query_timestamps, deterministic, backend)
+    out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
+                                        max_seq_len, kind, causal, scale, num_targets, contextual_len,
+                                        max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,
+                                        deterministic, name)
+    return out
+
+
+def checked_arguments(q, k, v, seq_offsets, max_seq_len, kind, causal, scale, num_targets, contextual_len,
+                      max_attn_len, pos_bias, time_bias, timestamps, query_timestamps, deterministic, backend):
+    """jagged_attention's checks after check_operands (the shapes of q, k, v against each other, every
+    option), reading shapes, dtypes and devices only: (num_targets, pos_bias, time_bias, timestamps,
+    query_timestamps) as check_options returns them, the scale rounded to fp32, and the concrete backend.
+    gem_kernels.ops.hstu_layer runs them before the layer computes q, k and v, on views of their shapes."""
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != q.shape[:2]:
@@ -350,8 +366,4 @@ def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offs
         time_bias, timestamps, query_timestamps)
     name = resolve_backend(backend, q.device, FAMILY)
     check_float64_on_reference(name, q=q, pos_bias=pos_bias, time_bias=time_bias)
-    out, _lse = jagged_attention_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), seq_offsets.contiguous(),
-                                        max_seq_len, kind, causal, float(scale), num_targets, contextual_len,
-                                        max_attn_len, pos_bias, time_bias, timestamps, query_timestamps,
-                                        deterministic, name)
-    return out
+    return num_targets, pos_bias, time_bias, timestamps, query_timestamps, float(scale), name
