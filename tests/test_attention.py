@@ -284,6 +284,20 @@ def _check_against_reference(inputs, backend, dtype, **options):
             assert_close(got, exp, dtype)
 
 
+def _assert_matches_reference(inputs, out, grads, **options):
+    """out and grads (run()'s grad_out, seed 1) of one float32 call against the reference's, as
+    _check_against_reference judges them."""
+    names = [n for n in ("q", "k", "v", "pos_bias", "time_bias") if n in inputs]
+    expected_out, expected_grads = run(inputs, "reference", **options)
+    assert_close(out, expected_out, torch.float32)
+    exact_grads = _fp64_reference_grads(inputs, names, **options) if any(n.endswith("bias") for n in names) else {}
+    for name, got, exp in zip(names, grads, expected_grads):
+        if name.endswith("bias"):
+            _assert_bias_grad_close(got, exp, exact_grads[name], name)
+        else:
+            assert_close(got, exp, torch.float32)
+
+
 def _fp64_reference_grads(inputs, names, **options):
     """The reference's gradients of `names` on the same inputs in float64 (float64_ground_truth lets the
     reference backend take them), with run()'s grad_out."""
@@ -780,6 +794,68 @@ def test_cpu_short_path_silu_at_extreme_scores(D):
         inputs["pos_bias"].copy_(extremes[torch.arange(2 * n).reshape(2, n) % extremes.numel()])
         inputs["pos_bias"][:, M - 1] = 1e30
     _check_against_reference(inputs, "cpu", torch.float32, kind="hstu", contextual_len=2)
+
+
+_KEPT_BUCKETS_CHECK = """
+import torch
+from tests.test_attention import _assert_matches_reference, make_inputs, leaves
+import gem_kernels as gk
+
+def inputs_of(seed):
+    # the model's table of 33 entries (two registers and bucket 32's broadcast: time_of_buckets), every
+    # bucket 0..32 occurring (|dt| up to 4e4)
+    x = make_inputs([74, 36, 17, 9, 3, 1], D=16, pos_heads=2, time_heads=2, targets=[8, 3, 2, 1, 1, 0], seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    x["time_bias"] = (0.5 * torch.randn(2, 33, generator=g)).requires_grad_(True)
+    x["timestamps"] = torch.randint(0, 200, (x["q"].shape[0],), generator=g) ** 2
+    return x
+
+def forward(x, **o):
+    return gk.jagged_attention(**x, backend="cpu", kind="hstu", **o)
+
+def check(x, out, **o):
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    _assert_matches_reference(x, out, torch.autograd.grad(out, leaves(x), grad_out), kind="hstu", **o)
+
+a, b = inputs_of(0), inputs_of(1)
+o = dict(contextual_len=2)
+# the first forward finds and keeps its buckets; b's replaces them, so a's backward finds its own
+out_a = forward(a, **o)
+out_b = forward(b, **o)
+check(a, out_a, **o)
+check(b, out_b, **o)
+# a forward that reads a's kept buckets (the model's second layer), its backward too
+forward(a, **o)
+check(a, forward(a, **o), **o)
+# every input the buckets depend on, changed with the rest equal: found again, not read
+with torch.no_grad():
+    a["timestamps"].copy_(a["timestamps"].flip(0))  # in place: the same tensor, shape and values, reordered
+check(a, forward(a, **o), **o)
+check(a, forward(a, **o, query_timestamps=a["timestamps"] + 7), **o, query_timestamps=a["timestamps"] + 7)
+check(a, forward(a, **o, query_timestamps=a["timestamps"] + 8), **o, query_timestamps=a["timestamps"] + 8)
+check(a, forward(a, contextual_len=0), contextual_len=0)
+check(a, forward(a, contextual_len=0, max_attn_len=5), contextual_len=0, max_attn_len=5)
+a["num_targets"] = torch.tensor([1, 3, 2, 1, 1, 0])
+check(a, forward(a, **o), **o)
+a["seq_offsets"] = torch.tensor([0, 36, 110, 127, 136, 139, 140])
+check(a, forward(a, **o), **o)
+# a time table of another size (the same timestamps): other buckets
+a["time_bias"] = (0.5 * torch.randn(2, 41)).requires_grad_(True)
+check(a, forward(a, **o), **o)
+print("kept buckets ok")
+"""
+
+
+@cpu_kernel_only
+@pytest.mark.parametrize("avx512", ["as the CPU has it", "off"])
+def test_cpu_short_path_keeps_time_buckets_between_calls(avx512):
+    """The short path keeps the time buckets of a call's pairs for the next call whose timestamps, query
+    timestamps, sequences, targets, mask options and bucket count all equal those they were found from
+    (the GEM model's layers, forward and backward). Calls in the orders that find, keep, read and replace
+    them (a backward after another batch's forward finds its own), and after each of those inputs changes
+    (a timestamp changed in place included), match the reference, forward and every gradient, on both
+    vector paths (their bucket finders differ)."""
+    run_on_vector_path(_KEPT_BUCKETS_CHECK, avx512, "kept buckets ok")
 
 
 @cpu_kernel_only

@@ -255,6 +255,48 @@
 // FMA: 3 ops fewer a block, rounding changed) on top of (1): backward 0.972 / 0.973 against 0.980 / 0.978,
 // and with (2) 0.942 / 0.936 against 0.943, under the rounds' spread; the forward's P V over both runs in
 // registers, as dq in (2): forward 0.990 (0.91-1.06), noise.
+//
+// Where the time goes, by knockouts (helper short14, 2026-12-07 16:20 UTC; the model's call, native ops,
+// 1 thread, CPU time; one build with a temporary switch that skipped one phase at a time, outputs wrong
+// and only timed, alternated per round in one process, 8 rounds x 20 calls, load average 2.7-3.2). The
+// forward (1.51-1.55 ms) ran 0.736x without its scores (dot_blocks), 0.824x without P V, 0.829x without
+// the weights pass, 0.913x without only that pass's exp and divide, 0.913x without the buckets
+// (bucket_row8) and 0.933x without the key transposes. With all of these skipped it ran 0.27x: ~0.42 ms is
+// per-call, per-sequence and per-row setup and loop control. The backward (2.68-3.03 ms) ran 0.837x
+// without the scores and dP (dot_key_block16), 0.823x without dk and dv (key_blocks16), 0.861x without
+// the P / dS pass, 0.994x without only its exp and divide, 0.910x without dq, 0.931x without the pair
+// histogram, 0.952x without the buckets and 0.966x without the position gradient. With all of these
+// skipped it ran 0.205x (~0.62 ms left). So the SiLU's exp and divide are ~9 % of the forward and nothing
+// of the backward: they overlap the products' FMAs. That is why removing vector ops from them paid a
+// third of the op counts' prediction or less (exp16_neg above; the polynomial below). What costs is the
+// products (scores and P V ~44 % of the forward; scores, dP, dk, dv and dq ~52 % of the backward), and
+// the skeleton.
+// Kept (helper short14): (1) a time table of exactly 33 entries (the model's 32 buckets): entries 0..31 by
+// one vpermt2ps from two registers, entry 32 from a broadcast under a compare's mask (TimeRegs regs = 3,
+// time_of_buckets). That is 3 vector ops a block and head where the four-register form took 4, and the
+// forward's head pairs share the compare. Bits are unchanged. Predicted ~1.5 % of the forward and ~1 % of
+// the backward. Measured (in-process switch, 20 rounds x 30 calls, 1 thread, load ~3): forward 1.001
+// (noise), backward 0.989 (15 of 20 rounds below 1).
+// (2) The time buckets kept from call to call (BucketCache, below): the model's four calls a step (two
+// layers, forward and backward) take the same timestamps, so the first forward finds the buckets and the
+// other three read them back, a uint8 a pair. Predicted from the knockouts: the other forward ~-8 %, each
+// backward ~-4 %, the first forward a little slower (the key copy and the uint8 stores). Measured
+// (in-process switch, a model-like step of fwd, fwd, bwd, bwd on one batch with two batches alternating,
+// 12 rounds x 10 steps, load 3.4-4.8):
+// - 1 thread, CPU time: first forward 1.022, second 0.913, backwards 0.980 and 0.954; the step 8.43 -> 8.25
+//   ms (0.967, 10 of 12 rounds below 1).
+// - 2 threads, wall, under the measuring lock and SCHED_FIFO: 1.036, 0.960, 0.967 and 0.960; the step
+//   4.52 -> 4.40 ms (0.971, 11 of 12).
+// Measured and not kept (same switch, 12 rounds x 30 calls, 1 thread): exp16_neg with a degree-6 minimax
+// polynomial (7 terms, one FMA fewer than the degree-7 Taylor; max error on [-ln2/2, ln2/2] 0.88 ulp
+// against 0.76): forward 0.986, backward 0.981 at 1 thread. With (1) at 2 threads under the lock it gave
+// 0.993 / 1.004. It changes the SiLU's bits for a gain inside the noise.
+// Not tried, with estimates from the knockouts:
+// - the forward's biased scores (4 bytes a pair and head, ~2.5 MB a call) saved for the backward: no
+//   scores or bias recomputed there (~0.2 of the backward), against writing and reading them back and a
+//   new saved output in the op's schema, on every backend;
+// - pairing two rows' 8-wide last blocks in one zmm of the weights pass: the pass is ~17 % of the forward
+//   and its exp and divide overlap the products, so <~2 %.
 // Taken when: kind hstu, the full forward (no cached delta rows), D and Dv multiples of 8, L <=
 // kShortMaxLen, and a banded or prefix mask (every row's visible keys are one run, less at most one
 // hole; the other masks ask visible() per pair and take the tile loops). Needs AVX2 (the build's
@@ -262,6 +304,112 @@
 
 // At most one 128-row tile, so the workspace's tiles hold the whole item.
 constexpr int64_t kShortMaxLen = kBlockN;
+
+// One sequence's time buckets kept between calls (BucketCache): rows[i * Lp + c] the bucket of pair (i, c)
+// over the 8-column blocks of row i's span. hit: rows holds them (read them); else, rows non-null:
+// write them there as they are found; null: nothing kept.
+struct CachedBuckets {
+  uint8_t* rows = nullptr;
+  bool hit = false;
+};
+
+// The short path's time buckets of every pair, kept from one call to the next. They depend on the
+// timestamps, the sequences and the mask options only (not on q, k, v or the bias values), so the GEM
+// model's HSTU layers, which all take the same timestamps, find them once per step: the first layer's
+// forward writes them, the other layers' forwards and every backward read them (a uint8 a pair: ~0.4 MB
+// at the model's call) instead of finding them again (bucket_row8: ~9 % of the forward, ~5 % of the
+// backward there). A call uses the kept buckets only when every input they depend on equals the one
+// they were found from, compared element by element (the timestamps' copies included: no pointer, version or hash
+// is trusted), so the outputs are exactly those of a call that finds them itself. One cache per process, the last
+// call's; a call that misses builds its own and publishes it when done (a concurrent call keeps the one it
+// took: shared_ptr).
+struct BucketCache {
+  int64_t num_buckets = 0, contextual_len = 0, max_attn_len = 0;
+  bool causal = false, has_query_timestamps = false;
+  std::vector<SeqInfo> seqs;
+  std::vector<int64_t> timestamps, query_timestamps;
+  std::vector<int64_t> offset;  // sequence b's rows at offset[b], -1: none (not on the short path)
+  std::unique_ptr<uint8_t[]> rows;
+
+  bool matches(const Prepared& in) const {
+    const Params& p = in.p;
+    const bool has_qt = in.query_timestamps.defined();
+    if (num_buckets != p.num_buckets || contextual_len != p.contextual_len || max_attn_len != p.max_attn_len ||
+        causal != p.causal || has_query_timestamps != has_qt || seqs.size() != in.seqs.size() ||
+        static_cast<int64_t>(timestamps.size()) != in.timestamps.numel())
+      return false;
+    for (size_t b = 0; b < seqs.size(); ++b)
+      if (seqs[b].start != in.seqs[b].start || seqs[b].len != in.seqs[b].len || seqs[b].targets != in.seqs[b].targets)
+        return false;
+    const size_t n = timestamps.size() * sizeof(int64_t);
+    if (std::memcmp(timestamps.data(), in.timestamps.const_data_ptr<int64_t>(), n) != 0) return false;
+    return !has_qt || (static_cast<int64_t>(query_timestamps.size()) == in.query_timestamps.numel() &&
+                       std::memcmp(query_timestamps.data(), in.query_timestamps.const_data_ptr<int64_t>(),
+                                   query_timestamps.size() * sizeof(int64_t)) == 0);
+  }
+
+  CachedBuckets of(int64_t b, bool hit) const {
+    return offset[b] < 0 ? CachedBuckets{} : CachedBuckets{rows.get() + offset[b], hit};
+  }
+};
+
+bool short_path(const Prepared& in, const SeqInfo& seq);
+
+// The kept buckets for this call (hit) or a new, empty cache to fill (published by publish_buckets after
+// the call's items); null without a time bias, or with more than 256 buckets (a uint8 a pair).
+struct BucketPlan {
+  std::shared_ptr<BucketCache> cache;
+  bool hit = false;
+  CachedBuckets of(int64_t b) const { return cache != nullptr ? cache->of(b, hit) : CachedBuckets{}; }
+};
+
+std::mutex bucket_cache_mutex;
+std::shared_ptr<BucketCache> bucket_cache;  // guarded by bucket_cache_mutex
+
+BucketPlan bucket_plan(const Prepared& in) {
+  const Params& p = in.p;
+  if (p.time_bias == nullptr || p.num_buckets > 255) return {};
+  BucketPlan plan;
+  {
+    std::lock_guard<std::mutex> lock(bucket_cache_mutex);
+    plan.cache = bucket_cache;
+  }
+  if (plan.cache != nullptr && plan.cache->matches(in)) {
+    plan.hit = true;
+    return plan;
+  }
+  auto c = std::make_shared<BucketCache>();
+  c->num_buckets = p.num_buckets;
+  c->contextual_len = p.contextual_len;
+  c->max_attn_len = p.max_attn_len;
+  c->causal = p.causal;
+  c->seqs = in.seqs;
+  const int64_t* t = in.timestamps.const_data_ptr<int64_t>();
+  c->timestamps.assign(t, t + in.timestamps.numel());
+  c->has_query_timestamps = in.query_timestamps.defined();
+  if (c->has_query_timestamps) {
+    const int64_t* qt = in.query_timestamps.const_data_ptr<int64_t>();
+    c->query_timestamps.assign(qt, qt + in.query_timestamps.numel());
+  }
+  c->offset.resize(in.seqs.size());
+  int64_t total = 0;
+  for (size_t b = 0; b < in.seqs.size(); ++b) {
+    const SeqInfo& seq = in.seqs[b];
+    const bool kept = seq.len > 0 && short_path(in, seq);
+    c->offset[b] = kept ? total : -1;
+    if (kept) total += seq.len * ((seq.len + 7) & ~int64_t{7});
+  }
+  c->rows.reset(new uint8_t[std::max<int64_t>(total, 1)]);  // every read row block is written first
+  plan.cache = std::move(c);
+  return plan;
+}
+
+// After a call's items: its new cache replaces the kept one.
+void publish_buckets(const BucketPlan& plan) {
+  if (plan.cache == nullptr || plan.hit) return;
+  std::lock_guard<std::mutex> lock(bucket_cache_mutex);
+  bucket_cache = plan.cache;
+}
 
 #if GK_ATTENTION_AVX2
 
@@ -444,7 +592,8 @@ GK_AVX512 void bucket_row8(const Params& p, int64_t ti, const int64_t* tk, int64
 // What a sequence's heads share, laid out for whole 8-column blocks (the columns past a row's span
 // included): every row's span, and every pair's time bucket (in the workspace's bucket tile, row i at
 // i * Lp: see backward_seq_short for why not kBlockN) from key timestamps padded to Lp with the last one. The bucket of a pair depends on
-// its timestamps only, so it is found once for all heads. Per thread, reused.
+// its timestamps only, so it is found once for all heads, and read back from the call's BucketCache
+// where an earlier call found it (CachedBuckets). Per thread, reused.
 struct ShortSeq {
   std::vector<RowSpan> spans;
   std::vector<int64_t> key_times;
@@ -455,7 +604,7 @@ struct ShortSeq {
   // 16-lane rows: ~2.0 -> ~1.7 ms at the model's shape, 1 thread), and so does the backward with its
   // 16-lane rows (backward_rows16: 5-7 % faster than table_bucket4, in-process A/B, 40 rounds); with
   // its 8-lane rows it measured ~3 % slower than table_bucket4 (4.30 against 4.18 ms).
-  void init(const Params& p, const SeqInfo& seq, Workspace& ws, bool wide_buckets) {
+  void init(const Params& p, const SeqInfo& seq, Workspace& ws, bool wide_buckets, const CachedBuckets& cached) {
     const int64_t L = seq.len, Lp = round8(L);
     ws.mask.init(p, L, seq.targets);
     const int tile_kind = ws.mask.classify(0, L, 0, L);
@@ -484,14 +633,35 @@ struct ShortSeq {
       if (span.end <= span.begin) continue;
       const int64_t ti = p.query_timestamps[seq.start + i];
       int32_t* bucket = ws.bucket.data() + i * Lp;
-      if (wide_buckets) {
-        bucket_row8(p, ti, tk, span.begin & ~int64_t{7}, round8(span.end), bucket);
+      const int64_t c0 = span.begin & ~int64_t{7}, c1 = round8(span.end);
+      if (cached.hit) {
+        widen_buckets(cached.rows + i * Lp, c0, c1, bucket);
         continue;
       }
-      for (int64_t c = span.begin & ~int64_t{7}, c1 = round8(span.end); c < c1; c += 4) {
-        if (!table_bucket4(p, ti, tk + c, bucket + c))
-          for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
+      if (wide_buckets) {
+        bucket_row8(p, ti, tk, c0, c1, bucket);
+      } else {
+        for (int64_t c = c0; c < c1; c += 4) {
+          if (!table_bucket4(p, ti, tk + c, bucket + c))
+            for (int64_t k = c; k < c + 4; ++k) bucket[k] = table_bucket(p, ti - tk[k]);
+        }
       }
+      if (cached.rows != nullptr) narrow_buckets(bucket, c0, c1, cached.rows + i * Lp);
+    }
+  }
+
+  // dst[c] = src[c] for c in [c0, c1) (multiples of 8): a cached row's buckets into the bucket tile.
+  static void widen_buckets(const uint8_t* src, int64_t c0, int64_t c1, int32_t* dst) {
+    for (int64_t c = c0; c < c1; c += 8)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c))));
+  }
+  // dst[c] = src[c] (each in [0, 255]) for c in [c0, c1) (multiples of 8): the tile's buckets into the cache.
+  static void narrow_buckets(const int32_t* src, int64_t c0, int64_t c1, uint8_t* dst) {
+    for (int64_t c = c0; c < c1; c += 8) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c));
+      const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + c), _mm_packus_epi16(w, w));
     }
   }
 
@@ -644,7 +814,9 @@ GK_AVX512 inline __m512 exp16_neg(__m512 x) {
 
 // A head's time_bias row in registers, for a table of at most 64 entries (num_buckets + 1; the model's
 // 33): a pair's bias by vpermt2ps from two (entries 0..31) or four registers, not by 16 scalar loads
-// and inserts (gather8) per 16 pairs. regs = 0: a larger table, by gather8.
+// and inserts (gather8) per 16 pairs; exactly 33 entries (regs = 3): entries 0..31 by one vpermt2ps and
+// entry 32 from a broadcast under a compare's mask (3 vector ops a block, not 4). regs = 0: a larger
+// table, by gather8.
 struct TimeRegs {
   __m512 t[4];
   int regs = 0;
@@ -653,12 +825,27 @@ struct TimeRegs {
 GK_AVX512 inline TimeRegs time_regs(const float* time, int64_t entries) {
   TimeRegs r;
   if (time == nullptr || entries > 64) return r;
-  r.regs = entries <= 32 ? 2 : 4;
-  for (int k = 0; k < r.regs; ++k) {
+  r.regs = entries <= 32 ? 2 : (entries == 33 ? 3 : 4);
+  for (int k = 0; k < (r.regs == 3 ? 2 : r.regs); ++k) {
     const int64_t n = std::clamp<int64_t>(entries - 16 * k, 0, 16);
     r.t[k] = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), time + 16 * k);
   }
+  if (r.regs == 3) r.t[2] = _mm512_set1_ps(time[32]);
   return r;
+}
+
+// The time bias of 16 pairs from their buckets idx (tr.regs > 0). at32: the lanes of bucket 32, read only
+// where regs = 3 (buckets_at32: one compare, which forward_rows16's head pairs share).
+GK_AVX512 inline __m512 time_of_buckets(const TimeRegs& tr, __m512i idx, __mmask16 at32) {
+  __m512 t = _mm512_permutex2var_ps(tr.t[0], idx, tr.t[1]);
+  if (tr.regs == 3) return _mm512_mask_mov_ps(t, at32, tr.t[2]);
+  if (tr.regs == 4)
+    t = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), t,
+                             _mm512_permutex2var_ps(tr.t[2], idx, tr.t[3]));
+  return t;
+}
+GK_AVX512 inline __mmask16 buckets_at32(const TimeRegs& tr, __m512i idx) {
+  return tr.regs == 3 ? _mm512_cmpeq_epi32_mask(idx, _mm512_set1_epi32(32)) : static_cast<__mmask16>(0);
 }
 
 // biased8 on the 16 (or, under m = 0x00FF, 8) columns at c.
@@ -669,11 +856,7 @@ GK_AVX512 inline __m512 biased16(__m512 scale, const float* pos, const float* ti
   if (time == nullptr) return s;
   if (tr.regs > 0) {
     const __m512i idx = _mm512_castps_si512(load_block(reinterpret_cast<const float*>(bucket + c), m));
-    __m512 t = _mm512_permutex2var_ps(tr.t[0], idx, tr.t[1]);
-    if (tr.regs == 4)
-      t = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), t,
-                               _mm512_permutex2var_ps(tr.t[2], idx, tr.t[3]));
-    return _mm512_add_ps(s, t);
+    return _mm512_add_ps(s, time_of_buckets(tr, idx, buckets_at32(tr, idx)));
   }
   // The upper 8 buckets only where they are the row's (past hi they are not written).
   const __m256 lo = gather8(time, bucket + c), hi = m == 0xFFFF ? gather8(time, bucket + c + 8) : _mm256_setzero_ps();
@@ -754,15 +937,12 @@ GK_AVX512 void forward_rows16(const HeadRows* hr, const RowSpan* spans, int64_t 
       }
       // biased16's steps for both heads, one load of the block's buckets (time tables in registers).
       const __m512i idx = _mm512_castps_si512(load_block(reinterpret_cast<const float*>(bucket + c), m));
+      const __mmask16 at32 = buckets_at32(tr[0], idx);  // both heads' tables have time_entries entries
       __m512 x[NH];
       for (int hh = 0; hh < NH; ++hh) {
         x[hh] = _mm512_mul_ps(load_block(s + (hh * 4 + k) * h.Lp + c, m), vscale);
         if (hr[hh].pos != nullptr) x[hh] = _mm512_add_ps(x[hh], load_block(hr[hh].pos + (h.L - 1 - i) + c, m));
-        __m512 t = _mm512_permutex2var_ps(tr[hh].t[0], idx, tr[hh].t[1]);
-        if (tr[hh].regs == 4)
-          t = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), t,
-                                   _mm512_permutex2var_ps(tr[hh].t[2], idx, tr[hh].t[3]));
-        x[hh] = _mm512_add_ps(x[hh], t);
+        x[hh] = _mm512_add_ps(x[hh], time_of_buckets(tr[hh], idx, at32));
       }
       for (int hh = 0; hh < NH; ++hh) {
         const __m512 e = exp16_neg(x[hh]);
@@ -788,14 +968,14 @@ GK_AVX512 void forward_rows16(const HeadRows* hr, const RowSpan* spans, int64_t 
 }
 
 // The forward of one sequence, every head: out rows written.
-void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, float* op) {
+void forward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, float* op, const CachedBuckets& cached) {
   const Params& p = in.p;
   const int64_t L = seq.len, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
   if (L == 0) return;
   const float inv_m = p.M > 0 ? 1.0f / static_cast<float>(p.M) : 0.0f;
   const bool wide = cpu_has_avx512f();
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws, wide);
+  sq.init(p, seq, ws, wide, cached);
   float* s = ws.s.data();  // one row's scores and weights (four rows' of one or two heads on 16 lanes)
   const float* time0 = p.time_bias;
   const int64_t nt = p.num_buckets + 1;
@@ -1160,7 +1340,7 @@ GK_AVX512 void backward_rows16(const BackRows& h, const RowSpan* spans, int64_t 
 // accumulated in the workspace and written, bias gradients added to the partials of its items
 // (head h: pos_part + h * (2L - 1), time_part + h * (num_buckets + 1)).
 void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, const float* dout, float* dq, float* dk,
-                        float* dv, float* pos_part, float* time_part) {
+                        float* dv, float* pos_part, float* time_part, const CachedBuckets& cached) {
   const Params& p = in.p;
   const int64_t L = seq.len, Lp = round8(L), H = p.H, D = p.D, Dv = p.Dv, qs = H * D, vs = H * Dv;
   if (L == 0) return;
@@ -1168,7 +1348,7 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
   const int64_t nt = p.num_buckets + 1;
   const bool wide = cpu_has_avx512f();
   ShortSeq& sq = short_seq;
-  sq.init(p, seq, ws, wide);
+  sq.init(p, seq, ws, wide, cached);
   ws.k_rows.resize(D * Lp);
   ws.v_rows.resize(Dv * Lp);
   float* s = ws.s.data();
@@ -1331,8 +1511,8 @@ void backward_seq_short(const Prepared& in, const SeqInfo& seq, Workspace& ws, c
 #else
 
 bool short_path(const Prepared&, const SeqInfo&) { return false; }
-void forward_seq_short(const Prepared&, const SeqInfo&, Workspace&, float*) {}
+void forward_seq_short(const Prepared&, const SeqInfo&, Workspace&, float*, const CachedBuckets&) {}
 void backward_seq_short(const Prepared&, const SeqInfo&, Workspace&, const float*, float*, float*, float*, float*,
-                        float*) {}
+                        float*, const CachedBuckets&) {}
 
 #endif
