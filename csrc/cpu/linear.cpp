@@ -41,6 +41,10 @@
 // torch's Linear + ReLU with autograd, paired in one process: 2 threads 5.55 vs 7.63 ms (0.73x), 1
 // thread 10.14 vs 12.30 (0.82x); per layer 0.49x (64 -> 2) to 0.82x (128 -> 256, no ReLU). In the
 // step the profiler gives 5.96 ms for the natives against 7.72 for the ops they replace (2 threads).
+// The training step (scripts/linear_step_ab.py: gk.nn.MLP fused vs pinned to reference, alternated per
+// round of 8 batches in one process, SCHED_FIFO under the lock, 2048^3 peak 0.30-0.33 TFLOP/s that
+// hour): 2 threads -1.82 / -1.67 / -1.53 ms (paired medians; wall 0.948 / 0.955 / 0.947x of ~34-36 ms),
+// 1 thread -1.28 / -0.67 ms (0.983 / 0.996x of ~52-54 ms).
 // Measured and not kept: blocks sized to stay in L2 (~1 MiB of rows, the epilogue on data in cache): a
 // few % slower than one sgemm per chunk (block_rows below). Bias sums in fp32: fast, but up to 2 ulps
 // further from the exact sum than torch's cascade sum; in fp64 fused into the mask's loop, GCC left
