@@ -53,6 +53,12 @@ TORCH_LIBRARY(gem_kernels, m) {
         "int max_seq_len, str kind, float scale, Tensor? num_targets, int contextual_len, int max_attn_len, "
         "Tensor? pos_bias, Tensor? time_bias, Tensor? timestamps, Tensor? query_timestamps) -> Tensor");
 
+  // linear: out = relu?(concat(x, x2) W^T + b), x [R, K1] and x2 [R, K2] (rows may be strided), weight
+  // [N, K1 + K2], bias [N]; the backward (out: the forward's output, read for the ReLU mask; empty
+  // without relu) -> (grad_x, grad_x2, grad_weight, grad_bias)
+  m.def("linear_native(Tensor x, Tensor x2, Tensor weight, Tensor bias, bool relu) -> Tensor");
+  m.def("linear_backward_native(Tensor grad_out, Tensor x, Tensor x2, Tensor weight, Tensor out, bool relu) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   // interaction: dot interaction x [B, F, D] -> [B, P]; cross layer (u [N, N] or u [N, r] + v [r, N],
   // v empty for full rank) -> (out, z, p); fm_compress x [B, F, D], y [F, k] -> (out, mean, rstd)
   m.def("dot_interaction_native(Tensor x, bool self_interaction) -> Tensor");

@@ -20,6 +20,7 @@ from ._embedding_bag import TableLayout, TableMeta, pack_tables
 from .ops.embedding_bag import embedding_bag
 from .ops.interaction import cross_layer, dot_interaction, feature_mix_norm, fm_compress
 from .ops.jagged import jagged_to_padded, padded_to_jagged
+from .ops.linear import linear
 from .ops.zch import ZchTables, zch_remap
 from . import inference, nn, optim
 from .nn.embedding_bag import FusedEmbeddingBag, TableSpec
@@ -61,6 +62,7 @@ __all__ = [
     "cross_layer",
     "fm_compress",
     "feature_mix_norm",
+    "linear",
     "FusedEmbeddingBag",
     "TableSpec",
     "embedding_bag",

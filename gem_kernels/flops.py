@@ -183,6 +183,22 @@ def hstu_output(total: int, dim: int, num_heads: int, linear_dim: int, elem_byte
 # ---------------------------------------------------------------------------------------------
 
 
+def linear(rows: int, in_features: int, out_features: int, elem_bytes: int, relu: bool = False,
+           backward: bool = False) -> tuple[int, int]:
+    """(flops, bytes) of gem_kernels.linear: act(x W^T + b), x [R, K] (x and x2 together), W [N, K].
+    Forward: 2*R*N*K (+ R*N bias, + R*N ReLU); read x, W, b, write out. Backward: 4*R*N*K (grad_x,
+    grad_W) + R*N (bias sums; + R*N mask); read grad, x, W (and out for the mask), write grad_x,
+    grad_W, grad_b."""
+    act, weight = rows * out_features, out_features * in_features
+    matmul = 2 * rows * weight
+    flops_ = matmul + act * (2 if relu else 1)
+    bytes_ = (rows * in_features + weight + out_features + act) * elem_bytes
+    if backward:
+        flops_ += 2 * matmul + act * (2 if relu else 1)
+        bytes_ += (act * (2 if relu else 1) + 2 * rows * in_features + 2 * weight + out_features) * elem_bytes
+    return flops_, bytes_
+
+
 def dot_interaction(batch: int, num_features: int, dim: int, self_interaction: bool, elem_bytes: int,
                     backward: bool = False) -> tuple[int, int]:
     """(flops, bytes). Forward: 2*B*P*D FLOPs (the P upper-triangle dot products), read x, write

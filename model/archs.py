@@ -7,6 +7,7 @@ same seed. They differ only in their leaves:
 | sequence embeddings  | torchrec EmbeddingCollection + RowwiseAdagrad | gk.torchrec.FusedEmbeddingCollection, likewise |
 | HSTU layers          | ReferenceHSTULayer (padded plain PyTorch) | gk.nn.HSTULayer (jagged fused attention) |
 | Wukong / dot         | ReferenceWukongStack / EagerDotInteraction | gk.nn.WukongStack / gk.nn.DotInteraction |
+| MLPs (dense, over)   | ReferenceMLP (the nn.Sequential run)      | gk.nn.MLP (one gk.linear per Linear + ReLU) |
 
 gk.swap converts each eager leaf into its fused twin (converters registered below), so
 `gk.swap(GemModel(cfg, "eager"), optimizer=gk.optim.ExactRowwiseAdagrad(lr))` is the fused model."""
@@ -34,16 +35,14 @@ def check_kernels(kernels: str) -> None:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
 
 
-def mlp(sizes: tuple[int, ...] | list[int], final_activation: bool) -> nn.Sequential:
+def mlp(sizes: tuple[int, ...] | list[int], final_activation: bool, kernels: str = "fused") -> gem_kernels.nn.MLP:
     """Linear layers of widths sizes[0] -> ... -> sizes[-1] with ReLU between (and after the last
-    one when final_activation). The ReLUs run in place on their Linear's output, which nothing else
-    reads (the Linear's backward keeps its input, not its output): no [rows, width] allocated per layer."""
-    layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(nn.Linear(fan_in, fan_out))
-        if final_activation or i < len(sizes) - 2:
-            layers.append(nn.ReLU(inplace=True))
-    return nn.Sequential(*layers)
+    one when final_activation): gem_kernels.nn.MLP, whose forward runs each Linear with the ReLU after it
+    as one gem_kernels.linear op; for kernels="eager" a ReferenceMLP (the plain nn.Sequential run, its
+    ReLUs in place on their Linear's output, which nothing else reads). Same children and state_dict
+    keys either way."""
+    check_kernels(kernels)
+    return (ReferenceMLP if kernels == "eager" else gem_kernels.nn.MLP)(sizes, final_activation)
 
 
 def mlp_flops(sizes: tuple[int, ...] | list[int], rows: int) -> int:
@@ -98,6 +97,13 @@ def init_table(num_rows: int, dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+class ReferenceMLP(gem_kernels.nn.MLP):
+    """gk.nn.MLP pinned to the reference backend: its children run as nn.Sequential runs them."""
+
+    def __init__(self, sizes, final_activation: bool = False):
+        super().__init__(sizes, final_activation, backend="reference")
+
+
 class ReferenceHSTULayer(HSTULayer):
     """gk.nn.HSTULayer pinned to the reference backend (padded plain PyTorch): the eager baseline."""
 
@@ -136,6 +142,8 @@ def _to_fused(fused_type):
 
 gem_kernels.register(ReferenceHSTULayer, _to_fused(HSTULayer))
 gem_kernels.register(ReferenceWukongStack, _to_fused(WukongStack))
+# The same Linear and ReLU children (the same parameters): only the forward differs.
+gem_kernels.register(ReferenceMLP, lambda module, *, optimizer, backend: gem_kernels.nn.MLP.from_sequential(module, backend))
 gem_kernels.register(EagerDotInteraction,
                      lambda module, *, optimizer, backend: gem_kernels.nn.DotInteraction(backend=backend))
 
@@ -147,7 +155,8 @@ def eager_collection_types() -> tuple[type, ...]:
 
 
 def is_eager_module(module: nn.Module) -> bool:
-    return type(module) in (*eager_collection_types(), ReferenceHSTULayer, ReferenceWukongStack, EagerDotInteraction)
+    return type(module) in (*eager_collection_types(), ReferenceHSTULayer, ReferenceWukongStack, EagerDotInteraction,
+                            ReferenceMLP)
 
 
 def _collection(eager, kernels: str, cfg: GemConfig) -> nn.Module:
@@ -438,7 +447,8 @@ class InteractionArch(nn.Module):
                                           cfg.embedding_dim, cfg.wukong_fm_rank, list(cfg.wukong_mlp))
         else:
             self.interaction = EagerDotInteraction() if kernels == "eager" else gem_kernels.nn.DotInteraction()
-        self.over_arch = mlp((cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers, final_activation=True)
+        self.over_arch = mlp((cfg.embedding_dim + cfg.interaction_width,) + cfg.over_arch_layers, final_activation=True,
+                             kernels=kernels)
 
     def forward(self, tokens: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [R, F, D]; dense: the rows' dense token [R, D] (equal to tokens[:, 0]) taken from its
@@ -446,19 +456,10 @@ class InteractionArch(nn.Module):
         directly: through tokens[:, 0] the backward fills a zero [R, F, D], copies the slice's gradient
         in and adds it to the interaction's gradient of tokens, three passes over [R, F, D]."""
         interactions = self.interaction(tokens).flatten(1)
-        # The over arch's first layer on [dense token, interactions] as two GEMMs into one output, with
-        # no concatenated copy: the concat costs a copy of [R, D + I] forward, and backward its slices
-        # hand the interaction a strided gradient that the fused op copies contiguous again.
-        # The weight's two column blocks by one split (not two slices): its backward is one cat of
-        # the two gradients, where each slice's backward fills a zero [H, D + I], copies its block
-        # in, and autograd adds the two.
-        first, dim = self.over_arch[0], tokens.shape[2]
-        dense_weight, interaction_weight = first.weight.split([dim, first.weight.shape[1] - dim], dim=1)
-        hidden = torch.addmm(F.linear(interactions, interaction_weight, first.bias),
-                             tokens[:, 0] if dense is None else dense, dense_weight.t())
-        for layer in list(self.over_arch)[1:]:
-            hidden = layer(hidden)
-        return hidden
+        # The over arch's first layer on [dense token, interactions] without their concatenation (a copy
+        # of [R, D + I] forward, and backward its slices hand the interaction a strided gradient that the
+        # fused op copies contiguous again): gk.nn.MLP's second input.
+        return self.over_arch(tokens[:, 0] if dense is None else dense, interactions)
 
 
 class TaskHeads(nn.Module):

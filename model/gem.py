@@ -100,7 +100,7 @@ class GemModel(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.dense_arch = mlp((cfg.num_dense,) + cfg.dense_arch_layers + (cfg.embedding_dim,),
-                                  final_activation=True)
+                                  final_activation=True, kernels=kernels)
             self.sparse_arch = SparseArch(cfg, kernels)
             self.sequence_arch = SequenceArch(cfg, kernels)
             self.interaction_arch = InteractionArch(cfg, kernels)

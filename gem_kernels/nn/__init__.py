@@ -4,9 +4,10 @@ from .attention import HSTULayer, JaggedMultiheadAttention, MultiheadAttention, 
 from .embedding_bag import EmbeddingBag, FusedEmbeddingBag, TableSpec
 from .interaction import (CrossNet, DotInteraction, FusedCrossNet, FusedInteractionArch, FusedLowRankCrossNet,
                           WukongLayer, WukongStack)
+from .linear import MLP
 
 __all__ = ["CrossNet", "DotInteraction", "EmbeddingBag", "FusedCrossNet", "FusedEmbeddingBag", "FusedInteractionArch",
-           "FusedLowRankCrossNet", "HSTULayer", "JaggedMultiheadAttention", "MultiheadAttention",
+           "FusedLowRankCrossNet", "HSTULayer", "JaggedMultiheadAttention", "MLP", "MultiheadAttention",
            "TableSpec",
            "TransformerEncoderLayer",
            "WukongLayer", "WukongStack"]

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..ops.interaction import cross_layer, dot_interaction, fm_compress, wukong_feature_mix_norm, wukong_mix
 from ._fx import NotScriptable, is_proxy, trace_call
+from .linear import MLP
 
 
 class DotInteraction(nn.Module):
@@ -74,16 +75,6 @@ class CrossNet(nn.Module):
         return xl
 
 
-def _mlp(sizes: Sequence[int], device, dtype) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers.append(nn.Linear(sizes[i], sizes[i + 1], device=device, dtype=dtype))
-        if i < len(sizes) - 2:
-            # In place: the Linear's output has no other reader (see model.archs.mlp).
-            layers.append(nn.ReLU(inplace=True))
-    return nn.Sequential(*layers)
-
-
 class WukongLayer(nn.Module):
     """One Wukong interaction layer on X [B, num_in, dim] -> [B, num_fm_out + num_lcb_out, dim].
 
@@ -106,15 +97,27 @@ class WukongLayer(nn.Module):
         hidden = [mlp_hidden] if isinstance(mlp_hidden, int) else list(mlp_hidden)
         self.num_in, self.num_fm_out, self.num_lcb_out, self.dim = num_in, num_fm_out, num_lcb_out, dim
         self.num_out = num_fm_out + num_lcb_out
-        self.backend = backend
+        self._backend = backend
         self.fm_y = nn.Parameter(torch.empty(num_in, fm_rank, **kw))
         self.fm_norm = nn.LayerNorm(num_in * fm_rank, **kw)
-        self.fm_mlp = _mlp([num_in * fm_rank, *hidden, num_fm_out * dim], **kw) if num_fm_out else None
+        # Each Linear with the ReLU after it as one gem_kernels.linear op (MLP); backend "reference" runs
+        # the plain nn.Sequential.
+        self.fm_mlp = MLP([num_in * fm_rank, *hidden, num_fm_out * dim], backend=backend, **kw) if num_fm_out else None
         self.lcb_weight = nn.Parameter(torch.empty(num_lcb_out, num_in, **kw))
         self.residual_weight = (nn.Parameter(torch.empty(self.num_out, num_in, **kw))
                                 if self.num_out != num_in else None)
         self.norm = nn.LayerNorm(dim, **kw)
         self.reset_parameters()
+
+    @property
+    def backend(self) -> str | None:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str | None) -> None:
+        self._backend = name
+        if self.fm_mlp is not None:
+            self.fm_mlp.backend = name
 
     def reset_parameters(self) -> None:
         std = 1.0 / math.sqrt(self.num_in)
