@@ -73,6 +73,11 @@ TORCH_LIBRARY(gem_kernels, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fm_compress_backward_native(Tensor grad_out, Tensor x, Tensor y, Tensor ln_weight, Tensor mean, "
         "Tensor rstd, Tensor products) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The same backward with grad_x added into the given tensor (x's shape, contiguous) -> (grad_y,
+  // grad_ln_weight, grad_ln_bias): Wukong's x gradient from feature_mix_norm and fm_compress in one
+  // write (CPU; gem_kernels/ops/interaction.py keeps the add elsewhere).
+  m.def("fm_compress_backward_accumulate_native(Tensor grad_out, Tensor x, Tensor y, Tensor ln_weight, "
+        "Tensor mean, Tensor rstd, Tensor products, Tensor(a!) grad_x) -> (Tensor, Tensor, Tensor)");
   // feature_mix_norm: x [B, F, D], mix [O, F], fm [B, O_fm, D] (O_fm <= O), ln_weight/ln_bias [D]
   // -> (out [B, O, D], mean [B, O] fp32, rstd [B, O] fp32); backward -> (grad_x, grad_mix, grad_fm,
   // grad_ln_weight, grad_ln_bias)

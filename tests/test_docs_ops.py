@@ -31,8 +31,9 @@ def test_ops_doc_names_every_native_op_and_its_kernels(gen):
     every family but the fused zch_embedding_bag_forward, which has none: on cuda and triton it is
     zch_remap's kernel, then the embedding-bag kernel; and hstu_sequence_layout, a CPU pass whose
     reference twin runs on every other device (index work, no kernel worth a GPU launch per op), and
-    jagged_broadcast_cat and its backward likewise (a copy and a segment sum), and linear and its
-    backward (on the GPU, gk.nn.MLP runs torch's cuBLAS Linear)."""
+    jagged_broadcast_cat and its backward likewise (a copy and a segment sum), linear and its
+    backward (on the GPU, gk.nn.MLP runs torch's cuBLAS Linear), and fm_compress_backward_accumulate,
+    whose front door runs fm_compress_backward and an add elsewhere."""
     import torch
 
     import gem_kernels  # noqa: F401  (loads the extension's schemas)
@@ -52,5 +53,5 @@ def test_ops_doc_names_every_native_op_and_its_kernels(gen):
         assert "—" not in (front, reference, cpu), op
         cpu_only = op.startswith("zch_embedding_bag") or op in ("hstu_sequence_layout", "jagged_broadcast_cat",
                                                                "jagged_broadcast_cat_backward", "linear",
-                                                               "linear_backward")
+                                                               "linear_backward", "fm_compress_backward_accumulate")
         assert ("—" in (triton, cuda)) == cpu_only, op

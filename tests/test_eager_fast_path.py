@@ -357,3 +357,106 @@ def test_the_environment_switch_turns_it_off():
     env["GEM_KERNELS_EAGER_FAST"] = "1"
     on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert int(on.stdout.strip()) >= 20
+
+
+def _run_wukong_x_grad(backend, dim, fm_rank, dtype, graph):
+    """A WukongLayer's x gradient (x a non-leaf) and every parameter's, two backwards accumulated into .grad;
+    `graph` "partial" first runs a backward that reaches only the mix node (norm.weight), leaving its x
+    gradient in the link, then the full ones. (x is used by the layer only: a third use's gradient would be
+    added in another order, ulps apart.)"""
+    torch.manual_seed(3)
+    layer = gk.nn.WukongLayer(7, 3, 4, dim, fm_rank=fm_rank, mlp_hidden=8, backend=backend).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn(p.shape, dtype=dtype))
+    base = torch.randn(9, 7, dim, generator=torch.Generator().manual_seed(4)).to(dtype).requires_grad_()
+    x = base * 1.5
+    out = layer(x)
+    weight = torch.linspace(-1, 1, out.numel(), dtype=dtype).view(out.shape)
+    if graph == "partial":
+        torch.autograd.grad((out * weight).sum(), [layer.norm.weight], retain_graph=True)
+    grads = torch.autograd.grad((out * weight).sum(), [x, base] + list(layer.parameters()), retain_graph=True)
+    for _ in range(2):
+        (out * weight).sum().backward(retain_graph=True)
+    return out, grads + (base.grad,) + tuple(p.grad for p in layer.parameters()), _node_names(out)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dim,fm_rank", [(32, 8), (6, 3)], ids=["rows32", "general"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("graph", ["full", "partial"])
+def test_wukong_x_gradient_is_written_once_and_equals_the_dispatcher_path(backend, dim, fm_rank, dtype, graph):
+    # the fm_compress node adds its x gradient into the one the mix node left in the layer's WukongXGrad
+    # (fm_compress_backward_accumulate); the dispatcher path returns both and the engine adds them
+    out, grads, names = _run_wukong_x_grad(backend, dim, fm_rank, dtype, graph)
+    with _autograd.dispatcher_path_only():
+        out_d, grads_d, names_d = _run_wukong_x_grad(backend, dim, fm_rank, dtype, graph)
+    assert "_FmCompressNodeBackward" in names and "_WukongMixNormNodeBackward" in names
+    assert "LeanFor_gem_kernels_fm_compressBackward" in names_d
+    # NOTE: as test_wukong_mix_node_equals_the_dispatcher_path: the reference's matmuls fold differently
+    # when M requires grad (dispatcher path only); the C++ kernels to the bit.
+    same = _assert_same if backend == "cpu" else torch.testing.assert_close
+    same(out, out_d)
+    assert len(grads) == len(grads_d)
+    for g, g_d in zip(grads, grads_d):
+        assert g is not None and g_d is not None and g.shape == g_d.shape
+        same(g, g_d)
+
+
+@pytest.mark.parametrize("case", ["non_contiguous", "used_again"])
+def test_wukong_x_gradient_link_only_where_it_applies(case):
+    torch.manual_seed(3)
+    layer = gk.nn.WukongLayer(5, 2, 3, 6, fm_rank=3, mlp_hidden=8, backend="cpu")
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(4, 5, 6, generator=gen)
+    if case == "non_contiguous":  # both nodes get their own copy of x: not linked, the engine adds
+        base = torch.randn(4, 6, 5, generator=gen).transpose(1, 2)
+
+    def run():
+        x = base.clone().requires_grad_() if case == "used_again" else base.detach().requires_grad_()
+        out = layer(x)
+        extra = x.square().sum() if case == "used_again" else 0  # a third gradient for x
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().add(extra).backward()
+        return x.grad, _node_names(out)
+
+    grad, names = run()
+    with _autograd.dispatcher_path_only():
+        grad_d, _ = run()
+    assert ("_FmCompressNodeBackward" in names) == (case == "used_again")
+    # NOTE: used again, the engine adds x's three gradients in another order than the dispatcher path: ulps
+    torch.testing.assert_close(grad, grad_d)
+    x = torch.randn(4, 5, 6)  # no gradient for x: nothing to link
+    assert "_FmCompressNodeBackward" not in _node_names(layer(x))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("shape", [(9, 7, 32, 8), (5, 4, 6, 3), (0, 3, 32, 8)], ids=["rows32", "general", "empty"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fm_compress_backward_accumulate_adds_like_autograd(backend, shape, dtype):
+    from gem_kernels.ops.interaction import (fm_compress_backward_accumulate_op, fm_compress_backward_op,
+                                             fm_compress_op)
+    B, F, D, k = shape
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(B, F, D, generator=gen).to(dtype), (0.3 * torch.randn(F, k, generator=gen)).to(dtype)
+    lw, lb = torch.randn(F * k, generator=gen).to(dtype), torch.randn(F * k, generator=gen).to(dtype)
+    g = torch.randn(B, F * k, generator=gen).to(dtype)
+    for save in (True, False):
+        _out, mean, rstd, products = fm_compress_op(x, y, lw, lb, 1e-5, save, backend)
+        dx, dy, dw, db = fm_compress_backward_op(g, x, y, lw, mean, rstd, products, backend)
+        prior = torch.randn(B, F, D, generator=gen).to(dtype)
+        grad_x = prior.clone()
+        rest = fm_compress_backward_accumulate_op(g, x, y, lw, mean, rstd, products, grad_x, backend)
+        _assert_same(grad_x, prior + dx)
+        for a, b in zip(rest, (dy, dw, db)):
+            _assert_same(a, b)
+    if backend == "cpu":
+        torch.library.opcheck(fm_compress_backward_accumulate_op,
+                              (g, x, y, lw, mean, rstd, products, prior.clone(), backend))
+        torch.library.opcheck(torch.ops.gem_kernels.fm_compress_backward_accumulate_native.default,
+                              (g, x, y, lw, mean, rstd, products, prior.clone()))
+        for bad in (prior[:, :-1].clone() if F > 1 else prior.new_empty(B, F + 1, D), prior.double(),
+                    prior.transpose(0, 1).contiguous().transpose(0, 1)):
+            if bad.shape == x.shape and bad.is_contiguous() and bad.dtype == x.dtype:
+                continue
+            with pytest.raises(ValueError, match="grad_x must be a contiguous tensor of x's shape"):
+                fm_compress_backward_accumulate_op(g, x, y, lw, mean, rstd, products, bad, backend)

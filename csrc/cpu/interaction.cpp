@@ -1520,21 +1520,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_cpu(
   return {out, mean, rstd, products};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cpu(
+// grad_x rows of one sample added to dst (fm_compress_backward_accumulate): each value rounded to
+// scalar_t first, then added in fp32 and rounded again, as at::add_ of the two scalar_t gradients
+// does, so the sum has the bits of the engine's add.
+template <typename scalar_t>
+void accumulate_sample(const float* src, int64_t F, int64_t D, int64_t ld, scalar_t* dst) {
+  for (int64_t r = 0; r < F; ++r) {
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c)
+      dst[r * D + c] = static_cast<scalar_t>(static_cast<float>(dst[r * D + c]) +
+                                             static_cast<float>(static_cast<scalar_t>(src[r * ld + c])));
+  }
+}
+
+// fm_compress's backward into grad_x: written (accumulate false, grad_x fresh) or added to what it
+// holds (accumulate true: Wukong's x gradient from feature_mix_norm, so x's two gradients are one
+// write instead of two writes and the engine's add pass).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_into(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
-    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& products) {
-  GK_CHECK_CPU(x);
-  interaction_checks::fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd);
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& products, at::Tensor& grad_x,
+    bool accumulate) {
   const FmDims d = fm_dims(x, y);
   const int64_t n = d.F * d.k;
   const bool saved = products.numel() > 0;
   TORCH_CHECK(!saved || (products.scalar_type() == at::kFloat && products.is_contiguous() && products.dim() == 2 &&
                          products.size(0) == d.B && products.size(1) == products_row(d)),
               "products must be empty or contiguous fp32 [B, k*D + F*k]");
-  auto grad_x = at::empty_like(x);
   // grad_x goes out while X, grad_out and the products come in: past the cache's size none of it
-  // is still there for the next op, so grad_x skips the read-for-ownership of normal stores.
-  const bool stream = use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + products.nbytes());
+  // is still there for the next op, so grad_x skips the read-for-ownership of normal stores (not
+  // when accumulating: grad_x is read).
+  const bool stream = !accumulate &&
+                      use_streaming_stores(grad_x.nbytes() + x.nbytes() + grad_out.nbytes() + products.nbytes());
   const int64_t chunks = sum_chunks(d.B);
   // Per-chunk fp32 partials of grad_y [Fp, kq], grad_w [n], grad_b [n].
   std::vector<float> part_y(chunks * d.Fp * d.kq, 0.f), part_wb(chunks * 2 * n, 0.f);
@@ -1592,12 +1608,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
               }
               layer_norm_row_backward(s, gp + b * n, wp, mp[b], rp[b], n, xhat.data(), gh.data(), gw, gw + n,
                                       ds.data());
-              grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, [&](auto* out) {
+              const auto backward = [&](auto* out) {
                 if (wide)
                   v16::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
                 else
                   v8::fm_backward_sample32(d.F, xr, y32p, at, ds.data(), gat, out);
-              });
+              };
+              if (accumulate) {
+                backward(dx.data());
+                accumulate_sample(dx.data(), d.F, kRow32, d.Dp, dxp + b * d.F * d.D);
+              } else {
+                grad_x_rows32(stream, dx.data(), d.F, d.Dp, dxp + b * d.F * d.D, backward);
+              }
             }
             cross32(wide, chunk_rows32(xp, first, d.F, xsc.data()), d.F * kRow32, d.F, gatc.data(), 8 * kRow32, 8,
                     last - first, gy, d.kq);
@@ -1627,7 +1649,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
             // grad_A^T = grad_S^T X: grad_S read transposed in place (columns k..kp of its half are 0).
             combine_rows(dsy.data(), d.kp, d.F, 1, w.xs.data(), d.Dp, dat, false, false, 2 * d.kp);
             combine_rows(dsy.data(), d.Fp, 2 * d.kp, 2 * d.kp, w.at.data(), d.Dp, dx.data(), false);
-            store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
+            if (accumulate)
+              accumulate_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D);
+            else
+              store_sample(dx.data(), d.F, d.D, d.Dp, dxp + b * d.F * d.D, stream);
             transpose(dat, d.k, d.D, d.Dp, da.data(), d.kq);
             combine_rows(w.xs.data(), d.Fp, d.D, d.Dp, da.data(), d.kq, gy, true);
           }
@@ -1639,7 +1664,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_
   auto grad_y = sum_chunk_partials(part_y.data(), chunks, d.Fp, d.kq, 0, d.F, d.k, false, x.scalar_type());
   auto grad_w = sum_chunk_partials(part_wb.data(), chunks, 2, n, 0, 1, n, true, x.scalar_type());
   auto grad_b = sum_chunk_partials(part_wb.data(), chunks, 2, n, 1, 1, n, true, x.scalar_type());
+  return {grad_y, grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& products) {
+  GK_CHECK_CPU(x);
+  interaction_checks::fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd);
+  auto grad_x = at::empty_like(x);
+  auto [grad_y, grad_w, grad_b] =
+      fm_compress_backward_into(grad_out, x, y, ln_weight, mean, rstd, products, grad_x, /*accumulate=*/false);
   return {grad_x, grad_y, grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fm_compress_backward_accumulate_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& y, const at::Tensor& ln_weight,
+    const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& products, at::Tensor& grad_x) {
+  GK_CHECK_CPU(x);
+  interaction_checks::fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd);
+  TORCH_CHECK_VALUE(grad_x.device() == x.device() && grad_x.scalar_type() == x.scalar_type() &&
+                        grad_x.sizes() == x.sizes() && grad_x.is_contiguous(),
+                    "grad_x must be a contiguous tensor of x's shape ", x.sizes(), ", dtype and device, got ",
+                    grad_x.sizes(), " ", grad_x.scalar_type(), (grad_x.is_contiguous() ? "" : " non-contiguous"));
+  return fm_compress_backward_into(grad_out, x, y, ln_weight, mean, rstd, products, grad_x, /*accumulate=*/true);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1840,6 +1888,7 @@ TORCH_LIBRARY_IMPL(gem_kernels, CPU, m) {
   m.impl("cross_layer_backward_native", &cross_layer_backward_cpu);
   m.impl("fm_compress_native", &fm_compress_cpu);
   m.impl("fm_compress_backward_native", &fm_compress_backward_cpu);
+  m.impl("fm_compress_backward_accumulate_native", &fm_compress_backward_accumulate_cpu);
   m.impl("feature_mix_norm_native", &feature_mix_norm_cpu);
   m.impl("feature_mix_norm_backward_native", &feature_mix_norm_backward_cpu);
 }

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..ops.interaction import cross_layer, dot_interaction, fm_compress, wukong_feature_mix_norm, wukong_mix
+from ..ops.interaction import (WukongXGrad, cross_layer, dot_interaction, fm_compress, wukong_feature_mix_norm,
+                                wukong_fm_compress, wukong_mix)
 from ._fx import NotScriptable, is_proxy, trace_call
 from .linear import MLP
 
@@ -125,9 +126,13 @@ class WukongLayer(nn.Module):
             if p is not None:
                 nn.init.normal_(p, std=std)
 
-    def fm_block(self, x: torch.Tensor) -> torch.Tensor:
-        compressed = fm_compress(x, self.fm_y, self.fm_norm.weight, self.fm_norm.bias, self.fm_norm.eps,
-                                 backend=self.backend)
+    def fm_block(self, x: torch.Tensor, x_grad: WukongXGrad | None = None) -> torch.Tensor:
+        if x_grad is None:
+            compressed = fm_compress(x, self.fm_y, self.fm_norm.weight, self.fm_norm.bias, self.fm_norm.eps,
+                                     backend=self.backend)
+        else:
+            compressed = wukong_fm_compress(x, self.fm_y, self.fm_norm.weight, self.fm_norm.bias, self.fm_norm.eps,
+                                            x_grad, backend=self.backend)
         return self.fm_mlp(compressed).view(x.shape[0], self.num_fm_out, self.dim)
 
     def feature_mix(self) -> torch.Tensor:
@@ -142,9 +147,11 @@ class WukongLayer(nn.Module):
         # eager concat, and the LayerNorm: one fused op (feature_mix_norm), where eager runs a
         # transposing matmul, a concat, an add and a LayerNorm, each a pass over [B, num_out, dim];
         # with M built inside its autograd node on the eager fast path (wukong_feature_mix_norm).
-        fm = self.fm_block(x) if self.num_fm_out else None
+        # x's two gradients (the FMB's and the mix's) are written once: WukongXGrad.
+        x_grad = WukongXGrad() if self.num_fm_out else None
+        fm = self.fm_block(x, x_grad) if self.num_fm_out else None
         return wukong_feature_mix_norm(x, self.residual_weight, self.lcb_weight, fm, self.norm.weight,
-                                       self.norm.bias, self.norm.eps, backend=self.backend)
+                                       self.norm.bias, self.norm.eps, backend=self.backend, x_grad=x_grad)
 
 
 class WukongStack(nn.Module):

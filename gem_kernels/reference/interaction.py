@@ -114,6 +114,17 @@ def fm_compress_backward(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tenso
     return grad_x.to(x.dtype), grad_y.to(x.dtype), grad_w.to(x.dtype), grad_b.to(x.dtype)
 
 
+def fm_compress_backward_accumulate(grad_out: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                                    ln_weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                                    products: torch.Tensor, grad_x: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fm_compress_backward with grad_x += its x gradient (in x's dtype, as autograd adds two gradients);
+    returns (grad_y, grad_ln_weight, grad_ln_bias)."""
+    dx, dy, dw, db = fm_compress_backward(grad_out, x, y, ln_weight, mean, rstd, products)
+    grad_x.add_(dx)
+    return dy, dw, db
+
+
 def feature_mix_norm(x: torch.Tensor, mix: torch.Tensor, fm: torch.Tensor, ln_weight: torch.Tensor,
                      ln_bias: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, mean, rstd): s = mix @ x[b] [B, O, D] with fm [B, O_fm, D] added to its first O_fm rows,
