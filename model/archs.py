@@ -459,7 +459,7 @@ class InteractionArch(nn.Module):
         # The over arch's first layer on [dense token, interactions] without their concatenation (a copy
         # of [R, D + I] forward, and backward its slices hand the interaction a strided gradient that the
         # fused op copies contiguous again): gk.nn.MLP's second input.
-        return self.over_arch(tokens[:, 0] if dense is None else dense, interactions)
+        return self.over_arch((tokens[:, 0] if dense is None else dense, interactions))
 
 
 class TaskHeads(nn.Module):

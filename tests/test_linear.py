@@ -207,11 +207,11 @@ def test_mlp_fused_equals_its_children(final_activation, with_x2):
             self.names.append(func.name())
             return func(*args, **(kwargs or {}))
 
-    got = mlp(x, x2) if with_x2 else mlp(torch.cat([x, randn_nonzero(131, 4)], 1))
+    got = mlp((x, x2)) if with_x2 else mlp(torch.cat([x, randn_nonzero(131, 4)], 1))
     grad = randn_nonzero(*got.shape)
     got_grads = torch.autograd.grad(got, inputs, grad, allow_unused=True)
     mlp.backend = "reference"
-    want = mlp(x, x2) if with_x2 else None
+    want = mlp((x, x2)) if with_x2 else None
     if with_x2:
         plain = nn.Sequential(*mlp)(torch.cat([x, x2], 1))
         assert_close(want, plain)
@@ -220,7 +220,7 @@ def test_mlp_fused_equals_its_children(final_activation, with_x2):
             assert_close(g_got, g_want, atol=2e-5, rtol=2e-5)
     mlp.backend = None
     with Ops() as ops:  # under a dispatch mode the op goes through the dispatcher: its name shows
-        mlp(x, x2) if with_x2 else mlp(torch.cat([x, randn_nonzero(131, 4)], 1))
+        mlp((x, x2)) if with_x2 else mlp(torch.cat([x, randn_nonzero(131, 4)], 1))
     assert ops.names.count("gem_kernels::linear") == 3
     assert not any(n in ops.names for n in ("aten::addmm", "aten::relu_"))
 
@@ -262,3 +262,30 @@ def test_flops_counts_the_matmuls():
     assert fwd == 2 * 10 * 6 * 4 + 10 * 4 and fwd_bytes == (10 * 6 + 4 * 6 + 4 + 10 * 4) * 4
     both, _ = flops.linear(10, 6, 4, 4, relu=True, backward=True)
     assert both == 3 * 2 * 10 * 6 * 4 + 4 * 10 * 4
+
+
+def test_mlp_traces_with_torch_fx_as_root_and_as_a_child():
+    """gk.nn.MLP takes one input (a tensor or a pair (x, x2)), as nn.Sequential does: with a second,
+    defaulted argument, symbolic_trace of an MLP as the root traced the pair form and the GraphModule
+    failed when called with one tensor. Both forms trace and compute what the module computes."""
+    torch.manual_seed(0)
+    mlp = gk.nn.MLP([6, 5, 3], final_activation=True)
+    x = torch.randn(7, 6)
+    gm = torch.fx.symbolic_trace(mlp)
+    torch.testing.assert_close(gm(x), mlp(x))
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, a, b):
+            return self.mlp((a, b))
+
+    parent = Parent()
+    a, b = torch.randn(7, 4), torch.randn(7, 2)
+    gm = torch.fx.symbolic_trace(parent)
+    torch.testing.assert_close(gm(a, b), parent(a, b))
+    torch.testing.assert_close(parent(a, b), mlp(torch.cat([a, b], 1)))
+    with pytest.raises(ValueError, match="pair"):
+        mlp((a, b, b))

@@ -21,8 +21,10 @@ class MLP(nn.Sequential):
     ``final_activation``): an nn.Sequential with the same children, parameters and state_dict keys
     (``0.weight``, ``0.bias``, ``2.weight``, ...), so checkpoints of the plain Sequential load.
 
-    ``forward(x, x2=None)``: with x2 the first Linear's input is ``concat(x, x2)`` (its weight's first
-    x.shape[1] columns multiply x), never built. On 2-D float32 CPU tensors (outside autocast, children
+    ``forward(x)``: x a tensor, or a pair ``(x, x2)``: then the first Linear's input is ``concat(x, x2)``
+    (its weight's first x.shape[1] columns multiply x), never built. One input, as nn.Sequential takes, so
+    torch.fx.symbolic_trace with an MLP as the root traces its one-tensor form (a second, defaulted
+    argument would be traced as given and fail when called without it). On 2-D float32 CPU tensors (outside autocast, children
     only nn.Linear and nn.ReLU, no forward hook on one, backend "auto" or "cpu", None meaning ``use_backend``'s default) each Linear runs
     with the ReLU after it as one gem_kernels.linear call on the cpu backend; otherwise the children run
     as nn.Sequential runs them (ReLUs in place on their Linear's output, which nothing else reads):
@@ -63,7 +65,12 @@ class MLP(nn.Sequential):
         # Only Linear and ReLU children (from_sequential may hold others), none with a hook.
         return all(type(m) in _FUSABLE and not (m._forward_hooks or m._forward_pre_hooks) for m in self)
 
-    def forward(self, x: torch.Tensor, x2: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x2 = None
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise ValueError(f"x must be a tensor or a pair (x, x2), got a {type(x).__name__} of {len(x)} items")
+            x, x2 = x
         if not self._fuses(x):
             return self._run_children(x, x2)
         children = list(self)
