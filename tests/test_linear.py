@@ -289,3 +289,24 @@ def test_mlp_traces_with_torch_fx_as_root_and_as_a_child():
     torch.testing.assert_close(parent(a, b), mlp(torch.cat([a, b], 1)))
     with pytest.raises(ValueError, match="pair"):
         mlp((a, b, b))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_relu_mask_passes_the_gradient_of_a_nan_output_like_torch(backend):
+    """ReLU's backward as torch's threshold_backward: no gradient where out <= 0, and a NaN output (a NaN
+    in its input row) passes its gradient on; the cpu kernel's first mask zeroed it (out > 0 is false for
+    NaN), so that row's grad_x and the bias gradient differed from nn.Linear + ReLU."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 5)
+    x[3, 1] = float("nan")
+    w, b = torch.randn(4, 5), torch.randn(4)
+    g = torch.randn(9, 4)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    out = gk.linear(*leaves, relu=True, backend=backend)
+    got = torch.autograd.grad(out, leaves, g)
+    eager = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = torch.autograd.grad(F.relu(F.linear(*eager)), eager, g)
+    assert out[3].isnan().all()
+    for name, a, e in zip(("grad_x", "grad_weight", "grad_bias"), got, want):
+        torch.testing.assert_close(a, e, equal_nan=True, rtol=1e-5, atol=1e-5, msg=name)
+    assert got[0][3].isfinite().all() and got[0][3].abs().sum() > 0

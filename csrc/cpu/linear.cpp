@@ -139,7 +139,8 @@ void mask_colsum_rows(const float* grad, const float* out, float* g, int64_t row
       const float* orow = out + r * n;
       float* grow = g + r * n;
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) grow[j] = orow[j] > 0.0f ? gr[j] : 0.0f;
+      // torch's threshold_backward: no gradient where out <= 0; a NaN output passes its gradient on.
+      for (int64_t j = 0; j < n; ++j) grow[j] = orow[j] <= 0.0f ? 0.0f : gr[j];
       gr = grow;
     }
     // Its own loop: fused with the mask's, GCC left the fp64 sums scalar (1.5 ms a step at 1 thread).
@@ -195,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
   auto grad_x = at::empty({R, K1}, x.options()), grad_x2 = at::empty({R, K2}, x.options());
   auto grad_w = at::empty({N, K}, x.options());
   const int64_t chunks = num_chunks(R), block = block_rows(N, K);
-  // Chunk c > 0 sums into partials[c - 1]; the bias sums of every chunk in fp32.
+  // Chunk c > 0 sums into partials[c - 1]; the bias sums of every chunk in fp64.
   auto partials = at::empty({chunks - 1, N, K}, x.options());
   auto bias_partials = at::empty({chunks, N}, x.options().dtype(at::kDouble));
   if (R == 0 || N == 0 || K == 0) {
