@@ -108,14 +108,16 @@ TORCH_LIBRARY(gem_kernels, m) {
 // uvqk: x [N, D] -> (u_pre [N, H*Lh], v [N, H, Lh], q [N, H, A], k [N, H, A], fp32 stats [N, 2]);
 // output: attn, u_pre [N, H*Lh], x [N, D] -> (out [N, D], fp32 norm stats [N, 2*G]); backward
 // -> (dattn, du_pre, dnorm_weight, dnorm_bias, doutput_weight, doutput_bias or [0]); x's gradient
-// through the output half is grad_out itself (the residual), added by the autograd formula.
+// through the output half is grad_out itself (the residual), added by the autograd formula, or, given
+// as uvqk's backward's grad_residual [N, D] (x's dtype), added into its dx (written once).
 TORCH_LIBRARY_FRAGMENT(gem_kernels, m) {
   m.def("hstu_uvqk_fwd_native(Tensor x, Tensor norm_weight, Tensor norm_bias, float eps, Tensor uvqk_weight, "
         "Tensor uvqk_bias, int num_heads, int linear_dim, int attention_dim, bool silu_qkv) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("hstu_uvqk_bwd_native(Tensor grad_u, Tensor grad_v, Tensor grad_q, Tensor grad_k, Tensor x, "
         "Tensor norm_weight, Tensor norm_bias, float eps, Tensor uvqk_weight, Tensor uvqk_bias, Tensor stats, "
-        "int num_heads, int linear_dim, int attention_dim, bool silu_qkv) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int num_heads, int linear_dim, int attention_dim, bool silu_qkv, Tensor? grad_residual=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("hstu_output_fwd_native(Tensor attn, Tensor u_pre, Tensor x, Tensor norm_weight, Tensor norm_bias, "
         "float eps, Tensor output_weight, Tensor? output_bias, Tensor? dropout_mask, int num_heads, bool group_norm, "
         "bool concat_u, bool concat_x) -> (Tensor, Tensor)");

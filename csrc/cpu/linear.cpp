@@ -81,6 +81,16 @@ int64_t block_rows(int64_t n, int64_t k) {
   return std::clamp<int64_t>((int64_t{8} << 20) / std::max<int64_t>(per_row, 1), 64, 8192);
 }
 
+// grad_W = g^T x sums over rows, and a BLAS call's k-loop order is its own: for a small grad_W, MKL's
+// path on a 2-core AMD EPYC (Zen 4) summed the 2100 rows of a [9, 15] grad_W in one chain, 3-4x the
+// error of torch's own product of the same operands (past FlashAttention's rule, test_linear.py; a
+// beta = 1 slice continues the same chain). So a grad_W of at most kSmallDw elements is summed as
+// products over slices of kDwSliceRows rows (beta = 0, into a scratch) added in fp64: no chain longer
+// than a slice. It costs an [N, K] add a slice, nothing beside such a small product's call; a larger
+// grad_W goes through the BLAS's blocked path in one call a block (within the rule on both CPUs).
+constexpr int64_t kSmallDw = 16384;
+constexpr int64_t kDwSliceRows = 128;
+
 int64_t num_chunks(int64_t rows) {
   return std::clamp<int64_t>(rows / kMinChunkRows, 1, at::get_num_threads());
 }
@@ -215,8 +225,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
   double* bsum = bias_partials.data_ptr<double>();
   at::parallel_for(0, chunks, 1, [&](int64_t c_begin, int64_t c_end) {
     SingleThreadBlas single;
+    const bool small_dw = N * K <= kSmallDw;
+    std::vector<float> slice(small_dw ? N * K : 0);
+    std::vector<double> dw64;
     for (int64_t c = c_begin; c < c_end; ++c) {
       float* dw = c == 0 ? gw : parts + (c - 1) * N * K;
+      if (small_dw) dw64.assign(N * K, 0.0);
       const int64_t r_begin = R * c / chunks, r_end = R * (c + 1) / chunks;
       std::fill(bsum + c * N, bsum + (c + 1) * N, 0.0);
       for (int64_t r0 = r_begin; r0 < r_end; r0 += block) {
@@ -224,14 +238,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_backward_cpu(
         const float beta = r0 == r_begin ? 0.0f : 1.0f;
         const float* gb = g + r0 * N;
         mask_colsum_rows(go + r0 * N, relu ? op + r0 * N : nullptr, g + r0 * N, rows, N, relu, bsum + c * N);
-        if (K1 > 0) {
-          mm(false, false, rows, K1, N, 1.0f, gb, N, w, K, 0.0f, gx + r0 * K1, K1);
-          mm(true, false, N, K1, rows, 1.0f, gb, N, xp + r0 * ldx, ldx, beta, dw, K);
+        if (K1 > 0) mm(false, false, rows, K1, N, 1.0f, gb, N, w, K, 0.0f, gx + r0 * K1, K1);
+        if (K2 > 0) mm(false, false, rows, K2, N, 1.0f, gb, N, w + K1, K, 0.0f, gx2 + r0 * K2, K2);
+        if (small_dw) {
+          for (int64_t s0 = 0; s0 < rows; s0 += kDwSliceRows) {
+            const int64_t s_rows = std::min(kDwSliceRows, rows - s0);
+            if (K1 > 0) mm(true, false, N, K1, s_rows, 1.0f, gb + s0 * N, N, xp + (r0 + s0) * ldx, ldx, 0.0f, slice.data(), K);
+            if (K2 > 0) {
+              mm(true, false, N, K2, s_rows, 1.0f, gb + s0 * N, N, x2p + (r0 + s0) * ldx2, ldx2, 0.0f, slice.data() + K1,
+                 K);
+            }
+            for (int64_t i = 0; i < N * K; ++i) dw64[i] += slice[i];
+          }
+          continue;
         }
-        if (K2 > 0) {
-          mm(false, false, rows, K2, N, 1.0f, gb, N, w + K1, K, 0.0f, gx2 + r0 * K2, K2);
-          mm(true, false, N, K2, rows, 1.0f, gb, N, x2p + r0 * ldx2, ldx2, beta, dw + K1, K);
-        }
+        if (K1 > 0) mm(true, false, N, K1, rows, 1.0f, gb, N, xp + r0 * ldx, ldx, beta, dw, K);
+        if (K2 > 0) mm(true, false, N, K2, rows, 1.0f, gb, N, x2p + r0 * ldx2, ldx2, beta, dw + K1, K);
+      }
+      if (small_dw) {
+        for (int64_t i = 0; i < N * K; ++i) dw[i] = static_cast<float>(dw64[i]);
       }
     }
   });

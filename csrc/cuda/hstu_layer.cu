@@ -414,11 +414,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cuda(
     const Tensor& grad_u, const Tensor& grad_v, const Tensor& grad_q, const Tensor& grad_k, const Tensor& x_in,
     const Tensor& norm_weight, const Tensor& norm_bias, double eps, const Tensor& uvqk_weight,
     const Tensor& uvqk_bias, const Tensor& stats_in, int64_t num_heads, int64_t linear_dim, int64_t attention_dim,
-    bool silu_qkv) {
+    bool silu_qkv, const std::optional<Tensor>& grad_residual) {
   const UvqkShape s = uvqk_shape(x_in, uvqk_weight, uvqk_bias, norm_weight, norm_bias, num_heads, linear_dim,
                                  attention_dim);
   TORCH_CHECK(stats_in.dim() == 2 && stats_in.size(0) == s.n && stats_in.size(1) == 2, "stats must be [", s.n,
               ", 2], got ", stats_in.sizes());
+  if (grad_residual.has_value()) {
+    const Tensor& r = *grad_residual;
+    TORCH_CHECK_VALUE(r.device() == x_in.device() && r.scalar_type() == x_in.scalar_type() && r.sizes() == x_in.sizes(),
+                      "grad_residual must have x's shape ", x_in.sizes(), ", dtype ", x_in.scalar_type(),
+                      " and device, got ", r.sizes(), " ", r.scalar_type(), " on ", r.device());
+  }
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = as_float(x_in), nw = as_float(norm_weight), nb = as_float(norm_bias);
   const Tensor w = as_float(uvqk_weight), b = as_float(uvqk_bias), stats = as_float(stats_in);
@@ -452,8 +458,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> hstu_uvqk_bwd_cuda(
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   auto [dnw, dnb] = norm_param_grads(dxn, x, stats, 1);
-  return {dx.to(x_in.scalar_type()), dnw.to(norm_weight.scalar_type()), dnb.to(norm_bias.scalar_type()),
-          dw.to(uvqk_weight.scalar_type()), db.to(uvqk_bias.scalar_type())};
+  // The layer's residual gradient: added after dx's rounding to x's dtype (the cpu kernel's bits), one
+  // more pass over [N, D] here (not folded into layer_norm_bwd_kernel).
+  Tensor dx_out = dx.to(x_in.scalar_type());
+  if (grad_residual.has_value()) dx_out.add_(*grad_residual);
+  return {dx_out, dnw.to(norm_weight.scalar_type()), dnb.to(norm_bias.scalar_type()), dw.to(uvqk_weight.scalar_type()),
+          db.to(uvqk_bias.scalar_type())};
 }
 
 struct OutputShape {

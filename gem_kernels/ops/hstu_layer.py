@@ -53,21 +53,42 @@ hstu_uvqk_fwd_op.register_fake(_fake_uvqk_fwd)
 def hstu_uvqk_bwd_op(grad_u: torch.Tensor, grad_v: torch.Tensor, grad_q: torch.Tensor, grad_k: torch.Tensor,
                      x: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor, eps: float,
                      uvqk_weight: torch.Tensor, uvqk_bias: torch.Tensor, stats: torch.Tensor, num_heads: int,
-                     linear_dim: int, attention_dim: int, silu_qkv: bool, backend: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dnorm_weight, dnorm_bias, duvqk_weight, duvqk_bias)."""
+                     linear_dim: int, attention_dim: int, silu_qkv: bool, grad_residual: torch.Tensor | None,
+                     backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dnorm_weight, dnorm_bias, duvqk_weight, duvqk_bias); with grad_residual ([N, D], x's dtype and
+    device) dx is the norm backward's plus grad_residual (rounded to x's dtype first, then added: the bits
+    of adding the two gradients afterwards), written once: the layer's residual gradient folded in. No
+    default (a schema default would cost the op its lean Autograd kernel and eager fast path, see
+    gem_kernels/_autograd.py): pass None for dx alone."""
+    _check_grad_residual(grad_residual, x)
     return tuple(kernel(FAMILY, "hstu_uvqk_bwd", backend)(
         grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, stats, num_heads,
-        linear_dim, attention_dim, silu_qkv))
+        linear_dim, attention_dim, silu_qkv, grad_residual))
+
+
+def _check_grad_residual(grad_residual, x) -> None:
+    if grad_residual is not None and (grad_residual.shape != x.shape or grad_residual.dtype != x.dtype
+                                      or grad_residual.device != x.device):
+        raise ValueError(f"grad_residual must have x's shape {tuple(x.shape)}, dtype {x.dtype} and device {x.device}, "
+                         f"got {tuple(grad_residual.shape)} {grad_residual.dtype} on {grad_residual.device}")
 
 
 def _fake_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, stats,
-                   num_heads, linear_dim, attention_dim, silu_qkv, backend=None):
+                   num_heads, linear_dim, attention_dim, silu_qkv, grad_residual=None, backend=None):
+    _check_grad_residual(grad_residual, x)
     return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(norm_bias),
             torch.empty_like(uvqk_weight), torch.empty_like(uvqk_bias))
 
 
+def _fake_uvqk_bwd_native(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias,
+                          stats, num_heads, linear_dim, attention_dim, silu_qkv, grad_residual=None):
+    return _fake_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias,
+                          stats, num_heads, linear_dim, attention_dim, silu_qkv, grad_residual)
+
+
 hstu_uvqk_bwd_op.register_fake(_fake_uvqk_bwd)
+if hasattr(torch.ops.gem_kernels, "hstu_uvqk_bwd_native"):
+    torch.library.register_fake("gem_kernels::hstu_uvqk_bwd_native")(_fake_uvqk_bwd_native)
 
 
 def _uvqk_setup(ctx, inputs, output):
@@ -83,7 +104,8 @@ def _uvqk_backward(ctx, grad_u, grad_v, grad_q, grad_k, _grad_stats):
     eps, num_heads, linear_dim, attention_dim, silu_qkv, backend = ctx.args
     dx, dnw, dnb, dw, db = hstu_uvqk_bwd_op(grad_u.contiguous(), grad_v.contiguous(), grad_q.contiguous(),
                                             grad_k.contiguous(), x, norm_weight, norm_bias, eps, uvqk_weight,
-                                            uvqk_bias, stats, num_heads, linear_dim, attention_dim, silu_qkv, backend)
+                                            uvqk_bias, stats, num_heads, linear_dim, attention_dim, silu_qkv, None,
+                                            backend)
     return dx, dnw, dnb, None, dw, db, None, None, None, None, None
 
 
@@ -360,8 +382,12 @@ class _HSTULayerNode(torch.autograd.Function):
     nodes, switched per round of 8 batches in one process, SCHED_FIFO, busy 2-core Xeon): batch 8, 1 thread,
     CPU time -332 us a step (paired median, 60 rounds, ratio 0.956); batch 256, 2 threads, wall -375 / -435 us
     (30 / 24 rounds, ratios 0.987 / 0.988); batch 256, 1 thread, CPU -536 us (14 rounds, ratio 0.998).
-    Left for kernel work: the residual's add into dx (one pass over [N, D]: 57 us a layer at batch 256,
-    2 threads) would go into hstu_uvqk_bwd's LayerNorm backward, given grad_out to accumulate."""
+    The residual's gradient (grad_out) goes into the uvqk backward as grad_residual: the cpu kernel adds it
+    in its norm backward's last pass (dx written once; the other backends add it after their dx), in place
+    of the node's own dx.add_(grad_out), a pass over [N, D] (step15, 2026-12-07, 2-core AMD EPYC Zen 4,
+    SCHED_FIFO under the measuring lock: the small model's uvqk backward at batch 256 (9358 rows), the two
+    forms alternated call by call, 2 threads: 1526 -> 1503 and 1535 -> 1509 us, paired -23 / -26 us a layer,
+    ratio 0.985 / 0.983; the whole step's paired A/B could not resolve its ~-50 us under the host's noise)."""
 
     @staticmethod
     def forward(ctx, config, x, seq_offsets, num_targets, timestamps, query_timestamps, input_norm_weight,
@@ -393,10 +419,11 @@ class _HSTULayerNode(torch.autograd.Function):
             da.reshape(n, num_heads, linear_dim).contiguous(), q, k, v, attn, lse, seq_offsets, max_seq_len, "hstu",
             causal, scale, num_targets, contextual_len, max_attn_len, pos_bias, time_bias, timestamps,
             query_timestamps, False)
+        # The residual (out = x + ...): grad_out added into dx by the uvqk backward (grad_residual).
         dx, dnw_in, dnb_in, dw_uvqk, db_uvqk = kernel(FAMILY, "hstu_uvqk_bwd", proj)(
             du.contiguous(), dv.contiguous(), dq.contiguous(), dk.contiguous(), x, input_norm_weight,
-            input_norm_bias, eps, uvqk_weight, uvqk_bias, uvqk_stats, num_heads, linear_dim, attention_dim, silu_qkv)
-        dx = dx.add_(grad_out)  # the residual: x's gradient through out = x + ...
+            input_norm_bias, eps, uvqk_weight, uvqk_bias, uvqk_stats, num_heads, linear_dim, attention_dim, silu_qkv,
+            grad_out)
         if linear_layout:
             dw_uvqk, dw_out = dw_uvqk.t(), dw_out.t()
         return (None, dx, None, None, None, None, dnw_in, dnb_in, dw_uvqk, db_uvqk, dnw_out, dnb_out, dw_out,

@@ -135,9 +135,10 @@ def _normalized(x: torch.Tensor, groups: int, eps: float):
 
 
 def hstu_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, stats,
-                  num_heads, linear_dim, attention_dim, silu_qkv):
+                  num_heads, linear_dim, attention_dim, silu_qkv, grad_residual=None):
     """(dx, dnorm_weight, dnorm_bias, duvqk_weight, duvqk_bias) in closed form (the tests check it
-    against autograd through ``stu_layer``); stats unused (recomputed)."""
+    against autograd through ``stu_layer``); stats unused (recomputed). grad_residual ([N, D], x's dtype)
+    or None: added to dx after its rounding to x's dtype (the layer's residual gradient)."""
     del stats
     n, hl = x.shape[0], num_heads * linear_dim
     xhat, rstd = _normalized(x, 1, eps)
@@ -149,7 +150,10 @@ def hstu_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps
         dz = torch.cat([dz[:, :hl], dz[:, hl:] * _silu_grad(z)], dim=1)
     dxn = dz @ w.t()
     dx, dnw, dnb = _norm_backward(dxn, xhat, rstd, norm_weight, 1)
-    return (dx.to(x.dtype), dnw.to(norm_weight.dtype), dnb.to(norm_bias.dtype), (xn.t() @ dz).to(uvqk_weight.dtype),
+    dx = dx.to(x.dtype)
+    if grad_residual is not None:
+        dx = dx + grad_residual
+    return (dx, dnw.to(norm_weight.dtype), dnb.to(norm_bias.dtype), (xn.t() @ dz).to(uvqk_weight.dtype),
             dz.sum(0).to(uvqk_bias.dtype))
 
 

@@ -250,9 +250,10 @@ def _reduce_partials(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def hstu_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps, uvqk_weight, uvqk_bias, stats,
-                  num_heads, linear_dim, attention_dim, silu_qkv):
+                  num_heads, linear_dim, attention_dim, silu_qkv, grad_residual=None):
     """(dx, dnorm_weight, dnorm_bias, duvqk_weight, duvqk_bias); xn recomputed from the saved stats,
-    with silu_qkv z of v, q, k too (fused into dz's epilogue)."""
+    with silu_qkv z of v, q, k too (fused into dz's epilogue). grad_residual (x's shape and dtype) or
+    None: added to dx after the norm backward kernel (one more pass; not folded into the kernel)."""
     n, d = x.shape
     slices = _uvqk_slices(num_heads, linear_dim, attention_dim)
     grads = [g.reshape(n, width) for g, (_, width) in zip((grad_u, grad_v, grad_q, grad_k), slices)]
@@ -278,6 +279,8 @@ def hstu_uvqk_bwd(grad_u, grad_v, grad_q, grad_k, x, norm_weight, norm_bias, eps
         _uvqk_norm_bwd_kernel[(programs,)](dxn, x, stats, norm_weight, dx, partials, n, d,
                                            BLOCK_M=NORM_BWD_ROWS, BLOCK_W=_pow2(d))
     dnw, dnb = _reduce_partials(partials)
+    if grad_residual is not None:
+        dx.add_(grad_residual)
     return (dx, dnw.to(norm_weight.dtype), dnb.to(norm_bias.dtype), dw.to(uvqk_weight.dtype),
             db.to(uvqk_bias.dtype))
 
