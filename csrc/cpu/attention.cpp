@@ -194,6 +194,18 @@
 // 1.028x (0.977-1.062) at 2; HSTU 1.015x (0.986-1.047) / 1.031x (0.983-1.054); bits unchanged. The
 // copies cost more than the strided operand does.
 
+// On the 2-core AMD EPYC (Zen 4, 1 MiB L2 a core; 2026-12-07, helper attn15, bench/results/notes-attn15.md;
+// the host at load 5-10, native ops, 2 threads, SCHED_FIFO under the measuring lock): the bench's 1024
+// case reads HSTU fwd+bwd 69-72 % and softmax 75-78 % of the 0.19 TFLOP/s matmul peak; MKL
+// (sgemm_kernel_0_zen plus its packing) is 78 % of the samples and runs the products at ~95 % of that
+// peak in place. Knockouts (in-process switch, paired): the whole HSTU row 9.6 % of fwd+bwd, the time
+// bias and its gradient 4.1 %. Measured and not kept (paired medians, the switch's own spread +-3 %):
+// the whole-block time-bucket test by a block's two end keys where the item's timestamps are sorted
+// (scalar pipes) with the time-bias gradient summed in the row (no bucket tile, no add_by_bucket pass):
+// fwd+bwd 0.994 (0.968-1.010, five runs); plus the SiLU divide as rcp14 and a Newton step: 1.002, 0.985;
+// 128 x 128 tiles with 32-row strips (alternating processes): median 0.975 (0.85-1.17, nine pairs),
+// backward 0.962: open, it needs an in-process tile-size switch on a quiet host.
+
 // The short path (attention_short.h; the GEM model's call): where its time goes by knockouts, its
 // 33-entry time table, and its time buckets kept from call to call (BucketCache) are in that file's
 // header (helper short14, 2026-12-07). A call that finds no kept buckets for its inputs copies its
