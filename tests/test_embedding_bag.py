@@ -809,6 +809,66 @@ def test_cpu_large_output_reuses_cached_memory(large_output_cache, store_kind, s
         _backend._C.set_streaming_stores(previous)
 
 
+def _cpu_has_avx512f() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+# The fixed-D fp32 rows' "L2-wide" path (gem_kernels/cpu_gather.h: prefetcht1, 64-byte loads and
+# streaming stores; the default on AMD CPUs with AVX-512F) against the 8-float path, switched by
+# GEM_KERNELS_EMB_L2_PREFETCH at every call. LARGE_ALIGNED_MIX's 328-float output row puts its bags'
+# slices alternately on and off a 64-byte boundary (both streaming stores), LARGE_ODD_ROW's on neither.
+@cpu_kernel_only
+@pytest.mark.parametrize("store_kind", [0, 1], ids=["normal_stores", "streaming_stores"])
+@pytest.mark.parametrize("specs", [LARGE_ALIGNED_MIX, LARGE_ODD_ROW], ids=["aligned_mix", "odd_row"])
+@pytest.mark.parametrize("pooling,with_psw", [("sum", False), ("sum", True), ("mean", False), ("mean", True)],
+                         ids=["sum", "sum-psw", "mean", "mean-psw"])
+def test_cpu_l2_wide_rows_match_the_8_float_path_bit_for_bit(monkeypatch, large_output_cache, store_kind, specs,
+                                                              pooling, with_psw):
+    """The same bits from both paths (each lane adds the same rows in the same order), both equal to the
+    reference rounded once, with out-of-range ids dropped (bounds_check "skip") and a >= 32 MiB output
+    (the streaming-store size); the gather roof's reader (gather_rows_read) gives the same checksum in
+    both modes."""
+    if not _cpu_has_avx512f():
+        pytest.skip("the L2-wide path needs AVX-512F, which this CPU does not have")
+    monkeypatch.delenv("GEM_KERNELS_NO_AVX512", raising=False)
+    from gem_kernels import _backend
+
+    output_dim = sum(s.embedding_dim for s in specs)
+    batch = (32 << 20) // (output_dim * 4) + 7
+    module = gk.FusedEmbeddingBag(specs, pooling=pooling, dtype=torch.float32, backend="cpu", bounds_check="skip")
+    indices, offsets = make_batch(specs, batch, max_len=3, seed=9)
+    indices[::97] = 10_000  # beyond every table: dropped
+    psw = randn_nonzero(indices.numel()) if with_psw else None
+    previous = _backend._C.set_streaming_stores(store_kind)
+    try:
+        outs = {}
+        for mode in ("0", "1"):
+            monkeypatch.setenv("GEM_KERNELS_EMB_L2_PREFETCH", mode)
+            with torch.no_grad():
+                out = functional(module, indices, offsets, psw, bounds_check="skip")
+                outs[mode] = out.clone()
+                out.fill_(float("nan"))  # the next call may get this block back: poisoned
+                del out
+    finally:
+        _backend._C.set_streaming_stores(previous)
+    expected = gk.embedding_bag(module.weights, module.table_meta, indices, offsets, psw, output_dim=output_dim,
+                                pooling=pooling, backend="reference", bounds_check="skip")
+    assert_rounded_once(outs["1"], expected, torch.float32)
+    assert torch.equal(outs["1"], outs["0"])
+    tables = [module.weight(t).detach() for t in range(len(specs))]
+    ids = [torch.randint(0, s.num_embeddings, (3000,), generator=torch.Generator().manual_seed(t))
+           for t, s in enumerate(specs)]
+    sums = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("GEM_KERNELS_EMB_L2_PREFETCH", mode)
+        sums[mode] = [_backend._C.gather_rows_read(tables, ids, d) for d in (0, 32)]
+    assert sums["1"] == sums["0"]
+
+
 # The cpu backend's fixed-D path runs a work item's bags (128 of one table) in one loop: tables of
 # every fixed D, with a generic one between them so that their output columns do not start at 0.
 ITEM_SPANNING = [gk.TableSpec(40, 32), gk.TableSpec(30, 36), gk.TableSpec(50, 64), gk.TableSpec(60, 128)]

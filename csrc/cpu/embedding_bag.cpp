@@ -26,6 +26,10 @@
 // 89-91 %), the per-bag work ~4.5 % (one bag per item: 97-100 %). The loop above took 91.1 -> 93.3 %
 // of the roof (medians of 6 alternating process pairs; new/old forward time 0.973; with every id on
 // one cached row, 1.03 -> 1.00x the reader's time).
+// On AMD CPUs with AVX-512F the fixed-D fp32 rows go the "L2-wide" way (pool_bags_l2_wide: prefetcht1,
+// 64-byte loads and streaming stores; gem_kernels/cpu_gather.h): on a 2-core Zen 4 EPYC VM, bench case,
+// 29.7 -> 19.0 ms at 1 thread and 16.1 -> 12.3 ms at 2 (alternated bench processes, switch off / on;
+// bench/results/notes-amdemb15.md). The Intel measurements here are of the prefetcht0 path, kept there.
 // Measured and not kept (same setup): bags of a constant 20 lookups (a predictable loop exit), no
 // change (either the exit mispredict is not the per-bag cost or this core does not learn a 20-trip
 // loop: the VM has no PMU counters to tell); one 64-byte AVX-512 streaming store per
@@ -99,6 +103,7 @@
 
 #include "gem_kernels/checks.h"
 #include "gem_kernels/cpu_alloc.h"
+#include "gem_kernels/cpu_gather.h"
 #include "gem_kernels/cpu_rows.h"
 #include "gem_kernels/cpu_stream.h"
 #include "gem_kernels/embedding_bag_codes.h"
@@ -313,12 +318,92 @@ void pool_bags_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const i
   }
 }
 
+// pool_bags_fixed_d's fp32 rows the "L2-wide" way (gem_kernels/cpu_gather.h, cpu_gather_l2_wide: the
+// default on AMD CPUs with AVX-512F): the rows kPrefetchDistance ids ahead prefetched into L2
+// (prefetcht1), each row loaded in 64-byte vectors. The same sums in the same order as the 8-float path
+// (each lane adds the same values in the same order; fmadd for per-sample weights, one multiply by
+// 1 / kept for mean), so the same bits. Streaming stores: one 64-byte store per line where the bag's
+// slice is 64-byte aligned (the bench's case: 19.3 against 22.1 ms with two 32-byte ones, 1 thread), else
+// two 32-byte ones (slices are 32-byte aligned, not always 64).
+template <int kD, bool kHasPsw, bool kMean, bool kStream, typename index_t, typename OnBad>
+__attribute__((target("avx512f"))) void pool_bags_l2_wide(const float* __restrict__ table, int64_t rows,
+                                                          const index_t* __restrict__ indices,
+                                                          const index_t* __restrict__ bag_offsets, int64_t num_bags,
+                                                          int64_t prefetch_stop, const float* __restrict__ psw,
+                                                          float* __restrict__ dst, int64_t dst_stride,
+                                                          const OnBad& on_bad) {
+  constexpr int kV = kD / 16;
+  static_assert(kD % 16 == 0, "kD must be a multiple of 16");
+  for (int64_t i = 0; i < num_bags; ++i, dst += dst_stride) {
+    const int64_t start = bag_offsets[i];
+    const int64_t stop = bag_offsets[i + 1];
+    __m512 acc[kV];
+#pragma GCC unroll 8
+    for (int v = 0; v < kV; ++v) acc[v] = _mm512_setzero_ps();
+    int64_t dropped = 0;
+    for (int64_t p = start; p < stop; ++p) {
+      if (p + kPrefetchDistance < prefetch_stop) {
+        const int64_t ahead = indices[p + kPrefetchDistance];
+        if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
+          const char* line = reinterpret_cast<const char*>(table + ahead * kD);
+#pragma GCC unroll 8
+          for (int byte = 0; byte < kD * 4; byte += 64) _mm_prefetch(line + byte, _MM_HINT_T1);
+        }
+      }
+      const int64_t idx = indices[p];
+      if (C10_UNLIKELY(static_cast<uint64_t>(idx) >= static_cast<uint64_t>(rows))) {
+        on_bad(i, p, idx);
+        ++dropped;
+        continue;
+      }
+      const float* row = table + idx * kD;
+      if constexpr (kHasPsw) {
+        const __m512 scale = _mm512_set1_ps(psw[p]);
+#pragma GCC unroll 8
+        for (int v = 0; v < kV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * v), scale, acc[v]);
+      } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < kV; ++v) acc[v] = _mm512_add_ps(acc[v], _mm512_loadu_ps(row + 16 * v));
+      }
+    }
+    if constexpr (kMean) {
+      const int64_t kept = stop - start - dropped;
+      const __m512 s = _mm512_set1_ps(kept > 0 ? 1.f / static_cast<float>(kept) : 1.f);
+#pragma GCC unroll 8
+      for (int v = 0; v < kV; ++v) acc[v] = _mm512_mul_ps(acc[v], s);
+    }
+    if constexpr (kStream) {
+      if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0) {  // a whole line per store (predictable per call)
+#pragma GCC unroll 8
+        for (int v = 0; v < kV; ++v) _mm512_stream_ps(dst + 16 * v, acc[v]);
+        continue;
+      }
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < kV; ++v) {
+      if constexpr (kStream) {
+        _mm256_stream_ps(dst + 16 * v, _mm512_castps512_ps256(acc[v]));
+        _mm256_stream_ps(dst + 16 * v + 8,
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[v]), 1)));
+      } else {
+        _mm512_storeu_ps(dst + 16 * v, acc[v]);
+      }
+    }
+  }
+}
+
 // pool_bags_fixed_d with its run-time flags made template arguments.
 template <int kD, typename scalar_t, typename index_t, typename OnBad>
 void pool_bags_fixed(const scalar_t* table, int64_t rows, const index_t* indices, const index_t* bag_offsets,
                      int64_t num_bags, int64_t prefetch_stop, const float* psw, scalar_t* dst, int64_t dst_stride,
-                     bool mean, bool stream, const OnBad& on_bad) {
+                     bool mean, bool stream, bool l2_wide, const OnBad& on_bad) {
   const auto run = [&](auto has_psw, auto is_mean, auto streamed) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (l2_wide) {
+        return pool_bags_l2_wide<kD, decltype(has_psw)::value, decltype(is_mean)::value, decltype(streamed)::value>(
+            table, rows, indices, bag_offsets, num_bags, prefetch_stop, psw, dst, dst_stride, on_bad);
+      }
+    }
     pool_bags_fixed_d<kD, decltype(has_psw)::value, decltype(is_mean)::value, decltype(streamed)::value>(
         table, rows, indices, bag_offsets, num_bags, prefetch_stop, psw, dst, dst_stride, on_bad);
   };
@@ -403,6 +488,7 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
   if (pooling == kNone) {
     forward_none_kernel(m, weights, indices, offsets, psw, out, output_dim, offsets[m.T * m.B], report_bad);
   } else {
+    const bool l2_wide = cpu_gather_l2_wide();  // read once a call (a getenv)
     for_each_bag_chunk(m, offsets, (offsets[m.T * m.B] + m.T * m.B) * m.max_D,
                        [&](int64_t t, int64_t b_begin, int64_t b_end, int64_t D, int64_t rows, int64_t chunk_stop) {
       {
@@ -418,13 +504,13 @@ void forward_kernel(const Meta& m, const scalar_t* weights, const index_t* indic
           const int64_t bags = b_end - b_begin;
           if (D == 32) {
             pool_bags_fixed<32>(table, rows, indices, bag_offsets, bags, chunk_stop, psw, dst, output_dim, mean, stream,
-                                on_bad);
+                                l2_wide, on_bad);
           } else if (D == 64) {
             pool_bags_fixed<64>(table, rows, indices, bag_offsets, bags, chunk_stop, psw, dst, output_dim, mean, stream,
-                                on_bad);
+                                l2_wide, on_bad);
           } else {
             pool_bags_fixed<128>(table, rows, indices, bag_offsets, bags, chunk_stop, psw, dst, output_dim, mean,
-                                 stream, on_bad);
+                                 stream, l2_wide, on_bad);
           }
         } else {
           thread_local std::vector<float> acc;

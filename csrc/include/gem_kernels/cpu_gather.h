@@ -1,0 +1,34 @@
+// How the CPU embedding-bag forward (cpu/embedding_bag.cpp) and its gather roof's reader
+// (cpu/gather_peak.cpp) read random table rows: the one switch both follow.
+//
+// "L2-wide" rows: every cache line of the row `distance` ids ahead prefetched into L2 (prefetcht1,
+// not L1), and the row loaded in 64-byte AVX-512 vectors (not 32-byte ones). Measured on a 2-core AMD
+// EPYC Zen 4 VM (KVM, 32 MiB L3), the bench's CPU case (26 tables, 0.91 GB fp32, D 64/128, B = 4096,
+// Zipf 1.05), 1 thread, interleaved in one process (bench/results/notes-amdemb15.md): an experimental
+// copy of the pooled forward 27.6 -> 22.7 ms (prefetcht1 alone 26.9, 64-byte loads alone ~0.92x);
+// prefetching only part of a row's lines, or prefetchnta, was slower. The kernel itself, alternated bench
+// processes with this switch off / on: 29.7 -> 19.0 ms at 1 thread, 16.1 -> 12.3 ms at 2. A likely reading: Zen 4's L1 has 24 miss buffers
+// while its L2 tracks more misses, and a row in half the load uops leaves more of them in flight.
+// It is the default on AMD CPUs with AVX-512F only: the Intel path (prefetcht0, 32-byte loads) is
+// unchanged, as it was not measured here. GEM_KERNELS_EMB_L2_PREFETCH=1 forces it (on any AVX-512F
+// CPU), =0 turns it off; GEM_KERNELS_NO_AVX512=1 turns it off. Read at every call (a getenv per call),
+// so that a test or an A/B can switch it within one process.
+#pragma once
+
+#include <cstdlib>
+
+namespace gem_kernels {
+
+inline bool cpu_gather_l2_wide() {
+  static const bool avx512 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  static const bool amd = __builtin_cpu_is("amd") != 0;
+  if (!avx512 || std::getenv("GEM_KERNELS_NO_AVX512") != nullptr) return false;
+  const char* force = std::getenv("GEM_KERNELS_EMB_L2_PREFETCH");
+  if (force != nullptr && force[0] != '\0') return force[0] != '0';
+  return amd;
+}
+
+}  // namespace gem_kernels
