@@ -625,11 +625,15 @@ constexpr int64_t kEpilogueGrain = 16384;
 // block's rows are still in L2: the unfused form wrote z and p (in the backward grad_z and grad_p)
 // out and read them back once more from memory. Blocks are a fixed number of rows for a
 // given B and N (not per thread count), so grad_bias's per-block partials give the same bits on any
-// number of threads; 256 KB per [rows, N] operand (128 rows at N = 512).
+// number of threads; 512 KB per [rows, N] operand (256 rows at N = 512, 128 at N = 1024).
 // At least 8 blocks once B >= 32, so that a batch of few rows still spreads over the threads (their
 // sgemm calls are single-threaded): B = 8 at N = 4096 would otherwise be one block on one core.
+// 512 KB, not 256 KB as before: fwd+bwd (gk.cross_layer with autograd, B = 4096, one process, block
+// sizes alternated per round, medians of 30, 2-core AMD EPYC Zen 4, 2026-12-07) N = 512 at 256 rows
+// 35.35 / 36.17 ms against 36.22 / 36.89 at 128 (2 threads), 68.22 against 69.46 (1 thread), 64 rows
+// slower still; low rank N = 1024, r = 64: 128 rows 23.70, 256 rows 23.49, 64 rows 24.57 ms.
 inline int64_t cross_block_rows(int64_t B, int64_t N) {
-  return std::clamp<int64_t>(std::min<int64_t>(65536 / std::max<int64_t>(N, 1), (B + 7) / 8), 4, 256) / 4 * 4;
+  return std::clamp<int64_t>(std::min<int64_t>(131072 / std::max<int64_t>(N, 1), (B + 7) / 8), 4, 256) / 4 * 4;
 }
 
 // Whether rows of N floats at these bases can take 8-float streaming stores: N a multiple of 8 and
@@ -712,6 +716,37 @@ void cross_layer_low_rank_fp32(const at::Tensor& x0, const at::Tensor& xl, const
       float* pb = pp + r0 * K;
       mm(false, true, m, K, N, 1.f, r + r0 * N, N, vw, N, 0.f, pb, K);  // p = xl V^T
       mm(false, true, m, N, K, 1.f, pb, K, uw, K, 0.f, zs, N);          // p U^T (+ bias below)
+      cross_forward_rows(zs, b, a + r0 * N, r + r0 * N, m, N, stream, stream, zz + r0 * N, o + r0 * N);
+    }
+  });
+}
+
+// The full-rank forward per block of rows, when W is at most 1 MiB and blocks have >= 64 rows
+// (cross_fuses_weight_grads: then each block's sgemm repacks only an L2-sized W): z's block = xl's
+// block W^T on single-threaded sgemm into the worker's scratch, then the epilogue from it while it
+// is in cache, z and out streamed. Otherwise one multi-threaded mm and an epilogue pass
+// (cross_layer_cpu). Measured on the 2-core AMD EPYC (Zen 4; issue 26, branch crossfwd, 2026-12-07,
+// one process, variants alternated per round, 2 threads unless said, medians of 30; the bench's
+// B = 4096, N = 512): forward 12.47 / 12.87 ms per block against 13.10 / 14.74 for mm + epilogue,
+// the bare mm 12.41 / 13.93 (so the epilogue is hidden); 1 thread 24.45 against 25.38. Where this
+// was measured before, on the Intel Xeon with 128-row blocks, it was 9.50 per block against 9.81
+// (within the noise), so it is kept on every CPU.
+void cross_layer_full_rank_blocks_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
+                                       const at::Tensor& bias, at::Tensor& out, at::Tensor& z) {
+  const int64_t B = x0.size(0), N = x0.size(1);
+  const int64_t rows = cross_block_rows(B, N), blocks = (B + rows - 1) / rows;
+  const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *uw = u.data_ptr<float>(),
+              *b = bias.data_ptr<float>();
+  float *o = out.data_ptr<float>(), *zz = z.data_ptr<float>();
+  const bool stream = can_stream_rows(N, {o, zz});
+  parallel_ranges(blocks, 1, workers_for(B, 2 * N * N), [&](auto& claim) {
+    SingleThreadBlas single;
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(rows * N)) scratch.resize(rows * N);
+    float* zs = scratch.data();
+    for (int64_t blk, end; claim(blk, end);) {
+      const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
+      mm(false, true, m, N, N, 1.f, r + r0 * N, N, uw, N, 0.f, zs, N);  // xl W^T (+ bias below)
       cross_forward_rows(zs, b, a + r0 * N, r + r0 * N, m, N, stream, stream, zz + r0 * N, o + r0 * N);
     }
   });
@@ -869,12 +904,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
   GK_CHECK_CPU(x0);
   const bool low_rank = interaction_checks::cross_layer(x0, xl, u, v, bias);
   const int64_t B = x0.size(0), N = x0.size(1);
-  // Full rank, the forward keeps one multi-threaded mm and the epilogue pass: per block it measured
-  // 5-6 % slower (B = 4096, N = 512, 1 and 2 threads, quiet); low rank, per block is faster (p's
-  // product is the small one). Again with the epilogue from an L2 scratch and z and out streamed
+  // Full rank on the Intel Xeon, per block first measured 5-6 % slower than one multi-threaded mm and
+  // the epilogue pass (B = 4096, N = 512, 1 and 2 threads, quiet, an unstreamed epilogue); low rank,
+  // per block is faster (p's product is the small one). Again with the epilogue from an L2 scratch and z and out streamed
   // (issue 26, branch cross10, 2026-12-07, one process, alternating rounds, busy host under
   // SCHED_FIFO): fwd 9.50 ms per block vs 9.81 mm + streamed epilogue at 2 threads (load 6, within
-  // the noise), 18.58 vs 18.60 at 1 thread; not kept. Not the weight's repacking by every block's sgemm, as once thought:
+  // the noise), 18.58 vs 18.60 at 1 thread; on the AMD EPYC per block is faster (see
+  // cross_layer_full_rank_blocks_fp32), so it is the full-rank path now. Not the weight's repacking by every block's sgemm, as once thought:
   // packed once with MKL's packed-GEMM API (cblas_sgemm_pack / cblas_sgemm_compute, which libtorch_cpu
   // exports) and multiplied per block, the forward measured no faster (2 threads, quiet, one process,
   // 7 alternating rounds, 2026-12-06: fwd 8.99 ms packed per block, 9.06 unpacked per block, 8.51
@@ -886,6 +922,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
     auto p = at::empty({B, u.size(1)}, xl.options());
     if (B > 0) cross_layer_low_rank_fp32(x0, xl, u, v, bias, out, z, p);
     return {out, z, p};
+  }
+  if (x0.scalar_type() == at::kFloat && cross_fuses_weight_grads(B, N, N, /*low_rank=*/false)) {
+    auto out = at::empty_like(xl), z = at::empty_like(xl);
+    cross_layer_full_rank_blocks_fp32(x0, xl, u, bias, out, z);
+    return {out, z, at::empty({0}, xl.options())};
   }
   if (x0.scalar_type() == at::kFloat) {
     // One multi-threaded mm (no addmm: its broadcast copy of the bias into z is a pass over [B, N]
