@@ -319,7 +319,8 @@ void pool_bags_fixed_d(const scalar_t* __restrict__ table, int64_t rows, const i
 }
 
 // pool_bags_fixed_d's fp32 rows the "L2-wide" way (gem_kernels/cpu_gather.h, cpu_gather_l2_wide: the
-// default on AMD CPUs with AVX-512F): the rows kPrefetchDistance ids ahead prefetched into L2
+// default on AMD CPUs with AVX-512F): the rows kPrefetchDistance ids ahead (twice that at D = 64,
+// l2_wide_prefetch_rows) prefetched into L2
 // (prefetcht1), each row loaded in 64-byte vectors. The same sums in the same order as the 8-float path
 // (each lane adds the same values in the same order; fmadd for per-sample weights, one multiply by
 // 1 / kept for mean), so the same bits. Streaming stores: one 64-byte store per line where the bag's
@@ -334,6 +335,7 @@ __attribute__((target("avx512f"))) void pool_bags_l2_wide(const float* __restric
                                                           const OnBad& on_bad) {
   constexpr int kV = kD / 16;
   static_assert(kD % 16 == 0, "kD must be a multiple of 16");
+  const int64_t dist = l2_wide_prefetch_rows(kPrefetchDistance, kD * int64_t(sizeof(float)));
   for (int64_t i = 0; i < num_bags; ++i, dst += dst_stride) {
     const int64_t start = bag_offsets[i];
     const int64_t stop = bag_offsets[i + 1];
@@ -342,8 +344,8 @@ __attribute__((target("avx512f"))) void pool_bags_l2_wide(const float* __restric
     for (int v = 0; v < kV; ++v) acc[v] = _mm512_setzero_ps();
     int64_t dropped = 0;
     for (int64_t p = start; p < stop; ++p) {
-      if (p + kPrefetchDistance < prefetch_stop) {
-        const int64_t ahead = indices[p + kPrefetchDistance];
+      if (p + dist < prefetch_stop) {
+        const int64_t ahead = indices[p + dist];
         if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
           const char* line = reinterpret_cast<const char*>(table + ahead * kD);
 #pragma GCC unroll 8

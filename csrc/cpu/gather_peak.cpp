@@ -90,13 +90,15 @@ uint64_t read_chunk(const char* table, int64_t rows, int64_t row_bytes, const in
 
 // read_chunk the "L2-wide" way, as the embedding-bag forward reads where cpu_gather_l2_wide() (see
 // gem_kernels/cpu_gather.h; the default on AMD CPUs with AVX-512F): prefetcht1 of every line of the
-// row `distance` ids ahead, the row XOR-ed in 64-byte vectors. Row sizes that are not a multiple of 64
+// row `distance` ids ahead (l2_wide_prefetch_rows: twice as far for 256-byte rows), the row XOR-ed in
+// 64-byte vectors. Row sizes that are not a multiple of 64
 // bytes take read_chunk. The same checksum as read_chunk.
 template <int64_t kBytes, typename index_t>
 __attribute__((target("avx512f"))) uint64_t read_chunk_l2_wide(const char* table, int64_t rows, const index_t* ids,
                                                                int64_t begin, int64_t end, int64_t distance,
                                                                int64_t& first_bad) {
   static_assert(kBytes % 64 == 0, "64-byte vectors");
+  distance = l2_wide_prefetch_rows(distance, kBytes);
   __m512i acc = _mm512_setzero_si512();
   for (int64_t p = begin; p < end; ++p) {
     if (distance > 0 && p + distance < end) {
