@@ -8,11 +8,11 @@
 // [B, F, F]- or [B, D, k]-sized is ever written.
 // Sample-independent sums (grad_y, LayerNorm grad_weight/grad_bias, cross layer grad_bias) go to
 // per-chunk fp32 partials over fixed chunks of kSumChunk samples, summed at the end: accurate, and
-// deterministic whatever the thread count. cross_layer in fp32 (the backward, and the low-rank
-// forward): per block of rows, single-threaded sgemm then the epilogue (bias, product, residual; in
+// deterministic whatever the thread count. cross_layer in fp32 (the backward, the low-rank forward
+// and the full-rank forward when W fits in 1 MiB): per block of rows, single-threaded sgemm then the epilogue (bias, product, residual; in
 // the backward grad_z, grad_x0, grad_xl's product and, when the accumulators fit in L2, the weight
-// gradients' per-block sums) on the block while it is in cache (cross_layer_low_rank_fp32,
-// cross_layer_backward_fused / _fp32 below), the outputs written with streaming stores; the
+// gradients' per-block sums) on the block while it is in cache (cross_layer_forward_blocks_fp32,
+// cross_layer_backward_fused / _fp32 below), the outputs written with streaming stores; a larger
 // full-rank fp32 forward is one multi-threaded at::mm and one epilogue pass (bias in place, out
 // streamed); other dtypes at::addmm/at::mm and one vectorised pass over [B, N].
 //
@@ -696,15 +696,24 @@ inline void cross_forward_rows(const float* zs, const float* b, const float* a, 
   }
 }
 
-// The low-rank forward per block: p = xl V^T, p U^T into the worker's scratch, then the epilogue from
-// it while the block is in cache, z and out streamed.
-void cross_layer_low_rank_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u, const at::Tensor& v,
-                               const at::Tensor& bias, at::Tensor& out, at::Tensor& z, at::Tensor& p) {
-  const int64_t B = x0.size(0), N = x0.size(1), K = u.size(1);
+// The fp32 forward per block of rows: z's block into the worker's scratch, then the epilogue from it
+// while it is in cache, z and out streamed. Low rank: p = xl V^T (kept for the backward), then p U^T.
+// Full rank: xl W^T, when W is at most 1 MiB and blocks have >= 64 rows (cross_fuses_weight_grads: then
+// each block's sgemm repacks only an L2-sized W); otherwise cross_layer_cpu runs one multi-threaded mm
+// and an epilogue pass. Full rank measured on the 2-core AMD EPYC (Zen 4; issue 26, branch crossfwd,
+// 2026-12-07, one process, variants alternated per round, 2 threads unless said, medians of 30; the
+// bench's B = 4096, N = 512): forward 12.47 / 12.87 ms per block against 13.10 / 14.74 for mm +
+// epilogue, the bare mm 12.41 / 13.93 (so the epilogue is hidden); 1 thread 24.45 against 25.38. Where
+// this was measured before, on the Intel Xeon with 128-row blocks, it was 9.50 per block against 9.81
+// (within the noise), so it is kept on every CPU.
+void cross_layer_forward_blocks_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
+                                     const at::Tensor& v, const at::Tensor& bias, bool low_rank, at::Tensor& out,
+                                     at::Tensor& z, at::Tensor& p) {
+  const int64_t B = x0.size(0), N = x0.size(1), K = low_rank ? u.size(1) : N;
   const int64_t rows = cross_block_rows(B, N), blocks = (B + rows - 1) / rows;
   const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *uw = u.data_ptr<float>(),
-              *vw = v.data_ptr<float>(), *b = bias.data_ptr<float>();
-  float *o = out.data_ptr<float>(), *zz = z.data_ptr<float>(), *pp = p.data_ptr<float>();
+              *vw = low_rank ? v.data_ptr<float>() : nullptr, *b = bias.data_ptr<float>();
+  float *o = out.data_ptr<float>(), *zz = z.data_ptr<float>(), *pp = low_rank ? p.data_ptr<float>() : nullptr;
   const bool stream = can_stream_rows(N, {o, zz});
   parallel_ranges(blocks, 1, workers_for(B, 2 * N * K), [&](auto& claim) {
     SingleThreadBlas single;
@@ -713,40 +722,13 @@ void cross_layer_low_rank_fp32(const at::Tensor& x0, const at::Tensor& xl, const
     float* zs = scratch.data();
     for (int64_t blk, end; claim(blk, end);) {
       const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
-      float* pb = pp + r0 * K;
-      mm(false, true, m, K, N, 1.f, r + r0 * N, N, vw, N, 0.f, pb, K);  // p = xl V^T
-      mm(false, true, m, N, K, 1.f, pb, K, uw, K, 0.f, zs, N);          // p U^T (+ bias below)
-      cross_forward_rows(zs, b, a + r0 * N, r + r0 * N, m, N, stream, stream, zz + r0 * N, o + r0 * N);
-    }
-  });
-}
-
-// The full-rank forward per block of rows, when W is at most 1 MiB and blocks have >= 64 rows
-// (cross_fuses_weight_grads: then each block's sgemm repacks only an L2-sized W): z's block = xl's
-// block W^T on single-threaded sgemm into the worker's scratch, then the epilogue from it while it
-// is in cache, z and out streamed. Otherwise one multi-threaded mm and an epilogue pass
-// (cross_layer_cpu). Measured on the 2-core AMD EPYC (Zen 4; issue 26, branch crossfwd, 2026-12-07,
-// one process, variants alternated per round, 2 threads unless said, medians of 30; the bench's
-// B = 4096, N = 512): forward 12.47 / 12.87 ms per block against 13.10 / 14.74 for mm + epilogue,
-// the bare mm 12.41 / 13.93 (so the epilogue is hidden); 1 thread 24.45 against 25.38. Where this
-// was measured before, on the Intel Xeon with 128-row blocks, it was 9.50 per block against 9.81
-// (within the noise), so it is kept on every CPU.
-void cross_layer_full_rank_blocks_fp32(const at::Tensor& x0, const at::Tensor& xl, const at::Tensor& u,
-                                       const at::Tensor& bias, at::Tensor& out, at::Tensor& z) {
-  const int64_t B = x0.size(0), N = x0.size(1);
-  const int64_t rows = cross_block_rows(B, N), blocks = (B + rows - 1) / rows;
-  const float *a = x0.data_ptr<float>(), *r = xl.data_ptr<float>(), *uw = u.data_ptr<float>(),
-              *b = bias.data_ptr<float>();
-  float *o = out.data_ptr<float>(), *zz = z.data_ptr<float>();
-  const bool stream = can_stream_rows(N, {o, zz});
-  parallel_ranges(blocks, 1, workers_for(B, 2 * N * N), [&](auto& claim) {
-    SingleThreadBlas single;
-    thread_local std::vector<float> scratch;
-    if (scratch.size() < static_cast<size_t>(rows * N)) scratch.resize(rows * N);
-    float* zs = scratch.data();
-    for (int64_t blk, end; claim(blk, end);) {
-      const int64_t r0 = blk * rows, m = std::min(rows, B - r0);
-      mm(false, true, m, N, N, 1.f, r + r0 * N, N, uw, N, 0.f, zs, N);  // xl W^T (+ bias below)
+      if (low_rank) {
+        float* pb = pp + r0 * K;
+        mm(false, true, m, K, N, 1.f, r + r0 * N, N, vw, N, 0.f, pb, K);  // p = xl V^T
+        mm(false, true, m, N, K, 1.f, pb, K, uw, K, 0.f, zs, N);          // p U^T (+ bias below)
+      } else {
+        mm(false, true, m, N, N, 1.f, r + r0 * N, N, uw, N, 0.f, zs, N);  // xl W^T (+ bias below)
+      }
       cross_forward_rows(zs, b, a + r0 * N, r + r0 * N, m, N, stream, stream, zz + r0 * N, o + r0 * N);
     }
   });
@@ -910,7 +892,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
   // (issue 26, branch cross10, 2026-12-07, one process, alternating rounds, busy host under
   // SCHED_FIFO): fwd 9.50 ms per block vs 9.81 mm + streamed epilogue at 2 threads (load 6, within
   // the noise), 18.58 vs 18.60 at 1 thread; on the AMD EPYC per block is faster (see
-  // cross_layer_full_rank_blocks_fp32), so it is the full-rank path now. Not the weight's repacking by every block's sgemm, as once thought:
+  // cross_layer_forward_blocks_fp32), so it is the full-rank path now. Not the weight's repacking by every block's sgemm, as once thought:
   // packed once with MKL's packed-GEMM API (cblas_sgemm_pack / cblas_sgemm_compute, which libtorch_cpu
   // exports) and multiplied per block, the forward measured no faster (2 threads, quiet, one process,
   // 7 alternating rounds, 2026-12-06: fwd 8.99 ms packed per block, 9.06 unpacked per block, 8.51
@@ -920,13 +902,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_layer_cpu(const at::Tensor&
   if (x0.scalar_type() == at::kFloat && low_rank) {
     auto out = at::empty_like(xl), z = at::empty_like(xl);
     auto p = at::empty({B, u.size(1)}, xl.options());
-    if (B > 0) cross_layer_low_rank_fp32(x0, xl, u, v, bias, out, z, p);
+    if (B > 0) cross_layer_forward_blocks_fp32(x0, xl, u, v, bias, /*low_rank=*/true, out, z, p);
     return {out, z, p};
   }
   if (x0.scalar_type() == at::kFloat && cross_fuses_weight_grads(B, N, N, /*low_rank=*/false)) {
-    auto out = at::empty_like(xl), z = at::empty_like(xl);
-    cross_layer_full_rank_blocks_fp32(x0, xl, u, bias, out, z);
-    return {out, z, at::empty({0}, xl.options())};
+    auto out = at::empty_like(xl), z = at::empty_like(xl), p = at::empty({0}, xl.options());
+    cross_layer_forward_blocks_fp32(x0, xl, u, v, bias, /*low_rank=*/false, out, z, p);
+    return {out, z, p};
   }
   if (x0.scalar_type() == at::kFloat) {
     // One multi-threaded mm (no addmm: its broadcast copy of the bias into z is a pass over [B, N]
