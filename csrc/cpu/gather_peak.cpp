@@ -91,13 +91,15 @@ uint64_t read_chunk(const char* table, int64_t rows, int64_t row_bytes, const in
 // read_chunk the "L2-wide" way, as the embedding-bag forward reads where cpu_gather_l2_wide() (see
 // gem_kernels/cpu_gather.h; the default on AMD CPUs with AVX-512F): prefetcht1 of every line of the
 // row `distance` ids ahead (l2_wide_prefetch_rows: twice as far for 256-byte rows), the row XOR-ed in
-// 64-byte vectors. Row sizes that are not a multiple of 64
+// 64-byte vectors, its lines prefetched and loaded in l2_wide_line's order (the compiler may still
+// reorder the loads: it folds the XORs into a tree). Row sizes that are not a multiple of 64
 // bytes take read_chunk. The same checksum as read_chunk.
 template <int64_t kBytes, typename index_t>
 __attribute__((target("avx512f"))) uint64_t read_chunk_l2_wide(const char* table, int64_t rows, const index_t* ids,
                                                                int64_t begin, int64_t end, int64_t distance,
                                                                int64_t& first_bad) {
   static_assert(kBytes % 64 == 0, "64-byte vectors");
+  constexpr int kLines = static_cast<int>(kBytes / 64);
   distance = l2_wide_prefetch_rows(distance, kBytes);
   __m512i acc = _mm512_setzero_si512();
   for (int64_t p = begin; p < end; ++p) {
@@ -106,7 +108,7 @@ __attribute__((target("avx512f"))) uint64_t read_chunk_l2_wide(const char* table
       if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(rows)) {
         const char* line = table + ahead * kBytes;
 #pragma GCC unroll 16
-        for (int64_t b = 0; b < kBytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T1);
+        for (int k = 0; k < kLines; ++k) _mm_prefetch(line + 64 * l2_wide_line(k, kLines), _MM_HINT_T1);
       }
     }
     const int64_t idx = ids[p];
@@ -116,7 +118,7 @@ __attribute__((target("avx512f"))) uint64_t read_chunk_l2_wide(const char* table
     }
     const char* row = table + idx * kBytes;
 #pragma GCC unroll 16
-    for (int64_t b = 0; b < kBytes; b += 64) acc = _mm512_xor_si512(acc, _mm512_loadu_si512(row + b));
+    for (int k = 0; k < kLines; ++k) acc = _mm512_xor_si512(acc, _mm512_loadu_si512(row + 64 * l2_wide_line(k, kLines)));
   }
   alignas(64) uint64_t w[8];
   _mm512_store_si512(w, acc);

@@ -44,4 +44,17 @@ inline int64_t l2_wide_prefetch_rows(int64_t distance, int64_t row_bytes) {
   return row_bytes == 256 ? 2 * distance : distance;
 }
 
+// The order in which the L2-wide reader prefetches and loads a row's `lines` 64-byte cache lines: the
+// k-th access goes to line l2_wide_line(k, lines), alternating between the row's two halves (0, 4, 1,
+// 5, 2, 6, 3, 7 for 512-byte rows; 0, 2, 1, 3 for 256; 0, 1 for 128) instead of ascending. Each sum
+// still adds its rows in the same order (only which line is touched first changes), so the same bits.
+// Measured on the 2-core AMD EPYC (Zen 4), the bench's case, 2 threads, variants alternated in one
+// process, 150 rounds, paired per-round ratios, 2026-12-08 (bench/results/notes-amd17.md): the
+// forward's loads alone in this order 1.023-1.031x faster, loads and prefetches 1.033-1.054x; the
+// roof's reader with its prefetches in this order 1.114x / 1.03x (its loads were already out of order:
+// the compiler folds its XORs into a tree). A likely reading, unconfirmed (the VM has no PMU
+// counters): an ascending run of a row's lines trains the hardware stream prefetchers, which then
+// fetch the lines past the row's end, another row's, for nothing.
+constexpr int l2_wide_line(int k, int lines) { return (k & 1) ? lines / 2 + k / 2 : k / 2; }
+
 }  // namespace gem_kernels
