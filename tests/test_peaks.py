@@ -113,8 +113,16 @@ def test_gather_roof_is_the_best_reader(monkeypatch):
 
     tables, ids = [torch.randn(100, 8)], [torch.arange(100).repeat(3)]
     monkeypatch.setattr(peaks, "gather_gbps", lambda *a, **k: 0.005)
-    times = iter([0.004, 0.002, 0.001, 0.003])  # seconds per distance, in PREFETCH_DISTANCES order
-    monkeypatch.setattr(peaks, "measure", lambda fn, device, settings: (fn(), harness.Timing([next(times)], False))[1])
+    # seconds of each distance's timed calls: its p10 (0.004, 0.002, 0.001, 0.003) is what counts
+    pinned = {0: [0.004] * 5, 4: [0.002] * 4 + [0.5], 8: [0.001] * 5, 16: [0.003] * 5}
+
+    def fake_interleaved(calls, settings):
+        assert list(calls) == [0, 4, 8, 16]
+        for fn in calls.values():
+            fn()  # the reader runs (and reads the rows) at each distance
+        return pinned
+
+    monkeypatch.setattr(peaks, "interleaved_seconds", fake_interleaved)
     monkeypatch.setattr(peaks, "PREFETCH_DISTANCES", (0, 4, 8, 16))
     roof = peaks.gather_roof(tables, ids, torch.device("cpu"))
     nbytes = 300 * 8 * 4
@@ -122,8 +130,36 @@ def test_gather_roof_is_the_best_reader(monkeypatch):
                                                      8: nbytes / 0.001 / 1e9, 16: nbytes / 0.003 / 1e9})
     assert roof["best"] == "prefetch 8" and roof["gbps"] == roof["prefetched_gbps"][8] and roof["aten_gbps"] == 0.005
     monkeypatch.setattr(peaks, "gather_gbps", lambda *a, **k: 1e9)
-    times = iter([1.0] * 4)
     assert peaks.gather_roof(tables, ids, torch.device("cpu"))["best"] == "aten"
+
+
+def test_interleaved_seconds_times_the_candidates_round_robin(monkeypatch):
+    """The roof's candidates are timed in turn within every round (a, b, c, a, b, c, ...), each warmed
+    once first, until every one has min_repeats times and min_time per candidate has passed, or
+    max_time per candidate: a drift of the host's speed then reaches all of them alike."""
+    from gem_kernels.testing import peaks
+
+    clock = [0.0]
+    monkeypatch.setattr(peaks.time, "perf_counter", lambda: clock[0])
+    order = []
+
+    def call(key, cost):
+        def fn():
+            order.append(key)
+            clock[0] += cost
+        return fn
+
+    calls = {"a": call("a", 1 / 64), "b": call("b", 3 / 64), "c": call("c", 2 / 64)}  # exact in binary
+    settings = harness.Settings(min_repeats=4, min_time=0.05, max_time=10.0, warmup_time=0.0)
+    seconds = peaks.interleaved_seconds(calls, settings)
+    # the warm-up round, then rounds of 6/64 s until 4 rounds and 0.15 s (3 x min_time) have passed
+    assert order == ["a", "b", "c"] * 5
+    assert seconds == {"a": [1 / 64] * 4, "b": [3 / 64] * 4, "c": [2 / 64] * 4}
+    order.clear()
+    settings = harness.Settings(min_repeats=1000, min_time=0.0, max_time=0.04, warmup_time=0.0)
+    seconds = peaks.interleaved_seconds(calls, settings)  # capped at 0.12 s: 2 rounds (12/64 s)
+    assert order == ["a", "b", "c"] * 3 and len(seconds["b"]) == 2
+    assert peaks.interleaved_seconds({}, settings) == {}
 
 
 @needs_ext

@@ -19,11 +19,12 @@ so that neither of the two imports the other.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from .. import _backend
-from .timing import Settings, dtype_name, log, measure
+from .timing import Settings, dtype_name, log, measure, percentile
 
 # (matmul n, copy MiB) per device kind and mode: large enough to reach the roof, small enough for
 # the budget (a 2048^3 fp32 matmul is ~17 GFLOP, ~0.2 s on 2 cores).
@@ -101,7 +102,8 @@ def prefetched_gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor],
     rows ``ids[t]`` of ``tables[t]`` (CPU) read in order, split and scheduled over the threads as the
     embedding-bag forward splits its bags, each row's cache lines prefetched ``distance`` ids ahead,
     XOR-ed into registers (no output, no bag bookkeeping, no index checks in the timed loop beyond a
-    range test). Bytes as ``gather_gbps``: every looked-up row once."""
+    range test). The distances are timed round-robin (interleaved_seconds), each one's GB/s from its
+    p10 time. Bytes as ``gather_gbps``: every looked-up row once."""
     ext = _backend._C
     if ext is None:
         raise RuntimeError("prefetched_gather_gbps needs the gem_kernels extension (gem_kernels._C), "
@@ -110,9 +112,34 @@ def prefetched_gather_gbps(tables: list[torch.Tensor], ids: list[torch.Tensor],
     tables = [t.contiguous() for t in tables]
     ids = [i.cpu().contiguous() for i in ids]
     nbytes = sum(i.numel() * t.shape[1] * t.element_size() for t, i in zip(tables, ids))
-    cpu = torch.device("cpu")
-    return {d: nbytes / (measure(lambda d=d: ext.gather_rows_read(tables, ids, d), cpu, settings).p10_ms / 1e3) / 1e9
-            for d in PREFETCH_DISTANCES}
+    reads = {d: (lambda d=d: ext.gather_rows_read(tables, ids, d)) for d in PREFETCH_DISTANCES}
+    seconds = interleaved_seconds(reads, settings)
+    return {d: nbytes / percentile(seconds[d], 10) / 1e9 for d in PREFETCH_DISTANCES}
+
+
+def interleaved_seconds(calls: dict, settings: Settings) -> dict:
+    """{key: [seconds of each timed call]} of zero-arg CPU ``calls`` timed round-robin: one warm-up
+    call each, then every call once per round until each has ``settings.min_repeats`` times and the
+    rounds have taken ``min_time`` seconds per call, or ``max_time`` seconds per call have passed
+    (one round whatever the limits). The candidates of one roof are compared so, not one after the
+    other: on a VM whose speed drifts within seconds (the 2-core AMD EPYC: the roof's reader at
+    distance 32 was 1.04-1.05x faster than at 16 or 64 when interleaved, 2026-12-08, yet measured in
+    turn the bench picked 64, 16 and 64 in three runs, bench/results/notes-amd17.md) a sequential
+    measurement crowns whichever ran during a fast spell."""
+    for fn in calls.values():
+        fn()
+    seconds: dict = {key: [] for key in calls}
+    start = time.perf_counter()
+    while True:
+        for key, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[key].append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        rounds = len(seconds[next(iter(seconds))]) if seconds else 0
+        if (rounds >= settings.min_repeats and elapsed >= settings.min_time * len(calls)) or \
+                elapsed >= settings.max_time * len(calls) or not calls:
+            return seconds
 
 
 def gather_roof(tables: list[torch.Tensor], ids: list[torch.Tensor], device: torch.device,
