@@ -51,8 +51,8 @@ inline int64_t l2_wide_prefetch_rows(int64_t distance, int64_t row_bytes) {
 // Measured on the 2-core AMD EPYC (Zen 4), the bench's case, 2 threads, variants alternated in one
 // process, 150 rounds, paired per-round ratios, 2026-12-08 (bench/results/notes-amd17.md): the
 // forward's loads alone in this order 1.023-1.031x faster, loads and prefetches 1.033-1.054x; the
-// roof's reader with its prefetches in this order 1.114x / 1.03x (its loads were already out of order:
-// the compiler folds its XORs into a tree). A likely reading, unconfirmed (the VM has no PMU
+// roof's reader with its prefetches in this order 1.045x (its loads were already out of order: the
+// compiler folds its XORs into a tree). A likely reading, unconfirmed (the VM has no PMU
 // counters): an ascending run of a row's lines trains the hardware stream prefetchers, which then
 // fetch the lines past the row's end, another row's, for nothing.
 constexpr int l2_wide_line(int k, int lines) { return (k & 1) ? lines / 2 + k / 2 : k / 2; }
